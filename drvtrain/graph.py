@@ -1,0 +1,269 @@
+"""Stream capture into CUDA graphs, graph inspection, and executable graphs."""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from cuda.bindings import driver as cu
+
+from .driver import CaptureError, DriverError, active_captures, check, raise_status
+
+__all__ = ["capture", "Graph", "GraphExec", "GraphUpdateError", "Node", "KernelNode"]
+
+
+class GraphUpdateError(DriverError):
+    """``cuGraphExecUpdate`` refused the new graph; the executable graph is unchanged."""
+
+
+def _destroy(fn, handle) -> None:
+    try:
+        fn(handle)
+    except Exception:  # interpreter shutdown: the library may be gone already
+        pass
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    type: str
+    handle: object
+
+    def __repr__(self) -> str:
+        return f"<Node {self.index} {self.type}>"
+
+
+@dataclass(frozen=True)
+class KernelNode:
+    node: Node
+    function: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int
+
+
+def _type_name(t) -> str:
+    return t.name.removeprefix("CU_GRAPH_NODE_TYPE_").lower()
+
+
+class Graph:
+    """A captured ``CUgraph``; read its structure, dump it, instantiate it.
+
+    Holds references to the buffers its kernels were launched with, so they
+    outlive every executable graph made from it.
+    """
+
+    def __init__(self, handle=None):
+        self.handle = None
+        self.keepalive: list = []
+        self._finalizer = None
+        self._nodes = None
+        if handle is not None:
+            self._adopt(handle)
+
+    def _adopt(self, handle) -> None:
+        self.handle = handle
+        self._finalizer = weakref.finalize(self, _destroy, cu.cuGraphDestroy, handle)
+
+    def _require(self) -> None:
+        if self.handle is None:
+            raise RuntimeError("the graph is not captured yet: use it after the `with capture(...)` block")
+
+    # -------------------------------------------------------------- structure
+    def nodes(self) -> list[Node]:
+        self._require()
+        if self._nodes is None:
+            _, count = check(cu.cuGraphGetNodes, self.handle, 0)
+            handles, _ = check(cu.cuGraphGetNodes, self.handle, count) if count else ([], 0)
+            self._nodes = [Node(i, _type_name(check(cu.cuGraphNodeGetType, h)), h)
+                           for i, h in enumerate(handles)]
+        return self._nodes
+
+    def node_counts(self) -> dict[str, int]:
+        """How many nodes of each type (``kernel``, ``memset``, ``event_record``, ...)."""
+        return dict(Counter(n.type for n in self.nodes()))
+
+    def kernel_nodes(self) -> list[KernelNode]:
+        out = []
+        for node in self.nodes():
+            if node.type != "kernel":
+                continue
+            p = check(cu.cuGraphKernelNodeGetParams, node.handle)
+            try:
+                name = check(cu.cuFuncGetName, p.func).decode()
+            except DriverError:
+                name = "?"
+            out.append(KernelNode(node, name, (p.gridDimX, p.gridDimY, p.gridDimZ),
+                                  (p.blockDimX, p.blockDimY, p.blockDimZ), p.sharedMemBytes))
+        return out
+
+    def edges(self) -> list[tuple[int, int]]:
+        """Dependencies as (from, to) node indices: ``to`` runs after ``from``."""
+        nodes = self.nodes()
+        index = {int(n.handle): n.index for n in nodes}
+        result = check(cu.cuGraphGetEdges, self.handle, 0)
+        count = result[-1]
+        if not count:
+            return []
+        result = check(cu.cuGraphGetEdges, self.handle, count)
+        return [(index[int(a)], index[int(b)]) for a, b in zip(result[0], result[1])]
+
+    def dependencies(self, node: Node) -> list[Node]:
+        """The nodes ``node`` waits for."""
+        return [self.nodes()[a] for a, b in self.edges() if b == node.index]
+
+    def _successors(self) -> dict[int, list[int]]:
+        succ = defaultdict(list)
+        for a, b in self.edges():
+            succ[a].append(b)
+        return succ
+
+    def _reaches(self, succ, start: int, goal: int) -> bool:
+        stack, seen = [start], {start}
+        while stack:
+            for nxt in succ[stack.pop()]:
+                if nxt == goal:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return False
+
+    def can_run_concurrently(self, a: Node, b: Node) -> bool:
+        """True when no dependency path joins ``a`` and ``b`` in either direction."""
+        if a.index == b.index:
+            return False
+        succ = self._successors()
+        return not (self._reaches(succ, a.index, b.index) or self._reaches(succ, b.index, a.index))
+
+    def _depths(self) -> list[int]:
+        """Per node, the number of nodes on the longest chain ending at it."""
+        nodes = self.nodes()
+        succ = self._successors()
+        indegree = Counter(b for _, b in self.edges())
+        depth = [1] * len(nodes)
+        ready = [n.index for n in nodes if indegree[n.index] == 0]
+        while ready:
+            i = ready.pop()
+            for j in succ[i]:
+                depth[j] = max(depth[j], depth[i] + 1)
+                indegree[j] -= 1
+                if indegree[j] == 0:
+                    ready.append(j)
+        return depth
+
+    def longest_chain(self) -> int:
+        """Nodes on the longest dependent chain: the graph's critical path length."""
+        return max(self._depths(), default=0)
+
+    def concurrent_branches(self) -> int:
+        """The most nodes at one depth; no path joins any two of them, so they may all run at once."""
+        return max(Counter(self._depths()).values(), default=0)
+
+    def summary(self) -> str:
+        """A text summary: node counts by type, kernels with grids, branches, critical path."""
+        lines = [f"nodes: {len(self.nodes())}  " +
+                 ", ".join(f"{t} {n}" for t, n in sorted(self.node_counts().items()))]
+        for k in self.kernel_nodes():
+            lines.append(f"  kernel {k.function:<24} grid {k.grid} block {k.block}"
+                         + (f" smem {k.shared_mem}" if k.shared_mem else ""))
+        lines.append(f"concurrent branches: {self.concurrent_branches()}")
+        lines.append(f"longest dependent chain: {self.longest_chain()} nodes")
+        return "\n".join(lines)
+
+    def to_dot(self, path, verbose: bool = True) -> None:
+        """Write the graph as Graphviz DOT with ``cuGraphDebugDotPrint``."""
+        self._require()
+        flags = (cu.CUgraphDebugDot_flags.CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE if verbose
+                 else cu.CUgraphDebugDot_flags.CU_GRAPH_DEBUG_DOT_FLAGS_KERNEL_NODE_PARAMS)
+        check(cu.cuGraphDebugDotPrint, self.handle, str(path).encode(), int(flags))
+
+    # -------------------------------------------------------------- execution
+    def instantiate(self) -> "GraphExec":
+        self._require()
+        return GraphExec(self)
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self.keepalive.clear()
+
+
+class GraphExec:
+    """An instantiated graph: ``launch`` replays it, ``update`` swaps in new parameters."""
+
+    def __init__(self, graph: Graph):
+        self.handle = check(cu.cuGraphInstantiate, graph.handle, 0)
+        self.graph = graph  # keeps the buffers its kernels use alive
+        self._finalizer = weakref.finalize(self, _destroy, cu.cuGraphExecDestroy, self.handle)
+
+    def launch(self, stream) -> None:
+        status, = cu.cuGraphLaunch(self.handle, stream.handle)
+        if status:
+            raise_status("cuGraphLaunch", status)
+
+    def update(self, graph: Graph) -> None:
+        """Take ``graph``'s node parameters; its topology must equal the instantiated one."""
+        graph._require()
+        status, info = cu.cuGraphExecUpdate(self.handle, graph.handle)
+        if status:
+            result = getattr(info, "result", None)
+            reason = _UPDATE_REASONS.get(result, getattr(result, "name", "unknown reason"))
+            raise GraphUpdateError("cuGraphExecUpdate", status,
+                                   f"{reason}; the executable graph is unchanged")
+        self.graph = graph
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+_R = cu.CUgraphExecUpdateResult
+_UPDATE_REASONS = {
+    _R.CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED:
+        "the topology changed (nodes or dependencies differ): capture and instantiate anew",
+    _R.CU_GRAPH_EXEC_UPDATE_ERROR_NODE_TYPE_CHANGED:
+        "a node's type changed: capture and instantiate anew",
+    _R.CU_GRAPH_EXEC_UPDATE_ERROR_FUNCTION_CHANGED:
+        "a kernel node's function changed in a way update cannot apply",
+    _R.CU_GRAPH_EXEC_UPDATE_ERROR_PARAMETERS_CHANGED:
+        "a node's parameters changed in a way update cannot apply",
+    _R.CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED:
+        "something about the node is not supported by update",
+}
+
+
+@contextlib.contextmanager
+def capture(stream):
+    """Capture the work queued on ``stream`` (and streams forked from it) into a Graph.
+
+    The capture always ends, also when the block raises; the stream is usable
+    afterwards. A call that is illegal during capture raises CaptureError.
+    """
+    if not hasattr(stream, "handle"):
+        raise TypeError("capture() needs a drvtrain Stream; the legacy stream is never captured")
+    # Thread-local mode: an unsafe call (a synchronisation, an allocation) made
+    # by this thread is refused and breaks only this capture, while other
+    # threads (a loader, another trainer) go on unhindered. Global mode would
+    # let their calls break our capture; relaxed mode would let our own
+    # mistakes pass unreported.
+    check(cu.cuStreamBeginCapture, stream.handle,
+          cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    graph = Graph()
+    captures = active_captures()
+    captures.append(graph)
+    try:
+        yield graph
+    except BaseException:
+        captures.remove(graph)
+        status, handle = cu.cuStreamEndCapture(stream.handle)
+        if not status and handle is not None and int(handle):
+            cu.cuGraphDestroy(handle)
+        raise
+    captures.remove(graph)
+    try:
+        handle = check(cu.cuStreamEndCapture, stream.handle)
+    except CaptureError as exc:
+        raise CaptureError("cuStreamEndCapture", exc.status,
+                           f"the capture was invalidated ({exc.detail})") from None
+    graph._adopt(handle)

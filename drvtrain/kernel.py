@@ -1,0 +1,307 @@
+"""Modules and kernels: a declared argument signature, packed once, launched cheaply.
+
+A launch with the wrong number or kinds of arguments, or a grid or block the
+device cannot run, fails here with a TypeError or ValueError before any
+driver call.
+"""
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from . import driver as _driver
+from .compiler import DEFAULT_OPTIONS, CompiledProgram, compile_file, compile_source
+from .driver import DeviceLimits, check, get_device
+
+__all__ = ["Module", "Kernel", "ArgPack", "BoundLaunch", "load_module", "load_source", "parse_signature",
+           "builtin_module"]
+
+# Argument kinds: (ctypes storage, size in bytes).
+_KINDS = {
+    "ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "u32": ctypes.c_uint32,
+    "i64": ctypes.c_int64, "u64": ctypes.c_uint64, "f32": ctypes.c_float, "f64": ctypes.c_double,
+}
+_ALIASES = {"pointer": "ptr", "int": "i32", "int32": "i32", "uint32": "u32", "int64": "i64",
+            "uint64": "u64", "float": "f32", "float32": "f32", "double": "f64", "float64": "f64"}
+_INT_RANGE = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1), "i64": (-2**63, 2**63 - 1),
+              "u64": (0, 2**64 - 1)}
+
+
+def parse_signature(signature) -> tuple[str, ...]:
+    """``"ptr, i32, f32"`` or a sequence of kind names -> a tuple of kinds."""
+    parts = signature.replace(",", " ").split() if isinstance(signature, str) else list(signature)
+    kinds = []
+    for p in parts:
+        k = _ALIASES.get(p, p)
+        if k not in _KINDS:
+            raise ValueError(f"unknown argument kind {p!r}; use one of {sorted(_KINDS)}")
+        kinds.append(k)
+    return tuple(kinds)
+
+
+def _as_pointer(value, index: int) -> int:
+    ptr = getattr(value, "ptr", None)
+    if ptr is not None:
+        return ptr
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"argument {index}: negative device address {value}")
+        return int(value)
+    iface = getattr(value, "__cuda_array_interface__", None)
+    if iface is not None:
+        return int(iface["data"][0])
+    if isinstance(value, np.ndarray):
+        raise TypeError(f"argument {index}: a host numpy array was given where a device pointer "
+                        f"is expected; upload it to a DeviceBuffer or use a MappedBuffer")
+    raise TypeError(f"argument {index}: expected a device buffer or address, got {type(value).__name__}")
+
+
+def _convert(kind: str, value, index: int):
+    if kind == "ptr":
+        return _as_pointer(value, index)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"argument {index}: expected a number for {kind}, got {type(value).__name__}")
+    if kind in ("f32", "f64"):
+        return float(value)
+    if isinstance(value, (float, np.floating)):
+        raise TypeError(f"argument {index}: expected an integer for {kind}, got {value!r}")
+    lo, hi = _INT_RANGE[kind]
+    if not lo <= value <= hi:
+        raise ValueError(f"argument {index}: {value} does not fit {kind}")
+    return int(value)
+
+
+class ArgPack:
+    """Kernel arguments in ctypes storage plus the ``void*[]`` cuLaunchKernel reads.
+
+    Built once and rewritten in place; the driver copies the values at
+    launch, so one pack can serve every launch of a kernel.
+    """
+
+    def __init__(self, signature: tuple[str, ...]):
+        self.signature = signature
+        self._slots = [_KINDS[k]() for k in signature]
+        self._pointers = (ctypes.c_void_p * max(1, len(signature)))(
+            *[ctypes.addressof(s) for s in self._slots])
+        self.address = ctypes.addressof(self._pointers) if signature else 0
+        self.refs: tuple = ()  # the Python objects behind pointer arguments
+
+    def pack(self, args) -> None:
+        sig = self.signature
+        if len(args) != len(sig):
+            raise TypeError(f"kernel takes {len(sig)} arguments ({', '.join(sig)}), got {len(args)}")
+        values = [_convert(k, a, i) for i, (k, a) in enumerate(zip(sig, args))]
+        for slot, v in zip(self._slots, values):
+            slot.value = v
+        self.refs = tuple(args)
+
+    def set(self, index: int, value) -> None:
+        """Rewrite one argument in place."""
+        self._slots[index].value = _convert(self.signature[index], value, index)
+        refs = list(self.refs)
+        refs[index] = value
+        self.refs = tuple(refs)
+
+    def values(self) -> list:
+        """The packed values, as the kernel will see them."""
+        return [s.value for s in self._slots]
+
+
+def _dims(value, what: str) -> tuple[int, int, int]:
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        dims = (int(value), 1, 1)
+    else:
+        try:
+            dims = tuple(int(v) for v in value)
+        except TypeError:
+            raise TypeError(f"{what} must be an int or a tuple of up to 3 ints, got {value!r}") from None
+        if not 1 <= len(dims) <= 3:
+            raise TypeError(f"{what} must have 1 to 3 dimensions, got {value!r}")
+        dims = dims + (1,) * (3 - len(dims))
+    return dims
+
+
+class Kernel:
+    """A ``CUfunction`` with its argument signature and the limits its launches obey."""
+
+    def __init__(self, function, name: str, signature, limits: DeviceLimits,
+                 max_threads: int | None = None, module=None):
+        self.function = function
+        self.name = name
+        self.signature = parse_signature(signature)
+        self.limits = limits
+        self.max_threads = max_threads or limits.max_threads_per_block
+        self._module = module  # keeps the module loaded while the kernel lives
+        self._pack = ArgPack(self.signature)
+        self._validated: set = set()
+        self._shared_raised = limits.max_shared_per_block
+
+    # -------------------------------------------------------------- validation
+    def check_launch(self, grid, block, shared_mem: int = 0) -> tuple[tuple, tuple]:
+        """Normalise grid and block to 3-tuples and check them against the limits."""
+        g, b = _dims(grid, "grid"), _dims(block, "block")
+        key = (g, b, shared_mem)
+        if key in self._validated:
+            return g, b
+        lim = self.limits
+        for axis, (n, top) in enumerate(zip(g, lim.max_grid)):
+            if not 1 <= n <= top:
+                raise ValueError(f"{self.name}: grid dimension {'xyz'[axis]} = {n} outside 1..{top}")
+        for axis, (n, top) in enumerate(zip(b, lim.max_block)):
+            if not 1 <= n <= top:
+                raise ValueError(f"{self.name}: block dimension {'xyz'[axis]} = {n} outside 1..{top}")
+        threads = b[0] * b[1] * b[2]
+        if threads > self.max_threads:
+            raise ValueError(f"{self.name}: block of {threads} threads exceeds this kernel's "
+                             f"limit of {self.max_threads}")
+        if not 0 <= shared_mem <= lim.max_shared_per_block_optin:
+            raise ValueError(f"{self.name}: {shared_mem} bytes of dynamic shared memory exceed "
+                             f"the device's {lim.max_shared_per_block_optin}")
+        if shared_mem > self._shared_raised and self.function is not None:
+            check(cu.cuFuncSetAttribute, self.function,
+                  cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+            self._shared_raised = shared_mem
+        if len(self._validated) < 64:
+            self._validated.add(key)
+        return g, b
+
+    # -------------------------------------------------------------- launching
+    def launch(self, grid, block, *args, stream, shared_mem: int = 0) -> None:
+        """Pack ``args`` into the kernel's reusable pack and launch on ``stream``."""
+        g, b = self.check_launch(grid, block, shared_mem)
+        pack = self._pack
+        pack.pack(args)
+        _launch(self.function, g, b, shared_mem, stream, pack)
+
+    def bind(self, grid, block, *args, shared_mem: int = 0) -> "BoundLaunch":
+        """A launch with its arguments packed once, for replaying many times."""
+        g, b = self.check_launch(grid, block, shared_mem)
+        pack = ArgPack(self.signature)
+        pack.pack(args)
+        return BoundLaunch(self, g, b, shared_mem, pack)
+
+    def __repr__(self) -> str:
+        return f"<Kernel {self.name}({', '.join(self.signature)})>"
+
+
+def _launch(function, g, b, shared_mem, stream, pack: ArgPack) -> None:
+    try:
+        handle = stream.handle
+    except AttributeError:
+        raise TypeError("stream must be a drvtrain Stream; the legacy stream is never used") from None
+    captures = getattr(_driver._tls, "captures", None)
+    if captures:
+        # Buffers a captured graph uses must outlive the graph's replays.
+        for capture in captures:
+            capture.keepalive.append(pack.refs)
+    status, = cu.cuLaunchKernel(function, g[0], g[1], g[2], b[0], b[1], b[2],
+                                shared_mem, handle, pack.address, 0)
+    if status:
+        _driver.raise_status("cuLaunchKernel", status)
+
+
+class BoundLaunch:
+    """A kernel, its launch shape and its packed arguments."""
+
+    def __init__(self, kernel: Kernel, grid, block, shared_mem: int, pack: ArgPack):
+        self.kernel, self.grid, self.block, self.shared_mem, self.pack = kernel, grid, block, shared_mem, pack
+
+    def set(self, index: int, value) -> None:
+        self.pack.set(index, value)
+
+    def launch(self, stream) -> None:
+        _launch(self.kernel.function, self.grid, self.block, self.shared_mem, stream, self.pack)
+
+
+def _unload(handle) -> None:
+    try:
+        cu.cuModuleUnload(handle)
+    except Exception:
+        pass
+
+
+class Module:
+    """A loaded CUBIN and the kernels taken from it."""
+
+    def __init__(self, program: CompiledProgram, device=None):
+        self.device = device or get_device()
+        if program.arch != self.device.arch:
+            raise ValueError(f"{program.name} was compiled for {program.arch}, the device is {self.device.arch}")
+        self.program = program
+        self.handle = check(cu.cuModuleLoadData, program.cubin)
+        self._finalizer = weakref.finalize(self, _unload, self.handle)
+        self._kernels: dict[str, Kernel] = {}
+
+    def kernel(self, name: str, signature) -> Kernel:
+        """The kernel ``name`` (a function name or a compiled name expression)."""
+        kern = self._kernels.get(name)
+        if kern is None:
+            symbol = self.program.lowered_names.get(name, name)
+            function = check(cu.cuModuleGetFunction, self.handle, symbol.encode())
+            max_threads = check(cu.cuFuncGetAttribute,
+                                cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, function)
+            kern = Kernel(function, name, signature, self.device.limits, max_threads, module=self)
+            _check_param_sizes(kern, function)
+            self._kernels[name] = kern
+        elif kern.signature != parse_signature(signature):
+            raise ValueError(f"kernel {name} already taken with signature {kern.signature}")
+        return kern
+
+    def close(self) -> None:
+        self._kernels.clear()
+        self._finalizer()
+
+
+def _check_param_sizes(kernel: Kernel, function) -> None:
+    """Compare the declared signature with the parameter sizes in the CUBIN."""
+    sizes = []
+    while True:
+        status, _offset, size = cu.cuFuncGetParamInfo(function, len(sizes))
+        if status:
+            break
+        sizes.append(size)
+    if len(sizes) != len(kernel.signature):
+        raise TypeError(f"kernel {kernel.name} takes {len(sizes)} parameters, "
+                        f"the declared signature has {len(kernel.signature)}: {kernel.signature}")
+    for i, (size, kind) in enumerate(zip(sizes, kernel.signature)):
+        if size != ctypes.sizeof(_KINDS[kind]):
+            raise TypeError(f"kernel {kernel.name} parameter {i} is {size} bytes, "
+                            f"declared {kind} is {ctypes.sizeof(_KINDS[kind])}")
+
+
+def load_module(path, *, include_dirs=(), options=DEFAULT_OPTIONS, name_expressions=(),
+                cache=None, device=None) -> Module:
+    """Compile (through the cache) and load a ``.cu`` file for the current device.
+
+    A bare file name such as ``"elementwise.cu"`` means drvtrain's own kernels/.
+    """
+    device = device or get_device()
+    program = compile_file(path, arch=device.arch, include_dirs=include_dirs, options=options,
+                           name_expressions=name_expressions, cache=cache)
+    return Module(program, device)
+
+
+def load_source(source: str, name: str = "source.cu", *, include_dirs=(), options=DEFAULT_OPTIONS,
+                name_expressions=(), cache=None, device=None) -> Module:
+    """Compile (through the cache) and load a CUDA C++ source string."""
+    device = device or get_device()
+    program = compile_source(source, name, arch=device.arch, include_dirs=include_dirs,
+                             options=options, name_expressions=name_expressions, cache=cache)
+    return Module(program, device)
+
+
+_module_cache: dict[tuple, Module] = {}
+
+
+def builtin_module(filename: str) -> Module:
+    """drvtrain's own kernel file, compiled and loaded once per process and device."""
+    device = get_device()
+    key = (device.ordinal, filename)
+    mod = _module_cache.get(key)
+    if mod is None:
+        mod = _module_cache[key] = load_module(filename, device=device)
+    return mod
+

@@ -1,0 +1,331 @@
+"""Device memory: buffers, the scratch arena, mapped and pinned host memory."""
+from __future__ import annotations
+
+import math
+import weakref
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from .driver import CaptureError, active_captures, check, get_device, guard_sync
+
+__all__ = ["DeviceBuffer", "Arena", "ArenaExhausted", "MappedBuffer", "PinnedBuffer", "ALIGNMENT"]
+
+ALIGNMENT = 256  # every arena slice and parameter view starts on this boundary
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def _shape_tuple(shape) -> tuple[int, ...]:
+    shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative dimension in shape {shape}")
+    return shape
+
+
+def _free_device(ptr: int) -> None:
+    try:
+        cu.cuMemFree(ptr)
+    except Exception:  # interpreter shutdown: the library may be gone already
+        pass
+
+
+def _free_host(ptr: int) -> None:
+    try:
+        cu.cuMemFreeHost(ptr)
+    except Exception:
+        pass
+
+
+class DeviceBuffer:
+    """Device memory with a shape and dtype: an owning ``cuMemAlloc`` or a view.
+
+    Views (``view()``, arena slices, parameter views) keep their owner alive
+    and never free anything themselves.
+    """
+
+    __slots__ = ("ptr", "shape", "dtype", "nbytes", "_owner", "_finalizer", "__weakref__")
+
+    def __init__(self, shape, dtype=np.float32):
+        shape = _shape_tuple(shape)
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes <= 0:
+            raise ValueError(f"DeviceBuffer needs a positive size, got shape {shape} of {dtype}")
+        get_device()
+        if active_captures():
+            raise CaptureError("cuMemAlloc", None, "device allocation while a stream is capturing; "
+                               "allocate before the capture or take the memory from an Arena")
+        ptr = int(check(cu.cuMemAlloc, nbytes))
+        self._init(ptr, shape, dtype, nbytes, None)
+        self._finalizer = weakref.finalize(self, _free_device, ptr)
+
+    def _init(self, ptr, shape, dtype, nbytes, owner):
+        self.ptr = ptr
+        self.shape = shape
+        self.dtype = dtype
+        self.nbytes = nbytes
+        self._owner = owner
+        self._finalizer = None
+
+    @classmethod
+    def _view(cls, owner, ptr: int, shape, dtype) -> "DeviceBuffer":
+        buf = cls.__new__(cls)
+        shape = _shape_tuple(shape)
+        dtype = np.dtype(dtype)
+        buf._init(ptr, shape, dtype, math.prod(shape) * dtype.itemsize, owner)
+        return buf
+
+    @classmethod
+    def from_numpy(cls, array) -> "DeviceBuffer":
+        """A new buffer holding a copy of a host array (setup and tests only)."""
+        array = _host_array(array)
+        buf = cls(array.shape, array.dtype)
+        buf.copy_from_numpy(array)
+        return buf
+
+    # ------------------------------------------------------------ properties
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_view(self) -> bool:
+        return self._owner is not None
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+    def view(self, dtype=None, shape=None, offset: int = 0) -> "DeviceBuffer":
+        """A view of ``shape`` elements of ``dtype`` starting ``offset`` bytes in."""
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        if shape is None:
+            if (self.nbytes - offset) % dtype.itemsize:
+                raise ValueError(f"{self.nbytes - offset} bytes do not hold whole {dtype} elements")
+            shape = ((self.nbytes - offset) // dtype.itemsize,)
+        shape = _shape_tuple(shape)
+        need = math.prod(shape) * dtype.itemsize
+        if offset < 0 or offset + need > self.nbytes:
+            raise ValueError(f"view of {need} bytes at offset {offset} exceeds the buffer's {self.nbytes} bytes")
+        if (self.ptr + offset) % dtype.alignment:
+            raise ValueError(f"offset {offset} is not aligned for {dtype}")
+        return DeviceBuffer._view(self._owner or self, self.ptr + offset, shape, dtype)
+
+    # ------------------------------------------------------------ copies
+    def copy_from_numpy(self, array) -> None:
+        """Synchronous upload of a host array of the same shape and dtype."""
+        array = _host_array(array)
+        if array.shape != self.shape or array.dtype != self.dtype:
+            raise ValueError(f"host array {array.shape} {array.dtype} does not match "
+                             f"buffer {self.shape} {self.dtype}")
+        guard_sync("DeviceBuffer.copy_from_numpy")
+        # Our streams are non-blocking, so a plain copy would not wait for them.
+        check(cu.cuCtxSynchronize)
+        check(cu.cuMemcpyHtoD, self.ptr, array.ctypes.data, self.nbytes)
+
+    def to_numpy(self) -> np.ndarray:
+        """Synchronous download into a new host array (tests and setup only)."""
+        guard_sync("DeviceBuffer.to_numpy")
+        out = np.empty(self.shape, self.dtype)
+        check(cu.cuCtxSynchronize)
+        check(cu.cuMemcpyDtoH, out.ctypes.data, self.ptr, self.nbytes)
+        return out
+
+    def fill_u32(self, word: int, stream) -> None:
+        """Fill with a 32-bit pattern on ``stream`` (async; legal inside a capture)."""
+        if self.nbytes % 4:
+            raise ValueError("fill_u32 needs a size that is a multiple of 4 bytes")
+        check(cu.cuMemsetD32Async, self.ptr, word & 0xFFFFFFFF, self.nbytes // 4, stream.handle)
+
+    def poison(self, stream) -> None:
+        """Fill with 0xFFFFFFFF (NaN as float32, -1 as int32) so unwritten elements show."""
+        self.fill_u32(0xFFFFFFFF, stream)
+
+    def copy_from(self, other: "DeviceBuffer", stream) -> None:
+        """Async device-to-device copy of ``other`` into this buffer on ``stream``."""
+        if other.nbytes != self.nbytes:
+            raise ValueError(f"copy of {other.nbytes} bytes into a buffer of {self.nbytes}")
+        check(cu.cuMemcpyDtoDAsync, self.ptr, other.ptr, self.nbytes, stream.handle)
+
+    def close(self) -> None:
+        """Free the memory now (owning buffers only; views do nothing)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __repr__(self) -> str:
+        kind = "view" if self.is_view else "buffer"
+        return f"<DeviceBuffer {kind} {self.shape} {self.dtype} at 0x{self.ptr:x}>"
+
+
+def _host_array(array) -> np.ndarray:
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"expected a numpy array, got {type(array).__name__}")
+    if not array.flags.c_contiguous:
+        raise ValueError("host array must be C-contiguous; pass np.ascontiguousarray(a)")
+    return array
+
+
+# ---------------------------------------------------------------- arena
+class ArenaExhausted(MemoryError):
+    """The arena's slab ran out while a stream was capturing."""
+
+    def __init__(self, needed: int, offset: int, capacity: int):
+        self.needed, self.offset, self.capacity = needed, offset, capacity
+        super().__init__(
+            f"arena exhausted during capture: an allocation of {needed} bytes at offset {offset} "
+            f"does not fit the {capacity}-byte slab (at least {offset + needed} bytes needed); "
+            f"the capture was ended, create the Arena larger")
+
+
+class Arena:
+    """A bump-pointer scratch slab, rewound by ``reset()`` every step.
+
+    The same sequence of ``alloc`` calls after ``reset()`` returns the same
+    addresses, which is what keeps a captured graph valid on every replay.
+    Outside a capture a full slab falls back to a tracked ``cuMemAlloc``,
+    freed at the next reset and counted in ``fallback_count``. Inside a
+    capture it raises :class:`ArenaExhausted`. An inactive arena does plain
+    allocations and frees them at reset (for A/B parity tests).
+    """
+
+    def __init__(self, nbytes: int, *, active: bool = True):
+        if nbytes <= 0:
+            raise ValueError(f"arena size must be positive, got {nbytes}")
+        self.capacity = _round_up(int(nbytes), ALIGNMENT)
+        self.active = active
+        self._slab = DeviceBuffer(self.capacity, np.uint8)
+        self.offset = 0
+        self.high_water = 0
+        self.fallback_count = 0  # allocations that missed the slab, ever
+        self.fallback_bytes = 0
+        self._loose: list[DeviceBuffer] = []  # fallback or inactive allocations until reset
+
+    @property
+    def base(self) -> int:
+        return self._slab.ptr
+
+    def alloc(self, nbytes: int) -> DeviceBuffer:
+        """``nbytes`` of scratch as a uint8 buffer, 256-byte aligned."""
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"arena allocation must be positive, got {nbytes}")
+        if self.active:
+            start = _round_up(self.offset, ALIGNMENT)
+            end = start + nbytes
+            if end <= self.capacity:
+                self.offset = end
+                self.high_water = max(self.high_water, end)
+                return DeviceBuffer._view(self._slab, self._slab.ptr + start, (nbytes,), np.uint8)
+            if active_captures():
+                raise ArenaExhausted(nbytes, start, self.capacity)
+            self.fallback_count += 1
+            self.fallback_bytes += nbytes
+        elif active_captures():
+            raise CaptureError("Arena.alloc", None, "an inactive arena allocates with cuMemAlloc, "
+                               "which is illegal while a stream is capturing")
+        buf = DeviceBuffer(nbytes, np.uint8)
+        self._loose.append(buf)
+        return buf
+
+    def array(self, shape, dtype=np.float32) -> DeviceBuffer:
+        """Scratch typed as ``shape`` of ``dtype``."""
+        shape = _shape_tuple(shape)
+        dtype = np.dtype(dtype)
+        raw = self.alloc(max(1, math.prod(shape)) * dtype.itemsize)
+        return raw.view(dtype, shape)
+
+    def reset(self) -> None:
+        """Rewind the slab and free every fallback allocation."""
+        if self._loose:
+            if active_captures():
+                raise CaptureError("Arena.reset", None, "freeing fallback allocations while a "
+                                   "stream is capturing; reset the arena before the capture")
+            for buf in self._loose:
+                buf.close()  # cuMemFree waits for work still using the memory
+            self._loose.clear()
+        self.offset = 0
+
+    def close(self) -> None:
+        self.reset()
+        self._slab.close()
+
+    def __repr__(self) -> str:
+        return (f"<Arena {self.offset}/{self.capacity} bytes, high water {self.high_water}, "
+                f"{self.fallback_count} fallbacks{'' if self.active else ', inactive'}>")
+
+
+# ---------------------------------------------------------------- host memory
+class _HostArrayView:
+    """Exposes host memory to numpy while keeping its owner alive."""
+
+    def __init__(self, owner, address: int, shape, dtype):
+        self.owner = owner
+        self.__array_interface__ = {
+            "shape": shape, "typestr": dtype.str, "data": (address, False), "version": 3}
+
+
+class _HostBuffer:
+    _flags = 0
+
+    def __init__(self, shape, dtype=np.float32):
+        self.shape = _shape_tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        if self.nbytes <= 0:
+            raise ValueError(f"{type(self).__name__} needs a positive size, got shape {self.shape}")
+        get_device()
+        self.host_ptr = int(check(cu.cuMemHostAlloc, self.nbytes, self._flags))
+        self._finalizer = weakref.finalize(self, _free_host, self.host_ptr)
+        self._array = np.asarray(_HostArrayView(self, self.host_ptr, self.shape, self.dtype))
+
+    def view(self) -> np.ndarray:
+        """The host-side numpy view (valid until ``close()``)."""
+        return self._array
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+class MappedBuffer(_HostBuffer):
+    """Page-locked host memory mapped into the device's address space.
+
+    Kernels write it through ``ptr``; the host reads ``view()`` with no copy.
+    Read it only after an event says the writing work has finished.
+    """
+
+    _flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE
+
+    def __init__(self, shape, dtype=np.float32):
+        super().__init__(shape, dtype)
+        self.ptr = int(check(cu.cuMemHostGetDevicePointer, self.host_ptr, 0))
+
+    def __repr__(self) -> str:
+        return f"<MappedBuffer {self.shape} {self.dtype} host 0x{self.host_ptr:x} device 0x{self.ptr:x}>"
+
+
+class PinnedBuffer(_HostBuffer):
+    """Page-locked host memory, the source or target of async copies."""
+
+    _flags = cu.CU_MEMHOSTALLOC_PORTABLE
+
+    def copy_to_device_async(self, dst: DeviceBuffer, stream) -> None:
+        if dst.nbytes != self.nbytes:
+            raise ValueError(f"copy of {self.nbytes} bytes into a buffer of {dst.nbytes}")
+        check(cu.cuMemcpyHtoDAsync, dst.ptr, self.host_ptr, self.nbytes, stream.handle)
+
+    def copy_from_device_async(self, src: DeviceBuffer, stream) -> None:
+        if src.nbytes != self.nbytes:
+            raise ValueError(f"copy of {src.nbytes} bytes into a pinned buffer of {self.nbytes}")
+        check(cu.cuMemcpyDtoHAsync, self.host_ptr, src.ptr, self.nbytes, stream.handle)
+
+    def __repr__(self) -> str:
+        return f"<PinnedBuffer {self.shape} {self.dtype} at 0x{self.host_ptr:x}>"

@@ -1,0 +1,1 @@
+"""drvtrain's CUDA C++ kernel sources (``*.cu``, ``*.cuh``), shipped as package data."""

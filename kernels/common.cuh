@@ -1,0 +1,11 @@
+// Device helpers shared by drvtrain's kernels.
+#pragma once
+
+// Global thread index and grid stride for 1-D grid-stride loops.
+__device__ __forceinline__ long long dt_thread_index() {
+    return (long long)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ long long dt_grid_stride() {
+    return (long long)gridDim.x * blockDim.x;
+}

@@ -1,0 +1,85 @@
+"""Test configuration: the ``gpu`` marker and fresh random inputs.
+
+Tests marked ``gpu`` skip, with the reason, when no CUDA driver or GPU is
+present. Set ``DRVTRAIN_REQUIRE_GPU=1`` to make that a collection error
+instead, so a GPU run can never pass by skipping.
+"""
+import os
+import secrets
+
+import numpy as np
+import pytest
+
+from drvtrain import NoDeviceError, get_device
+
+_gpu_reason = None
+_gpu_probed = False
+
+
+def gpu_unavailable_reason():
+    """None when a GPU is usable, else why not."""
+    global _gpu_reason, _gpu_probed
+    if not _gpu_probed:
+        _gpu_probed = True
+        try:
+            get_device()
+        except NoDeviceError as exc:
+            _gpu_reason = str(exc)
+    return _gpu_reason
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    reason = gpu_unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("DRVTRAIN_REQUIRE_GPU") == "1":
+        raise pytest.UsageError(f"DRVTRAIN_REQUIRE_GPU=1 but {reason}")
+    skip = pytest.mark.skip(reason=f"gpu test: {reason}")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture
+def rng():
+    """A generator with a fresh seed per test; the seed is printed for reproduction."""
+    seed = secrets.randbits(63)
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def device():
+    return get_device()
+
+
+@pytest.fixture
+def stream(device):
+    from drvtrain import Stream
+    s = Stream()
+    yield s
+    s.synchronize()
+    s.close()
+
+
+@pytest.fixture
+def elementwise(device):
+    from drvtrain import builtin_module
+    mod = builtin_module("elementwise.cu")
+    return {
+        "fill": mod.kernel("fill_f32", "ptr, f32, i32"),
+        "iota": mod.kernel("iota_f32", "ptr, f32, f32, i32"),
+        "scale": mod.kernel("scale_f32", "ptr, ptr, f32, i32"),
+        "axpy": mod.kernel("axpy_f32", "ptr, ptr, f32, i32"),
+        "add": mod.kernel("add_f32", "ptr, ptr, ptr, i32"),
+    }
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """An empty kernel cache, private to the test."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("DRVTRAIN_CACHE_DIR", str(d))
+    return d

@@ -1,0 +1,126 @@
+"""Argument signatures, packing and launch-shape validation (CPU: no driver call is made)."""
+import ctypes
+import struct
+
+import numpy as np
+import pytest
+
+from drvtrain.driver import DeviceLimits
+from drvtrain.kernel import ArgPack, Kernel, parse_signature
+from drvtrain.memory import DeviceBuffer
+
+H200_LIKE = DeviceLimits(max_threads_per_block=1024, max_block=(1024, 1024, 64),
+                         max_grid=(2**31 - 1, 65535, 65535), max_shared_per_block=48 * 1024,
+                         max_shared_per_block_optin=227 * 1024)
+
+
+def fake_buffer(address: int, n: int = 16) -> DeviceBuffer:
+    """A DeviceBuffer view over an address, made without any driver call."""
+    return DeviceBuffer._view(None, address, (n,), np.float32)
+
+
+def read_packed(pack: ArgPack) -> list[bytes]:
+    """The bytes each entry of the void* array points at, as the driver would read them."""
+    sizes = {"ptr": 8, "i32": 4, "u32": 4, "i64": 8, "u64": 8, "f32": 4, "f64": 8}
+    table = (ctypes.c_void_p * len(pack.signature)).from_address(pack.address)
+    return [ctypes.string_at(table[i], sizes[k]) for i, k in enumerate(pack.signature)]
+
+
+def test_signature_parsing_accepts_names_and_aliases():
+    assert parse_signature("ptr, i32, f32") == ("ptr", "i32", "f32")
+    assert parse_signature(["pointer", "int", "float", "double", "u64"]) == ("ptr", "i32", "f32", "f64", "u64")
+    with pytest.raises(ValueError, match="unknown argument kind"):
+        parse_signature("ptr, half")
+
+
+def test_pack_writes_each_argument_in_its_c_layout(rng):
+    addr = int(rng.integers(1, 2**40)) * 256
+    n, m = int(rng.integers(-2**31, 2**31)), int(rng.integers(0, 2**32))
+    x, big = float(rng.standard_normal()), int(rng.integers(-2**62, 2**62))
+    pack = ArgPack(parse_signature("ptr, i32, u32, f32, f64, i64, ptr"))
+    pack.pack((fake_buffer(addr), n, m, x, x, big, addr + 512))
+    raw = read_packed(pack)
+    assert raw[0] == struct.pack("<Q", addr)
+    assert raw[1] == struct.pack("<i", n)
+    assert raw[2] == struct.pack("<I", m)
+    assert raw[3] == struct.pack("<f", x)
+    assert raw[4] == struct.pack("<d", x)
+    assert raw[5] == struct.pack("<q", big)
+    assert raw[6] == struct.pack("<Q", addr + 512)
+
+
+def test_pack_is_reused_and_set_rewrites_in_place(rng):
+    pack = ArgPack(parse_signature("ptr, i32"))
+    address = pack.address
+    pack.pack((fake_buffer(4096), 5))
+    pack.set(1, 77)
+    pack.set(0, fake_buffer(8192))
+    assert pack.address == address
+    assert pack.values() == [8192, 77]
+
+
+@pytest.mark.parametrize("args, error, match", [
+    ((1,), TypeError, "takes 3 arguments"),
+    ((1, 2, 3, 4), TypeError, "takes 3 arguments"),
+    ((np.zeros(4, np.float32), 1, 1.0), TypeError, "host numpy array"),
+    (("buffer", 1, 1.0), TypeError, "expected a device buffer"),
+    ((None, 1, 1.0), TypeError, "expected a device buffer"),
+    ((4096, 1.5, 1.0), TypeError, "expected an integer"),
+    ((4096, True, 1.0), TypeError, "expected a number"),
+    ((4096, 1, "x"), TypeError, "expected a number"),
+    ((4096, 2**31, 1.0), ValueError, "does not fit i32"),
+    ((-8, 1, 1.0), ValueError, "negative device address"),
+])
+def test_bad_arguments_fail_before_any_driver_call(args, error, match):
+    pack = ArgPack(parse_signature("ptr, i32, f32"))
+    with pytest.raises(error, match=match):
+        pack.pack(args)
+
+
+def test_objects_exposing_cuda_array_interface_are_pointers():
+    class Foreign:
+        __cuda_array_interface__ = {"data": (123456, False), "shape": (4,), "typestr": "<f4", "version": 3}
+    pack = ArgPack(parse_signature("ptr"))
+    pack.pack((Foreign(),))
+    assert pack.values() == [123456]
+
+
+def test_buffer_views_keep_offsets_and_bounds():
+    buf = fake_buffer(1 << 20, 64)
+    v = buf.view(np.float32, (8,), offset=128)
+    assert v.ptr == (1 << 20) + 128 and v.nbytes == 32 and v.is_view
+    assert v.__cuda_array_interface__["data"] == ((1 << 20) + 128, False)
+    with pytest.raises(ValueError, match="exceeds"):
+        buf.view(np.float32, (64,), offset=4)
+    with pytest.raises(ValueError, match="not aligned"):
+        buf.view(np.float64, (2,), offset=4)
+
+
+def make_kernel(signature="ptr, i32", max_threads=1024) -> Kernel:
+    return Kernel(None, "k", signature, H200_LIKE, max_threads)
+
+
+@pytest.mark.parametrize("grid, block, shared, match", [
+    (0, 256, 0, "grid dimension x = 0"),
+    ((1, 70000), 256, 0, "grid dimension y"),
+    (1, 2048, 0, "block dimension x"),
+    (1, (32, 32, 2), 0, "2048 threads"),
+    (1, (1, 1, 65), 0, "block dimension z"),
+    (1, 256, 300 * 1024, "shared memory"),
+    ((1, 2, 3, 4), 32, 0, "1 to 3 dimensions"),
+])
+def test_launch_shape_is_checked_against_device_limits(grid, block, shared, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make_kernel().check_launch(grid, block, shared)
+
+
+def test_kernel_specific_thread_limit_applies():
+    with pytest.raises(ValueError, match="limit of 256"):
+        make_kernel(max_threads=256).check_launch(1, 512)
+    assert make_kernel().check_launch((4, 2), (32, 8)) == ((4, 2, 1), (32, 8, 1))
+
+
+def test_launch_needs_a_stream_object():
+    k = make_kernel()
+    with pytest.raises(TypeError, match="legacy stream"):
+        k.launch(1, 32, fake_buffer(4096), 3, stream=None)
