@@ -1,0 +1,158 @@
+"""Streams, events, capture, graph inspection and executable graphs on a real GPU."""
+import numpy as np
+import pytest
+from cuda.bindings import driver as cu
+
+from drvtrain import (CaptureError, DeviceBuffer, Event, GraphUpdateError, Stream, capture, check, fork, join)
+from drvtrain.demo import ForkJoinDemo, wait_for
+from drvtrain.driver import active_captures
+
+pytestmark = pytest.mark.gpu
+BLOCK = 256
+
+
+def grid(n):
+    return (n + BLOCK - 1) // BLOCK
+
+
+@pytest.fixture
+def demo(device):
+    d = ForkJoinDemo(int(np.random.default_rng().integers(5000, 70000)))
+    yield d
+    d.close()
+
+
+def test_fork_join_graph_has_concurrent_branches_and_right_result(demo, rng):
+    demo.start = float(rng.uniform(-10, 10))
+    demo.out.poison(demo.main)
+    graph = demo.record()
+    counts = graph.node_counts()
+    assert counts.get("kernel") == 4
+    kernels = {k.function: k for k in graph.kernel_nodes()}
+    assert set(kernels) == {"iota_f32", "scale_f32", "add_f32"}
+    assert kernels["add_f32"].block == (BLOCK, 1, 1) and kernels["add_f32"].grid[0] == grid(demo.n)
+    left, right = demo.scale_nodes(graph)
+    assert graph.can_run_concurrently(left, right)
+    iota, add = kernels["iota_f32"].node, kernels["add_f32"].node
+    assert not graph.can_run_concurrently(iota, left) and not graph.can_run_concurrently(left, add)
+    assert graph.concurrent_branches() >= 2
+    assert graph.longest_chain() >= 3
+    assert {d.index for d in graph.dependencies(add)} >= set() and graph.edges()
+    exe = graph.instantiate()
+    for _ in range(3):
+        exe.launch(demo.main)
+    got = demo.out.to_numpy()
+    ref = demo.expected()
+    assert not np.isnan(got).any()
+    assert np.max(np.abs(got - ref) / np.maximum(np.abs(ref), 1.0)) < 1e-6
+    exe.close()
+    graph.close()
+
+
+def test_replay_matches_eager_launches(demo, rng, elementwise):
+    demo.start = float(rng.uniform(0, 5))
+    graph = demo.record()
+    exe = graph.instantiate()
+    exe.launch(demo.main)
+    replayed = demo.out.to_numpy()
+    n, g = demo.n, grid(demo.n)
+    x, a, b, out = (DeviceBuffer(n) for _ in range(4))
+    s = demo.main
+    elementwise["iota"].launch(g, BLOCK, x, demo.start, 1.0, n, stream=s)
+    fork(s, demo.left, demo.right)
+    elementwise["scale"].launch(g, BLOCK, a, x, 2.0, n, stream=demo.left)
+    elementwise["scale"].launch(g, BLOCK, b, x, 3.0, n, stream=demo.right)
+    join(s, demo.left, demo.right)
+    elementwise["add"].launch(g, BLOCK, out, a, b, n, stream=s)
+    np.testing.assert_array_equal(out.to_numpy(), replayed)
+
+
+def test_exec_update_takes_new_parameters(rng, stream, elementwise):
+    n = 4096
+    src = rng.standard_normal(n).astype(np.float32)
+    x, y = DeviceBuffer.from_numpy(src), DeviceBuffer(n)
+
+    def record(factor, extra=False):
+        with capture(stream) as g:
+            elementwise["scale"].launch(grid(n), BLOCK, y, x, factor, n, stream=stream)
+            if extra:
+                elementwise["axpy"].launch(grid(n), BLOCK, y, x, 1.0, n, stream=stream)
+        return g
+
+    exe = record(2.0).instantiate()
+    exe.launch(stream)
+    np.testing.assert_array_equal(y.to_numpy(), 2.0 * src)
+    exe.update(record(-3.0))
+    y.poison(stream)
+    exe.launch(stream)
+    np.testing.assert_array_equal(y.to_numpy(), -3.0 * src)
+    with pytest.raises(GraphUpdateError, match="topology changed"):
+        exe.update(record(5.0, extra=True))
+    y.poison(stream)
+    exe.launch(stream)  # unchanged after the refused update
+    np.testing.assert_array_equal(y.to_numpy(), -3.0 * src)
+
+
+def test_dot_dump_names_the_kernels(demo, tmp_path):
+    graph = demo.record()
+    path = tmp_path / "graph.dot"
+    graph.to_dot(path)
+    text = path.read_text()
+    assert text.lstrip().startswith("digraph")
+    assert "scale_f32" in text and "add_f32" in text
+    assert "kernel" in graph.summary() and "concurrent branches: 2" in graph.summary()
+
+
+def test_stream_synchronize_inside_capture_is_refused_and_stream_survives(stream, elementwise):
+    with pytest.raises(CaptureError, match="Stream.synchronize"):
+        with capture(stream):
+            elementwise["fill"].launch(1, 32, DeviceBuffer(16), 1.0, 16, stream=stream)
+            stream.synchronize()
+    assert not stream.is_capturing() and active_captures() == []
+    out = DeviceBuffer(16)
+    elementwise["fill"].launch(1, 32, out, 2.0, 16, stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(out.to_numpy(), np.full(16, 2.0, np.float32))
+
+
+def test_raw_illegal_driver_call_inside_capture_names_the_call(stream, elementwise):
+    with pytest.raises(CaptureError, match="cuCtxSynchronize: CUDA_ERROR_STREAM_CAPTURE"):
+        with capture(stream):
+            check(cu.cuCtxSynchronize)
+    assert not stream.is_capturing()
+    out = DeviceBuffer(16)
+    elementwise["fill"].launch(1, 32, out, 4.0, 16, stream=stream)
+    np.testing.assert_array_equal(out.to_numpy(), np.full(16, 4.0, np.float32))
+
+
+def test_ignored_illegal_call_surfaces_at_capture_end(stream):
+    with pytest.raises(CaptureError, match="cuStreamEndCapture.*invalidated"):
+        with capture(stream):
+            cu.cuCtxSynchronize()  # raw binding, status ignored: the capture is now invalid
+    assert not stream.is_capturing()
+
+
+def test_unjoined_fork_is_reported(stream, elementwise):
+    side = Stream()
+    with pytest.raises(CaptureError):
+        with capture(stream):
+            fork(stream, side)
+            elementwise["fill"].launch(1, 32, DeviceBuffer(16), 1.0, 16, stream=side)
+    assert not stream.is_capturing() and not side.is_capturing()
+
+
+def test_event_query_never_blocks_and_times(stream, elementwise):
+    start, end = Event(timing=True), Event(timing=True)
+    n = 1 << 22
+    buf = DeviceBuffer(n)
+    start.record(stream)
+    for _ in range(20):
+        elementwise["fill"].launch(grid(n), BLOCK, buf, 1.0, n, stream=stream)
+    end.record(stream)
+    states = [end.query() for _ in range(3)]  # returns at once, True or False
+    assert all(isinstance(s, bool) for s in states)
+    wait_for(end)
+    assert end.query() and stream.query()
+    assert start.elapsed_ms(end) > 0.0
+    with pytest.raises(ValueError, match="timing=True"):
+        Event().elapsed_ms(end)
