@@ -203,11 +203,35 @@ class DeviceLimits:
     max_shared_per_block_optin: int
 
 
-def _release_context(handle) -> None:
+# ---------------------------------------------------------------- releasing
+# Releases that arrive while this thread is capturing wait here. A finalizer can
+# run at any allocation (Python's cyclic GC), and a cuMemFree or cuModuleUnload
+# issued mid-capture would invalidate the capture.
+_deferred: list = []
+
+
+def release(fn, handle) -> None:
+    """Free a driver resource: the finalizer of every drvtrain object.
+
+    Errors are swallowed: at interpreter shutdown the library may be gone.
+    """
+    if getattr(_tls, "captures", None):
+        _deferred.append((fn, handle))
+        return
     try:
-        cu.cuDevicePrimaryCtxRelease(handle)
-    except Exception:  # interpreter shutdown: the library may be gone already
+        fn(handle)
+    except Exception:
         pass
+
+
+def release_deferred() -> None:
+    """Run the releases held back during a capture (called when it ends)."""
+    while _deferred and not getattr(_tls, "captures", None):
+        fn, handle = _deferred.pop()
+        try:
+            fn(handle)
+        except Exception:
+            pass
 
 
 class Device:
@@ -221,7 +245,7 @@ class Device:
         self.ordinal = ordinal
         self.handle = check(cu.cuDeviceGet, ordinal)
         self.context = check(cu.cuDevicePrimaryCtxRetain, self.handle)
-        self._finalizer = weakref.finalize(self, _release_context, self.handle)
+        self._finalizer = weakref.finalize(self, release, cu.cuDevicePrimaryCtxRelease, self.handle)
         self.make_current()
         self.name = check(cu.cuDeviceGetName, 256, self.handle).split(b"\0", 1)[0].decode()
         a = cu.CUdevice_attribute

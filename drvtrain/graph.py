@@ -8,20 +8,14 @@ from dataclasses import dataclass
 
 from cuda.bindings import driver as cu
 
-from .driver import CaptureError, DriverError, active_captures, check, raise_status
+from .driver import (CaptureError, DriverError, active_captures, check, raise_status, release,
+                     release_deferred)
 
 __all__ = ["capture", "Graph", "GraphExec", "GraphUpdateError", "Node", "KernelNode"]
 
 
 class GraphUpdateError(DriverError):
     """``cuGraphExecUpdate`` refused the new graph; the executable graph is unchanged."""
-
-
-def _destroy(fn, handle) -> None:
-    try:
-        fn(handle)
-    except Exception:  # interpreter shutdown: the library may be gone already
-        pass
 
 
 @dataclass(frozen=True)
@@ -64,7 +58,7 @@ class Graph:
 
     def _adopt(self, handle) -> None:
         self.handle = handle
-        self._finalizer = weakref.finalize(self, _destroy, cu.cuGraphDestroy, handle)
+        self._finalizer = weakref.finalize(self, release, cu.cuGraphDestroy, handle)
 
     def _require(self) -> None:
         if self.handle is None:
@@ -196,7 +190,7 @@ class GraphExec:
     def __init__(self, graph: Graph):
         self.handle = check(cu.cuGraphInstantiate, graph.handle, 0)
         self.graph = graph  # keeps the buffers its kernels use alive
-        self._finalizer = weakref.finalize(self, _destroy, cu.cuGraphExecDestroy, self.handle)
+        self._finalizer = weakref.finalize(self, release, cu.cuGraphExecDestroy, self.handle)
 
     def launch(self, stream) -> None:
         status, = cu.cuGraphLaunch(self.handle, stream.handle)
@@ -206,16 +200,27 @@ class GraphExec:
     def update(self, graph: Graph) -> None:
         """Take ``graph``'s node parameters; its topology must equal the instantiated one."""
         graph._require()
+        if _topology(graph) != _topology(self.graph):
+            reason = _UPDATE_REASONS[_R.CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED]
+            raise GraphUpdateError("cuGraphExecUpdate", None, f"{reason}; the executable graph is unchanged")
         status, info = cu.cuGraphExecUpdate(self.handle, graph.handle)
         if status:
-            result = getattr(info, "result", None)
-            reason = _UPDATE_REASONS.get(result, getattr(result, "name", "unknown reason"))
+            try:
+                result = _R(int(getattr(info, "result", info)))
+                reason = _UPDATE_REASONS.get(result, result.name)
+            except (TypeError, ValueError):
+                reason = "the driver gave no reason"
             raise GraphUpdateError("cuGraphExecUpdate", status,
                                    f"{reason}; the executable graph is unchanged")
         self.graph = graph
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _topology(graph: Graph) -> tuple:
+    """Node types in order and the edge list: what cuGraphExecUpdate requires to match."""
+    return tuple(n.type for n in graph.nodes()), tuple(sorted(graph.edges()))
 
 
 _R = cu.CUgraphExecUpdateResult
@@ -259,6 +264,7 @@ def capture(stream):
         status, handle = cu.cuStreamEndCapture(stream.handle)
         if not status and handle is not None and int(handle):
             cu.cuGraphDestroy(handle)
+        release_deferred()
         raise
     captures.remove(graph)
     try:
@@ -266,4 +272,6 @@ def capture(stream):
     except CaptureError as exc:
         raise CaptureError("cuStreamEndCapture", exc.status,
                            f"the capture was invalidated ({exc.detail})") from None
+    finally:
+        release_deferred()
     graph._adopt(handle)

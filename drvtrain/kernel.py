@@ -7,6 +7,7 @@ driver call.
 from __future__ import annotations
 
 import ctypes
+import struct
 import weakref
 
 import numpy as np
@@ -14,16 +15,15 @@ from cuda.bindings import driver as cu
 
 from . import driver as _driver
 from .compiler import DEFAULT_OPTIONS, CompiledProgram, compile_file, compile_source
-from .driver import DeviceLimits, check, get_device
+from .driver import DeviceLimits, check, get_device, release
 
 __all__ = ["Module", "Kernel", "ArgPack", "BoundLaunch", "load_module", "load_source", "parse_signature",
            "builtin_module"]
 
-# Argument kinds: (ctypes storage, size in bytes).
-_KINDS = {
-    "ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "u32": ctypes.c_uint32,
-    "i64": ctypes.c_int64, "u64": ctypes.c_uint64, "f32": ctypes.c_float, "f64": ctypes.c_double,
-}
+# Argument kinds: their struct format and size. Every argument gets an 8-byte
+# slot, so each is naturally aligned.
+_KINDS = {"ptr": "Q", "i32": "i", "u32": "I", "i64": "q", "u64": "Q", "f32": "f", "f64": "d"}
+_SIZES = {k: struct.calcsize(f) for k, f in _KINDS.items()}
 _ALIASES = {"pointer": "ptr", "int": "i32", "int32": "i32", "uint32": "u32", "int64": "i64",
             "uint64": "u64", "float": "f32", "float32": "f32", "double": "f64", "float64": "f64"}
 _INT_RANGE = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1), "i64": (-2**63, 2**63 - 1),
@@ -75,39 +75,61 @@ def _convert(kind: str, value, index: int):
 
 
 class ArgPack:
-    """Kernel arguments in ctypes storage plus the ``void*[]`` cuLaunchKernel reads.
+    """Kernel arguments packed into one buffer, plus the ``void*[]`` cuLaunchKernel reads.
 
     Built once and rewritten in place; the driver copies the values at
-    launch, so one pack can serve every launch of a kernel.
+    launch, so one pack serves every launch of a kernel. The common case is a
+    single ``struct.pack_into``; only a failure takes the slow path, which
+    names the offending argument.
     """
 
     def __init__(self, signature: tuple[str, ...]):
         self.signature = signature
-        self._slots = [_KINDS[k]() for k in signature]
-        self._pointers = (ctypes.c_void_p * max(1, len(signature)))(
-            *[ctypes.addressof(s) for s in self._slots])
-        self.address = ctypes.addressof(self._pointers) if signature else 0
-        self.refs: tuple = ()  # the Python objects behind pointer arguments
+        n = len(signature)
+        self._struct = struct.Struct("<" + "".join(
+            _KINDS[k] + "x" * (8 - _SIZES[k]) for k in signature))
+        self._buffer = bytearray(max(8, 8 * n))
+        self._view = (ctypes.c_char * len(self._buffer)).from_buffer(self._buffer)
+        base = ctypes.addressof(self._view)
+        self._pointers = (ctypes.c_void_p * max(1, n))(*[base + 8 * i for i in range(n)])
+        self.address = ctypes.addressof(self._pointers) if n else 0
+        self._fast_pack = _fast_packer(signature)
+        self.refs: tuple = ()  # the Python objects behind the arguments
 
     def pack(self, args) -> None:
-        sig = self.signature
-        if len(args) != len(sig):
-            raise TypeError(f"kernel takes {len(sig)} arguments ({', '.join(sig)}), got {len(args)}")
-        values = [_convert(k, a, i) for i, (k, a) in enumerate(zip(sig, args))]
-        for slot, v in zip(self._slots, values):
-            slot.value = v
-        self.refs = tuple(args)
+        if len(args) != len(self.signature):
+            raise TypeError(f"kernel takes {len(self.signature)} arguments "
+                            f"({', '.join(self.signature)}), got {len(args)}")
+        try:
+            self._fast_pack(self._struct.pack_into, self._buffer, args)
+        except (struct.error, TypeError, OverflowError):
+            values = [_convert(k, a, i) for i, (k, a) in enumerate(zip(self.signature, args))]
+            self._struct.pack_into(self._buffer, 0, *values)
+        self.refs = args
 
     def set(self, index: int, value) -> None:
         """Rewrite one argument in place."""
-        self._slots[index].value = _convert(self.signature[index], value, index)
+        kind = self.signature[index]
+        struct.pack_into("<" + _KINDS[kind], self._buffer, 8 * index, _convert(kind, value, index))
         refs = list(self.refs)
         refs[index] = value
         self.refs = tuple(refs)
 
     def values(self) -> list:
         """The packed values, as the kernel will see them."""
-        return [s.value for s in self._slots]
+        return [v for v in self._struct.unpack_from(self._buffer, 0)]
+
+
+def _fast_packer(signature: tuple[str, ...]):
+    """A function that packs ``args`` with one ``pack_into`` call, unrolled for the signature.
+
+    Generated because this runs on every launch: no per-argument loop, and a
+    pointer argument costs one ``getattr``. Anything it cannot pack raises,
+    and the caller retries on the validating path.
+    """
+    terms = [f"getattr(args[{i}], 'ptr', args[{i}])" if k == "ptr" else f"args[{i}]"
+             for i, k in enumerate(signature)]
+    return eval(f"lambda pack_into, buffer, args: pack_into(buffer, 0, {', '.join(terms)})")
 
 
 def _dims(value, what: str) -> tuple[int, int, int]:
@@ -136,16 +158,17 @@ class Kernel:
         self.max_threads = max_threads or limits.max_threads_per_block
         self._module = module  # keeps the module loaded while the kernel lives
         self._pack = ArgPack(self.signature)
-        self._validated: set = set()
+        self._validated: dict = {}  # launch shapes already checked
         self._shared_raised = limits.max_shared_per_block
 
     # -------------------------------------------------------------- validation
     def check_launch(self, grid, block, shared_mem: int = 0) -> tuple[tuple, tuple]:
         """Normalise grid and block to 3-tuples and check them against the limits."""
+        try:
+            return self._validated[(grid, block, shared_mem)]
+        except (KeyError, TypeError):  # not seen yet, or unhashable (a list)
+            pass
         g, b = _dims(grid, "grid"), _dims(block, "block")
-        key = (g, b, shared_mem)
-        if key in self._validated:
-            return g, b
         lim = self.limits
         for axis, (n, top) in enumerate(zip(g, lim.max_grid)):
             if not 1 <= n <= top:
@@ -165,16 +188,18 @@ class Kernel:
                   cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
             self._shared_raised = shared_mem
         if len(self._validated) < 64:
-            self._validated.add(key)
+            try:
+                self._validated[(grid, block, shared_mem)] = (g, b)
+            except TypeError:
+                pass
         return g, b
 
     # -------------------------------------------------------------- launching
     def launch(self, grid, block, *args, stream, shared_mem: int = 0) -> None:
         """Pack ``args`` into the kernel's reusable pack and launch on ``stream``."""
         g, b = self.check_launch(grid, block, shared_mem)
-        pack = self._pack
-        pack.pack(args)
-        _launch(self.function, g, b, shared_mem, stream, pack)
+        self._pack.pack(args)
+        _launch(self.function, g, b, shared_mem, stream, self._pack)
 
     def bind(self, grid, block, *args, shared_mem: int = 0) -> "BoundLaunch":
         """A launch with its arguments packed once, for replaying many times."""
@@ -216,13 +241,6 @@ class BoundLaunch:
         _launch(self.kernel.function, self.grid, self.block, self.shared_mem, stream, self.pack)
 
 
-def _unload(handle) -> None:
-    try:
-        cu.cuModuleUnload(handle)
-    except Exception:
-        pass
-
-
 class Module:
     """A loaded CUBIN and the kernels taken from it."""
 
@@ -232,22 +250,26 @@ class Module:
             raise ValueError(f"{program.name} was compiled for {program.arch}, the device is {self.device.arch}")
         self.program = program
         self.handle = check(cu.cuModuleLoadData, program.cubin)
-        self._finalizer = weakref.finalize(self, _unload, self.handle)
-        self._kernels: dict[str, Kernel] = {}
+        self._finalizer = weakref.finalize(self, release, cu.cuModuleUnload, self.handle)
+        # Weak: a kernel keeps its module loaded, not the other way round, so
+        # dropping the last reference frees a module without waiting for the GC.
+        self._kernels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def kernel(self, name: str, signature) -> Kernel:
-        """The kernel ``name`` (a function name or a compiled name expression)."""
-        kern = self._kernels.get(name)
+        """The kernel ``name`` (a function name or a compiled name expression).
+
+        The signature is checked against the parameter sizes in the CUBIN.
+        """
+        key = (name, parse_signature(signature))
+        kern = self._kernels.get(key)
         if kern is None:
             symbol = self.program.lowered_names.get(name, name)
             function = check(cu.cuModuleGetFunction, self.handle, symbol.encode())
             max_threads = check(cu.cuFuncGetAttribute,
                                 cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, function)
-            kern = Kernel(function, name, signature, self.device.limits, max_threads, module=self)
+            kern = Kernel(function, name, key[1], self.device.limits, max_threads, module=self)
             _check_param_sizes(kern, function)
-            self._kernels[name] = kern
-        elif kern.signature != parse_signature(signature):
-            raise ValueError(f"kernel {name} already taken with signature {kern.signature}")
+            self._kernels[key] = kern
         return kern
 
     def close(self) -> None:
@@ -267,9 +289,9 @@ def _check_param_sizes(kernel: Kernel, function) -> None:
         raise TypeError(f"kernel {kernel.name} takes {len(sizes)} parameters, "
                         f"the declared signature has {len(kernel.signature)}: {kernel.signature}")
     for i, (size, kind) in enumerate(zip(sizes, kernel.signature)):
-        if size != ctypes.sizeof(_KINDS[kind]):
+        if size != _SIZES[kind]:
             raise TypeError(f"kernel {kernel.name} parameter {i} is {size} bytes, "
-                            f"declared {kind} is {ctypes.sizeof(_KINDS[kind])}")
+                            f"declared {kind} is {_SIZES[kind]}")
 
 
 def load_module(path, *, include_dirs=(), options=DEFAULT_OPTIONS, name_expressions=(),

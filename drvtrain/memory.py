@@ -7,7 +7,7 @@ import weakref
 import numpy as np
 from cuda.bindings import driver as cu
 
-from .driver import CaptureError, active_captures, check, get_device, guard_sync
+from .driver import CaptureError, active_captures, check, get_device, guard_sync, release
 
 __all__ = ["DeviceBuffer", "Arena", "ArenaExhausted", "MappedBuffer", "PinnedBuffer", "ALIGNMENT"]
 
@@ -23,20 +23,6 @@ def _shape_tuple(shape) -> tuple[int, ...]:
     if any(s < 0 for s in shape):
         raise ValueError(f"negative dimension in shape {shape}")
     return shape
-
-
-def _free_device(ptr: int) -> None:
-    try:
-        cu.cuMemFree(ptr)
-    except Exception:  # interpreter shutdown: the library may be gone already
-        pass
-
-
-def _free_host(ptr: int) -> None:
-    try:
-        cu.cuMemFreeHost(ptr)
-    except Exception:
-        pass
 
 
 class DeviceBuffer:
@@ -60,7 +46,7 @@ class DeviceBuffer:
                                "allocate before the capture or take the memory from an Arena")
         ptr = int(check(cu.cuMemAlloc, nbytes))
         self._init(ptr, shape, dtype, nbytes, None)
-        self._finalizer = weakref.finalize(self, _free_device, ptr)
+        self._finalizer = weakref.finalize(self, release, cu.cuMemFree, ptr)
 
     def _init(self, ptr, shape, dtype, nbytes, owner):
         self.ptr = ptr
@@ -284,7 +270,7 @@ class _HostBuffer:
             raise ValueError(f"{type(self).__name__} needs a positive size, got shape {self.shape}")
         get_device()
         self.host_ptr = int(check(cu.cuMemHostAlloc, self.nbytes, self._flags))
-        self._finalizer = weakref.finalize(self, _free_host, self.host_ptr)
+        self._finalizer = weakref.finalize(self, release, cu.cuMemFreeHost, self.host_ptr)
         self._array = np.asarray(_HostArrayView(self, self.host_ptr, self.shape, self.dtype))
 
     def view(self) -> np.ndarray:

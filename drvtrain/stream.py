@@ -5,16 +5,9 @@ import weakref
 
 from cuda.bindings import driver as cu
 
-from .driver import check, get_device, guard_sync, raise_status
+from .driver import check, get_device, guard_sync, raise_status, release
 
 __all__ = ["Stream", "Event", "fork", "join"]
-
-
-def _destroy(fn, handle) -> None:
-    try:
-        fn(handle)
-    except Exception:  # interpreter shutdown: the library may be gone already
-        pass
 
 
 class Event:
@@ -25,7 +18,7 @@ class Event:
         self.timing = timing
         flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.handle = check(cu.cuEventCreate, flags)
-        self._finalizer = weakref.finalize(self, _destroy, cu.cuEventDestroy, self.handle)
+        self._finalizer = weakref.finalize(self, release, cu.cuEventDestroy, self.handle)
 
     def record(self, stream: "Stream") -> "Event":
         check(cu.cuEventRecord, self.handle, stream.handle)
@@ -66,7 +59,7 @@ class Stream:
         self.priority = priority
         self.handle = check(cu.cuStreamCreateWithPriority,
                             cu.CUstream_flags.CU_STREAM_NON_BLOCKING, priority)
-        self._finalizer = weakref.finalize(self, _destroy, cu.cuStreamDestroy, self.handle)
+        self._finalizer = weakref.finalize(self, release, cu.cuStreamDestroy, self.handle)
         self._marker = None  # an event reused by fork/join
 
     @property

@@ -104,9 +104,10 @@ def test_dot_dump_names_the_kernels(demo, tmp_path):
 
 
 def test_stream_synchronize_inside_capture_is_refused_and_stream_survives(stream, elementwise):
+    scratch = DeviceBuffer(16)
     with pytest.raises(CaptureError, match="Stream.synchronize"):
         with capture(stream):
-            elementwise["fill"].launch(1, 32, DeviceBuffer(16), 1.0, 16, stream=stream)
+            elementwise["fill"].launch(1, 32, scratch, 1.0, 16, stream=stream)
             stream.synchronize()
     assert not stream.is_capturing() and active_captures() == []
     out = DeviceBuffer(16)
@@ -133,11 +134,11 @@ def test_ignored_illegal_call_surfaces_at_capture_end(stream):
 
 
 def test_unjoined_fork_is_reported(stream, elementwise):
-    side = Stream()
-    with pytest.raises(CaptureError):
+    side, scratch = Stream(), DeviceBuffer(16)
+    with pytest.raises(CaptureError, match="cuStreamEndCapture"):
         with capture(stream):
             fork(stream, side)
-            elementwise["fill"].launch(1, 32, DeviceBuffer(16), 1.0, 16, stream=side)
+            elementwise["fill"].launch(1, 32, scratch, 1.0, 16, stream=side)
     assert not stream.is_capturing() and not side.is_capturing()
 
 
@@ -156,3 +157,26 @@ def test_event_query_never_blocks_and_times(stream, elementwise):
     assert start.elapsed_ms(end) > 0.0
     with pytest.raises(ValueError, match="timing=True"):
         Event().elapsed_ms(end)
+
+
+def test_garbage_collected_during_capture_is_freed_after_it(device, stream, elementwise):
+    import gc
+
+    class Cycle:
+        pass
+
+    gc.collect()
+    before = device.memory_info()[0]
+    junk = Cycle()
+    junk.self, junk.buf = junk, DeviceBuffer(64 << 20, np.uint8)  # only the cyclic GC frees this
+    del junk
+    out = DeviceBuffer(16)
+    with capture(stream) as graph:
+        elementwise["fill"].launch(1, 32, out, 6.0, 16, stream=stream)
+        gc.collect()  # runs the buffer's finalizer mid-capture: its cuMemFree must wait
+        elementwise["fill"].launch(1, 32, out, 7.0, 16, stream=stream)
+    assert graph.node_counts() == {"kernel": 2}
+    graph.instantiate().launch(stream)
+    np.testing.assert_array_equal(out.to_numpy(), np.full(16, 7.0, np.float32))
+    out.close()
+    assert device.memory_info()[0] == before
