@@ -165,12 +165,13 @@ def test_garbage_collected_during_capture_is_freed_after_it(device, stream, elem
     class Cycle:
         pass
 
+    out = DeviceBuffer(16)
     gc.collect()
     before = device.memory_info()[0]
     junk = Cycle()
     junk.self, junk.buf = junk, DeviceBuffer(64 << 20, np.uint8)  # only the cyclic GC frees this
     del junk
-    out = DeviceBuffer(16)
+    assert device.memory_info()[0] < before
     with capture(stream) as graph:
         elementwise["fill"].launch(1, 32, out, 6.0, 16, stream=stream)
         gc.collect()  # runs the buffer's finalizer mid-capture: its cuMemFree must wait
@@ -178,5 +179,4 @@ def test_garbage_collected_during_capture_is_freed_after_it(device, stream, elem
     assert graph.node_counts() == {"kernel": 2}
     graph.instantiate().launch(stream)
     np.testing.assert_array_equal(out.to_numpy(), np.full(16, 7.0, np.float32))
-    out.close()
-    assert device.memory_info()[0] == before
+    assert device.memory_info()[0] == before, "the buffer freed by the GC mid-capture was not released"
