@@ -9,3 +9,6 @@ __device__ __forceinline__ long long dt_thread_index() {
 __device__ __forceinline__ long long dt_grid_stride() {
     return (long long)gridDim.x * blockDim.x;
 }
+
+// +infinity as float; NVRTC has no <math.h> macros.
+__device__ __forceinline__ float dt_inf() { return __int_as_float(0x7f800000); }

@@ -1,0 +1,48 @@
+// Replay storage: insertion into the ring of transitions, with new entries
+// entering the sum tree at the largest leaf value seen so far.
+#include "common.cuh"
+#include "sumtree.cuh"
+
+// replay_insert: write n transitions at slots (cursor + t) mod capacity,
+// t < n <= capacity, and set each slot's leaf to *max_leaf.
+// state[0] = transitions ever inserted (the cursor), state[1] = stored count.
+// Launch: one warp per transition, blockDim = 128, grid = ceil(n / 4). The last
+// block to finish advances the cursor and count and resets the counter, so
+// the kernel replays correctly inside a graph. Inputs may be device or mapped
+// memory. Deterministic: each slot is written by exactly one warp.
+extern "C" __global__ void replay_insert(
+        float* obs, float* next_obs, int* action, float* reward, float* done, int obs_dim, int capacity,
+        const float* in_obs, const float* in_next_obs, const int* in_action, const float* in_reward,
+        const float* in_done, int n, long long* state, double* nodes, float* leaves,
+        const float* max_leaf, int leaf_base, unsigned int* counter) {
+    constexpr int WARPS = 4;
+    __shared__ bool last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int t = blockIdx.x * WARPS + warp;
+    if (t < n) {
+        const int slot = (int)((state[0] + t) % capacity);
+        const long long src = (long long)t * obs_dim, dst = (long long)slot * obs_dim;
+        for (int d = lane; d < obs_dim; d += 32) {
+            obs[dst + d] = in_obs[src + d];
+            next_obs[dst + d] = in_next_obs[src + d];
+        }
+        if (lane == 0) {
+            action[slot] = in_action[t];
+            reward[slot] = in_reward[t];
+            done[slot] = in_done[t];
+            dt_tree_set_leaf(nodes, leaves, leaf_base, slot, *max_leaf);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last && threadIdx.x == 0) {
+        long long stored = state[1] + n;
+        state[0] += n;
+        state[1] = stored < capacity ? stored : capacity;
+        *counter = 0u;
+    }
+}

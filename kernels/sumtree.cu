@@ -1,0 +1,156 @@
+// Prioritized replay's sum tree: update, rebuild, stratified sample with
+// importance weights and a fused gather. Layout and precision: sumtree.cuh.
+#include "common.cuh"
+#include "philox.cuh"
+#include "sumtree.cuh"
+
+// sumtree_update: leaf[indices[t]] = priorities[t]^alpha for t < n, one thread
+// per index over any grid. Duplicate indices are legal (see dt_tree_set_leaf).
+// An index outside [0, capacity) or a negative, NaN or infinite priority is
+// skipped and raises its flag in `errors` (mapped host memory).
+// max_leaf tracks the largest leaf value ever written (new transitions enter
+// with it). Deterministic in the final leaves up to the order of duplicates;
+// internal sums are exact to fp64 rounding.
+extern "C" __global__ void sumtree_update(double* nodes, float* leaves, float* max_leaf,
+                                          const int* indices, const float* priorities, float alpha,
+                                          int n, int capacity, int leaf_base, int* errors) {
+    for (long long t = dt_thread_index(); t < n; t += dt_grid_stride()) {
+        int i = indices[t];
+        float pr = priorities[t];
+        if (i < 0 || i >= capacity) { errors[DT_ERR_INDEX] = 1; continue; }
+        if (!(pr >= 0.0f) || isinf(pr)) { errors[DT_ERR_PRIORITY] = 1; continue; }
+        float p = alpha == 1.0f ? pr : powf(pr, alpha);
+        dt_tree_set_leaf(nodes, leaves, leaf_base, i, p);
+        atomicMax(reinterpret_cast<int*>(max_leaf), __float_as_int(p));  // p >= 0: int order is float order
+    }
+}
+
+// sumtree_rebuild: recompute every internal node from the leaves, in a fixed
+// order, so the result is bit-for-bit reproducible.
+// Launch: blockDim = T (a power of two, 2T <= leaf_base), grid = leaf_base / (2T).
+// Each block rebuilds the subtree over its 2T leaves; the last block to finish
+// (counter pattern, no float atomics) builds the levels above the block roots
+// and resets the counter for the next launch.
+extern "C" __global__ void sumtree_rebuild(double* nodes, const float* leaves, int leaf_base,
+                                           unsigned int* counter) {
+    extern __shared__ double level[];
+    const int t = threadIdx.x, T = blockDim.x;
+    const int first_leaf = blockIdx.x * 2 * T;
+    double v = (double)leaves[first_leaf + 2 * t] + (double)leaves[first_leaf + 2 * t + 1];
+    int start = (leaf_base + first_leaf) >> 1;  // heap index of this block's first node on the level
+    level[t] = v;
+    nodes[start + t] = v;
+    for (int width = T >> 1; width >= 1; width >>= 1) {
+        start >>= 1;
+        __syncthreads();
+        if (t < width) v = level[2 * t] + level[2 * t + 1];
+        __syncthreads();
+        if (t < width) {
+            level[t] = v;
+            nodes[start + t] = v;
+        }
+    }
+    __threadfence();
+    __shared__ bool last;
+    __syncthreads();
+    if (t == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // The block roots are nodes[G .. 2G-1]; build nodes[1 .. G-1] level by level.
+    for (int width = gridDim.x >> 1; width >= 1; width >>= 1) {
+        for (int j = t; j < width; j += T) {
+            int k = width + j;
+            nodes[k] = __ldcg(&nodes[2 * k]) + __ldcg(&nodes[2 * k + 1]);
+        }
+        __threadfence_block();
+        __syncthreads();
+    }
+    if (t == 0) *counter = 0u;
+}
+
+// sumtree_sample: a stratified batch of B leaves with importance weights, and
+// optionally the gathered transitions.
+//   mass_j = (j + U_j) * total / B, U_j from Philox(seed, *step, j) or, when
+//   `uniforms` is not null, uniforms[j] (tests inject them);
+//   w_j = (N p_j / total)^-beta / max_j w_j = (p_min / p_j)^beta.
+// Launch: one warp per sample, blockDim = 32 * SAMPLES_PER_BLOCK (128),
+// grid = ceil(B / 4): never a single block for B > 4. The warp's lanes walk
+// the tree together (same addresses, one transaction each level), then copy
+// the rows with coalesced accesses. block_min[gridDim.x] holds per-block
+// minima; the last block to finish computes the weights, advances *step and
+// resets the counter, so a graph replay draws fresh numbers.
+// A tree whose total is 0 raises errors[DT_ERR_EMPTY] and returns leaf 0.
+// Gather pointers may be null (obs_dim 0 skips the rows).
+extern "C" __global__ void sumtree_sample(
+        const double* nodes, const float* leaves, int leaf_base, int batch,
+        unsigned long long seed, unsigned long long* step, const double* uniforms, float beta,
+        int* out_index, float* out_weight, float* block_min, unsigned int* counter, int* errors,
+        const float* obs, const float* next_obs, const int* action, const float* reward,
+        const float* done, int obs_dim, float* batch_obs, float* batch_next_obs, int* batch_action,
+        float* batch_reward, float* batch_done) {
+    constexpr int WARPS = 4;
+    __shared__ float warp_p[WARPS];
+    __shared__ bool last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int j = blockIdx.x * WARPS + warp;
+    float p = dt_inf();
+    if (j < batch) {
+        const double total = nodes[1];
+        const double u = uniforms ? uniforms[j] : dt_uniform53(seed, *step, (unsigned int)j);
+        const double mass = ((double)j + u) * total / (double)batch;
+        int leaf = 0;
+        if (total > 0.0) {
+            leaf = dt_tree_descend(nodes, leaves, leaf_base, mass, total * 0x1p-40);
+        } else if (lane == 0) {
+            errors[DT_ERR_EMPTY] = 1;
+        }
+        p = leaves[leaf];
+        if (lane == 0) {
+            out_index[j] = leaf;
+            out_weight[j] = p;  // the leaf value, until the last block turns it into a weight
+        }
+        if (obs_dim > 0) {
+            const long long src = (long long)leaf * obs_dim, dst = (long long)j * obs_dim;
+            for (int d = lane; d < obs_dim; d += 32) {
+                batch_obs[dst + d] = obs[src + d];
+                batch_next_obs[dst + d] = next_obs[src + d];
+            }
+            if (lane == 0) {
+                batch_action[j] = action[leaf];
+                batch_reward[j] = reward[leaf];
+                batch_done[j] = done[leaf];
+            }
+        }
+    }
+    if (lane == 0) warp_p[warp] = p;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m = warp_p[0];
+        for (int w = 1; w < WARPS; ++w) m = fminf(m, warp_p[w]);
+        block_min[blockIdx.x] = m;
+        __threadfence();
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    __shared__ float reduce[128];
+    float m = dt_inf();
+    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) m = fminf(m, __ldcg(&block_min[b]));
+    reduce[threadIdx.x] = m;
+    __syncthreads();
+    for (int width = blockDim.x >> 1; width >= 1; width >>= 1) {
+        if (threadIdx.x < width) reduce[threadIdx.x] = fminf(reduce[threadIdx.x], reduce[threadIdx.x + width]);
+        __syncthreads();
+    }
+    const double p_min = reduce[0];
+    for (int k = threadIdx.x; k < batch; k += blockDim.x) {
+        double pk = __ldcg(&out_weight[k]);
+        out_weight[k] = pk > 0.0 ? (float)pow(p_min / pk, (double)beta) : 0.0f;
+    }
+    if (threadIdx.x == 0) {
+        *counter = 0u;
+        *step += 1ull;
+    }
+}

@@ -1,0 +1,55 @@
+"""Float64 numpy references for prioritized replay (STEP_SPEC steps 1, 2 and 9)."""
+import numpy as np
+
+MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(counters: np.ndarray, key: tuple[int, int]) -> np.ndarray:
+    """Philox4x32-10 over rows of 4 uint32 counters; returns rows of 4 uint32 words."""
+    x = [counters[:, i].astype(np.uint64) for i in range(4)]
+    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
+    m0, m1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    w0, w1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+    for _ in range(10):
+        p0, p1 = m0 * x[0], m1 * x[2]
+        x = [(p1 >> np.uint64(32)) ^ x[1] ^ k0, p1 & MASK32, (p0 >> np.uint64(32)) ^ x[3] ^ k1, p0 & MASK32]
+        k0, k1 = (k0 + w0) & MASK32, (k1 + w1) & MASK32
+    return np.stack(x, axis=1).astype(np.uint32)
+
+
+def philox_uniforms(seed: int, step: int, batch: int) -> np.ndarray:
+    """The U[0,1) doubles the sampler draws for (seed, step), sample j at counter j."""
+    j = np.arange(batch, dtype=np.uint64)
+    counters = np.stack([j, np.full_like(j, step & 0xFFFFFFFF), np.full_like(j, step >> 32),
+                         np.zeros_like(j)], axis=1)
+    r = philox4x32_10(counters, (seed & 0xFFFFFFFF, seed >> 32)).astype(np.uint64)
+    bits = ((r[:, 0] >> np.uint64(5)) << np.uint64(26)) | (r[:, 1] >> np.uint64(6))
+    return bits.astype(np.float64) / 2.0**53
+
+
+def stratified_masses(uniforms: np.ndarray, total: float) -> np.ndarray:
+    b = len(uniforms)
+    return (np.arange(b, dtype=np.float64) + uniforms) * total / b
+
+
+def prefix_search(leaves: np.ndarray, masses: np.ndarray) -> np.ndarray:
+    """The leaf whose cumulative range holds each mass; never a zero leaf (clamps to the last non-zero)."""
+    p = np.asarray(leaves, np.float64)
+    idx = np.searchsorted(np.cumsum(p), masses, side="right")
+    nonzero = np.flatnonzero(p > 0)
+    return np.minimum(idx, nonzero[-1])
+
+
+def importance_weights(p: np.ndarray, total: float, stored: int, beta: float) -> np.ndarray:
+    """w_j = (N p_j / total)^-beta, divided by the batch maximum."""
+    w = (stored * np.asarray(p, np.float64) / total) ** (-beta)
+    return w / w.max()
+
+
+def tree_inconsistency(nodes: np.ndarray, leaves_padded: np.ndarray) -> float:
+    """Largest relative gap between an internal node and the sum of its two children."""
+    leaf_base = len(leaves_padded)
+    full = np.concatenate([nodes, leaves_padded.astype(np.float64)])  # heap: node k, leaf i at leaf_base + i
+    k = np.arange(1, leaf_base)
+    children = full[2 * k] + full[2 * k + 1]
+    return float(np.max(np.abs(full[k] - children) / np.maximum(np.abs(children), 1e-300)))

@@ -1,0 +1,65 @@
+"""The numpy references for prioritized replay, checked on the CPU."""
+import math
+
+import numpy as np
+import pytest
+
+from per_reference import (importance_weights, philox4x32_10, philox_uniforms, prefix_search,
+                           stratified_masses, tree_inconsistency)
+
+
+@pytest.mark.parametrize("counter, key, expected", [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+])
+def test_philox_matches_known_answers(counter, key, expected):
+    got = philox4x32_10(np.array([counter], np.uint32), key)[0]
+    assert tuple(int(v) for v in got) == expected
+
+
+def test_uniforms_are_in_unit_interval_and_depend_on_seed_and_step():
+    a = philox_uniforms(1234, 0, 10_000)
+    assert a.min() >= 0.0 and a.max() < 1.0
+    assert abs(a.mean() - 0.5) < 0.02
+    assert not np.array_equal(a, philox_uniforms(1234, 1, 10_000))
+    assert not np.array_equal(a, philox_uniforms(1235, 0, 10_000))
+    assert np.array_equal(a, philox_uniforms(1234, 0, 10_000))
+
+
+@pytest.mark.parametrize("leaves, cases", [
+    ([0, 0, 1, 3], {0.0: 2, 0.5: 2, 0.99: 2, 1.01: 3, 3.0: 3, 4.0: 3}),
+    ([0.5, 1, 1, 3], {0.0: 0, 0.55: 1, 0.99: 1, 1.51: 2, 3.0: 3, 5.5: 3}),
+])
+def test_prefix_search_exact_cases(leaves, cases):
+    masses = np.array(list(cases))
+    assert prefix_search(np.array(leaves, float), masses).tolist() == list(cases.values())
+
+
+def test_stratified_masses_fall_in_their_strata(rng):
+    u = rng.random(512)
+    total = float(rng.uniform(1, 100))
+    m = stratified_masses(u, total)
+    j = np.arange(512)
+    assert np.all(m >= j * total / 512) and np.all(m < (j + 1) * total / 512 * (1 + 1e-15))
+
+
+def test_importance_weights_normalise_to_batch_max(rng):
+    p = rng.uniform(0.1, 1.1, 256)
+    w = importance_weights(p, total=float(p.sum() * 7), stored=1000, beta=0.4)
+    assert w.max() == 1.0 and np.argmax(w) == np.argmin(p)
+    np.testing.assert_allclose(w, (p.min() / p) ** 0.4, rtol=1e-12)
+
+
+def test_tree_inconsistency_sees_a_wrong_node(rng):
+    leaves = rng.random(8).astype(np.float32)
+    nodes = np.zeros(8)
+    full = np.concatenate([nodes, leaves.astype(np.float64)])
+    for k in range(7, 0, -1):
+        full[k] = full[2 * k] + full[2 * k + 1]
+    nodes = full[:8]
+    assert tree_inconsistency(nodes, leaves) == 0.0
+    assert math.isclose(nodes[1], math.fsum(leaves.astype(np.float64)), rel_tol=1e-15)
+    nodes[3] *= 1.001
+    assert tree_inconsistency(nodes, leaves) > 1e-4
