@@ -65,6 +65,21 @@ class DeviceBuffer:
         return buf
 
     @classmethod
+    def from_cuda_array(cls, obj) -> "DeviceBuffer":
+        """A view of any object exposing ``__cuda_array_interface__`` (a torch or CuPy array).
+
+        The view keeps ``obj`` alive; it must be C-contiguous.
+        """
+        iface = getattr(obj, "__cuda_array_interface__", None)
+        if iface is None:
+            raise TypeError(f"{type(obj).__name__} does not expose __cuda_array_interface__")
+        shape, dtype = tuple(iface["shape"]), np.dtype(iface["typestr"])
+        strides = iface.get("strides")
+        if strides is not None and tuple(strides) != tuple(np.empty(shape, dtype).strides):
+            raise ValueError("only C-contiguous device arrays can be viewed")
+        return cls._view(obj, int(iface["data"][0]), shape, dtype)
+
+    @classmethod
     def from_numpy(cls, array) -> "DeviceBuffer":
         """A new buffer holding a copy of a host array (setup and tests only)."""
         array = _host_array(array)
