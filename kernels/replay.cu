@@ -14,7 +14,7 @@ extern "C" __global__ void replay_insert(
         float* obs, float* next_obs, int* action, float* reward, float* done, int obs_dim, int capacity,
         const float* in_obs, const float* in_next_obs, const int* in_action, const float* in_reward,
         const float* in_done, int n, long long* state, double* nodes, float* leaves,
-        const float* max_leaf, int leaf_base, unsigned int* counter) {
+        const float* max_leaf, int tree_height, int tree_internal, unsigned int* counter) {
     constexpr int WARPS = 4;
     __shared__ bool last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -30,7 +30,7 @@ extern "C" __global__ void replay_insert(
             action[slot] = in_action[t];
             reward[slot] = in_reward[t];
             done[slot] = in_done[t];
-            dt_tree_set_leaf(nodes, leaves, leaf_base, slot, *max_leaf);
+            dt_tree_set_leaf(nodes, leaves, capacity, tree_height, tree_internal, slot, *max_leaf);
         }
     }
     __syncthreads();

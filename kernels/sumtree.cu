@@ -9,64 +9,65 @@
 // An index outside [0, capacity) or a negative, NaN or infinite priority is
 // skipped and raises its flag in `errors` (mapped host memory).
 // max_leaf tracks the largest leaf value ever written (new transitions enter
-// with it). Deterministic in the final leaves up to the order of duplicates;
+// with it). The final leaves depend only on which duplicate lands last; the
 // internal sums are exact to fp64 rounding.
 extern "C" __global__ void sumtree_update(double* nodes, float* leaves, float* max_leaf,
                                           const int* indices, const float* priorities, float alpha,
-                                          int n, int capacity, int leaf_base, int* errors) {
+                                          int n, int capacity, int height, int internal, int* errors) {
     for (long long t = dt_thread_index(); t < n; t += dt_grid_stride()) {
         int i = indices[t];
         float pr = priorities[t];
         if (i < 0 || i >= capacity) { errors[DT_ERR_INDEX] = 1; continue; }
         if (!(pr >= 0.0f) || isinf(pr)) { errors[DT_ERR_PRIORITY] = 1; continue; }
         float p = alpha == 1.0f ? pr : powf(pr, alpha);
-        dt_tree_set_leaf(nodes, leaves, leaf_base, i, p);
+        dt_tree_set_leaf(nodes, leaves, capacity, height, internal, i, p);
         atomicMax(reinterpret_cast<int*>(max_leaf), __float_as_int(p));  // p >= 0: int order is float order
     }
 }
 
-// sumtree_rebuild: recompute every internal node from the leaves, in a fixed
-// order, so the result is bit-for-bit reproducible.
-// Launch: blockDim = T (a power of two, 2T <= leaf_base), grid = leaf_base / (2T).
-// Each block rebuilds the subtree over its 2T leaves; the last block to finish
-// (counter pattern, no float atomics) builds the levels above the block roots
-// and resets the counter for the next launch.
-extern "C" __global__ void sumtree_rebuild(double* nodes, const float* leaves, int leaf_base,
-                                           unsigned int* counter) {
-    extern __shared__ double level[];
-    const int t = threadIdx.x, T = blockDim.x;
-    const int first_leaf = blockIdx.x * 2 * T;
-    double v = (double)leaves[first_leaf + 2 * t] + (double)leaves[first_leaf + 2 * t + 1];
-    int start = (leaf_base + first_leaf) >> 1;  // heap index of this block's first node on the level
-    level[t] = v;
-    nodes[start + t] = v;
-    for (int width = T >> 1; width >= 1; width >>= 1) {
-        start >>= 1;
-        __syncthreads();
-        if (t < width) v = level[2 * t] + level[2 * t + 1];
-        __syncthreads();
-        if (t < width) {
-            level[t] = v;
-            nodes[start + t] = v;
-        }
+// sumtree_rebuild: recompute every internal node from the leaves with fixed-order
+// warp sums, so the result is bit-for-bit reproducible.
+// Launch: blockDim = 1024 (32 warps), grid = ceil(ceil(capacity / 32) / 32).
+// Warp w of block b sums the leaves of level-1 node 32b + w; warp 0 then sums
+// the block's 32 level-1 nodes into level-2 node b. The last block to finish
+// (counter pattern, no float atomics) builds levels 3 and up, then resets the
+// counter for the next launch.
+extern "C" __global__ void sumtree_rebuild(double* nodes, const float* leaves, int capacity, int height,
+                                           int internal, unsigned int* counter) {
+    __shared__ double level1[32];
+    __shared__ bool last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int offset1 = internal - dt_level_size(capacity, 1);
+    const int n = blockIdx.x * 32 + warp;
+    double v = 0.0;
+    if (n < dt_level_real(capacity, 1)) {
+        v = dt_warp_sum((double)leaves[n * 32 + lane]);
+        if (lane == 0) nodes[offset1 + n] = v;
+    }
+    if (lane == 0) level1[warp] = v;
+    __syncthreads();
+    if (height >= 2 && warp == 0) {
+        double s = dt_warp_sum(level1[lane]);
+        if (lane == 0) nodes[offset1 - dt_level_size(capacity, 2) + blockIdx.x] = s;
     }
     __threadfence();
-    __shared__ bool last;
     __syncthreads();
-    if (t == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // The block roots are nodes[G .. 2G-1]; build nodes[1 .. G-1] level by level.
-    for (int width = gridDim.x >> 1; width >= 1; width >>= 1) {
-        for (int j = t; j < width; j += T) {
-            int k = width + j;
-            nodes[k] = __ldcg(&nodes[2 * k]) + __ldcg(&nodes[2 * k + 1]);
+    int below = offset1 - dt_level_size(capacity, 2);  // offset of level h-1
+    for (int h = 3; h <= height; ++h) {
+        const int offset = below - dt_level_size(capacity, h);
+        for (int k = warp; k < dt_level_real(capacity, h); k += 32) {
+            double s = dt_warp_sum(__ldcg(&nodes[below + k * 32 + lane]));
+            if (lane == 0) nodes[offset + k] = s;
         }
         __threadfence_block();
         __syncthreads();
+        below = offset;
     }
-    if (t == 0) *counter = 0u;
+    if (threadIdx.x == 0) *counter = 0u;
 }
 
 // sumtree_sample: a stratified batch of B leaves with importance weights, and
@@ -75,15 +76,15 @@ extern "C" __global__ void sumtree_rebuild(double* nodes, const float* leaves, i
 //   `uniforms` is not null, uniforms[j] (tests inject them);
 //   w_j = (N p_j / total)^-beta / max_j w_j = (p_min / p_j)^beta.
 // Launch: one warp per sample, blockDim = 32 * SAMPLES_PER_BLOCK (128),
-// grid = ceil(B / 4): never a single block for B > 4. The warp's lanes walk
-// the tree together (same addresses, one transaction each level), then copy
-// the rows with coalesced accesses. block_min[gridDim.x] holds per-block
+// grid = ceil(B / 4): never a single block for B > 4. The warp walks the
+// 32-ary tree together (one coalesced load per level), then copies the rows
+// with coalesced accesses. block_min[gridDim.x] holds per-block
 // minima; the last block to finish computes the weights, advances *step and
 // resets the counter, so a graph replay draws fresh numbers.
 // A tree whose total is 0 raises errors[DT_ERR_EMPTY] and returns leaf 0.
 // Gather pointers may be null (obs_dim 0 skips the rows).
 extern "C" __global__ void sumtree_sample(
-        const double* nodes, const float* leaves, int leaf_base, int batch,
+        const double* nodes, const float* leaves, int capacity, int height, int batch,
         unsigned long long seed, unsigned long long* step, const double* uniforms, float beta,
         int* out_index, float* out_weight, float* block_min, unsigned int* counter, int* errors,
         const float* obs, const float* next_obs, const int* action, const float* reward,
@@ -96,12 +97,12 @@ extern "C" __global__ void sumtree_sample(
     const int j = blockIdx.x * WARPS + warp;
     float p = dt_inf();
     if (j < batch) {
-        const double total = nodes[1];
+        const double total = nodes[0];
         const double u = uniforms ? uniforms[j] : dt_uniform53(seed, *step, (unsigned int)j);
         const double mass = ((double)j + u) * total / (double)batch;
         int leaf = 0;
         if (total > 0.0) {
-            leaf = dt_tree_descend(nodes, leaves, leaf_base, mass, total * 0x1p-40);
+            leaf = dt_tree_descend(nodes, leaves, capacity, height, mass, total * 0x1p-40);
         } else if (lane == 0) {
             errors[DT_ERR_EMPTY] = 1;
         }
@@ -147,7 +148,7 @@ extern "C" __global__ void sumtree_sample(
     const double p_min = reduce[0];
     for (int k = threadIdx.x; k < batch; k += blockDim.x) {
         double pk = __ldcg(&out_weight[k]);
-        out_weight[k] = pk > 0.0 ? (float)pow(p_min / pk, (double)beta) : 0.0f;
+        out_weight[k] = pk > 0.0 ? powf((float)(p_min / pk), beta) : 0.0f;
     }
     if (threadIdx.x == 0) {
         *counter = 0u;

@@ -1,53 +1,98 @@
-// The device side of drvtrain's sum tree.
+// The device side of drvtrain's sum tree: a 32-ary tree, so that one warp
+// reads all the children of a node in a single coalesced access.
 //
-// Layout: leaf_base = a power of two >= max(capacity, 2). Internal sums are
-// fp64 in nodes[1 .. leaf_base-1] (nodes[1] is the total; the children of k are
-// 2k and 2k+1). Leaf values p = priority^alpha are fp32 in leaves[0 ..
-// leaf_base-1]; leaves past the capacity stay 0. The parent of leaf i is
-// node (leaf_base + i) >> 1.
+// Layout for `capacity` leaves and `height` H (the smallest H with
+// ceil(capacity / 32^H) == 1):
+//   leaves: fp32 leaf values p = priority^alpha, capacity rounded up to a
+//           multiple of 32; padding leaves stay 0.
+//   nodes:  fp64 internal sums, level by level from the root down. Level h
+//           (1 <= h <= H) holds ceil(capacity / 32^h) nodes, padded to a
+//           multiple of 32; node n of level h sums children 32n .. 32n+31 of
+//           level h-1 (level 0 = the leaves). The root is nodes[0], the total.
 //
-// Why fp64 internal nodes: updates add differences atomically, and fp32 sums
-// drift away from their leaves over millions of updates (each add rounds at
-// 2^-24 of the running sum). In fp64 the same drift is 2^29 times smaller, so
-// the tree stays within 1e-12 of an exact rebuild after 10^6 updates (see the
-// drift test and docs/perf-notes.md); rebuild() still exists to restore
-// bit-exact sums.
+// Why fp64 internal sums: updates add differences atomically, and fp32 sums
+// drift from their leaves over millions of updates (every add rounds at 2^-24
+// of the running sum). In fp64 the same rounding is 2^29 times smaller: after
+// 10^6 updates at capacity 2^20 the root still matches an exact sum of the
+// leaves to better than 1e-12 (measured: docs/perf-notes.md). rebuild()
+// restores sums that are exact up to one rounding per add.
 #pragma once
+
+#define DT_FULL_MASK 0xffffffffu
 
 // Error flags in mapped host memory: plain stores of 1, so no atomics cross the bus.
 enum { DT_ERR_INDEX = 0, DT_ERR_PRIORITY = 1, DT_ERR_EMPTY = 2, DT_ERR_COUNT = 4 };
 
+// Nodes at level h >= 1 that cover real leaves: ceil(capacity / 32^h).
+__device__ __forceinline__ int dt_level_real(int capacity, int h) {
+    long long span = 1ll << (5 * h);
+    return (int)(((long long)capacity + span - 1) >> (5 * h));
+}
+
+// Entries level h occupies in `nodes`: the real nodes padded to a multiple of 32.
+__device__ __forceinline__ int dt_level_size(int capacity, int h) {
+    return (dt_level_real(capacity, h) + 31) & ~31;
+}
+
 // Write leaf i and carry the difference up to the root. Concurrent writers
 // of the same leaf each see the value they replaced, so the differences
 // telescope: every internal node still equals the sum of its children.
-__device__ __forceinline__ void dt_tree_set_leaf(double* nodes, float* leaves, int leaf_base, int i, float p) {
+// `internal` is the length of `nodes`; level 1 sits at its end.
+__device__ __forceinline__ void dt_tree_set_leaf(double* nodes, float* leaves, int capacity, int height,
+                                                 int internal, int i, float p) {
     float old = atomicExch(&leaves[i], p);
     double diff = (double)p - (double)old;
-    if (diff != 0.0) {
-        for (int k = (leaf_base + i) >> 1; k >= 1; k >>= 1) atomicAdd(&nodes[k], diff);
+    if (diff == 0.0) return;
+    int offset = internal;
+    for (int h = 1; h <= height; ++h) {
+        offset -= dt_level_size(capacity, h);
+        atomicAdd(&nodes[offset + (int)((long long)i >> (5 * h))], diff);
     }
 }
 
-// Walk from the root to the leaf holding prefix mass `mass`: left when the
-// left sum exceeds the mass, else subtract it and go right. A subtree whose
-// sum is at most `empty` is never entered, so rounding at a segment edge can
-// not end on a zero leaf; it clamps to the last non-zero leaf instead.
-__device__ __forceinline__ int dt_tree_descend(const double* nodes, const float* leaves, int leaf_base,
-                                               double mass, double empty) {
-    int k = 1;
-    const int half = leaf_base >> 1;
-    while (k < half) {
-        double left = nodes[2 * k], right = nodes[2 * k + 1];
-        bool left_ok = left > empty, right_ok = right > empty;
-        if (right_ok && !(left_ok && left > mass)) {
-            mass -= left;
-            k = 2 * k + 1;
+// Deterministic warp sum (fixed butterfly order).
+__device__ __forceinline__ double dt_warp_sum(double v) {
+#pragma unroll
+    for (int d = 16; d >= 1; d >>= 1) v += __shfl_xor_sync(DT_FULL_MASK, v, d);
+    return v;
+}
+
+// The whole warp walks from the root to the leaf holding prefix mass `mass`.
+// At each node the 32 lanes load the 32 child sums, scan them, and take the
+// first child whose running sum exceeds the mass, then subtract the sums
+// before it. A child whose sum is at most `empty` (0 for leaves) is never
+// taken, so rounding at a segment edge cannot end on a zero leaf: when no
+// child qualifies the walk clamps to the last non-empty one. Every lane
+// returns the leaf index.
+__device__ __forceinline__ int dt_tree_descend(const double* nodes, const float* leaves, int capacity,
+                                               int height, double mass, double empty) {
+    const int lane = threadIdx.x & 31;
+    int node = 0, offset = 0;  // the root: node 0 of level `height`, at nodes[0]
+    for (int h = height; h >= 1; --h) {
+        const int child = node * 32 + lane;
+        double v, threshold;
+        if (h > 1) {
+            offset += dt_level_size(capacity, h);
+            v = nodes[offset + child];
+            threshold = empty;
         } else {
-            k = 2 * k;
+            v = (double)leaves[child];
+            threshold = 0.0;
         }
+        double inclusive = v;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            double t = __shfl_up_sync(DT_FULL_MASK, inclusive, d);
+            if (lane >= d) inclusive += t;
+        }
+        double exclusive = __shfl_up_sync(DT_FULL_MASK, inclusive, 1);
+        if (lane == 0) exclusive = 0.0;
+        const bool live = v > threshold;
+        const unsigned live_mask = __ballot_sync(DT_FULL_MASK, live);
+        const unsigned hit_mask = __ballot_sync(DT_FULL_MASK, live && inclusive > mass);
+        const int c = hit_mask ? __ffs(hit_mask) - 1 : (live_mask ? 31 - __clz(live_mask) : 0);
+        mass -= __shfl_sync(DT_FULL_MASK, exclusive, c);
+        node = node * 32 + c;
     }
-    int a = 2 * k - leaf_base;
-    float left = leaves[a], right = leaves[a + 1];
-    bool left_ok = left > 0.0f, right_ok = right > 0.0f;
-    return (right_ok && !(left_ok && (double)left > mass)) ? a + 1 : a;
+    return node;
 }

@@ -46,10 +46,21 @@ def importance_weights(p: np.ndarray, total: float, stored: int, beta: float) ->
     return w / w.max()
 
 
-def tree_inconsistency(nodes: np.ndarray, leaves_padded: np.ndarray) -> float:
-    """Largest relative gap between an internal node and the sum of its two children."""
-    leaf_base = len(leaves_padded)
-    full = np.concatenate([nodes, leaves_padded.astype(np.float64)])  # heap: node k, leaf i at leaf_base + i
-    k = np.arange(1, leaf_base)
-    children = full[2 * k] + full[2 * k + 1]
-    return float(np.max(np.abs(full[k] - children) / np.maximum(np.abs(children), 1e-300)))
+def tree_inconsistency(nodes: np.ndarray, leaves: np.ndarray, levels) -> float:
+    """Largest relative gap between an internal node and the sum of its 32 children.
+
+    ``levels`` is ``SumTree.levels``: (offset, real nodes, padded size) per level,
+    root first. A non-zero padding node counts as an infinite gap.
+    """
+    children = np.asarray(leaves, np.float64)
+    worst = 0.0
+    for offset, real, size in reversed(levels):
+        padded = np.zeros(real * 32)
+        padded[: min(len(children), real * 32)] = children[: real * 32]
+        sums = padded.reshape(real, 32).sum(axis=1)
+        stored = np.asarray(nodes[offset: offset + real], np.float64)
+        worst = max(worst, float(np.max(np.abs(stored - sums) / np.maximum(np.abs(sums), 1e-300))))
+        if np.any(nodes[offset + real: offset + size] != 0):
+            return float("inf")
+        children = stored
+    return worst

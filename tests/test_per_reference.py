@@ -4,6 +4,8 @@ import math
 import numpy as np
 import pytest
 
+from drvtrain.rl.sumtree import tree_levels
+
 from per_reference import (importance_weights, philox4x32_10, philox_uniforms, prefix_search,
                            stratified_masses, tree_inconsistency)
 
@@ -52,14 +54,40 @@ def test_importance_weights_normalise_to_batch_max(rng):
     np.testing.assert_allclose(w, (p.min() / p) ** 0.4, rtol=1e-12)
 
 
+def build_tree(leaves: np.ndarray, levels) -> np.ndarray:
+    """Exact internal nodes for ``leaves`` in the device layout (a reference builder)."""
+    nodes = np.zeros(sum(size for _, _, size in levels))
+    children = leaves.astype(np.float64)
+    for offset, real, _ in reversed(levels):
+        padded = np.zeros(real * 32)
+        padded[: len(children[: real * 32])] = children[: real * 32]
+        nodes[offset: offset + real] = [math.fsum(row) for row in padded.reshape(real, 32)]
+        children = nodes[offset: offset + real]
+    return nodes
+
+
+@pytest.mark.parametrize("capacity, expected", [
+    (1, [(0, 1, 32)]),
+    (32, [(0, 1, 32)]),
+    (33, [(0, 1, 32), (32, 2, 32)]),
+    (1 << 17, [(0, 1, 32), (32, 4, 32), (64, 128, 128), (192, 4096, 4096)]),
+    (1 << 20, [(0, 1, 32), (32, 32, 32), (64, 1024, 1024), (1088, 32768, 32768)]),
+])
+def test_tree_layout_levels(capacity, expected):
+    assert tree_levels(capacity) == expected
+
+
 def test_tree_inconsistency_sees_a_wrong_node(rng):
-    leaves = rng.random(8).astype(np.float32)
-    nodes = np.zeros(8)
-    full = np.concatenate([nodes, leaves.astype(np.float64)])
-    for k in range(7, 0, -1):
-        full[k] = full[2 * k] + full[2 * k + 1]
-    nodes = full[:8]
-    assert tree_inconsistency(nodes, leaves) == 0.0
-    assert math.isclose(nodes[1], math.fsum(leaves.astype(np.float64)), rel_tol=1e-15)
-    nodes[3] *= 1.001
-    assert tree_inconsistency(nodes, leaves) > 1e-4
+    capacity = 5000
+    levels = tree_levels(capacity)
+    leaves = np.zeros((capacity + 31) // 32 * 32, np.float32)
+    leaves[:capacity] = rng.random(capacity)
+    nodes = build_tree(leaves, levels)
+    assert tree_inconsistency(nodes, leaves, levels) < 1e-15
+    assert math.isclose(nodes[0], math.fsum(leaves.astype(np.float64)), rel_tol=1e-15)
+    wrong = nodes.copy()
+    wrong[levels[1][0]] *= 1.001
+    assert tree_inconsistency(wrong, leaves, levels) > 1e-4
+    padded = nodes.copy()
+    padded[levels[1][0] + levels[1][1]] = 1.0  # a padding node must stay 0
+    assert tree_inconsistency(padded, leaves, levels) == float("inf")

@@ -54,7 +54,7 @@ class ReplayBuffer:
         self._counter = state.view(np.uint32, (1,), 16)
         self._state_owner = state
         self._insert = builtin_module("replay.cu").kernel(
-            "replay_insert", "ptr ptr ptr ptr ptr i32 i32 ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr i32 ptr")
+            "replay_insert", "ptr ptr ptr ptr ptr i32 i32 ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr i32 i32 ptr")
 
     # -------------------------------------------------------------- insertion
     def insert(self, obs, action, reward, next_obs, done, stream) -> None:
@@ -73,7 +73,7 @@ class ReplayBuffer:
                             self.obs, self.next_obs, self.action, self.reward, self.done,
                             self.obs_dim, self.capacity, obs, next_obs, action, reward, done, n,
                             self.state, self.tree.nodes, self.tree.leaves, self.tree.max_priority(),
-                            self.tree.leaf_base, self._counter, stream=stream)
+                            self.tree.height, self.tree.internal, self._counter, stream=stream)
 
     def _check_count(self, n: int) -> int:
         if not 1 <= n <= self.capacity:

@@ -19,10 +19,34 @@ import numpy as np
 from ..kernel import builtin_module
 from ..memory import DeviceBuffer, MappedBuffer
 
-__all__ = ["SumTree", "ReplayError", "SAMPLES_PER_BLOCK"]
+__all__ = ["SumTree", "ReplayError", "SAMPLES_PER_BLOCK", "tree_levels"]
 
 SAMPLES_PER_BLOCK = 4  # one warp per sample, 4 warps per block
 _FLAGS = ("index out of range", "negative, NaN or infinite priority", "sampled an empty tree")
+
+
+def _round32(n: int) -> int:
+    return (n + 31) // 32 * 32
+
+
+def tree_levels(capacity: int) -> list[tuple[int, int, int]]:
+    """(offset in nodes, real nodes, padded size) of each internal level, root first.
+
+    The device computes the same layout (kernels/sumtree.cuh): level h holds
+    ceil(capacity / 32^h) nodes padded to a multiple of 32, root level first.
+    """
+    real = []
+    n = capacity
+    while True:
+        n = -(-n // 32)
+        real.append(n)
+        if n == 1:
+            break
+    levels, offset = [], 0
+    for count in reversed(real):
+        levels.append((offset, count, _round32(count)))
+        offset += _round32(count)
+    return levels
 
 
 class ReplayError(RuntimeError):
@@ -54,9 +78,11 @@ class SumTree:
         self.alpha = float(alpha)
         self.seed = secrets.randbits(64) if seed is None else int(seed) & (2**64 - 1)
         self.max_batch = int(max_batch)
-        self.leaf_base = max(2, 1 << (self.capacity - 1).bit_length())
-        self.nodes = DeviceBuffer.from_numpy(np.zeros(self.leaf_base, np.float64))
-        self.leaves = DeviceBuffer.from_numpy(np.zeros(self.leaf_base, np.float32))
+        self.levels = tree_levels(self.capacity)
+        self.height = len(self.levels)
+        self.internal = sum(size for _, _, size in self.levels)
+        self.nodes = DeviceBuffer.from_numpy(np.zeros(self.internal, np.float64))
+        self.leaves = DeviceBuffer.from_numpy(np.zeros(_round32(self.capacity), np.float32))
         # Device state: the RNG step (u64), the sample and rebuild launch counters
         # (u32 each), the largest leaf value written so far (f32).
         state = np.zeros(6, np.uint32)
@@ -70,17 +96,15 @@ class SumTree:
         self.errors = MappedBuffer(4, np.int32)
         self.errors.view()[:] = 0
         mod = builtin_module("sumtree.cu")
-        self._update = mod.kernel("sumtree_update", "ptr ptr ptr ptr ptr f32 i32 i32 i32 ptr")
-        self._rebuild = mod.kernel("sumtree_rebuild", "ptr ptr i32 ptr")
-        self._sample = mod.kernel("sumtree_sample", "ptr ptr i32 i32 u64 ptr ptr f32 ptr ptr ptr ptr ptr "
+        self._update = mod.kernel("sumtree_update", "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr")
+        self._rebuild = mod.kernel("sumtree_rebuild", "ptr ptr i32 i32 i32 ptr")
+        self._sample = mod.kernel("sumtree_sample", "ptr ptr i32 i32 i32 u64 ptr ptr f32 ptr ptr ptr ptr ptr "
                                                     "ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr ptr")
-        threads = min(512, self.leaf_base // 2)
-        self._rebuild_shape = (self.leaf_base // (2 * threads), threads, threads * 8)
 
     # -------------------------------------------------------------- device views
     def total(self) -> DeviceBuffer:
         """The sum of all leaves, as a one-element fp64 device view (the root)."""
-        return self.nodes.view(np.float64, (1,), 8)
+        return self.nodes.view(np.float64, (1,), 0)
 
     def max_priority(self) -> DeviceBuffer:
         """The largest leaf value ever written, as a one-element fp32 device view."""
@@ -108,7 +132,8 @@ class SumTree:
         # Small blocks, so even a batch of 128 spreads over several SMs.
         grid = min(-(-n // 64), 4096)
         self._update.launch(grid, 64, self.nodes, self.leaves, self._max_leaf, indices, priorities,
-                            self.alpha, n, self.capacity, self.leaf_base, self.errors, stream=stream)
+                            self.alpha, n, self.capacity, self.height, self.internal, self.errors,
+                            stream=stream)
 
     def _validate_host(self, indices, priorities) -> tuple[np.ndarray, np.ndarray]:
         indices, priorities = np.asarray(indices), np.asarray(priorities)
@@ -129,9 +154,9 @@ class SumTree:
 
     def rebuild(self, stream) -> None:
         """Recompute every internal node from the leaves, bit-reproducibly, in one launch."""
-        grid, threads, shared = self._rebuild_shape
-        self._rebuild.launch(grid, threads, self.nodes, self.leaves, self.leaf_base,
-                             self._rebuild_counter, stream=stream, shared_mem=shared)
+        level1_nodes = self.levels[-1][1]
+        self._rebuild.launch(-(-level1_nodes // 32), 1024, self.nodes, self.leaves, self.capacity,
+                             self.height, self.internal, self._rebuild_counter, stream=stream)
 
     def sample(self, batch: int, stream, *, beta: float, indices: DeviceBuffer, weights: DeviceBuffer,
                uniforms: DeviceBuffer | None = None, gather=None) -> None:
@@ -149,7 +174,7 @@ class SumTree:
             _device_array(uniforms, np.float64, "uniforms", batch)
         rows = gather if gather is not None else (0,) * 11
         self._sample.launch(-(-batch // SAMPLES_PER_BLOCK), 32 * SAMPLES_PER_BLOCK,
-                            self.nodes, self.leaves, self.leaf_base, batch, self.seed, self.step,
+                            self.nodes, self.leaves, self.capacity, self.height, batch, self.seed, self.step,
                             uniforms if uniforms is not None else 0, float(beta), indices, weights,
                             self._block_min, self._sample_counter, self.errors, *rows, stream=stream)
 
@@ -160,7 +185,7 @@ class SumTree:
         if pri.shape != (self.capacity,):
             raise ValueError(f"expected {self.capacity} priorities, got shape {pri.shape}")
         _, pri = self._validate_host(np.arange(self.capacity), pri)
-        leaves = np.zeros(self.leaf_base, np.float32)
+        leaves = np.zeros(self.leaves.size, np.float32)
         leaves[: self.capacity] = pri.astype(np.float64) ** self.alpha
         self.leaves.copy_from_numpy(leaves)
         largest = max(self._max_leaf.to_numpy()[0], leaves.max())
