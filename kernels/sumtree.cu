@@ -82,7 +82,9 @@ extern "C" __global__ void sumtree_rebuild(double* nodes, const float* leaves, i
 // minima; the last block to finish computes the weights, advances *step and
 // resets the counter, so a graph replay draws fresh numbers.
 // A tree whose total is 0 raises errors[DT_ERR_EMPTY] and returns leaf 0.
-// Gather pointers may be null (obs_dim 0 skips the rows).
+// Gather pointers may be null (obs_dim 0 skips the rows); with obs_dim a
+// multiple of 4, every row pointer must be 16-byte aligned (device buffers
+// and arena slices are 256-byte aligned).
 extern "C" __global__ void sumtree_sample(
         const double* nodes, const float* leaves, int capacity, int height, int batch,
         unsigned long long seed, unsigned long long* step, const double* uniforms, float beta,
@@ -113,9 +115,24 @@ extern "C" __global__ void sumtree_sample(
         }
         if (obs_dim > 0) {
             const long long src = (long long)leaf * obs_dim, dst = (long long)j * obs_dim;
-            for (int d = lane; d < obs_dim; d += 32) {
-                batch_obs[dst + d] = obs[src + d];
-                batch_next_obs[dst + d] = next_obs[src + d];
+            if ((obs_dim & 3) == 0) {
+                // 16-byte accesses, both loads issued before either store: a row of
+                // 128 floats is one load per lane per array, one HBM round trip.
+                const float4* o = reinterpret_cast<const float4*>(obs + src);
+                const float4* no = reinterpret_cast<const float4*>(next_obs + src);
+                float4* bo = reinterpret_cast<float4*>(batch_obs + dst);
+                float4* bno = reinterpret_cast<float4*>(batch_next_obs + dst);
+                for (int d = lane; d < (obs_dim >> 2); d += 32) {
+                    const float4 a = __ldg(o + d), b = __ldg(no + d);
+                    bo[d] = a;
+                    bno[d] = b;
+                }
+            } else {
+                for (int d = lane; d < obs_dim; d += 32) {
+                    const float a = __ldg(obs + src + d), b = __ldg(next_obs + src + d);
+                    batch_obs[dst + d] = a;
+                    batch_next_obs[dst + d] = b;
+                }
             }
             if (lane == 0) {
                 batch_action[j] = action[leaf];

@@ -208,6 +208,26 @@ class SumTree:
             flags[:] = 0
             raise ReplayError("the device reported: " + "; ".join(raised))
 
+    def drift(self) -> tuple[float, float]:
+        """(root vs exact sum of the leaves, worst node vs the sum of its children), relative.
+
+        A synchronous host-side diagnostic: it reads the whole tree back.
+        """
+        import math
+        leaves = self.leaves.to_numpy().astype(np.float64)
+        nodes = self.nodes_numpy()
+        exact = math.fsum(leaves)
+        root = abs(nodes[0] - exact) / exact if exact else abs(nodes[0])
+        worst, children = 0.0, leaves
+        for offset, real, _ in reversed(self.levels):
+            padded = np.zeros(real * 32)
+            padded[: min(len(children), real * 32)] = children[: real * 32]
+            sums = np.array([math.fsum(row) for row in padded.reshape(real, 32)])
+            stored = nodes[offset: offset + real]
+            worst = max(worst, float(np.max(np.abs(stored - sums) / np.maximum(np.abs(sums), 1e-300))))
+            children = stored
+        return root, worst
+
     def leaves_numpy(self) -> np.ndarray:
         return self.leaves.to_numpy()[: self.capacity]
 
