@@ -98,49 +98,23 @@ extern "C" __global__ void sumtree_sample(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j = blockIdx.x * WARPS + warp;
     float p = dt_inf();
+    int leaf = 0;
     if (j < batch) {
         const double total = nodes[0];
         const double u = uniforms ? uniforms[j] : dt_uniform53(seed, *step, (unsigned int)j);
         const double mass = ((double)j + u) * total / (double)batch;
-        int leaf = 0;
         if (total > 0.0) {
-            leaf = dt_tree_descend(nodes, leaves, capacity, height, mass, total * 0x1p-40);
-        } else if (lane == 0) {
-            errors[DT_ERR_EMPTY] = 1;
+            leaf = dt_tree_descend(nodes, leaves, capacity, height, mass, total * 0x1p-40, p);
+        } else {
+            p = leaves[0];
+            if (lane == 0) errors[DT_ERR_EMPTY] = 1;
         }
-        p = leaves[leaf];
         if (lane == 0) {
             out_index[j] = leaf;
             out_weight[j] = p;  // the leaf value, until the last block turns it into a weight
         }
-        if (obs_dim > 0) {
-            const long long src = (long long)leaf * obs_dim, dst = (long long)j * obs_dim;
-            if ((obs_dim & 3) == 0) {
-                // 16-byte accesses, both loads issued before either store: a row of
-                // 128 floats is one load per lane per array, one HBM round trip.
-                const float4* o = reinterpret_cast<const float4*>(obs + src);
-                const float4* no = reinterpret_cast<const float4*>(next_obs + src);
-                float4* bo = reinterpret_cast<float4*>(batch_obs + dst);
-                float4* bno = reinterpret_cast<float4*>(batch_next_obs + dst);
-                for (int d = lane; d < (obs_dim >> 2); d += 32) {
-                    const float4 a = __ldg(o + d), b = __ldg(no + d);
-                    bo[d] = a;
-                    bno[d] = b;
-                }
-            } else {
-                for (int d = lane; d < obs_dim; d += 32) {
-                    const float a = __ldg(obs + src + d), b = __ldg(next_obs + src + d);
-                    batch_obs[dst + d] = a;
-                    batch_next_obs[dst + d] = b;
-                }
-            }
-            if (lane == 0) {
-                batch_action[j] = action[leaf];
-                batch_reward[j] = reward[leaf];
-                batch_done[j] = done[leaf];
-            }
-        }
     }
+    // The weights need the batch minimum: per-block minima, then the last block.
     if (lane == 0) warp_p[warp] = p;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -151,24 +125,54 @@ extern "C" __global__ void sumtree_sample(
         last = atomicAdd(counter, 1u) == gridDim.x - 1;
     }
     __syncthreads();
-    if (!last) return;
-    __threadfence();
-    __shared__ float reduce[128];
-    float m = dt_inf();
-    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) m = fminf(m, __ldcg(&block_min[b]));
-    reduce[threadIdx.x] = m;
-    __syncthreads();
-    for (int width = blockDim.x >> 1; width >= 1; width >>= 1) {
-        if (threadIdx.x < width) reduce[threadIdx.x] = fminf(reduce[threadIdx.x], reduce[threadIdx.x + width]);
+    if (last) {  // block-uniform, so the barriers below are safe
+        __threadfence();
+        __shared__ float reduce[128];
+        float m = dt_inf();
+        for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) m = fminf(m, __ldcg(&block_min[b]));
+        reduce[threadIdx.x] = m;
         __syncthreads();
+        for (int width = blockDim.x >> 1; width >= 1; width >>= 1) {
+            if (threadIdx.x < width) reduce[threadIdx.x] = fminf(reduce[threadIdx.x], reduce[threadIdx.x + width]);
+            __syncthreads();
+        }
+        const float p_min = reduce[0];
+        for (int k = threadIdx.x; k < batch; k += blockDim.x) {
+            const float pk = __ldcg(&out_weight[k]);
+            out_weight[k] = pk > 0.0f ? powf(p_min / pk, beta) : 0.0f;
+        }
+        if (threadIdx.x == 0) {
+            *counter = 0u;
+            *step += 1ull;
+        }
     }
-    const double p_min = reduce[0];
-    for (int k = threadIdx.x; k < batch; k += blockDim.x) {
-        double pk = __ldcg(&out_weight[k]);
-        out_weight[k] = pk > 0.0 ? powf((float)(p_min / pk), beta) : 0.0f;
-    }
-    if (threadIdx.x == 0) {
-        *counter = 0u;
-        *step += 1ull;
+    // The gather comes last: its HBM round trip overlaps the weights tail
+    // instead of delaying the counter.
+    if (j < batch && obs_dim > 0) {
+        const long long src = (long long)leaf * obs_dim, dst = (long long)j * obs_dim;
+        if ((obs_dim & 3) == 0) {
+            // 16-byte accesses, both loads issued before either store: a row of
+            // 128 floats is one load per lane per array, one HBM round trip.
+            const float4* o = reinterpret_cast<const float4*>(obs + src);
+            const float4* no = reinterpret_cast<const float4*>(next_obs + src);
+            float4* bo = reinterpret_cast<float4*>(batch_obs + dst);
+            float4* bno = reinterpret_cast<float4*>(batch_next_obs + dst);
+            for (int d = lane; d < (obs_dim >> 2); d += 32) {
+                const float4 a = __ldg(o + d), b = __ldg(no + d);
+                bo[d] = a;
+                bno[d] = b;
+            }
+        } else {
+            for (int d = lane; d < obs_dim; d += 32) {
+                const float a = __ldg(obs + src + d), b = __ldg(next_obs + src + d);
+                batch_obs[dst + d] = a;
+                batch_next_obs[dst + d] = b;
+            }
+        }
+        if (lane == 0) {
+            batch_action[j] = action[leaf];
+            batch_reward[j] = reward[leaf];
+            batch_done[j] = done[leaf];
+        }
     }
 }

@@ -63,9 +63,9 @@ __device__ __forceinline__ double dt_warp_sum(double v) {
 // before it. A child whose sum is at most `empty` (0 for leaves) is never
 // taken, so rounding at a segment edge cannot end on a zero leaf: when no
 // child qualifies the walk clamps to the last non-empty one. Every lane
-// returns the leaf index.
+// returns the leaf index, and its value in `leaf_value`.
 __device__ __forceinline__ int dt_tree_descend(const double* nodes, const float* leaves, int capacity,
-                                               int height, double mass, double empty) {
+                                               int height, double mass, double empty, float& leaf_value) {
     const int lane = threadIdx.x & 31;
     int node = 0, offset = 0;  // the root: node 0 of level `height`, at nodes[0]
     for (int h = height; h >= 1; --h) {
@@ -93,6 +93,7 @@ __device__ __forceinline__ int dt_tree_descend(const double* nodes, const float*
         const int c = hit_mask ? __ffs(hit_mask) - 1 : (live_mask ? 31 - __clz(live_mask) : 0);
         mass -= __shfl_sync(DT_FULL_MASK, exclusive, c);
         node = node * 32 + c;
+        if (h == 1) leaf_value = (float)__shfl_sync(DT_FULL_MASK, v, c);
     }
     return node;
 }
