@@ -5,7 +5,7 @@
 #include "sumtree.cuh"
 
 // sumtree_update: leaf[indices[t]] = priorities[t]^alpha for t < n, one thread
-// per index over any grid. Duplicate indices are legal (see dt_tree_set_leaf).
+// per index over any grid whose block size is a multiple of 32. Duplicate indices are legal (see dt_tree_set_leaf).
 // An index outside [0, capacity) or a negative, NaN or infinite priority is
 // skipped and raises its flag in `errors` (mapped host memory).
 // max_leaf tracks the largest leaf value ever written (new transitions enter
@@ -14,14 +14,36 @@
 extern "C" __global__ void sumtree_update(double* nodes, float* leaves, float* max_leaf,
                                           const int* indices, const float* priorities, float alpha,
                                           int n, int capacity, int height, int internal, int* errors) {
-    for (long long t = dt_thread_index(); t < n; t += dt_grid_stride()) {
-        int i = indices[t];
-        float pr = priorities[t];
-        if (i < 0 || i >= capacity) { errors[DT_ERR_INDEX] = 1; continue; }
-        if (!(pr >= 0.0f) || isinf(pr)) { errors[DT_ERR_PRIORITY] = 1; continue; }
-        float p = alpha == 1.0f ? pr : powf(pr, alpha);
-        dt_tree_set_leaf(nodes, leaves, capacity, height, internal, i, p);
-        atomicMax(reinterpret_cast<int*>(max_leaf), __float_as_int(p));  // p >= 0: int order is float order
+    // Every lane of a warp runs the same iterations (the grid stride is a multiple
+    // of 32), so the root and the running maximum take one atomic per warp instead
+    // of one per index: those two addresses are where all updates collide.
+    const int lane = threadIdx.x & 31;
+    const long long rounded = ((long long)n + 31) & ~31ll;
+    for (long long t = dt_thread_index(); t < rounded; t += dt_grid_stride()) {
+        double diff = 0.0;
+        float p = 0.0f;
+        int i = 0;
+        if (t < n) {
+            i = indices[t];
+            const float pr = priorities[t];
+            if (i < 0 || i >= capacity) {
+                errors[DT_ERR_INDEX] = 1;
+            } else if (!(pr >= 0.0f) || isinf(pr)) {
+                errors[DT_ERR_PRIORITY] = 1;
+            } else {
+                p = alpha == 1.0f ? pr : powf(pr, alpha);
+                diff = (double)p - (double)atomicExch(&leaves[i], p);
+            }
+        }
+        if (diff != 0.0) dt_tree_add_below_root(nodes, capacity, height, internal, i, diff);
+        const double root_diff = dt_warp_sum(diff);
+        float largest = p;
+#pragma unroll
+        for (int d = 16; d >= 1; d >>= 1) largest = fmaxf(largest, __shfl_xor_sync(DT_FULL_MASK, largest, d));
+        if (lane == 0) {
+            if (root_diff != 0.0) atomicAdd(&nodes[0], root_diff);
+            atomicMax(reinterpret_cast<int*>(max_leaf), __float_as_int(largest));  // >= 0: int order is float order
+        }
     }
 }
 
@@ -101,10 +123,11 @@ extern "C" __global__ void sumtree_sample(
     int leaf = 0;
     if (j < batch) {
         const double total = nodes[0];
+        const double first = dt_tree_first_level(nodes, leaves, height);
         const double u = uniforms ? uniforms[j] : dt_uniform53(seed, *step, (unsigned int)j);
         const double mass = ((double)j + u) * total / (double)batch;
         if (total > 0.0) {
-            leaf = dt_tree_descend(nodes, leaves, capacity, height, mass, total * 0x1p-40, p);
+            leaf = dt_tree_descend(nodes, leaves, capacity, height, first, mass, total * 0x1p-40, p);
         } else {
             p = leaves[0];
             if (lane == 0) errors[DT_ERR_EMPTY] = 1;
@@ -137,6 +160,7 @@ extern "C" __global__ void sumtree_sample(
             __syncthreads();
         }
         const float p_min = reduce[0];
+#pragma unroll 4
         for (int k = threadIdx.x; k < batch; k += blockDim.x) {
             const float pk = __ldcg(&out_weight[k]);
             out_weight[k] = pk > 0.0f ? powf(p_min / pk, beta) : 0.0f;

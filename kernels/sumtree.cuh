@@ -38,16 +38,23 @@ __device__ __forceinline__ int dt_level_size(int capacity, int h) {
 // of the same leaf each see the value they replaced, so the differences
 // telescope: every internal node still equals the sum of its children.
 // `internal` is the length of `nodes`; level 1 sits at its end.
+// Add `diff` to the ancestors of leaf i below the root (levels 1 .. height-1).
+__device__ __forceinline__ void dt_tree_add_below_root(double* nodes, int capacity, int height, int internal,
+                                                       int i, double diff) {
+    int offset = internal;
+    for (int h = 1; h < height; ++h) {
+        offset -= dt_level_size(capacity, h);
+        atomicAdd(&nodes[offset + (int)((long long)i >> (5 * h))], diff);
+    }
+}
+
 __device__ __forceinline__ void dt_tree_set_leaf(double* nodes, float* leaves, int capacity, int height,
                                                  int internal, int i, float p) {
     float old = atomicExch(&leaves[i], p);
     double diff = (double)p - (double)old;
     if (diff == 0.0) return;
-    int offset = internal;
-    for (int h = 1; h <= height; ++h) {
-        offset -= dt_level_size(capacity, h);
-        atomicAdd(&nodes[offset + (int)((long long)i >> (5 * h))], diff);
-    }
+    dt_tree_add_below_root(nodes, capacity, height, internal, i, diff);
+    atomicAdd(&nodes[0], diff);
 }
 
 // Deterministic warp sum (fixed butterfly order).
@@ -64,21 +71,25 @@ __device__ __forceinline__ double dt_warp_sum(double v) {
 // taken, so rounding at a segment edge cannot end on a zero leaf: when no
 // child qualifies the walk clamps to the last non-empty one. Every lane
 // returns the leaf index, and its value in `leaf_value`.
+// `first` is this lane's child of the root, loaded by the caller (see
+// dt_tree_first_level) so that its load overlaps the load of the total.
 __device__ __forceinline__ int dt_tree_descend(const double* nodes, const float* leaves, int capacity,
-                                               int height, double mass, double empty, float& leaf_value) {
+                                               int height, double first, double mass, double empty,
+                                               float& leaf_value) {
     const int lane = threadIdx.x & 31;
     int node = 0, offset = 0;  // the root: node 0 of level `height`, at nodes[0]
     for (int h = height; h >= 1; --h) {
         const int child = node * 32 + lane;
-        double v, threshold;
-        if (h > 1) {
-            offset += dt_level_size(capacity, h);
+        double v;
+        if (h > 1) offset += dt_level_size(capacity, h);
+        if (h == height) {
+            v = first;
+        } else if (h > 1) {
             v = nodes[offset + child];
-            threshold = empty;
         } else {
             v = (double)leaves[child];
-            threshold = 0.0;
         }
+        const double threshold = h > 1 ? empty : 0.0;
         double inclusive = v;
 #pragma unroll
         for (int d = 1; d < 32; d <<= 1) {
@@ -96,4 +107,11 @@ __device__ __forceinline__ int dt_tree_descend(const double* nodes, const float*
         if (h == 1) leaf_value = (float)__shfl_sync(DT_FULL_MASK, v, c);
     }
     return node;
+}
+
+// This lane's child of the root: level height-1 sits right after the root's
+// padded level (32 entries), or the leaves themselves when height is 1.
+__device__ __forceinline__ double dt_tree_first_level(const double* nodes, const float* leaves, int height) {
+    const int lane = threadIdx.x & 31;
+    return height > 1 ? nodes[32 + lane] : (double)leaves[lane];
 }
