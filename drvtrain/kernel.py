@@ -15,7 +15,9 @@ from cuda.bindings import driver as cu
 
 from . import driver as _driver
 from .compiler import DEFAULT_OPTIONS, CompiledProgram, compile_file, compile_source
-from .driver import DeviceLimits, check, get_device, release
+from .driver import DeviceLimits, _tls, check, get_device, release
+
+_cuLaunchKernel = cu.cuLaunchKernel  # bound once: it is called on every launch
 
 __all__ = ["Module", "Kernel", "ArgPack", "BoundLaunch", "load_module", "load_source", "parse_signature",
            "builtin_module"]
@@ -93,7 +95,7 @@ class ArgPack:
         base = ctypes.addressof(self._view)
         self._pointers = (ctypes.c_void_p * max(1, n))(*[base + 8 * i for i in range(n)])
         self.address = ctypes.addressof(self._pointers) if n else 0
-        self._fast_pack = _fast_packer(signature)
+        self.fast_pack = _fast_packer(signature, self._struct.pack_into, self._buffer)
         self.refs: tuple = ()  # the Python objects behind the arguments
 
     def pack(self, args) -> None:
@@ -101,7 +103,7 @@ class ArgPack:
             raise TypeError(f"kernel takes {len(self.signature)} arguments "
                             f"({', '.join(self.signature)}), got {len(args)}")
         try:
-            self._fast_pack(self._struct.pack_into, self._buffer, args)
+            self.fast_pack(args)
         except (struct.error, TypeError, OverflowError):
             values = [_convert(k, a, i) for i, (k, a) in enumerate(zip(self.signature, args))]
             self._struct.pack_into(self._buffer, 0, *values)
@@ -120,16 +122,18 @@ class ArgPack:
         return [v for v in self._struct.unpack_from(self._buffer, 0)]
 
 
-def _fast_packer(signature: tuple[str, ...]):
+def _fast_packer(signature: tuple[str, ...], pack_into, buffer):
     """A function that packs ``args`` with one ``pack_into`` call, unrolled for the signature.
 
     Generated because this runs on every launch: no per-argument loop, and a
-    pointer argument costs one ``getattr``. Anything it cannot pack raises,
-    and the caller retries on the validating path.
+    pointer argument costs one ``getattr``. It does not check the count or
+    the kinds; anything it cannot pack raises, and ``ArgPack.pack`` retries on
+    the validating path.
     """
     terms = [f"getattr(args[{i}], 'ptr', args[{i}])" if k == "ptr" else f"args[{i}]"
              for i, k in enumerate(signature)]
-    return eval(f"lambda pack_into, buffer, args: pack_into(buffer, 0, {', '.join(terms)})")
+    return eval(f"lambda args, pack_into=pack_into, buffer=buffer: pack_into(buffer, 0, {', '.join(terms)})",
+                {}, {"pack_into": pack_into, "buffer": buffer})
 
 
 def _dims(value, what: str) -> tuple[int, int, int]:
@@ -158,6 +162,7 @@ class Kernel:
         self.max_threads = max_threads or limits.max_threads_per_block
         self._module = module  # keeps the module loaded while the kernel lives
         self._pack = ArgPack(self.signature)
+        self._nargs = len(self.signature)
         self._validated: dict = {}  # launch shapes already checked
         self._shared_raised = limits.max_shared_per_block
 
@@ -196,10 +201,35 @@ class Kernel:
 
     # -------------------------------------------------------------- launching
     def launch(self, grid, block, *args, stream, shared_mem: int = 0) -> None:
-        """Pack ``args`` into the kernel's reusable pack and launch on ``stream``."""
-        g, b = self.check_launch(grid, block, shared_mem)
-        self._pack.pack(args)
-        _launch(self.function, g, b, shared_mem, stream, self._pack)
+        """Pack ``args`` into the kernel's reusable pack and launch on ``stream``.
+
+        The hot path of every eager launch, so the common case is inlined: a
+        memoised shape, one generated ``pack_into``, the capture check, the call.
+        """
+        try:
+            g, b = self._validated[(grid, block, shared_mem)]
+        except (KeyError, TypeError):
+            g, b = self.check_launch(grid, block, shared_mem)
+        pack = self._pack
+        if len(args) == self._nargs:
+            try:
+                pack.fast_pack(args)
+                pack.refs = args
+            except (struct.error, TypeError, OverflowError):
+                pack.pack(args)  # validates, and raises naming the argument
+        else:
+            pack.pack(args)
+        try:
+            handle = stream.handle
+        except AttributeError:
+            raise TypeError("stream must be a drvtrain Stream; the legacy stream is never used") from None
+        captures = getattr(_tls, "captures", None)
+        if captures:
+            _keep_for_captures(captures, args)
+        status, = _cuLaunchKernel(self.function, g[0], g[1], g[2], b[0], b[1], b[2],
+                                  shared_mem, handle, pack.address, 0)
+        if status:
+            _driver.raise_status("cuLaunchKernel", status)
 
     def bind(self, grid, block, *args, shared_mem: int = 0) -> "BoundLaunch":
         """A launch with its arguments packed once, for replaying many times."""
@@ -212,18 +242,22 @@ class Kernel:
         return f"<Kernel {self.name}({', '.join(self.signature)})>"
 
 
+def _keep_for_captures(captures, refs) -> None:
+    # Buffers a captured graph uses must outlive the graph's replays.
+    for capture in captures:
+        capture.keepalive.append(refs)
+
+
 def _launch(function, g, b, shared_mem, stream, pack: ArgPack) -> None:
     try:
         handle = stream.handle
     except AttributeError:
         raise TypeError("stream must be a drvtrain Stream; the legacy stream is never used") from None
-    captures = getattr(_driver._tls, "captures", None)
+    captures = getattr(_tls, "captures", None)
     if captures:
-        # Buffers a captured graph uses must outlive the graph's replays.
-        for capture in captures:
-            capture.keepalive.append(pack.refs)
-    status, = cu.cuLaunchKernel(function, g[0], g[1], g[2], b[0], b[1], b[2],
-                                shared_mem, handle, pack.address, 0)
+        _keep_for_captures(captures, pack.refs)
+    status, = _cuLaunchKernel(function, g[0], g[1], g[2], b[0], b[1], b[2],
+                              shared_mem, handle, pack.address, 0)
     if status:
         _driver.raise_status("cuLaunchKernel", status)
 

@@ -100,9 +100,9 @@ extern "C" __global__ void sumtree_rebuild(double* nodes, const float* leaves, i
 // Launch: one warp per sample, blockDim = 32 * SAMPLES_PER_BLOCK (128),
 // grid = ceil(B / 4): never a single block for B > 4. The warp walks the
 // 32-ary tree together (one coalesced load per level), then copies the rows
-// with coalesced accesses. block_min[gridDim.x] holds per-block
-// minima; the last block to finish computes the weights, advances *step and
-// resets the counter, so a graph replay draws fresh numbers.
+// with coalesced accesses. Dynamic shared memory: 4 * B bytes. The last block
+// to finish computes the weights, advances *step and resets the counter, so
+// a graph replay draws fresh numbers.
 // A tree whose total is 0 raises errors[DT_ERR_EMPTY] and returns leaf 0.
 // Gather pointers may be null (obs_dim 0 skips the rows); with obs_dim a
 // multiple of 4, every row pointer must be 16-byte aligned (device buffers
@@ -110,12 +110,11 @@ extern "C" __global__ void sumtree_rebuild(double* nodes, const float* leaves, i
 extern "C" __global__ void sumtree_sample(
         const double* nodes, const float* leaves, int capacity, int height, int batch,
         unsigned long long seed, unsigned long long* step, const double* uniforms, float beta,
-        int* out_index, float* out_weight, float* block_min, unsigned int* counter, int* errors,
+        int* out_index, float* out_weight, unsigned int* counter, int* errors,
         const float* obs, const float* next_obs, const int* action, const float* reward,
         const float* done, int obs_dim, float* batch_obs, float* batch_next_obs, int* batch_action,
         float* batch_reward, float* batch_done) {
     constexpr int WARPS = 4;
-    __shared__ float warp_p[WARPS];
     __shared__ bool last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j = blockIdx.x * WARPS + warp;
@@ -137,22 +136,24 @@ extern "C" __global__ void sumtree_sample(
             out_weight[j] = p;  // the leaf value, until the last block turns it into a weight
         }
     }
-    // The weights need the batch minimum: per-block minima, then the last block.
-    if (lane == 0) warp_p[warp] = p;
+    // The weights need the batch minimum. Each writer fences its own stores; the
+    // last block to arrive stages every leaf value in shared memory with one
+    // round of loads, takes the minimum there and writes the weights.
+    if (j < batch && lane == 0) __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float m = warp_p[0];
-        for (int w = 1; w < WARPS; ++w) m = fminf(m, warp_p[w]);
-        block_min[blockIdx.x] = m;
-        __threadfence();
-        last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    }
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
     __syncthreads();
     if (last) {  // block-uniform, so the barriers below are safe
         __threadfence();
+        extern __shared__ float batch_p[];  // `batch` floats
         __shared__ float reduce[128];
         float m = dt_inf();
-        for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) m = fminf(m, __ldcg(&block_min[b]));
+#pragma unroll 4
+        for (int k = threadIdx.x; k < batch; k += blockDim.x) {
+            const float pk = __ldcg(&out_weight[k]);
+            batch_p[k] = pk;
+            m = fminf(m, pk);
+        }
         reduce[threadIdx.x] = m;
         __syncthreads();
         for (int width = blockDim.x >> 1; width >= 1; width >>= 1) {
@@ -160,9 +161,8 @@ extern "C" __global__ void sumtree_sample(
             __syncthreads();
         }
         const float p_min = reduce[0];
-#pragma unroll 4
         for (int k = threadIdx.x; k < batch; k += blockDim.x) {
-            const float pk = __ldcg(&out_weight[k]);
+            const float pk = batch_p[k];
             out_weight[k] = pk > 0.0f ? powf(p_min / pk, beta) : 0.0f;
         }
         if (threadIdx.x == 0) {

@@ -77,6 +77,9 @@ class SumTree:
         self.capacity = int(capacity)
         self.alpha = float(alpha)
         self.seed = secrets.randbits(64) if seed is None else int(seed) & (2**64 - 1)
+        if not 1 <= int(max_batch) <= 32768:
+            raise ValueError(f"max_batch must be in [1, 32768] (the sampler stages a batch in shared "
+                             f"memory), got {max_batch}")
         self.max_batch = int(max_batch)
         self.levels = tree_levels(self.capacity)
         self.height = len(self.levels)
@@ -92,13 +95,12 @@ class SumTree:
         self._sample_counter = self._state.view(np.uint32, (1,), 8)
         self._rebuild_counter = self._state.view(np.uint32, (1,), 12)
         self._max_leaf = self._state.view(np.float32, (1,), 16)
-        self._block_min = DeviceBuffer(-(-self.max_batch // SAMPLES_PER_BLOCK), np.float32)
         self.errors = MappedBuffer(4, np.int32)
         self.errors.view()[:] = 0
         mod = builtin_module("sumtree.cu")
         self._update = mod.kernel("sumtree_update", "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr")
         self._rebuild = mod.kernel("sumtree_rebuild", "ptr ptr i32 i32 i32 ptr")
-        self._sample = mod.kernel("sumtree_sample", "ptr ptr i32 i32 i32 u64 ptr ptr f32 ptr ptr ptr ptr ptr "
+        self._sample = mod.kernel("sumtree_sample", "ptr ptr i32 i32 i32 u64 ptr ptr f32 ptr ptr ptr ptr "
                                                     "ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr ptr")
 
     # -------------------------------------------------------------- device views
@@ -176,7 +178,7 @@ class SumTree:
         self._sample.launch(-(-batch // SAMPLES_PER_BLOCK), 32 * SAMPLES_PER_BLOCK,
                             self.nodes, self.leaves, self.capacity, self.height, batch, self.seed, self.step,
                             uniforms if uniforms is not None else 0, float(beta), indices, weights,
-                            self._block_min, self._sample_counter, self.errors, *rows, stream=stream)
+                            self._sample_counter, self.errors, *rows, stream=stream, shared_mem=4 * batch)
 
     # -------------------------------------------------------------- host side
     def set_priorities(self, priorities) -> None:
@@ -238,5 +240,5 @@ class SumTree:
         return float(self.total().to_numpy()[0])
 
     def close(self) -> None:
-        for buf in (self.nodes, self.leaves, self._state, self._block_min, self.errors):
+        for buf in (self.nodes, self.leaves, self._state, self.errors):
             buf.close()
