@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import weakref
+from operator import is_ as _is
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -162,7 +163,6 @@ class Kernel:
         self.max_threads = max_threads or limits.max_threads_per_block
         self._module = module  # keeps the module loaded while the kernel lives
         self._pack = ArgPack(self.signature)
-        self._nargs = len(self.signature)
         self._validated: dict = {}  # launch shapes already checked
         self._shared_raised = limits.max_shared_per_block
 
@@ -203,41 +203,19 @@ class Kernel:
     def launch(self, grid, block, *args, stream, shared_mem: int = 0) -> None:
         """Pack ``args`` into the kernel's reusable pack and launch on ``stream``.
 
-        The hot path of every eager launch, so the common case is inlined: a
-        memoised shape, one generated ``pack_into``, the capture check, the call.
-        Arguments equal to the previous launch's (the same buffers, equal
-        numbers) are not packed again.
+        The hot path of every eager launch: a memoised shape check, and
+        arguments that are the very objects of the previous launch are not
+        packed again.
         """
         try:
             g, b = self._validated[(grid, block, shared_mem)]
         except (KeyError, TypeError):
             g, b = self.check_launch(grid, block, shared_mem)
         pack = self._pack
-        try:
-            unchanged = args == pack.refs  # same buffers, equal scalars: the bytes are already packed
-        except ValueError:  # a host array among the arguments; pack() will refuse it
-            unchanged = False
-        if unchanged:
-            pass
-        elif len(args) == self._nargs:
-            try:
-                pack.fast_pack(args)
-                pack.refs = args
-            except (struct.error, TypeError, OverflowError):
-                pack.pack(args)  # validates, and raises naming the argument
-        else:
+        # The very same objects as last time (buffers, numbers): already packed and checked.
+        if len(args) != len(pack.refs) or not all(map(_is, args, pack.refs)):
             pack.pack(args)
-        try:
-            handle = stream.handle
-        except AttributeError:
-            raise TypeError("stream must be a drvtrain Stream; the legacy stream is never used") from None
-        captures = getattr(_tls, "captures", None)
-        if captures:
-            _keep_for_captures(captures, args)
-        status, = _cuLaunchKernel(self.function, g[0], g[1], g[2], b[0], b[1], b[2],
-                                  shared_mem, handle, pack.address, 0)
-        if status:
-            _driver.raise_status("cuLaunchKernel", status)
+        _launch(self.function, g, b, shared_mem, stream, pack)
 
     def bind(self, grid, block, *args, shared_mem: int = 0) -> "BoundLaunch":
         """A launch with its arguments packed once, for replaying many times."""

@@ -123,3 +123,30 @@ def test_launch_needs_a_stream_object():
     k = make_kernel()
     with pytest.raises(TypeError, match="legacy stream"):
         k.launch(1, 32, fake_buffer(4096), 3, stream=None)
+
+
+def test_repeated_launches_pack_only_what_changed(monkeypatch):
+    import drvtrain.kernel as kernel_module
+    seen = []
+
+    def fake_launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        table = (ctypes.c_void_p * 2).from_address(params)
+        seen.append((ctypes.string_at(table[0], 8), ctypes.string_at(table[1], 4), (gx, bx)))
+        return (0,)
+
+    monkeypatch.setattr(kernel_module, "_cuLaunchKernel", fake_launch)
+
+    class FakeStream:
+        handle = 0
+
+    k = make_kernel("ptr, i32")
+    a, b = fake_buffer(4096), fake_buffer(8192)
+    k.launch(2, 64, a, 5, stream=FakeStream())
+    k.launch(2, 64, a, 5, stream=FakeStream())  # identical: served from the pack as it is
+    k.launch(3, 64, b, 6, stream=FakeStream())
+    assert seen == [(struct.pack("<Q", 4096), struct.pack("<i", 5), (2, 64))] * 2 + [
+        (struct.pack("<Q", 8192), struct.pack("<i", 6), (3, 64))]
+    with pytest.raises(TypeError, match="host numpy array"):
+        k.launch(3, 64, np.zeros(4, np.float32), 6, stream=FakeStream())
+    with pytest.raises(TypeError, match="expected an integer"):
+        k.launch(3, 64, b, 6.0, stream=FakeStream())
