@@ -1,0 +1,77 @@
+"""Global gradient-norm clipping and AdamW, on the device, over flat buffers."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..driver import get_device
+from ..kernel import builtin_module
+from ..memory import DeviceBuffer
+from .layout import FlatBuffer
+
+__all__ = ["AdamW"]
+
+
+class AdamW:
+    """PyTorch AdamW with clipping to ``max_norm``, two launches per step, no host scalars.
+
+    ``step`` launches the norm kernel (norm, clip scale and the step counter
+    ``t``, all in device memory, plus the metrics slot when a ring is given)
+    and the AdamW kernel, which reads the scale and ``t`` from device memory.
+    Graph replays therefore need nothing from the host.
+    """
+
+    def __init__(self, params: FlatBuffer, grads: FlatBuffer, *, lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, max_norm: float = 10.0,
+                 loss: DeviceBuffer | None = None, metrics=None):
+        if params.layout != grads.layout:
+            raise ValueError("params and grads must share one layout")
+        if not (lr > 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 and eps > 0 and weight_decay >= 0
+                and max_norm > 0):
+            raise ValueError(f"bad AdamW settings: lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay}, max_norm={max_norm}")
+        self.params, self.grads = params, grads
+        self.m, self.v = FlatBuffer(params.layout), FlatBuffer(params.layout)
+        self.lr, self.betas, self.eps = float(lr), (float(betas[0]), float(betas[1])), float(eps)
+        self.weight_decay, self.max_norm = float(weight_decay), float(max_norm)
+        self.loss, self.metrics = loss, metrics
+        n = params.layout.size
+        self.n = n
+        # Fixed grids: the norm's reduction order, and so its bits, depend on them.
+        self._norm_grid = max(2, min(2 * get_device().sm_count, -(-n // 1024)))
+        self._adam_grid = max(2, min(4 * get_device().sm_count, -(-n // 1024)))
+        self._partials = DeviceBuffer(self._norm_grid, np.float64)
+        state = DeviceBuffer.from_numpy(np.zeros(4, np.int32))  # norm, scale, t, counter
+        self._state = state
+        self.clip = state.view(np.float32, (2,), 0)
+        self.t = state.view(np.int32, (1,), 8)
+        self._counter = state.view(np.uint32, (1,), 12)
+        mod = builtin_module("optim.cu")
+        self._norm = mod.kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32")
+        self._adamw = mod.kernel("adamw_step", "ptr ptr ptr ptr i64 f32 f32 f32 f32 f32 ptr ptr")
+
+    def clip_grad_norm(self, stream) -> None:
+        """Norm, clip scale and ``t += 1`` on the device (and the metrics slot)."""
+        ring = self.metrics.ptr if self.metrics is not None else 0
+        slots = self.metrics.slots if self.metrics is not None else 1
+        self._norm.launch(self._norm_grid, 256, self.grads, self.n, self._partials, self._counter,
+                          self.max_norm, self.clip, self.t, self.loss if self.loss is not None else 0,
+                          ring, slots, stream=stream)
+
+    def apply(self, stream) -> None:
+        """The AdamW update with the scale and ``t`` the last ``clip_grad_norm`` left."""
+        b1, b2 = self.betas
+        self._adamw.launch(self._adam_grid, 256, self.params, self.grads, self.m, self.v, self.n, self.lr,
+                           b1, b2, self.eps, self.weight_decay, self.clip, self.t, stream=stream)
+
+    def step(self, stream) -> None:
+        self.clip_grad_norm(stream)
+        self.apply(stream)
+
+    def read_state(self) -> tuple[float, float, int]:
+        """(norm, scale, t), read synchronously: tests and setup only."""
+        s = self._state.to_numpy()
+        return float(s[:2].view(np.float32)[0]), float(s[:2].view(np.float32)[1]), int(s[2])
+
+    def close(self) -> None:
+        for b in (self.m, self.v, self._partials, self._state):
+            b.close()

@@ -1,0 +1,68 @@
+"""A whole supervised regression step: forward, MSE loss, backward, clip, AdamW, metrics."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..driver import get_device
+from ..graph import GraphExec, capture
+from ..kernel import builtin_module
+from ..memory import Arena, DeviceBuffer
+from .layout import FlatBuffer, ParamLayout
+from .metrics import Metrics
+from .mlp import MLP
+from .optim import AdamW
+
+__all__ = ["RegressionStep"]
+
+
+class RegressionStep:
+    """Fits an MLP to targets with mean squared error; every buffer is allocated up front.
+
+    ``x`` and ``target`` are fixed device buffers: fill them, then ``enqueue``
+    one step eagerly or ``capture`` it once and replay the graph. Activations
+    and gradients of activations come from the arena, rewound every step.
+    """
+
+    def __init__(self, layout: ParamLayout, batch: int, *, lr: float = 1e-3, weight_decay: float = 0.0,
+                 max_norm: float = 10.0, tf32: bool = True, seed: int = 0, arena_active: bool = True,
+                 metrics_slots: int = 1024, params: np.ndarray | None = None):
+        self.layout, self.batch = layout, int(batch)
+        self.params = FlatBuffer(layout, layout.init_numpy(seed) if params is None else params)
+        self.grads = FlatBuffer(layout)
+        self.mlp = MLP(layout, tf32=tf32)
+        self.x = DeviceBuffer((self.batch, layout.layers[0][1]), np.float32)
+        self.target = DeviceBuffer((self.batch, layout.layers[-1][0]), np.float32)
+        self.loss = DeviceBuffer(1, np.float32)
+        n = self.batch * layout.layers[-1][0]
+        self._loss_grid = max(2, min(2 * get_device().sm_count, -(-n // 1024)))
+        self._loss_partials = DeviceBuffer(self._loss_grid, np.float64)
+        self._loss_counter = DeviceBuffer.from_numpy(np.zeros(1, np.uint32))
+        self._mse = builtin_module("loss.cu").kernel("mse_loss", "ptr ptr i32 ptr ptr ptr ptr")
+        self.metrics = Metrics(metrics_slots)
+        self.optimizer = AdamW(self.params, self.grads, lr=lr, weight_decay=weight_decay, max_norm=max_norm,
+                               loss=self.loss, metrics=self.metrics)
+        self.arena = Arena(self.mlp.scratch_bytes(self.batch), active=arena_active)
+
+    def enqueue(self, stream) -> None:
+        """Queue one step on ``stream`` (eagerly, or into a capture)."""
+        self.arena.reset()
+        out = self.mlp.forward(self.params, self.x, self.arena, stream)
+        dout = self.arena.array(out.shape, np.float32)
+        self._mse.launch(self._loss_grid, 256, out, self.target, out.size, dout, self._loss_partials,
+                         self._loss_counter, self.loss, stream=stream)
+        self.mlp.backward(self.params, self.grads, dout, self.arena, stream)
+        self.optimizer.step(stream)
+
+    def capture(self, stream) -> GraphExec:
+        """The step as one executable graph; replay it with ``launch(stream)``."""
+        with capture(stream) as graph:
+            self.enqueue(stream)
+        self.graph = graph
+        return graph.instantiate()
+
+    def predict(self, x: DeviceBuffer, stream) -> np.ndarray:
+        """The network's output for ``x`` (a host copy: tests and tools)."""
+        arena = Arena(self.mlp.scratch_bytes(x.shape[0]))
+        out = self.mlp.forward(self.params, x, arena, stream).to_numpy()
+        arena.close()
+        return out

@@ -1,0 +1,50 @@
+// Regression loss for the supervised engine.
+//
+// mse_loss: loss = sum((pred - target)^2) / n and dpred = 2 (pred - target) / n
+// over n = rows * cols elements (both row-major, contiguous).
+// Launch: grid = G blocks (any G > 1; the caller fixes it), block 256. Each
+// thread accumulates its grid-stride elements in double, the block reduces
+// in a fixed tree, the last block to finish (counter pattern, no float
+// atomics) sums the G partials in order and writes *loss, then resets the
+// counter. Bitwise reproducible for a fixed G.
+#include "common.cuh"
+
+extern "C" __global__ void __launch_bounds__(256) mse_loss(const float* pred, const float* target, int n,
+                                                           float* dpred, double* partials,
+                                                           unsigned int* counter, float* loss) {
+    __shared__ double sum[256];
+    __shared__ bool last;
+    const float scale = 2.0f / (float)n;
+    double acc = 0.0;
+    for (long long i = dt_thread_index(); i < n; i += dt_grid_stride()) {
+        const float d = pred[i] - target[i];
+        dpred[i] = scale * d;
+        acc += (double)d * (double)d;
+    }
+    sum[threadIdx.x] = acc;
+    __syncthreads();
+    for (int w = 128; w >= 1; w >>= 1) {
+        if (threadIdx.x < w) sum[threadIdx.x] += sum[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = sum[0];
+        __threadfence();
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    double s = 0.0;
+    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) s += __ldcg(&partials[b]);
+    sum[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = 128; w >= 1; w >>= 1) {
+        if (threadIdx.x < w) sum[threadIdx.x] += sum[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        *loss = (float)(sum[0] / n);
+        *counter = 0u;
+    }
+}

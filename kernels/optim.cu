@@ -1,0 +1,104 @@
+// Optimizer kernels over flat parameter buffers (STEP_SPEC steps 6, 7 and 11).
+//
+// grad_norm_clip: norm = sqrt(sum g^2) over the whole flat gradient buffer,
+//   scale = min(1, max_norm / (norm + 1e-6)), step t += 1, all on the device:
+//   clip[0] = norm, clip[1] = scale, *step = t. Then it writes the step's metrics
+//   into slot t mod K of a ring in mapped host memory: {loss, norm, scale, t},
+//   with t stored last, after a system-wide fence, so a slot whose t matches
+//   is complete.
+//   Launch: grid = G > 1 (fixed by the caller), block 256. Per-thread sums in a
+//   fixed grid-stride order, fixed block trees, and the last block sums the G
+//   partials in order: bitwise reproducible for a fixed G, no float atomics.
+//
+// adamw_step: PyTorch AdamW on every element, with g = grad * clip[1] and the
+//   step t read from device memory, so no host scalar changes between steps:
+//     theta *= 1 - lr wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+//     theta -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+//   Launch: any grid, block 256; n must be a multiple of 4 (flat buffers are
+//   padded to 64 floats). Elementwise, deterministic.
+#include "common.cuh"
+
+extern "C" __global__ void __launch_bounds__(256) grad_norm_clip(
+        const float* grads, long long n, double* partials, unsigned int* counter, float max_norm,
+        float* clip, int* step, const float* loss, float* ring, int ring_slots) {
+    __shared__ double sum[256];
+    __shared__ bool last;
+    double acc = 0.0;
+    const float4* g4 = reinterpret_cast<const float4*>(grads);
+    for (long long i = dt_thread_index(); i < n / 4; i += dt_grid_stride()) {
+        const float4 g = g4[i];
+        acc += (double)g.x * g.x + (double)g.y * g.y + (double)g.z * g.z + (double)g.w * g.w;
+    }
+    sum[threadIdx.x] = acc;
+    __syncthreads();
+    for (int w = 128; w >= 1; w >>= 1) {
+        if (threadIdx.x < w) sum[threadIdx.x] += sum[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = sum[0];
+        __threadfence();
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    double s = 0.0;
+    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) s += __ldcg(&partials[b]);
+    sum[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = 128; w >= 1; w >>= 1) {
+        if (threadIdx.x < w) sum[threadIdx.x] += sum[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        const float norm = (float)sqrt(sum[0]);
+        const float scale = fminf(1.0f, max_norm / (norm + 1e-6f));
+        const int t = *step + 1;
+        clip[0] = norm;
+        clip[1] = scale;
+        *step = t;
+        *counter = 0u;
+        if (ring != nullptr) {
+            float* slot = ring + 4 * (t % ring_slots);
+            slot[0] = loss != nullptr ? __ldcg(loss) : 0.0f;
+            slot[1] = norm;
+            slot[2] = scale;
+            __threadfence_system();
+            reinterpret_cast<volatile int*>(slot)[3] = t;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) adamw_step(
+        float* params, const float* grads, float* m, float* v, long long n, float lr, float beta1,
+        float beta2, float eps, float weight_decay, const float* clip, const int* step) {
+    const float scale = clip[1];
+    const int t = *step;
+    const float step_size = (float)(lr / (1.0 - pow((double)beta1, (double)t)));
+    const float bias2_sqrt = (float)sqrt(1.0 - pow((double)beta2, (double)t));
+    const float decay = 1.0f - lr * weight_decay;
+    float4* p4 = reinterpret_cast<float4*>(params);
+    float4* m4 = reinterpret_cast<float4*>(m);
+    float4* v4 = reinterpret_cast<float4*>(v);
+    const float4* g4 = reinterpret_cast<const float4*>(grads);
+    for (long long i = dt_thread_index(); i < n / 4; i += dt_grid_stride()) {
+        float4 p = p4[i], mm = m4[i], vv = v4[i];
+        const float4 g = g4[i];
+        float* pp = &p.x;
+        float* mp = &mm.x;
+        float* vp = &vv.x;
+        const float* gp = &g.x;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float ge = gp[e] * scale;
+            pp[e] *= decay;
+            mp[e] = beta1 * mp[e] + (1.0f - beta1) * ge;
+            vp[e] = beta2 * vp[e] + (1.0f - beta2) * ge * ge;
+            pp[e] -= step_size * mp[e] / (sqrtf(vp[e]) / bias2_sqrt + eps);
+        }
+        p4[i] = p;
+        m4[i] = mm;
+        v4[i] = vv;
+    }
+}

@@ -1,0 +1,53 @@
+"""Float64 numpy references for the MLP engine (STEP_SPEC steps 5-7)."""
+import numpy as np
+
+
+def mlp_forward(named: dict, x: np.ndarray, layers: int) -> list[np.ndarray]:
+    """Activations [x, h1, ..., out]; ReLU after every layer but the last."""
+    acts = [np.asarray(x, np.float64)]
+    for k in range(layers):
+        w = named[f"layer{k}.weight"].astype(np.float64)
+        b = named[f"layer{k}.bias"].astype(np.float64)
+        z = acts[-1] @ w.T + b
+        acts.append(np.maximum(z, 0.0) if k < layers - 1 else z)
+    return acts
+
+
+def mlp_backward(named: dict, acts: list[np.ndarray], dout: np.ndarray) -> dict:
+    """Gradients of a loss whose derivative by the output is ``dout``."""
+    layers = len(acts) - 1
+    grads, dy = {}, np.asarray(dout, np.float64)
+    for k in range(layers - 1, -1, -1):
+        x = acts[k]
+        grads[f"layer{k}.weight"] = dy.T @ x
+        grads[f"layer{k}.bias"] = dy.sum(axis=0)
+        if k > 0:
+            dy = (dy @ named[f"layer{k}.weight"].astype(np.float64)) * (x > 0)
+    return grads
+
+
+def mse(pred: np.ndarray, target: np.ndarray) -> tuple[float, np.ndarray]:
+    d = np.asarray(pred, np.float64) - target
+    return float(np.mean(d * d)), 2.0 * d / d.size
+
+
+def clip_scale(grads_flat: np.ndarray, max_norm: float) -> tuple[float, float]:
+    norm = float(np.sqrt(np.sum(np.asarray(grads_flat, np.float64) ** 2)))
+    return norm, min(1.0, max_norm / (norm + 1e-6))
+
+
+def adamw(theta, m, v, g, t, lr, b1, b2, eps, wd):
+    """One PyTorch AdamW step in float64 (g already clipped); returns new (theta, m, v)."""
+    theta = theta * (1 - lr * wd)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    theta = theta - lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+    return theta, m, v
+
+
+def rel(got, want) -> float:
+    """Relative error ||got - want|| / ||want||; NaN anywhere fails."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if np.isnan(got).any():
+        return float("inf")
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
