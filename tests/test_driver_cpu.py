@@ -95,7 +95,7 @@ def test_cli_help_matches_commands():
     assert out.returncode == 0 and "Exits 2 when no CUDA driver or GPU is found" in " ".join(out.stdout.split())
 
 
-@pytest.mark.parametrize("tool", ["dump_graph.py", "bench_launch.py", "bench_replay.py"])
+@pytest.mark.parametrize("tool", ["dump_graph.py", "bench_launch.py", "bench_replay.py", "bench_engine.py", "overfit.py"])
 def test_tools_show_help(tool):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), "--help"],
                          capture_output=True, text=True, env=ENV, timeout=120)

@@ -20,6 +20,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "
 step doctor python3 -m drvtrain doctor
 step pytest python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests}
 step dump_graph python3 tools/dump_graph.py --out "$logs/demo.dot"
+step overfit python3 tools/overfit.py
 for bench in tools/bench_*.py; do
   step "$(basename "$bench" .py)" python3 "$bench"
 done

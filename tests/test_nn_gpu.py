@@ -1,0 +1,241 @@
+"""The engine on the GPU against float64 references: forward, backward, clip, AdamW, metrics, parity."""
+import numpy as np
+import pytest
+
+from drvtrain import Arena, DeviceBuffer, Stream
+from drvtrain.nn import MLP, AdamW, FlatBuffer, ParamLayout, RegressionStep
+from nn_reference import adamw, clip_scale, mlp_backward, mlp_forward, mse, rel
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [  # (batch, [in, hidden..., out]): tile multiples and not
+    (64, [4, 256, 256, 3]),
+    (7, [129, 1000, 4]),
+    (129, [7, 4, 129]),
+    (1000, [33, 65, 7]),
+]
+
+
+def make_layout(widths):
+    return ParamLayout([(o, i) for i, o in zip(widths, widths[1:])])
+
+
+def random_params(layout, rng):
+    return FlatBuffer(layout, layout.init_numpy(int(rng.integers(1 << 30))))
+
+
+@pytest.mark.parametrize("tf32, bound", [(False, 1e-5), (True, 3e-3)])
+@pytest.mark.parametrize("batch, widths", SHAPES)
+def test_forward_matches_float64(device, stream, rng, batch, widths, tf32, bound):
+    layout = make_layout(widths)
+    params = random_params(layout, rng)
+    x = DeviceBuffer.from_numpy(rng.standard_normal((batch, widths[0])).astype(np.float32))
+    mlp = MLP(layout, tf32=tf32)
+    arena = Arena(mlp.scratch_bytes(batch))
+    arena.alloc(arena.capacity - 256).poison(stream)  # unwritten activations would be NaN
+    arena.reset()
+    out = mlp.forward(params, x, arena, stream).to_numpy()
+    ref = mlp_forward(params.to_numpy(), x.to_numpy(), len(layout.layers))
+    for got, want in zip(mlp.activations[1:], ref[1:]):
+        assert rel(got.to_numpy(), want) < bound
+    assert rel(out, ref[-1]) < bound
+
+
+@pytest.mark.parametrize("batch, widths", SHAPES)
+def test_gradients_match_float64(device, stream, rng, batch, widths):
+    layout = make_layout(widths)
+    params = random_params(layout, rng)
+    grads = FlatBuffer(layout)
+    grads.buffer.poison(stream)
+    x = rng.standard_normal((batch, widths[0])).astype(np.float32)
+    dout = rng.standard_normal((batch, widths[-1])).astype(np.float32)
+    mlp = MLP(layout, tf32=False)
+    arena = Arena(mlp.scratch_bytes(batch))
+    mlp.forward(params, DeviceBuffer.from_numpy(x), arena, stream)
+    mlp.backward(params, grads, DeviceBuffer.from_numpy(dout), arena, stream)
+    named = params.to_numpy()
+    want = mlp_backward(named, mlp_forward(named, x, len(layout.layers)), dout)
+    got = grads.to_numpy()
+    for name, w in want.items():
+        assert rel(got[name], w) < 1e-5, name
+
+
+def test_grad_norm_and_clip(device, stream, rng):
+    layout = make_layout([33, 300, 5])
+    params, grads = random_params(layout, rng), FlatBuffer(layout)
+    flat = np.zeros(layout.size, np.float32)
+    for s in layout.slots:
+        flat[s.offset: s.offset + s.size] = rng.standard_normal(s.size)
+    grads.buffer.copy_from_numpy(flat)
+    true_norm, _ = clip_scale(flat, 1.0)
+    for max_norm in (true_norm * 2, true_norm / 3):
+        opt = AdamW(params, grads, max_norm=max_norm)
+        opt.clip_grad_norm(stream)
+        norm, scale, t = opt.read_state()
+        assert abs(norm - true_norm) / true_norm < 1e-6 and t == 1
+        if max_norm > true_norm:
+            assert scale == 1.0
+        else:
+            assert abs(norm * scale - max_norm * norm / (norm + 1e-6)) / max_norm < 1e-6
+    bits = []
+    for _ in range(3):  # bitwise identical run to run
+        opt = AdamW(params, grads, max_norm=1.0)
+        opt.clip_grad_norm(stream)
+        bits.append(opt.clip.to_numpy().tobytes())
+    assert bits[0] == bits[1] == bits[2]
+
+
+def test_hundred_adamw_steps_match_float64_recurrence(device, stream, rng):
+    layout = make_layout([17, 100, 3])
+    theta0 = layout.init_numpy(int(rng.integers(1 << 30)))
+    params, grads = FlatBuffer(layout, theta0), FlatBuffer(layout)
+    lr, wd, b1, b2, eps, max_norm = 1e-2, 1e-2, 0.9, 0.999, 1e-8, 5.0
+    opt = AdamW(params, grads, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, max_norm=max_norm)
+    theta, m, v = theta0.astype(np.float64), np.zeros(layout.size), np.zeros(layout.size)
+    mask = np.zeros(layout.size, bool)
+    for s in layout.slots:
+        mask[s.offset: s.offset + s.size] = True
+    for t in range(1, 101):
+        g = np.where(mask, rng.standard_normal(layout.size) * rng.uniform(0.1, 3), 0).astype(np.float32)
+        grads.buffer.copy_from_numpy(g)
+        opt.step(stream)
+        _, scale = clip_scale(g, max_norm)
+        theta, m, v = adamw(theta, m, v, g.astype(np.float64) * scale, t, lr, b1, b2, eps, wd)
+    got = params.buffer.to_numpy()
+    assert rel(got, theta) < 1e-5
+    assert np.all(got[~mask] == 0)
+    assert opt.read_state()[2] == 100
+
+
+def teacher_batch(rng, layout, batch):
+    teacher = layout.unflatten(layout.init_numpy(int(rng.integers(1 << 30))))
+    teacher[f"layer{len(layout.layers) - 1}.weight"] *= 3.0
+    x = rng.standard_normal((batch, layout.layers[0][1])).astype(np.float32)
+    y = mlp_forward(teacher, x, len(layout.layers))[-1].astype(np.float32)
+    return x, y
+
+
+def run_losses(layout, x, y, steps, *, graph, arena_active, seed):
+    stream = Stream()
+    step = RegressionStep(layout, len(x), lr=1e-3, seed=seed, arena_active=arena_active)
+    step.x.copy_from_numpy(x)
+    step.target.copy_from_numpy(y)
+    losses = []
+    exe = step.capture(stream) if graph else None
+    for _ in range(steps):
+        exe.launch(stream) if graph else step.enqueue(stream)
+        step.metrics.record(stream)
+        losses.extend(m.loss for m in step.metrics.poll())
+    stream.synchronize()
+    losses.extend(m.loss for m in step.metrics.poll())
+    assert step.metrics.missed == 0
+    return np.array(losses, np.float32), step
+
+
+def test_losses_are_bitwise_identical_eager_graph_and_arena_modes(device, rng):
+    layout = make_layout([8, 64, 64, 2])
+    x, y = teacher_batch(rng, layout, 96)
+    seed = int(rng.integers(1 << 30))
+    eager, _ = run_losses(layout, x, y, 200, graph=False, arena_active=True, seed=seed)
+    replay, _ = run_losses(layout, x, y, 200, graph=True, arena_active=True, seed=seed)
+    inactive, _ = run_losses(layout, x, y, 200, graph=False, arena_active=False, seed=seed)
+    assert len(eager) == 200 and np.all(np.isfinite(eager))
+    assert eager.tobytes() == replay.tobytes() == inactive.tobytes()
+    assert eager[-1] < eager[0]
+
+
+def test_step_matches_reference_for_one_step(device, stream, rng):
+    layout = make_layout([5, 40, 3])
+    x, y = teacher_batch(rng, layout, 50)
+    step = RegressionStep(layout, 50, lr=1e-3, weight_decay=1e-2, max_norm=0.5, tf32=False,
+                          seed=int(rng.integers(1 << 30)))
+    step.x.copy_from_numpy(x)
+    step.target.copy_from_numpy(y)
+    named = step.params.to_numpy()
+    step.enqueue(stream)
+    acts = mlp_forward(named, x, 2)
+    loss, dout = mse(acts[-1], y)
+    grads = mlp_backward(named, acts, dout)
+    assert abs(step.loss.to_numpy()[0] - loss) / loss < 1e-5
+    g = layout.flatten({k: v.astype(np.float32) for k, v in grads.items()}).astype(np.float64)
+    norm, scale = clip_scale(g, 0.5)
+    theta, _, _ = adamw(layout.flatten(named).astype(np.float64), 0, 0, g * scale, 1, 1e-3, 0.9, 0.999, 1e-8, 1e-2)
+    assert rel(step.params.buffer.to_numpy(), theta) < 1e-5
+    assert abs(step.optimizer.read_state()[0] - norm) / norm < 1e-5
+
+
+def test_metrics_ring_under_fast_replay_has_no_torn_or_missing_slots(device, rng):
+    layout = make_layout([8, 32, 2])
+    x, y = teacher_batch(rng, layout, 64)
+    stream = Stream()
+    step = RegressionStep(layout, 64, metrics_slots=64, seed=1)
+    step.x.copy_from_numpy(x)
+    step.target.copy_from_numpy(y)
+    exe = step.capture(stream)
+    seen = []
+    for i in range(2000):
+        exe.launch(stream)
+        step.metrics.record(stream)
+        if i % 16 == 0:
+            seen.extend(step.metrics.poll())
+    stream.synchronize()
+    seen.extend(step.metrics.poll())
+    assert step.metrics.missed == 0
+    assert [m.step for m in seen] == list(range(1, 2001))
+    assert all(np.isfinite(m.loss) and m.grad_norm > 0 and 0 < m.clip_scale <= 1 for m in seen)
+
+
+def test_missed_steps_are_counted_not_returned(device, rng):
+    layout = make_layout([8, 32, 2])
+    x, y = teacher_batch(rng, layout, 64)
+    stream = Stream()
+    step = RegressionStep(layout, 64, metrics_slots=8, seed=1)
+    step.x.copy_from_numpy(x)
+    step.target.copy_from_numpy(y)
+    for _ in range(20):
+        step.enqueue(stream)
+        step.metrics.record(stream)
+    stream.synchronize()
+    got = step.metrics.poll()
+    assert step.metrics.missed == 12 and [m.step for m in got] == list(range(13, 21))
+
+
+def test_step_graph_has_no_single_block_kernels_or_memsets(device):
+    layout = make_layout([4, 256, 256, 3])
+    stream = Stream()
+    step = RegressionStep(layout, 256)
+    step.capture(stream)
+    counts = step.graph.node_counts()
+    assert set(counts) == {"kernel"}, counts
+    for k in step.graph.kernel_nodes():
+        assert k.grid[0] * k.grid[1] * k.grid[2] > 1, f"{k.function} launches a single block"
+
+
+def test_bad_inputs_fail_before_launch(device, stream, rng):
+    layout = make_layout([4, 16, 2])
+    mlp, params = MLP(layout), random_params(layout, rng)
+    arena = Arena(1 << 16)
+    with pytest.raises(ValueError, match=r"x has shape \(8, 5\), expected \(8, 4\)"):
+        mlp.forward(params, DeviceBuffer((8, 5)), arena, stream)
+    with pytest.raises(TypeError, match="float32"):
+        mlp.forward(params, DeviceBuffer((8, 4), np.float64), arena, stream)
+    with pytest.raises(TypeError, match="DeviceBuffer"):
+        mlp.forward(params, np.zeros((8, 4), np.float32), arena, stream)
+    with pytest.raises(ValueError, match="another layout"):
+        mlp.forward(FlatBuffer(make_layout([4, 16, 3])), DeviceBuffer((8, 4)), arena, stream)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        params.buffer.copy_from_numpy(np.zeros((layout.size, 2), np.float32)[:, 0])
+    mlp.forward(params, DeviceBuffer.from_numpy(np.ones((8, 4), np.float32)), arena, stream)
+    with pytest.raises(ValueError, match=r"dout has shape"):
+        mlp.backward(params, FlatBuffer(layout), DeviceBuffer((8, 3)), arena, stream)
+
+
+def test_save_load_through_the_device(device, tmp_path, rng):
+    layout = make_layout([6, 20, 2])
+    params = random_params(layout, rng)
+    params.save(tmp_path / "p.npz")
+    other = FlatBuffer(layout)
+    other.load(tmp_path / "p.npz")
+    assert np.array_equal(other.buffer.to_numpy(), params.buffer.to_numpy())
+    with pytest.raises(ValueError, match="layout needs"):
+        FlatBuffer(make_layout([6, 20, 3])).load(tmp_path / "p.npz")
