@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from drvtrain import DeviceBuffer, NoDeviceError, Stream, get_device
+from drvtrain import Arena, NoDeviceError, Stream, get_device
 from drvtrain.nn import FlatBuffer, MLP, ParamLayout, RegressionStep
 
 
@@ -44,7 +44,6 @@ def main(argv=None) -> int:
     x = rng.standard_normal((args.batch, inp)).astype(np.float32)
     step = RegressionStep(layout, args.batch, lr=args.lr, weight_decay=0.0, max_norm=10.0, seed=args.seed + 2)
     step.x.copy_from_numpy(x)
-    from drvtrain import Arena
     arena = Arena(MLP(layout, tf32=False).scratch_bytes(args.batch))
     target = MLP(layout, tf32=False).forward(teacher, step.x, arena, stream)
     step.target.copy_from(target, stream)
