@@ -10,6 +10,8 @@
 //
 // Two arithmetic modes, one name each:
 //   gemm_tf32_*: tensor cores, mma.sync m16n8k8 TF32 inputs with FP32 accumulation.
+//                Tiles are 64 deep in k: small layers are bound by the latency of each
+//                k step's loads, so fewer, deeper steps are faster (docs/perf-notes.md).
 //                128 threads, 64x64 block tile, 2x2 warps of 32x32.
 //   gemm_f32_*:  exact FP32 FFMA, 256 threads, 64x64 block tile, 4x4 outputs per thread.
 // Launch: grid (ceil(N/64), ceil(M/64)), block 128 (tf32) or 256 (f32).
@@ -19,7 +21,7 @@
 
 namespace {
 
-constexpr int BM = 64, BN = 64, BK = 16, PAD = 4;  // PAD keeps fragment loads conflict-free
+constexpr int BM = 64, BN = 64, BK = 64, PAD = 4;  // PAD keeps fragment loads conflict-free
 
 enum { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_RELU = 2, EPI_MASK = 3 };
 
@@ -98,7 +100,7 @@ __device__ void gemm_tf32(const float* A, long long sa0, long long sa1, const fl
             la.load(A, sa0, sa1, i0, k0 + BK, M, K);
             lb.load(B, sb1, sb0, j0, k0 + BK, N, K);
         }
-#pragma unroll
+#pragma unroll 2
         for (int kk = 0; kk < BK; kk += 8) {
             unsigned int a[2][4], b[4][2];
 #pragma unroll
@@ -164,10 +166,10 @@ __device__ void gemm_f32(const float* A, long long sa0, long long sa1, const flo
             lb.load(B, sb1, sb0, j0, k0 + BK, N, K);
         }
         if (sums && threadIdx.x < BM) {
-#pragma unroll
+#pragma unroll 8
             for (int k = 0; k < BK; ++k) row_sum += As[threadIdx.x][k];
         }
-#pragma unroll
+#pragma unroll 8
         for (int k = 0; k < BK; ++k) {
             float a[4], b[4];
 #pragma unroll

@@ -45,6 +45,12 @@ class Metrics:
         self.missed = 0
 
     @property
+    def in_flight(self) -> int:
+        """Steps recorded but not yet polled. Keep it below ``slots``: a step that
+        falls more than ``slots`` behind loses its slot to a newer one."""
+        return self.recorded - self.polled
+
+    @property
     def ptr(self) -> int:
         """The ring's device address, for the kernel that writes it."""
         return self.ring.ptr
