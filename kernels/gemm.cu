@@ -1,22 +1,26 @@
 // Tiled GEMM with fused epilogues: the linear layers of drvtrain's MLPs.
 //
-//   C[i, j] = sum_k A(i, k) * B(k, j),   A(i, k) = A[i*sa0 + k*sa1],  B(k, j) = B[k*sb0 + j*sb1]
+//   C[i, j] = sum_k A(i, k) * B(k, j)
 //
-// Strides make one kernel serve the three products of a linear layer:
-//   forward  Y  = X W^T + b   (A = X, B = W^T)            epilogue bias (+ ReLU)
-//   backward dX = dY W        (A = dY, B = W)             epilogue ReLU mask of the layer's input
-//   backward dW = dY^T X      (A = dY^T, B = X)           col_sum gives db = sum_m dY[m, :]
-// C is row-major with leading dimension ldc; `mask` (if used) is row-major with ldm.
+// Each operand is stored either "k-fast" (k contiguous) or "row-fast" (i, resp. j,
+// contiguous), fixed per kernel at compile time so the tile loaders are a pointer
+// walk with no per-element index arithmetic; lda/ldb are the other stride:
+//   A k-fast: A(i, k) = A[i*lda + k]      A row-fast: A(i, k) = A[i + k*lda]
+//   B k-fast: B(k, j) = B[j*ldb + k]      B row-fast: B(k, j) = B[j + k*ldb]
+// The kernels are the three products of a linear layer Y = X W^T + b:
+//   linear_forward[_relu]_{tf32,f32}  Y = X W^T + b (+ ReLU)      A = X k-fast, B = W k-fast
+//   linear_grad_input_f32            dX = (dY W) * (X > 0)       A = dY k-fast, B = W row-fast
+//   linear_grad_weight_f32           dW = dY^T X, db = sum_m dY   A = dY row-fast, B = X row-fast
+// C is row-major with leading dimension ldc; `mask` is row-major with ldm.
 //
-// Two arithmetic modes, one name each:
-//   gemm_tf32_*: tensor cores, mma.sync m16n8k8 TF32 inputs with FP32 accumulation.
-//                Tiles are 64 deep in k: small layers are bound by the latency of each
-//                k step's loads, so fewer, deeper steps are faster (docs/perf-notes.md).
-//                128 threads, 64x64 block tile, 2x2 warps of 32x32.
-//   gemm_f32_*:  exact FP32 FFMA, 256 threads, 64x64 block tile, 4x4 outputs per thread.
-// Launch: grid (ceil(N/64), ceil(M/64)), block 128 (tf32) or 256 (f32).
-// Determinism: every output is one thread's accumulation in a fixed k order; col_sum
-// (FP32 mode only) is summed by the blocks of grid column 0 in a fixed order. No atomics.
+// Arithmetic:
+//   *_tf32: tensor cores, mma.sync m16n8k8 TF32 inputs with FP32 accumulation;
+//           128 threads, 64x64 block tile, 2x2 warps of 32x32.
+//   *_f32:  exact FP32 FFMA; 256 threads, 64x64 block tile, 4x4 outputs per thread.
+// Tiles are 64 deep in k, with the next tile's loads in flight during the current
+// one. Launch: grid (ceil(N/64), ceil(M/64)), block 128 (tf32) or 256 (f32).
+// Determinism: every output is one thread's accumulation in a fixed k order; db is
+// summed by the blocks of grid column 0 in a fixed order. No atomics.
 #include "common.cuh"
 
 namespace {
@@ -31,36 +35,43 @@ __device__ __forceinline__ unsigned int to_tf32(float x) {
     return r;
 }
 
-// Tile loaders: THREADS threads move a ROWS x BK tile into registers, then shared memory.
-// Consecutive threads take consecutive addresses along whichever dimension has stride 1.
-template <int THREADS, int ROWS>
+// Tile loader: THREADS threads move a ROWS x BK tile into registers, then into
+// shared memory as tile[row][k]. Consecutive threads take consecutive addresses
+// along the contiguous dimension; each thread then walks a fixed stride.
+template <int THREADS, int ROWS, bool K_FAST>
 struct TileLoader {
     static constexpr int PER = ROWS * BK / THREADS;
+    static constexpr int STEP = THREADS / (K_FAST ? BK : ROWS);  // rows (k-fast) or k (row-fast) per step
     float reg[PER];
 
-    // Operand element (row r, k) = base[r * s_row + k * s_k], rows < rows_total, k < k_total.
-    __device__ __forceinline__ void load(const float* base, long long s_row, long long s_k, int row0, int k0,
-                                         int rows_total, int k_total) {
-        const bool k_fast = s_k == 1;
+    __device__ __forceinline__ void load(const float* base, int ld, int row0, int k0, int rows_total,
+                                         int k_total) {
+        const int fixed = threadIdx.x % (K_FAST ? BK : ROWS);
+        const int first = threadIdx.x / (K_FAST ? BK : ROWS);
+        if (K_FAST) {
+            const int k = k0 + fixed, r = row0 + first;
+            const float* p = base + (long long)r * ld + k;
 #pragma unroll
-        for (int p = 0; p < PER; ++p) {
-            const int idx = threadIdx.x + p * THREADS;
-            const int r = k_fast ? idx / BK : idx % ROWS;
-            const int k = k_fast ? idx % BK : idx / ROWS;
-            const int gr = row0 + r, gk = k0 + k;
-            reg[p] = (gr < rows_total && gk < k_total) ? base[(long long)gr * s_row + (long long)gk * s_k] : 0.0f;
+            for (int i = 0; i < PER; ++i)
+                reg[i] = (k < k_total && r + i * STEP < rows_total) ? p[(long long)i * STEP * ld] : 0.0f;
+        } else {
+            const int r = row0 + fixed, k = k0 + first;
+            const float* p = base + r + (long long)k * ld;
+#pragma unroll
+            for (int i = 0; i < PER; ++i)
+                reg[i] = (r < rows_total && k + i * STEP < k_total) ? p[(long long)i * STEP * ld] : 0.0f;
         }
     }
 
     template <bool TF32>
-    __device__ __forceinline__ void store(float (*tile)[BK + PAD], long long s_k) const {
-        const bool k_fast = s_k == 1;
+    __device__ __forceinline__ void store(float (*tile)[BK + PAD]) const {
+        const int fixed = threadIdx.x % (K_FAST ? BK : ROWS);
+        const int first = threadIdx.x / (K_FAST ? BK : ROWS);
 #pragma unroll
-        for (int p = 0; p < PER; ++p) {
-            const int idx = threadIdx.x + p * THREADS;
-            const int r = k_fast ? idx / BK : idx % ROWS;
-            const int k = k_fast ? idx % BK : idx / ROWS;
-            tile[r][k] = TF32 ? __uint_as_float(to_tf32(reg[p])) : reg[p];
+        for (int i = 0; i < PER; ++i) {
+            const float v = TF32 ? __uint_as_float(to_tf32(reg[i])) : reg[i];
+            if (K_FAST) tile[first + i * STEP][fixed] = v;
+            else tile[fixed][first + i * STEP] = v;
         }
     }
 };
@@ -77,10 +88,9 @@ __device__ __forceinline__ void epilogue_store(float* C, int ldc, int M, int N, 
     C[(long long)i * ldc + j] = v;
 }
 
-template <int EPI>
-__device__ void gemm_tf32(const float* A, long long sa0, long long sa1, const float* B, long long sb0,
-                          long long sb1, float* C, int ldc, int M, int N, int K, const float* bias,
-                          const float* mask, int ldm) {
+template <int EPI, bool A_KFAST, bool B_KFAST>
+__device__ void gemm_tf32(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N,
+                          int K, const float* bias, const float* mask, int ldm) {
     constexpr int THREADS = 128;
     __shared__ float As[BM][BK + PAD];
     __shared__ float Bs[BN][BK + PAD];
@@ -88,17 +98,17 @@ __device__ void gemm_tf32(const float* A, long long sa0, long long sa1, const fl
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp >> 1, wn = warp & 1, g = lane >> 2, t = lane & 3;
     float acc[2][4][4] = {};
-    TileLoader<THREADS, BM> la;
-    TileLoader<THREADS, BN> lb;
-    la.load(A, sa0, sa1, i0, 0, M, K);
-    lb.load(B, sb1, sb0, j0, 0, N, K);
+    TileLoader<THREADS, BM, A_KFAST> la;
+    TileLoader<THREADS, BN, B_KFAST> lb;
+    la.load(A, lda, i0, 0, M, K);
+    lb.load(B, ldb, j0, 0, N, K);
     for (int k0 = 0; k0 < K; k0 += BK) {
-        la.template store<true>(As, sa1);
-        lb.template store<true>(Bs, sb0);
+        la.template store<true>(As);
+        lb.template store<true>(Bs);
         __syncthreads();
         if (k0 + BK < K) {  // the next tile's global loads fly while this one computes
-            la.load(A, sa0, sa1, i0, k0 + BK, M, K);
-            lb.load(B, sb1, sb0, j0, k0 + BK, N, K);
+            la.load(A, lda, i0, k0 + BK, M, K);
+            lb.load(B, ldb, j0, k0 + BK, N, K);
         }
 #pragma unroll 2
         for (int kk = 0; kk < BK; kk += 8) {
@@ -141,10 +151,9 @@ __device__ void gemm_tf32(const float* A, long long sa0, long long sa1, const fl
         }
 }
 
-template <int EPI>
-__device__ void gemm_f32(const float* A, long long sa0, long long sa1, const float* B, long long sb0,
-                         long long sb1, float* C, int ldc, int M, int N, int K, const float* bias,
-                         const float* mask, int ldm, float* col_sum) {
+template <int EPI, bool A_KFAST, bool B_KFAST>
+__device__ void gemm_f32(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N,
+                         int K, const float* bias, const float* mask, int ldm, float* col_sum) {
     constexpr int THREADS = 256;
     __shared__ float As[BM][BK + PAD];
     __shared__ float Bs[BN][BK + PAD];
@@ -153,17 +162,17 @@ __device__ void gemm_f32(const float* A, long long sa0, long long sa1, const flo
     const bool sums = col_sum != nullptr && blockIdx.x == 0;
     float acc[4][4] = {};
     float row_sum = 0.0f;
-    TileLoader<THREADS, BM> la;
-    TileLoader<THREADS, BN> lb;
-    la.load(A, sa0, sa1, i0, 0, M, K);
-    lb.load(B, sb1, sb0, j0, 0, N, K);
+    TileLoader<THREADS, BM, A_KFAST> la;
+    TileLoader<THREADS, BN, B_KFAST> lb;
+    la.load(A, lda, i0, 0, M, K);
+    lb.load(B, ldb, j0, 0, N, K);
     for (int k0 = 0; k0 < K; k0 += BK) {
-        la.template store<false>(As, sa1);
-        lb.template store<false>(Bs, sb0);
+        la.template store<false>(As);
+        lb.template store<false>(Bs);
         __syncthreads();
         if (k0 + BK < K) {
-            la.load(A, sa0, sa1, i0, k0 + BK, M, K);
-            lb.load(B, sb1, sb0, j0, k0 + BK, N, K);
+            la.load(A, lda, i0, k0 + BK, M, K);
+            lb.load(B, ldb, j0, k0 + BK, N, K);
         }
         if (sums && threadIdx.x < BM) {
 #pragma unroll 8
@@ -193,18 +202,28 @@ __device__ void gemm_f32(const float* A, long long sa0, long long sa1, const flo
 
 }  // namespace
 
-#define DT_GEMM_PARAMS                                                                                \
-    const float *A, long long sa0, long long sa1, const float *B, long long sb0, long long sb1, float *C, \
-        int ldc, int M, int N, int K, const float *bias, const float *mask, int ldm, float *col_sum
-#define DT_GEMM_ARGS A, sa0, sa1, B, sb0, sb1, C, ldc, M, N, K, bias, mask, ldm
+#define DT_GEMM_PARAMS                                                                            \
+    const float *A, int lda, const float *B, int ldb, float *C, int ldc, int M, int N, int K, \
+        const float *bias, const float *mask, int ldm, float *col_sum
+#define DT_GEMM_ARGS A, lda, B, ldb, C, ldc, M, N, K, bias, mask, ldm
 
-// One signature for all: ptr i64 i64 ptr i64 i64 ptr i32 i32 i32 i32 ptr ptr i32 ptr.
-// The TF32 kernels ignore col_sum (pass 0); unused bias or mask may be 0.
-extern "C" __global__ void __launch_bounds__(128) gemm_tf32_none(DT_GEMM_PARAMS) { gemm_tf32<EPI_NONE>(DT_GEMM_ARGS); }
-extern "C" __global__ void __launch_bounds__(128) gemm_tf32_bias(DT_GEMM_PARAMS) { gemm_tf32<EPI_BIAS>(DT_GEMM_ARGS); }
-extern "C" __global__ void __launch_bounds__(128) gemm_tf32_bias_relu(DT_GEMM_PARAMS) { gemm_tf32<EPI_BIAS_RELU>(DT_GEMM_ARGS); }
-extern "C" __global__ void __launch_bounds__(128) gemm_tf32_mask(DT_GEMM_PARAMS) { gemm_tf32<EPI_MASK>(DT_GEMM_ARGS); }
-extern "C" __global__ void __launch_bounds__(256) gemm_f32_none(DT_GEMM_PARAMS) { gemm_f32<EPI_NONE>(DT_GEMM_ARGS, col_sum); }
-extern "C" __global__ void __launch_bounds__(256) gemm_f32_bias(DT_GEMM_PARAMS) { gemm_f32<EPI_BIAS>(DT_GEMM_ARGS, col_sum); }
-extern "C" __global__ void __launch_bounds__(256) gemm_f32_bias_relu(DT_GEMM_PARAMS) { gemm_f32<EPI_BIAS_RELU>(DT_GEMM_ARGS, col_sum); }
-extern "C" __global__ void __launch_bounds__(256) gemm_f32_mask(DT_GEMM_PARAMS) { gemm_f32<EPI_MASK>(DT_GEMM_ARGS, col_sum); }
+// One signature for all: ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr.
+// Arguments a kernel does not use (bias, mask, col_sum) may be 0.
+extern "C" __global__ void __launch_bounds__(128) linear_forward_tf32(DT_GEMM_PARAMS) {
+    gemm_tf32<EPI_BIAS, true, true>(DT_GEMM_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128) linear_forward_relu_tf32(DT_GEMM_PARAMS) {
+    gemm_tf32<EPI_BIAS_RELU, true, true>(DT_GEMM_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) linear_forward_f32(DT_GEMM_PARAMS) {
+    gemm_f32<EPI_BIAS, true, true>(DT_GEMM_ARGS, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(256) linear_forward_relu_f32(DT_GEMM_PARAMS) {
+    gemm_f32<EPI_BIAS_RELU, true, true>(DT_GEMM_ARGS, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(256) linear_grad_input_f32(DT_GEMM_PARAMS) {
+    gemm_f32<EPI_MASK, true, false>(DT_GEMM_ARGS, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(256) linear_grad_weight_f32(DT_GEMM_PARAMS) {
+    gemm_f32<EPI_NONE, false, false>(DT_GEMM_ARGS, col_sum);
+}

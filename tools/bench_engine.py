@@ -67,19 +67,19 @@ def main(argv=None) -> int:
         last = len(layout.layers) - 1
         for k, (out, inp) in enumerate(layout.layers):
             flops = 2.0 * batch * out * inp
-            fwd_kernel = mlp._output if k == last else mlp._hidden
+            fwd_kernel = mlp.output_kernel if k == last else mlp.hidden_kernel
             y = acts[k + 1]
-            exe, _ = graph_of(stream, lambda: gemm(fwd_kernel, acts[k], inp, 1, params.weight(k), 1, inp, y, out,
+            exe, _ = graph_of(stream, lambda: gemm(fwd_kernel, acts[k], inp, params.weight(k), inp, y, out,
                                                    batch, out, inp, stream, bias=params.bias(k)))
             fwd = time_graph(exe, stream, args.replays, args.repeats)
             dy = DeviceBuffer.from_numpy(rng.standard_normal((batch, out)).astype(np.float32))
             dx = DeviceBuffer((batch, inp))
 
             def backward():
-                gemm(mlp._weight_grad, dy, 1, out, acts[k], inp, 1, grads.weight(k), inp, out, inp, batch, stream,
+                gemm(mlp.weight_grad_kernel, dy, out, acts[k], inp, grads.weight(k), inp, out, inp, batch, stream,
                      col_sum=grads.bias(k))
                 if k > 0:
-                    gemm(mlp._input_grad, dy, out, 1, params.weight(k), inp, 1, dx, inp, batch, inp, out, stream,
+                    gemm(mlp.input_grad_kernel, dy, out, params.weight(k), inp, dx, inp, batch, inp, out, stream,
                          mask=acts[k], ldm=inp)
 
             exe, _ = graph_of(stream, backward)
@@ -98,8 +98,8 @@ def main(argv=None) -> int:
     w = DeviceBuffer.from_numpy((rng.standard_normal((1024, 1024)) / 32).astype(np.float32))
     b = DeviceBuffer.from_numpy(np.zeros(1024, np.float32))
     yb = DeviceBuffer((512, 1024))
-    kern = MLP(ParamLayout([(1024, 1024)]))._hidden
-    exe, _ = graph_of(stream, lambda: gemm(kern, big, 1024, 1, w, 1, 1024, yb, 1024, 512, 1024, 1024, stream, bias=b))
+    kern = MLP(ParamLayout([(1024, 1024)])).hidden_kernel
+    exe, _ = graph_of(stream, lambda: gemm(kern, big, 1024, w, 1024, yb, 1024, 512, 1024, 1024, stream, bias=b))
     t = time_graph(exe, stream, args.replays, args.repeats)
 
     print(f"\ndevice: {dev.name} ({dev.arch}, {dev.sm_count} SMs); us per replayed graph, median of {args.repeats}")

@@ -9,7 +9,7 @@ from .layout import FlatBuffer, ParamLayout
 
 __all__ = ["MLP", "gemm"]
 
-_SIGNATURE = "ptr i64 i64 ptr i64 i64 ptr i32 i32 i32 i32 ptr ptr i32 ptr"
+_SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr"
 _TILE = 64
 
 
@@ -17,10 +17,11 @@ def _kernel(name: str):
     return builtin_module("gemm.cu").kernel(name, _SIGNATURE)
 
 
-def gemm(kernel, a, sa0, sa1, b, sb0, sb1, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0):
-    """C[m, n] = sum_k A(i, k) B(k, j) with the strides of kernels/gemm.cu and its epilogue."""
-    threads = 128 if "tf32" in kernel.name else 256
-    kernel.launch((-(-n // _TILE), -(-m // _TILE)), threads, a, sa0, sa1, b, sb0, sb1, c, ldc, m, n, k,
+def gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0):
+    """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
+    (kernels/gemm.cu names them)."""
+    threads = 128 if kernel.name.endswith("tf32") else 256
+    kernel.launch((-(-n // _TILE), -(-m // _TILE)), threads, a, lda, b, ldb, c, ldc, m, n, k,
                   bias, mask, ldm, col_sum, stream=stream)
 
 
@@ -46,10 +47,10 @@ class MLP:
         self.layout = layout
         self.tf32 = tf32
         mode = "tf32" if tf32 else "f32"
-        self._hidden = _kernel(f"gemm_{mode}_bias_relu")
-        self._output = _kernel(f"gemm_{mode}_bias")
-        self._weight_grad = _kernel("gemm_f32_none")
-        self._input_grad = _kernel("gemm_f32_mask")
+        self.hidden_kernel = _kernel(f"linear_forward_relu_{mode}")
+        self.output_kernel = _kernel(f"linear_forward_{mode}")
+        self.weight_grad_kernel = _kernel("linear_grad_weight_f32")
+        self.input_grad_kernel = _kernel("linear_grad_input_f32")
         self.activations: list[DeviceBuffer] = []
 
     @property
@@ -76,8 +77,8 @@ class MLP:
         last = len(self.layout.layers) - 1
         for k, (out, inp) in enumerate(self.layout.layers):
             y = arena.array((batch, out), np.float32)
-            gemm(self._output if k == last else self._hidden, acts[-1], inp, 1, params.weight(k), 1, inp,
-                 y, out, batch, out, inp, stream, bias=params.bias(k))
+            kernel = self.output_kernel if k == last else self.hidden_kernel
+            gemm(kernel, acts[-1], inp, params.weight(k), inp, y, out, batch, out, inp, stream, bias=params.bias(k))
             acts.append(y)
         self.activations = acts
         return acts[-1]
@@ -94,10 +95,10 @@ class MLP:
         for k in range(len(self.layout.layers) - 1, -1, -1):
             out, inp = self.layout.layers[k]
             x = self.activations[k]
-            gemm(self._weight_grad, dy, 1, out, x, inp, 1, grads.weight(k), inp, out, inp, batch, stream,
+            gemm(self.weight_grad_kernel, dy, out, x, inp, grads.weight(k), inp, out, inp, batch, stream,
                  col_sum=grads.bias(k))
             if k > 0:
                 dx = arena.array((batch, inp), np.float32)
-                gemm(self._input_grad, dy, out, 1, params.weight(k), inp, 1, dx, inp, batch, inp, out, stream,
+                gemm(self.input_grad_kernel, dy, out, params.weight(k), inp, dx, inp, batch, inp, out, stream,
                      mask=x, ldm=inp)
                 dy = dx
