@@ -18,7 +18,9 @@
 //           128 threads, 64x64 block tile, 2x2 warps of 32x32.
 //   *_f32:  exact FP32 FFMA; 256 threads, 64x64 block tile, 4x4 outputs per thread.
 // Tiles are 64 deep in k, with the next tile's loads in flight during the current
-// one. Launch: grid (ceil(N/64), ceil(M/64)), block 128 (tf32) or 256 (f32).
+// one. Launch: grid (ceil(N/64), ceil(M/64), S), block 128 (tf32) or 256 (f32); S > 1
+// splits the k range over S blocks per output tile (see Output), so that small
+// products still spread over the SMs.
 // Determinism: every output is one thread's accumulation in a fixed k order; db is
 // summed by the blocks of grid column 0 in a fixed order. No atomics.
 #include "common.cuh"
@@ -88,9 +90,74 @@ __device__ __forceinline__ void epilogue_store(float* C, int ldc, int M, int N, 
     C[(long long)i * ldc + j] = v;
 }
 
+// Where a block's sums go. With gridDim.z == 1, through the epilogue into C. With
+// the k range split over gridDim.z blocks, into partial tiles in `workspace`
+// ([z][M][N], then the row sums [z][M]); the last block of each output tile to
+// finish (a counter per tile, no float atomics) adds the partials in z order,
+// applies the epilogue and resets its counter. Deterministic either way.
+template <int EPI>
+struct Output {
+    float* C;
+    int ldc, M, N;
+    const float* bias;
+    const float* mask;
+    int ldm;
+    float* col_sum;
+    float* workspace;
+    unsigned int* counters;
+
+    __device__ __forceinline__ void put(int i, int j, float v) const {
+        if (gridDim.z == 1) epilogue_store<EPI>(C, ldc, M, N, i, j, v, bias, mask, ldm);
+        else if (i < M && j < N) workspace[((long long)blockIdx.z * M + i) * N + j] = v;
+    }
+
+    __device__ __forceinline__ void put_row_sum(int i, float v) const {
+        if (i >= M) return;
+        if (gridDim.z == 1) col_sum[i] = v;
+        else workspace[(long long)gridDim.z * M * N + (long long)blockIdx.z * M + i] = v;
+    }
+
+    __device__ void finish(bool sums) const {
+        if (gridDim.z == 1) return;
+        __shared__ bool last;
+        const unsigned int tile = blockIdx.y * gridDim.x + blockIdx.x;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) last = atomicAdd(&counters[tile], 1u) == gridDim.z - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN, splits = gridDim.z;
+        for (int e = threadIdx.x; e < BM * BN; e += blockDim.x) {
+            const int i = i0 + e / BN, j = j0 + e % BN;
+            if (i >= M || j >= N) continue;
+            float v = 0.0f;
+            for (int z = 0; z < splits; ++z) v += __ldcg(&workspace[((long long)z * M + i) * N + j]);
+            epilogue_store<EPI>(C, ldc, M, N, i, j, v, bias, mask, ldm);
+        }
+        if (sums) {
+            const float* rows = workspace + (long long)splits * M * N;
+            for (int r = threadIdx.x; r < BM && i0 + r < M; r += blockDim.x) {
+                float v = 0.0f;
+                for (int z = 0; z < splits; ++z) v += __ldcg(&rows[(long long)z * M + i0 + r]);
+                col_sum[i0 + r] = v;
+            }
+        }
+        if (threadIdx.x == 0) counters[tile] = 0u;
+    }
+};
+
+// This block's share of the k range: whole 64-deep tiles, split evenly over gridDim.z.
+__device__ __forceinline__ void k_range(int K, int& begin, int& end) {
+    const int tiles = (K + BK - 1) / BK;
+    const int per = (tiles + gridDim.z - 1) / gridDim.z;
+    begin = min(K, (int)blockIdx.z * per * BK);
+    end = min(K, begin + per * BK);
+}
+
 template <int EPI, bool A_KFAST, bool B_KFAST>
-__device__ void gemm_tf32(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N,
-                          int K, const float* bias, const float* mask, int ldm) {
+__device__ void gemm_tf32(const float* A, int lda, const float* B, int ldb, int M, int N, int K,
+                          const Output<EPI>& out) {
     constexpr int THREADS = 128;
     __shared__ float As[BM][BK + PAD];
     __shared__ float Bs[BN][BK + PAD];
@@ -98,17 +165,19 @@ __device__ void gemm_tf32(const float* A, int lda, const float* B, int ldb, floa
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp >> 1, wn = warp & 1, g = lane >> 2, t = lane & 3;
     float acc[2][4][4] = {};
+    int kb, ke;
+    k_range(K, kb, ke);
     TileLoader<THREADS, BM, A_KFAST> la;
     TileLoader<THREADS, BN, B_KFAST> lb;
-    la.load(A, lda, i0, 0, M, K);
-    lb.load(B, ldb, j0, 0, N, K);
-    for (int k0 = 0; k0 < K; k0 += BK) {
+    la.load(A, lda, i0, kb, M, ke);
+    lb.load(B, ldb, j0, kb, N, ke);
+    for (int k0 = kb; k0 < ke; k0 += BK) {
         la.template store<true>(As);
         lb.template store<true>(Bs);
         __syncthreads();
-        if (k0 + BK < K) {  // the next tile's global loads fly while this one computes
-            la.load(A, lda, i0, k0 + BK, M, K);
-            lb.load(B, ldb, j0, k0 + BK, N, K);
+        if (k0 + BK < ke) {  // the next tile's global loads fly while this one computes
+            la.load(A, lda, i0, k0 + BK, M, ke);
+            lb.load(B, ldb, j0, k0 + BK, N, ke);
         }
 #pragma unroll 2
         for (int kk = 0; kk < BK; kk += 8) {
@@ -144,35 +213,38 @@ __device__ void gemm_tf32(const float* A, int lda, const float* B, int ldb, floa
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni) {
             const int r = i0 + wm * 32 + mi * 16 + g, c = j0 + wn * 32 + ni * 8 + 2 * t;
-            epilogue_store<EPI>(C, ldc, M, N, r, c, acc[mi][ni][0], bias, mask, ldm);
-            epilogue_store<EPI>(C, ldc, M, N, r, c + 1, acc[mi][ni][1], bias, mask, ldm);
-            epilogue_store<EPI>(C, ldc, M, N, r + 8, c, acc[mi][ni][2], bias, mask, ldm);
-            epilogue_store<EPI>(C, ldc, M, N, r + 8, c + 1, acc[mi][ni][3], bias, mask, ldm);
+            out.put(r, c, acc[mi][ni][0]);
+            out.put(r, c + 1, acc[mi][ni][1]);
+            out.put(r + 8, c, acc[mi][ni][2]);
+            out.put(r + 8, c + 1, acc[mi][ni][3]);
         }
+    out.finish(false);
 }
 
 template <int EPI, bool A_KFAST, bool B_KFAST>
-__device__ void gemm_f32(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N,
-                         int K, const float* bias, const float* mask, int ldm, float* col_sum) {
+__device__ void gemm_f32(const float* A, int lda, const float* B, int ldb, int M, int N, int K,
+                         const Output<EPI>& out) {
     constexpr int THREADS = 256;
     __shared__ float As[BM][BK + PAD];
     __shared__ float Bs[BN][BK + PAD];
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
-    const bool sums = col_sum != nullptr && blockIdx.x == 0;
+    const bool sums = out.col_sum != nullptr && blockIdx.x == 0;
     float acc[4][4] = {};
     float row_sum = 0.0f;
+    int kb, ke;
+    k_range(K, kb, ke);
     TileLoader<THREADS, BM, A_KFAST> la;
     TileLoader<THREADS, BN, B_KFAST> lb;
-    la.load(A, lda, i0, 0, M, K);
-    lb.load(B, ldb, j0, 0, N, K);
-    for (int k0 = 0; k0 < K; k0 += BK) {
+    la.load(A, lda, i0, kb, M, ke);
+    lb.load(B, ldb, j0, kb, N, ke);
+    for (int k0 = kb; k0 < ke; k0 += BK) {
         la.template store<false>(As);
         lb.template store<false>(Bs);
         __syncthreads();
-        if (k0 + BK < K) {
-            la.load(A, lda, i0, k0 + BK, M, K);
-            lb.load(B, ldb, j0, k0 + BK, N, K);
+        if (k0 + BK < ke) {
+            la.load(A, lda, i0, k0 + BK, M, ke);
+            lb.load(B, ldb, j0, k0 + BK, N, ke);
         }
         if (sums && threadIdx.x < BM) {
 #pragma unroll 8
@@ -192,38 +264,41 @@ __device__ void gemm_f32(const float* A, int lda, const float* B, int ldb, float
         }
         __syncthreads();
     }
-    if (sums && threadIdx.x < BM && i0 + threadIdx.x < M) col_sum[i0 + threadIdx.x] = row_sum;
+    if (sums && threadIdx.x < BM) out.put_row_sum(i0 + threadIdx.x, row_sum);
 #pragma unroll
     for (int r = 0; r < 4; ++r)
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-            epilogue_store<EPI>(C, ldc, M, N, i0 + ty + 16 * r, j0 + tx + 16 * c, acc[r][c], bias, mask, ldm);
+        for (int c = 0; c < 4; ++c) out.put(i0 + ty + 16 * r, j0 + tx + 16 * c, acc[r][c]);
+    out.finish(sums);
 }
 
 }  // namespace
 
 #define DT_GEMM_PARAMS                                                                            \
-    const float *A, int lda, const float *B, int ldb, float *C, int ldc, int M, int N, int K, \
-        const float *bias, const float *mask, int ldm, float *col_sum
-#define DT_GEMM_ARGS A, lda, B, ldb, C, ldc, M, N, K, bias, mask, ldm
+    const float *A, int lda, const float *B, int ldb, float *C, int ldc, int M, int N, int K,         \
+        const float *bias, const float *mask, int ldm, float *col_sum, float *workspace,              \
+        unsigned int *counters
+#define DT_GEMM_OUT(EPI) Output<EPI>{C, ldc, M, N, bias, mask, ldm, col_sum, workspace, counters}
 
-// One signature for all: ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr.
-// Arguments a kernel does not use (bias, mask, col_sum) may be 0.
+// One signature for all: ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr.
+// Arguments a kernel does not use (bias, mask, col_sum) may be 0; with gridDim.z == 1
+// so may workspace and counters. Otherwise workspace holds gridDim.z * (M*N + M)
+// floats and counters one zeroed uint per output tile (left zeroed on exit).
 extern "C" __global__ void __launch_bounds__(128) linear_forward_tf32(DT_GEMM_PARAMS) {
-    gemm_tf32<EPI_BIAS, true, true>(DT_GEMM_ARGS);
+    gemm_tf32<EPI_BIAS, true, true>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_BIAS));
 }
 extern "C" __global__ void __launch_bounds__(128) linear_forward_relu_tf32(DT_GEMM_PARAMS) {
-    gemm_tf32<EPI_BIAS_RELU, true, true>(DT_GEMM_ARGS);
+    gemm_tf32<EPI_BIAS_RELU, true, true>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_BIAS_RELU));
 }
 extern "C" __global__ void __launch_bounds__(256) linear_forward_f32(DT_GEMM_PARAMS) {
-    gemm_f32<EPI_BIAS, true, true>(DT_GEMM_ARGS, nullptr);
+    gemm_f32<EPI_BIAS, true, true>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_BIAS));
 }
 extern "C" __global__ void __launch_bounds__(256) linear_forward_relu_f32(DT_GEMM_PARAMS) {
-    gemm_f32<EPI_BIAS_RELU, true, true>(DT_GEMM_ARGS, nullptr);
+    gemm_f32<EPI_BIAS_RELU, true, true>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_BIAS_RELU));
 }
 extern "C" __global__ void __launch_bounds__(256) linear_grad_input_f32(DT_GEMM_PARAMS) {
-    gemm_f32<EPI_MASK, true, false>(DT_GEMM_ARGS, nullptr);
+    gemm_f32<EPI_MASK, true, false>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_MASK));
 }
 extern "C" __global__ void __launch_bounds__(256) linear_grad_weight_f32(DT_GEMM_PARAMS) {
-    gemm_f32<EPI_NONE, false, false>(DT_GEMM_ARGS, col_sum);
+    gemm_f32<EPI_NONE, false, false>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_NONE));
 }

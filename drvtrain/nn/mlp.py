@@ -3,26 +3,41 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..driver import get_device
 from ..kernel import builtin_module
 from ..memory import Arena, DeviceBuffer
 from .layout import FlatBuffer, ParamLayout
 
-__all__ = ["MLP", "gemm"]
+__all__ = ["MLP", "gemm", "split_count"]
 
-_SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr"
+_SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr"
 _TILE = 64
+_MAX_TILES = 4096  # output tiles a split-k product may have (one counter each)
 
 
 def _kernel(name: str):
     return builtin_module("gemm.cu").kernel(name, _SIGNATURE)
 
 
-def gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0):
+def gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
+         splits=1, workspace=0, counters=0):
     """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
-    (kernels/gemm.cu names them)."""
+    (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile."""
     threads = 128 if kernel.name.endswith("tf32") else 256
-    kernel.launch((-(-n // _TILE), -(-m // _TILE)), threads, a, lda, b, ldb, c, ldc, m, n, k,
-                  bias, mask, ldm, col_sum, stream=stream)
+    kernel.launch((-(-n // _TILE), -(-m // _TILE), splits), threads, a, lda, b, ldb, c, ldc, m, n, k,
+                  bias, mask, ldm, col_sum, workspace, counters, stream=stream)
+
+
+def split_count(m: int, n: int, k: int, sm_count: int) -> int:
+    """How many blocks share each output tile's k range: enough blocks to cover the
+    SMs twice, whole 64-deep k tiles each, none left empty."""
+    tiles = -(-m // _TILE) * -(-n // _TILE)
+    k_tiles = -(-k // _TILE)
+    if tiles > _MAX_TILES:
+        return 1
+    want = max(1, min(k_tiles, 16, -(-2 * sm_count // tiles)))
+    per = -(-k_tiles // want)
+    return -(-k_tiles // per)
 
 
 def _check_input(name: str, buf, shape) -> None:
@@ -52,6 +67,8 @@ class MLP:
         self.weight_grad_kernel = _kernel("linear_grad_weight_f32")
         self.input_grad_kernel = _kernel("linear_grad_input_f32")
         self.activations: list[DeviceBuffer] = []
+        self._sm_count = get_device().sm_count
+        self._counters = DeviceBuffer.from_numpy(np.zeros(_MAX_TILES, np.uint32))
 
     @property
     def in_features(self) -> int:
@@ -61,11 +78,33 @@ class MLP:
     def out_features(self) -> int:
         return self.layout.layers[-1][0]
 
+    def _products(self, batch: int):
+        """(m, n, k) of every product of a forward and backward, in launch order."""
+        last = len(self.layout.layers) - 1
+        out = [(batch, o, i) for o, i in self.layout.layers]
+        for k in range(last, -1, -1):
+            o, i = self.layout.layers[k]
+            out.append((o, i, batch))
+            if k > 0:
+                out.append((batch, i, o))
+        return out
+
     def scratch_bytes(self, batch: int) -> int:
         """Arena bytes one forward and backward take at this batch size."""
-        widths = [o for o, _ in self.layout.layers]
-        per = sum(-(-batch * w * 4 // 256) * 256 for w in widths)
-        return 2 * per + 256 * 4
+        rounded = lambda floats: -(-floats * 4 // 256) * 256
+        total = 0
+        for m, n, k in self._products(batch):
+            s = split_count(m, n, k, self._sm_count)
+            total += rounded(m * n)  # the product's output (activations and their gradients)
+            if s > 1:
+                total += rounded(s * (m * n + m))
+        return total + 1024
+
+    def _gemm(self, kernel, a, lda, b, ldb, c, ldc, m, n, k, arena, stream, **epilogue):
+        s = split_count(m, n, k, self._sm_count)
+        workspace = arena.array(s * (m * n + m), np.float32) if s > 1 else 0
+        gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=s, workspace=workspace,
+             counters=self._counters if s > 1 else 0, **epilogue)
 
     def forward(self, params: FlatBuffer, x: DeviceBuffer, arena: Arena, stream) -> DeviceBuffer:
         """Activations of every layer into arena slices; returns the output [batch, out]."""
@@ -78,7 +117,8 @@ class MLP:
         for k, (out, inp) in enumerate(self.layout.layers):
             y = arena.array((batch, out), np.float32)
             kernel = self.output_kernel if k == last else self.hidden_kernel
-            gemm(kernel, acts[-1], inp, params.weight(k), inp, y, out, batch, out, inp, stream, bias=params.bias(k))
+            self._gemm(kernel, acts[-1], inp, params.weight(k), inp, y, out, batch, out, inp, arena, stream,
+                       bias=params.bias(k))
             acts.append(y)
         self.activations = acts
         return acts[-1]
@@ -95,10 +135,10 @@ class MLP:
         for k in range(len(self.layout.layers) - 1, -1, -1):
             out, inp = self.layout.layers[k]
             x = self.activations[k]
-            gemm(self.weight_grad_kernel, dy, out, x, inp, grads.weight(k), inp, out, inp, batch, stream,
-                 col_sum=grads.bias(k))
+            self._gemm(self.weight_grad_kernel, dy, out, x, inp, grads.weight(k), inp, out, inp, batch, arena,
+                       stream, col_sum=grads.bias(k))
             if k > 0:
                 dx = arena.array((batch, inp), np.float32)
-                gemm(self.input_grad_kernel, dy, out, params.weight(k), inp, dx, inp, batch, inp, out, stream,
-                     mask=x, ldm=inp)
+                self._gemm(self.input_grad_kernel, dy, out, params.weight(k), inp, dx, inp, batch, inp, out,
+                           arena, stream, mask=x, ldm=inp)
                 dy = dx

@@ -41,7 +41,7 @@ class RegressionStep:
         self.metrics = Metrics(metrics_slots)
         self.optimizer = AdamW(self.params, self.grads, lr=lr, weight_decay=weight_decay, max_norm=max_norm,
                                loss=self.loss, metrics=self.metrics)
-        self.arena = Arena(self.mlp.scratch_bytes(self.batch), active=arena_active)
+        self.arena = Arena(self.mlp.scratch_bytes(self.batch) + 4 * n + 256, active=arena_active)  # + dout
 
     def enqueue(self, stream) -> None:
         """Queue one step on ``stream`` (eagerly, or into a capture)."""
