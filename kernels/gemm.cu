@@ -128,12 +128,26 @@ struct Output {
         if (!last) return;
         __threadfence();
         const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN, splits = gridDim.z;
-        for (int e = threadIdx.x; e < BM * BN; e += blockDim.x) {
-            const int i = i0 + e / BN, j = j0 + e % BN;
-            if (i >= M || j >= N) continue;
-            float v = 0.0f;
-            for (int z = 0; z < splits; ++z) v += __ldcg(&workspace[((long long)z * M + i) * N + j]);
-            epilogue_store<EPI>(C, ldc, M, N, i, j, v, bias, mask, ldm);
+        // Each thread owns Q elements; for every z their loads go out together, so the
+        // tail costs `splits` round trips, not splits * Q. The z order stays fixed.
+        constexpr int Q = 16;  // BM * BN / 256; a 128-thread block runs the loop twice
+        for (int base = threadIdx.x; base < BM * BN; base += Q * blockDim.x) {
+            float v[Q];
+#pragma unroll
+            for (int q = 0; q < Q; ++q) v[q] = 0.0f;
+            for (int z = 0; z < splits; ++z) {
+                const float* part = workspace + (long long)z * M * N;
+#pragma unroll
+                for (int q = 0; q < Q; ++q) {
+                    const int e = base + q * blockDim.x, i = i0 + e / BN, j = j0 + e % BN;
+                    if (e < BM * BN && i < M && j < N) v[q] += __ldcg(&part[(long long)i * N + j]);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < Q; ++q) {
+                const int e = base + q * blockDim.x;
+                if (e < BM * BN) epilogue_store<EPI>(C, ldc, M, N, i0 + e / BN, j0 + e % BN, v[q], bias, mask, ldm);
+            }
         }
         if (sums) {
             const float* rows = workspace + (long long)splits * M * N;

@@ -30,12 +30,13 @@ def gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm
 
 def split_count(m: int, n: int, k: int, sm_count: int) -> int:
     """How many blocks share each output tile's k range: enough blocks to cover the
-    SMs twice, whole 64-deep k tiles each, none left empty."""
+    SMs twice, at most 4 (the last block's tail grows with the count), whole 64-deep
+    k tiles each, none left empty."""
     tiles = -(-m // _TILE) * -(-n // _TILE)
     k_tiles = -(-k // _TILE)
     if tiles > _MAX_TILES:
         return 1
-    want = max(1, min(k_tiles, 16, -(-2 * sm_count // tiles)))
+    want = max(1, min(k_tiles, 4, -(-2 * sm_count // tiles)))
     per = -(-k_tiles // want)
     return -(-k_tiles // per)
 
