@@ -12,8 +12,6 @@
 extern "C" __global__ void __launch_bounds__(256) mse_loss(const float* pred, const float* target, int n,
                                                            float* dpred, double* partials,
                                                            unsigned int* counter, float* loss) {
-    __shared__ double sum[256];
-    __shared__ bool last;
     const float scale = 2.0f / (float)n;
     double acc = 0.0;
     for (long long i = dt_thread_index(); i < n; i += dt_grid_stride()) {
@@ -21,30 +19,6 @@ extern "C" __global__ void __launch_bounds__(256) mse_loss(const float* pred, co
         dpred[i] = scale * d;
         acc += (double)d * (double)d;
     }
-    sum[threadIdx.x] = acc;
-    __syncthreads();
-    for (int w = 128; w >= 1; w >>= 1) {
-        if (threadIdx.x < w) sum[threadIdx.x] += sum[threadIdx.x + w];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        partials[blockIdx.x] = sum[0];
-        __threadfence();
-        last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    double s = 0.0;
-    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) s += __ldcg(&partials[b]);
-    sum[threadIdx.x] = s;
-    __syncthreads();
-    for (int w = 128; w >= 1; w >>= 1) {
-        if (threadIdx.x < w) sum[threadIdx.x] += sum[threadIdx.x + w];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        *loss = (float)(sum[0] / n);
-        *counter = 0u;
-    }
+    double total;
+    if (dt_grid_sum_last(acc, partials, counter, total) && threadIdx.x == 0) *loss = (float)(total / n);
 }

@@ -21,52 +21,27 @@
 extern "C" __global__ void __launch_bounds__(256) grad_norm_clip(
         const float* grads, long long n, double* partials, unsigned int* counter, float max_norm,
         float* clip, int* step, const float* loss, float* ring, int ring_slots) {
-    __shared__ double sum[256];
-    __shared__ bool last;
     double acc = 0.0;
     const float4* g4 = reinterpret_cast<const float4*>(grads);
     for (long long i = dt_thread_index(); i < n / 4; i += dt_grid_stride()) {
         const float4 g = g4[i];
         acc += (double)g.x * g.x + (double)g.y * g.y + (double)g.z * g.z + (double)g.w * g.w;
     }
-    sum[threadIdx.x] = acc;
-    __syncthreads();
-    for (int w = 128; w >= 1; w >>= 1) {
-        if (threadIdx.x < w) sum[threadIdx.x] += sum[threadIdx.x + w];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        partials[blockIdx.x] = sum[0];
-        __threadfence();
-        last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    double s = 0.0;
-    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) s += __ldcg(&partials[b]);
-    sum[threadIdx.x] = s;
-    __syncthreads();
-    for (int w = 128; w >= 1; w >>= 1) {
-        if (threadIdx.x < w) sum[threadIdx.x] += sum[threadIdx.x + w];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        const float norm = (float)sqrt(sum[0]);
-        const float scale = fminf(1.0f, max_norm / (norm + 1e-6f));
-        const int t = *step + 1;
-        clip[0] = norm;
-        clip[1] = scale;
-        *step = t;
-        *counter = 0u;
-        if (ring != nullptr) {
-            float* slot = ring + 4 * (t % ring_slots);
-            slot[0] = loss != nullptr ? __ldcg(loss) : 0.0f;
-            slot[1] = norm;
-            slot[2] = scale;
-            __threadfence_system();
-            reinterpret_cast<volatile int*>(slot)[3] = t;
-        }
+    double total;
+    if (!dt_grid_sum_last(acc, partials, counter, total) || threadIdx.x != 0) return;
+    const float norm = (float)sqrt(total);
+    const float scale = fminf(1.0f, max_norm / (norm + 1e-6f));
+    const int t = *step + 1;
+    clip[0] = norm;
+    clip[1] = scale;
+    *step = t;
+    if (ring != nullptr) {
+        float* slot = ring + 4 * (t % ring_slots);
+        slot[0] = loss != nullptr ? __ldcg(loss) : 0.0f;
+        slot[1] = norm;
+        slot[2] = scale;
+        __threadfence_system();
+        reinterpret_cast<volatile int*>(slot)[3] = t;
     }
 }
 

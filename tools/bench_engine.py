@@ -8,31 +8,16 @@ replayed graph: us/step and its node count. Goals: full step <= 15 us (small),
 <= 50 us (large); forward TF32 GEMM 512x1024x1024 >= 150 TFLOP/s.
 """
 import argparse
-import statistics
 import sys
 
 import numpy as np
 
-from drvtrain import Arena, DeviceBuffer, Event, NoDeviceError, Stream, capture, get_device
+from drvtrain import Arena, DeviceBuffer, NoDeviceError, Stream, capture, get_device
 from drvtrain.nn import FlatBuffer, ParamLayout, RegressionStep
 from drvtrain.nn.mlp import MLP, gemm
+from drvtrain.timing import time_graph
 
 CONFIGS = {"small": (4, [256, 256], 2, 256), "large": (128, [1024, 1024], 18, 512)}
-
-
-def time_graph(exe, stream, replays, repeats):
-    start, end = Event(timing=True), Event(timing=True)
-    for _ in range(5):
-        exe.launch(stream)
-    samples = []
-    for _ in range(repeats):
-        start.record(stream)
-        for _ in range(replays):
-            exe.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        samples.append(start.elapsed_ms(end) * 1e3 / replays)
-    return statistics.median(samples)
 
 
 def graph_of(stream, body):
@@ -71,7 +56,7 @@ def main(argv=None) -> int:
             y = acts[k + 1]
             exe, _ = graph_of(stream, lambda: gemm(fwd_kernel, acts[k], inp, params.weight(k), inp, y, out,
                                                    batch, out, inp, stream, bias=params.bias(k)))
-            fwd = time_graph(exe, stream, args.replays, args.repeats)
+            fwd = time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
             dy = DeviceBuffer.from_numpy(rng.standard_normal((batch, out)).astype(np.float32))
             dx = DeviceBuffer((batch, inp))
 
@@ -83,7 +68,7 @@ def main(argv=None) -> int:
                          mask=acts[k], ldm=inp)
 
             exe, _ = graph_of(stream, backward)
-            bwd = time_graph(exe, stream, args.replays, args.repeats)
+            bwd = time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
             bwd_flops = flops * (2 if k > 0 else 1)
             rows.append((name, f"{batch}x{out}x{inp}", f"{fwd:7.2f}", f"{flops / fwd / 1e6:7.2f}",
                          f"{bwd:7.2f}", f"{bwd_flops / bwd / 1e6:7.2f}"))
@@ -91,7 +76,7 @@ def main(argv=None) -> int:
         step.x.copy_from_numpy(rng.standard_normal((batch, obs)).astype(np.float32))
         step.target.copy_from_numpy(rng.standard_normal((batch, 1 + actions)).astype(np.float32))
         exe = step.capture(stream)
-        us = time_graph(exe, stream, args.replays, args.repeats)
+        us = time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
         steps.append((name, us, len(step.graph.nodes()), "<= 15" if name == "small" else "<= 50"))
     # The forward GEMM the goal names: 512 x 1024 x 1024, TF32.
     big = DeviceBuffer.from_numpy(rng.standard_normal((512, 1024)).astype(np.float32))
@@ -100,7 +85,7 @@ def main(argv=None) -> int:
     yb = DeviceBuffer((512, 1024))
     kern = MLP(ParamLayout([(1024, 1024)])).hidden_kernel
     exe, _ = graph_of(stream, lambda: gemm(kern, big, 1024, w, 1024, yb, 1024, 512, 1024, 1024, stream, bias=b))
-    t = time_graph(exe, stream, args.replays, args.repeats)
+    t = time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
 
     print(f"\ndevice: {dev.name} ({dev.arch}, {dev.sm_count} SMs); us per replayed graph, median of {args.repeats}")
     header = ("config", "GEMM MxNxK", "fwd TF32 us", "TFLOP/s", "bwd FP32 us", "TFLOP/s")

@@ -13,8 +13,9 @@ import time
 import numpy as np
 from cuda.bindings import driver as cu
 
-from drvtrain import DeviceBuffer, Event, NoDeviceError, Stream, builtin_module, capture, get_device
+from drvtrain import DeviceBuffer, NoDeviceError, Stream, builtin_module, capture, get_device
 from drvtrain.compiler import compile_file, kernel_files
+from drvtrain.timing import time_graph
 
 ARGS8 = "ptr, ptr, ptr, ptr, i32, i32, f32, f32"
 
@@ -85,24 +86,13 @@ def main(argv=None) -> int:
         rows.append((f"launch: {name}", f"{us:.2f} us/launch{note}", "<= 7 us" if "Kernel.launch" in name else ""))
 
     # Graph replay: chains of N kernel nodes, device time per node.
-    start, end = Event(timing=True), Event(timing=True)
     for nodes in (10, 100, 1000):
         with capture(stream) as graph:
             for _ in range(nodes):
                 bound.launch(stream)
         exe = graph.instantiate()
-        replays = max(20, 20000 // nodes)
-        for _ in range(5):
-            exe.launch(stream)
-        samples = []
-        for _ in range(args.repeats):
-            start.record(stream)
-            for _ in range(replays):
-                exe.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            samples.append(start.elapsed_ms(end) * 1e3 / replays / nodes)
-        rows.append((f"graph replay, {nodes} kernel nodes", f"{statistics.median(samples):.3f} us/node", ""))
+        us = time_graph(exe, stream, replays=max(20, 20000 // nodes), repeats=args.repeats, warmup=5)
+        rows.append((f"graph replay, {nodes} kernel nodes", f"{us / nodes:.3f} us/node", ""))
         exe.close()
         graph.close()
 

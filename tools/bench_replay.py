@@ -15,25 +15,11 @@ import sys
 
 import numpy as np
 
-from drvtrain import Arena, DeviceBuffer, Event, NoDeviceError, Stream, capture, get_device
+from drvtrain import Arena, DeviceBuffer, NoDeviceError, Stream, capture, get_device
 from drvtrain.rl import ReplayBuffer, SumTree
+from drvtrain.timing import time_graph
 
 ALPHA, BETA = 0.6, 0.4
-
-
-def time_graph(exe, stream, replays, repeats):
-    start, end = Event(timing=True), Event(timing=True)
-    for _ in range(10):
-        exe.launch(stream)
-    samples = []
-    for _ in range(repeats):
-        start.record(stream)
-        for _ in range(replays):
-            exe.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        samples.append(start.elapsed_ms(end) * 1e3 / replays)
-    return statistics.median(samples)
 
 
 def filled_buffer(torch, c, d, seed):
@@ -68,15 +54,16 @@ def drvtrain_times(torch, data, c, d, b, stream, replays, repeats):
             body()
         return g.instantiate()
 
-    times["update"] = time_graph(graph_of(lambda: rb.update_priorities(idx, new_p, stream)), stream, replays, repeats)
-    times["sample+IS+gather"] = time_graph(
-        graph_of(lambda: rb.sample(b, stream, beta=BETA, arena=arena)), stream, replays, repeats)
+    update = graph_of(lambda: rb.update_priorities(idx, new_p, stream))
+    times["update"] = time_graph(update, stream, replays=replays, repeats=repeats)
+    sample = graph_of(lambda: rb.sample(b, stream, beta=BETA, arena=arena))
+    times["sample+IS+gather"] = time_graph(sample, stream, replays=replays, repeats=repeats)
 
     def combined():
         batch = rb.sample(b, stream, beta=BETA, arena=arena)
         rb.update_priorities(batch.indices, new_p, stream)
 
-    times["sample+gather+update"] = time_graph(graph_of(combined), stream, replays, repeats)
+    times["sample+gather+update"] = time_graph(graph_of(combined), stream, replays=replays, repeats=repeats)
     rb.check_errors()
     return times, rb
 
