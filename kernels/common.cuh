@@ -13,13 +13,58 @@ __device__ __forceinline__ long long dt_grid_stride() {
 // +infinity as float; NVRTC has no <math.h> macros.
 __device__ __forceinline__ float dt_inf() { return __int_as_float(0x7f800000); }
 
-// Sum of one double per thread over a 256-thread block, in a fixed tree order.
-// Every thread of the block must call it; every thread gets the sum.
-__device__ __forceinline__ double dt_block_sum256(double v) {
-    __shared__ double sum[256];
+__device__ __forceinline__ bool dt_first_thread() {
+    return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;
+}
+
+// ---------------------------------------------------------------- last block
+// The last-block protocol: blocks that each wrote partial results to global
+// memory arrive at a counter; the block that arrives last sees every partial
+// and finishes the reduction. No float atomics, so the result is bitwise
+// reproducible for a fixed grid. Every use in drvtrain goes through this.
+//
+// Memory ordering, argued once:
+//  1. Each thread fences its own global writes (__threadfence) before the
+//     block barrier, so they are visible device-wide before thread 0 can
+//     announce the block (fencing in thread 0 alone does not order the stores
+//     of the other threads of the block).
+//  2. Thread 0 increments the counter with a device-scope atomic. Arrivals
+//     are totally ordered on the counter; the block that reads
+//     `arrivals - 1` comes after every other block's fence.
+//  3. The last block fences again before any of its threads reads, and reads
+//     partials with __ldcg (L2), never through a possibly stale L1 line.
+//  4. The last block resets the counter to 0 at once: every other block has
+//     already incremented it, and the next launch on the stream sees the 0,
+//     so the kernel replays correctly inside a graph.
+// Every thread of the block must call it; the result is block-uniform, so
+// barriers inside `if (dt_last_block(...))` are safe.
+__device__ __forceinline__ bool dt_last_block(unsigned int* counter, unsigned int arrivals) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (dt_first_thread()) {
+        last = atomicAdd(counter, 1u) == arrivals - 1;
+        if (last) *counter = 0u;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// ---------------------------------------------------------------- block sums
+// Sum of one double per thread over a block of exactly THREADS threads (a
+// power of two), in a fixed tree order. Every thread of the block must call
+// it; every thread gets the sum. Kernels pin THREADS with __launch_bounds__
+// and the Python side launches with the kernel's declared block (Kernel.block),
+// so a mismatch is refused before launch.
+template <int THREADS>
+__device__ __forceinline__ double dt_block_sum(double v) {
+    static_assert((THREADS & (THREADS - 1)) == 0, "THREADS must be a power of two");
+    __shared__ double sum[THREADS];
     sum[threadIdx.x] = v;
     __syncthreads();
-    for (int w = 128; w >= 1; w >>= 1) {
+#pragma unroll
+    for (int w = THREADS / 2; w >= 1; w >>= 1) {
         if (threadIdx.x < w) sum[threadIdx.x] += sum[threadIdx.x + w];
         __syncthreads();
     }
@@ -28,26 +73,30 @@ __device__ __forceinline__ double dt_block_sum256(double v) {
     return total;
 }
 
-// The grid-wide sum without float atomics: each block writes its sum to
-// partials[blockIdx.x]; the block that arrives last at `counter` adds the
-// partials in a fixed order into `total` and returns true (every other block
-// returns false), after resetting the counter for the next launch. Bitwise
-// reproducible for a fixed grid. blockDim.x must be 256.
+// The grid-wide sum of one double per thread: each block writes its sum to
+// partials[blockIdx.x]; the last block (dt_last_block) adds the partials in a
+// fixed order into `total` and returns true; every other block returns false.
+// Bitwise reproducible for a fixed grid.
+template <int THREADS>
 __device__ __forceinline__ bool dt_grid_sum_last(double v, double* partials, unsigned int* counter,
                                                  double& total) {
-    __shared__ bool last;
-    const double block = dt_block_sum256(v);
-    if (threadIdx.x == 0) {
-        partials[blockIdx.x] = block;
-        __threadfence();
-        last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last) return false;
-    __threadfence();
+    const double block = dt_block_sum<THREADS>(v);
+    if (threadIdx.x == 0) partials[blockIdx.x] = block;
+    if (!dt_last_block(counter, gridDim.x)) return false;
     double s = 0.0;
-    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) s += __ldcg(&partials[b]);
-    total = dt_block_sum256(s);
-    if (threadIdx.x == 0) *counter = 0u;
+    for (int b = threadIdx.x; b < gridDim.x; b += THREADS) s += __ldcg(&partials[b]);
+    total = dt_block_sum<THREADS>(s);
     return true;
+}
+
+// ---------------------------------------------------------------- error flags
+// Errors a kernel finds cannot raise on the device. Flag k is counted in
+// device memory (`counts`, a device-scope atomic) and the new count is
+// published with a plain store to mapped host memory (`published`). The host
+// never writes either array: drvtrain.flags.ErrorFlags reports flag k when its
+// published count exceeds the largest it has seen, so no flag raised after a
+// check can be lost, whatever the interleaving of host reads and device stores.
+__device__ __forceinline__ void dt_raise(unsigned int* counts, unsigned int* published, int k) {
+    const unsigned int c = atomicAdd(&counts[k], 1u) + 1u;
+    reinterpret_cast<volatile unsigned int*>(published)[k] = c;
 }

@@ -18,7 +18,9 @@
 //   padded to 64 floats). Elementwise, deterministic.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(256) grad_norm_clip(
+constexpr int NORM_THREADS = 256;
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_clip(
         const float* grads, long long n, double* partials, unsigned int* counter, float max_norm,
         float* clip, int* step, const float* loss, float* ring, int ring_slots) {
     double acc = 0.0;
@@ -28,7 +30,7 @@ extern "C" __global__ void __launch_bounds__(256) grad_norm_clip(
         acc += (double)g.x * g.x + (double)g.y * g.y + (double)g.z * g.z + (double)g.w * g.w;
     }
     double total;
-    if (!dt_grid_sum_last(acc, partials, counter, total) || threadIdx.x != 0) return;
+    if (!dt_grid_sum_last<NORM_THREADS>(acc, partials, counter, total) || threadIdx.x != 0) return;
     const float norm = (float)sqrt(total);
     const float scale = fminf(1.0f, max_norm / (norm + 1e-6f));
     const int t = *step + 1;
