@@ -15,8 +15,13 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _fail(message: str, code: int) -> int:
+    print(f"drvtrain: {message}", file=sys.stderr)
+    return code
+
+
 def doctor(args) -> int:
-    from .compiler import compile_file, default_cache, kernel_files
+    from .compiler import CompileError, compile_file, default_cache, kernel_files
     from .driver import NoDeviceError, driver_version, get_device, nvrtc_version
 
     print(f"drvtrain {__version__}")
@@ -25,8 +30,9 @@ def doctor(args) -> int:
         major, minor = driver_version()
         dev = get_device(args.device)
     except NoDeviceError as exc:
-        print(f"drvtrain: {exc}", file=sys.stderr)
-        return EXIT_NO_DEVICE
+        return _fail(str(exc), EXIT_NO_DEVICE)
+    except ValueError as exc:  # an ordinal the machine does not have
+        return _fail(f"--device {args.device}: {exc}", EXIT_NO_DEVICE)
     lim = dev.limits
     print(f"driver       CUDA {major}.{minor}")
     print(f"device {dev.ordinal}     {dev.name}, {dev.arch}, {dev.sm_count} SMs, L2 {_mib(dev.l2_bytes)}, "
@@ -36,7 +42,11 @@ def doctor(args) -> int:
     cache = default_cache()
     print(f"kernels      cache {cache.directory}")
     for path in kernel_files():
-        prog = compile_file(path, arch=dev.arch)
+        try:
+            prog = compile_file(path, arch=dev.arch)
+        except CompileError as exc:
+            first = next((line for line in exc.log.splitlines() if "error" in line), exc.log.strip()[:200])
+            return _fail(f"NVRTC could not compile {exc.filename}: {first.strip()}", 1)
         print(f"  {path.name:<20} {'hit ' if prog.cache_hit else 'miss'} {prog.millis:8.1f} ms")
     if not cache.writable:
         print("  (cache not writable: compiled without caching)")

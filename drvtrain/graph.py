@@ -189,7 +189,11 @@ class GraphExec:
 
     def __init__(self, graph: Graph):
         self.handle = check(cu.cuGraphInstantiate, graph.handle, 0)
-        self.graph = graph  # keeps the buffers its kernels use alive
+        self.graph = graph
+        # Its own list: the kernels (and so their modules) and buffers the
+        # replays use stay alive as long as this executable graph, whatever
+        # happens to the Graph it came from (Graph.close empties that one's).
+        self.keepalive = list(graph.keepalive)
         self._finalizer = weakref.finalize(self, release, cu.cuGraphExecDestroy, self.handle)
 
     def launch(self, stream) -> None:
@@ -213,9 +217,11 @@ class GraphExec:
             raise GraphUpdateError("cuGraphExecUpdate", status,
                                    f"{reason}; the executable graph is unchanged")
         self.graph = graph
+        self.keepalive = list(graph.keepalive)
 
     def close(self) -> None:
         self._finalizer()
+        self.keepalive = []
 
 
 def _topology(graph: Graph) -> tuple:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import warnings
 import weakref
 from operator import is_ as _is
 
@@ -97,23 +98,38 @@ class ArgPack:
         self._pointers = (ctypes.c_void_p * max(1, n))(*[base + 8 * i for i in range(n)])
         self.address = ctypes.addressof(self._pointers) if n else 0
         self.fast_pack = _fast_packer(signature, self._struct.pack_into, self._buffer)
-        self.refs: tuple = ()  # the Python objects behind the arguments
+        self.refs: tuple = ()  # the Python objects behind the packed arguments
+        self._accepted_types: tuple | None = None  # argument types the validating path accepted
 
     def pack(self, args) -> None:
+        """Pack ``args``; on any error the pack names no arguments, so nothing stale is reused."""
         if len(args) != len(self.signature):
             raise TypeError(f"kernel takes {len(self.signature)} arguments "
                             f"({', '.join(self.signature)}), got {len(args)}")
-        try:
-            self.fast_pack(args)
-        except (struct.error, TypeError, OverflowError):
+        # A failed pack_into may have rewritten part of the buffer: until this
+        # pack succeeds the buffer matches no arguments.
+        self.refs = ()
+        types = tuple(map(type, args))
+        if types != self._accepted_types:
+            # Types not yet seen: the validating path decides, so the fast path
+            # only ever packs type combinations that path accepted (a bool is
+            # never an i32). Values are still range-checked by struct.
             values = [_convert(k, a, i) for i, (k, a) in enumerate(zip(self.signature, args))]
             self._struct.pack_into(self._buffer, 0, *values)
+            self._accepted_types = types
+        else:
+            try:
+                self.fast_pack(args)
+            except (struct.error, TypeError, OverflowError):
+                values = [_convert(k, a, i) for i, (k, a) in enumerate(zip(self.signature, args))]
+                self._struct.pack_into(self._buffer, 0, *values)
         self.refs = args
 
     def set(self, index: int, value) -> None:
         """Rewrite one argument in place."""
         kind = self.signature[index]
-        struct.pack_into("<" + _KINDS[kind], self._buffer, 8 * index, _convert(kind, value, index))
+        value_packed = _convert(kind, value, index)
+        struct.pack_into("<" + _KINDS[kind], self._buffer, 8 * index, value_packed)
         refs = list(self.refs)
         refs[index] = value
         self.refs = tuple(refs)
@@ -155,15 +171,20 @@ class Kernel:
     """A ``CUfunction`` with its argument signature and the limits its launches obey."""
 
     def __init__(self, function, name: str, signature, limits: DeviceLimits,
-                 max_threads: int | None = None, module=None):
+                 max_threads: int | None = None, module=None, fixed_block: bool = False):
         self.function = function
         self.name = name
         self.signature = parse_signature(signature)
         self.limits = limits
         self.max_threads = max_threads or limits.max_threads_per_block
+        # A kernel whose shared arrays and reductions are sized for one block
+        # declares it once, in `__launch_bounds__(N)` in its .cu file; the
+        # launch reads it here and refuses any other block.
+        self.block: int | None = self.max_threads if fixed_block else None
         self._module = module  # keeps the module loaded while the kernel lives
         self._pack = ArgPack(self.signature)
         self._validated: dict = {}  # launch shapes already checked
+        self.signature_checked = False  # set when the CUBIN's parameter sizes confirmed it
         self._shared_raised = limits.max_shared_per_block
 
     # -------------------------------------------------------------- validation
@@ -182,6 +203,10 @@ class Kernel:
             if not 1 <= n <= top:
                 raise ValueError(f"{self.name}: block dimension {'xyz'[axis]} = {n} outside 1..{top}")
         threads = b[0] * b[1] * b[2]
+        if self.block is not None and b != (self.block, 1, 1):
+            raise ValueError(f"{self.name}: launched with block {b}, but the kernel is written for "
+                             f"exactly ({self.block}, 1, 1) threads (its __launch_bounds__); "
+                             f"launch with kernel.block")
         if threads > self.max_threads:
             raise ValueError(f"{self.name}: block of {threads} threads exceeds this kernel's "
                              f"limit of {self.max_threads}")
@@ -215,7 +240,7 @@ class Kernel:
         # The very same objects as last time (buffers, numbers): already packed and checked.
         if len(args) != len(pack.refs) or not all(map(_is, args, pack.refs)):
             pack.pack(args)
-        _launch(self.function, g, b, shared_mem, stream, pack)
+        _launch(self, g, b, shared_mem, stream, pack)
 
     def bind(self, grid, block, *args, shared_mem: int = 0) -> "BoundLaunch":
         """A launch with its arguments packed once, for replaying many times."""
@@ -228,21 +253,22 @@ class Kernel:
         return f"<Kernel {self.name}({', '.join(self.signature)})>"
 
 
-def _keep_for_captures(captures, refs) -> None:
-    # Buffers a captured graph uses must outlive the graph's replays.
+def _keep_for_captures(captures, kernel, refs) -> None:
+    # What a captured graph uses must outlive its replays: the buffers, and
+    # the kernel, which keeps its module loaded.
     for capture in captures:
-        capture.keepalive.append(refs)
+        capture.keepalive.append((kernel, refs))
 
 
-def _launch(function, g, b, shared_mem, stream, pack: ArgPack) -> None:
+def _launch(kernel: Kernel, g, b, shared_mem, stream, pack: ArgPack) -> None:
     try:
         handle = stream.handle
     except AttributeError:
         raise TypeError("stream must be a drvtrain Stream; the legacy stream is never used") from None
     captures = getattr(_tls, "captures", None)
     if captures:
-        _keep_for_captures(captures, pack.refs)
-    status, = _cuLaunchKernel(function, g[0], g[1], g[2], b[0], b[1], b[2],
+        _keep_for_captures(captures, kernel, pack.refs)
+    status, = _cuLaunchKernel(kernel.function, g[0], g[1], g[2], b[0], b[1], b[2],
                               shared_mem, handle, pack.address, 0)
     if status:
         _driver.raise_status("cuLaunchKernel", status)
@@ -258,7 +284,7 @@ class BoundLaunch:
         self.pack.set(index, value)
 
     def launch(self, stream) -> None:
-        _launch(self.kernel.function, self.grid, self.block, self.shared_mem, stream, self.pack)
+        _launch(self.kernel, self.grid, self.block, self.shared_mem, stream, self.pack)
 
 
 class Module:
@@ -275,19 +301,22 @@ class Module:
         # dropping the last reference frees a module without waiting for the GC.
         self._kernels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
-    def kernel(self, name: str, signature) -> Kernel:
+    def kernel(self, name: str, signature, *, fixed_block: bool = False) -> Kernel:
         """The kernel ``name`` (a function name or a compiled name expression).
 
         The signature is checked against the parameter sizes in the CUBIN.
+        ``fixed_block=True``: the kernel only works with the block of its
+        ``__launch_bounds__``; ``Kernel.block`` holds it and other blocks are refused.
         """
-        key = (name, parse_signature(signature))
+        key = (name, parse_signature(signature), fixed_block)
         kern = self._kernels.get(key)
         if kern is None:
             symbol = self.program.lowered_names.get(name, name)
             function = check(cu.cuModuleGetFunction, self.handle, symbol.encode())
             max_threads = check(cu.cuFuncGetAttribute,
                                 cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, function)
-            kern = Kernel(function, name, key[1], self.device.limits, max_threads, module=self)
+            kern = Kernel(function, name, key[1], self.device.limits, max_threads, module=self,
+                          fixed_block=fixed_block)
             _check_param_sizes(kern, function)
             self._kernels[key] = kern
         return kern
@@ -297,21 +326,49 @@ class Module:
         self._finalizer()
 
 
+def _param_count(function) -> int | None:
+    """The kernel's parameter count from the driver, or None where the driver cannot say."""
+    get_count = getattr(cu, "cuFuncGetParamCount", None)
+    if get_count is None:
+        return None
+    status, count = get_count(function)
+    return None if status else int(count)
+
+
+_unchecked_warned = False
+
+
 def _check_param_sizes(kernel: Kernel, function) -> None:
-    """Compare the declared signature with the parameter sizes in the CUBIN."""
-    sizes = []
-    while True:
-        status, _offset, size = cu.cuFuncGetParamInfo(function, len(sizes))
+    """Compare the declared signature with the parameter count and sizes in the CUBIN.
+
+    Asks only for parameters that exist, so the driver never reports a failed
+    query. Where the driver cannot count parameters, the declared ones are
+    checked and extra ones go unnoticed; where it offers no parameter queries
+    at all, the check is unavailable: one warning, and ``kernel.signature_checked``
+    stays False.
+    """
+    global _unchecked_warned
+    declared = len(kernel.signature)
+    count = _param_count(function)
+    if count is not None and count != declared:
+        raise TypeError(f"kernel {kernel.name} takes {count} parameters, "
+                        f"the declared signature has {declared}: {kernel.signature}")
+    get_info = getattr(cu, "cuFuncGetParamInfo", None)
+    for i, kind in enumerate(kernel.signature):
+        status, _offset, size = get_info(function, i) if get_info else (True, 0, 0)
         if status:
-            break
-        sizes.append(size)
-    if len(sizes) != len(kernel.signature):
-        raise TypeError(f"kernel {kernel.name} takes {len(sizes)} parameters, "
-                        f"the declared signature has {len(kernel.signature)}: {kernel.signature}")
-    for i, (size, kind) in enumerate(zip(sizes, kernel.signature)):
+            if count is None and i > 0:
+                raise TypeError(f"kernel {kernel.name} takes {i} parameters, "
+                                f"the declared signature has {declared}: {kernel.signature}")
+            if not _unchecked_warned:
+                _unchecked_warned = True
+                warnings.warn("this CUDA driver cannot report kernel parameters: kernel signatures "
+                              "are not checked against the CUBIN", RuntimeWarning, stacklevel=3)
+            return
         if size != _SIZES[kind]:
             raise TypeError(f"kernel {kernel.name} parameter {i} is {size} bytes, "
                             f"declared {kind} is {_SIZES[kind]}")
+    kernel.signature_checked = count is not None
 
 
 def load_module(path, *, include_dirs=(), options=DEFAULT_OPTIONS, name_expressions=(),

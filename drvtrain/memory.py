@@ -9,7 +9,8 @@ from cuda.bindings import driver as cu
 
 from .driver import CaptureError, active_captures, check, get_device, guard_sync, release
 
-__all__ = ["DeviceBuffer", "Arena", "ArenaExhausted", "MappedBuffer", "PinnedBuffer", "ALIGNMENT"]
+__all__ = ["DeviceBuffer", "Arena", "ArenaExhausted", "MappedBuffer", "PinnedBuffer", "ALIGNMENT",
+           "pinned_total"]
 
 ALIGNMENT = 256  # every arena slice and parameter view starts on this boundary
 
@@ -65,10 +66,14 @@ class DeviceBuffer:
         return buf
 
     @classmethod
-    def from_cuda_array(cls, obj) -> "DeviceBuffer":
+    def from_cuda_array(cls, obj, *, stream=None) -> "DeviceBuffer":
         """A view of any object exposing ``__cuda_array_interface__`` (a torch or CuPy array).
 
-        The view keeps ``obj`` alive; it must be C-contiguous.
+        The view keeps ``obj`` alive; it must be C-contiguous. When the
+        interface names the producer's stream (protocol v3), the data may
+        still be being written there: with ``stream`` given, work queued next
+        on ``stream`` waits for it (no host wait); without, the host waits for
+        the producer's stream here.
         """
         iface = getattr(obj, "__cuda_array_interface__", None)
         if iface is None:
@@ -77,7 +82,20 @@ class DeviceBuffer:
         strides = iface.get("strides")
         if strides is not None and tuple(strides) != tuple(np.empty(shape, dtype).strides):
             raise ValueError("only C-contiguous device arrays can be viewed")
+        if math.prod(shape) == 0:
+            raise ValueError(f"cannot view an empty device array of shape {shape}")
+        producer = iface.get("stream")
+        if producer is not None:
+            _wait_for_producer(int(producer), stream)
         return cls._view(obj, int(iface["data"][0]), shape, dtype)
+
+    @classmethod
+    def zeros(cls, shape, dtype=np.float32) -> "DeviceBuffer":
+        """A new buffer filled with zero bytes (synchronous; setup only)."""
+        buf = cls(shape, dtype)
+        guard_sync("DeviceBuffer.zeros")
+        check(cu.cuMemsetD8, buf.ptr, 0, buf.nbytes)
+        return buf
 
     @classmethod
     def from_numpy(cls, array) -> "DeviceBuffer":
@@ -119,7 +137,8 @@ class DeviceBuffer:
             raise ValueError(f"view of {need} bytes at offset {offset} exceeds the buffer's {self.nbytes} bytes")
         if (self.ptr + offset) % dtype.alignment:
             raise ValueError(f"offset {offset} is not aligned for {dtype}")
-        return DeviceBuffer._view(self._owner or self, self.ptr + offset, shape, dtype)
+        owner = self._owner if self._owner is not None else self  # never bool(): a torch owner raises
+        return DeviceBuffer._view(owner, self.ptr + offset, shape, dtype)
 
     # ------------------------------------------------------------ copies
     def copy_from_numpy(self, array) -> None:
@@ -167,6 +186,24 @@ class DeviceBuffer:
         return f"<DeviceBuffer {kind} {self.shape} {self.dtype} at 0x{self.ptr:x}>"
 
 
+def _wait_for_producer(producer: int, stream) -> None:
+    # __cuda_array_interface__ v3: 0 is not allowed, 1 is the legacy stream,
+    # 2 the per-thread default stream, anything else a stream handle.
+    if producer == 0:
+        raise ValueError("__cuda_array_interface__ gives stream 0, which the protocol forbids")
+    handle = cu.CUstream(producer)
+    if stream is None:
+        guard_sync("DeviceBuffer.from_cuda_array")
+        check(cu.cuStreamSynchronize, handle)
+        return
+    event = check(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    try:
+        check(cu.cuEventRecord, event, handle)
+        check(cu.cuStreamWaitEvent, stream.handle, event, 0)
+    finally:
+        cu.cuEventDestroy(event)  # legal with a wait pending: released once it completes
+
+
 def _host_array(array) -> np.ndarray:
     if not isinstance(array, np.ndarray):
         raise TypeError(f"expected a numpy array, got {type(array).__name__}")
@@ -196,14 +233,24 @@ class Arena:
     freed at the next reset and counted in ``fallback_count``. Inside a
     capture it raises :class:`ArenaExhausted`. An inactive arena does plain
     allocations and frees them at reset (for A/B parity tests).
+
+    A second, smaller slab serves ``zeroed()``: memory that starts as zero
+    bytes, for the self-resetting counters of last-block reductions. Each call
+    site gets counters of its own, so two products running on two streams
+    never share one.
     """
 
-    def __init__(self, nbytes: int, *, active: bool = True):
+    def __init__(self, nbytes: int, *, active: bool = True, zeroed_bytes: int = 16384):
         if nbytes <= 0:
             raise ValueError(f"arena size must be positive, got {nbytes}")
+        if zeroed_bytes <= 0:
+            raise ValueError(f"zeroed_bytes must be positive, got {zeroed_bytes}")
         self.capacity = _round_up(int(nbytes), ALIGNMENT)
+        self.zeroed_capacity = _round_up(int(zeroed_bytes), ALIGNMENT)
         self.active = active
         self._slab = DeviceBuffer(self.capacity, np.uint8)
+        self._zeroed_slab = DeviceBuffer.zeros(self.zeroed_capacity, np.uint8)
+        self.zeroed_offset = 0
         self.offset = 0
         self.high_water = 0
         self.fallback_count = 0  # allocations that missed the slab, ever
@@ -244,6 +291,29 @@ class Arena:
         raw = self.alloc(max(1, math.prod(shape)) * dtype.itemsize)
         return raw.view(dtype, shape)
 
+    def zeroed(self, shape, dtype=np.uint32) -> DeviceBuffer:
+        """Scratch that holds zero bytes when handed out, for counters that their
+        kernels leave at zero when they finish (dt_last_block does). The same
+        calls after ``reset()`` return the same addresses, still zero."""
+        shape = _shape_tuple(shape)
+        dtype = np.dtype(dtype)
+        nbytes = max(1, math.prod(shape)) * dtype.itemsize
+        if self.active:
+            start = _round_up(self.zeroed_offset, ALIGNMENT)
+            if start + nbytes <= self.zeroed_capacity:
+                self.zeroed_offset = start + nbytes
+                return DeviceBuffer._view(self._zeroed_slab, self._zeroed_slab.ptr + start, shape, dtype)
+            if active_captures():
+                raise ArenaExhausted(nbytes, start, self.zeroed_capacity)
+            self.fallback_count += 1
+            self.fallback_bytes += nbytes
+        elif active_captures():
+            raise CaptureError("Arena.zeroed", None, "an inactive arena allocates with cuMemAlloc, "
+                               "which is illegal while a stream is capturing")
+        buf = DeviceBuffer.zeros(nbytes, np.uint8)
+        self._loose.append(buf)
+        return buf.view(dtype, shape)
+
     def reset(self) -> None:
         """Rewind the slab and free every fallback allocation."""
         if self._loose:
@@ -254,10 +324,12 @@ class Arena:
                 buf.close()  # cuMemFree waits for work still using the memory
             self._loose.clear()
         self.offset = 0
+        self.zeroed_offset = 0
 
     def close(self) -> None:
         self.reset()
         self._slab.close()
+        self._zeroed_slab.close()
 
     def __repr__(self) -> str:
         return (f"<Arena {self.offset}/{self.capacity} bytes, high water {self.high_water}, "
@@ -265,13 +337,43 @@ class Arena:
 
 
 # ---------------------------------------------------------------- host memory
-class _HostArrayView:
-    """Exposes host memory to numpy while keeping its owner alive."""
+_pinned = {"count": 0, "bytes": 0}
 
-    def __init__(self, owner, address: int, shape, dtype):
-        self.owner = owner
+
+def pinned_total() -> tuple[int, int]:
+    """(allocations, bytes) of page-locked host memory drvtrain holds now."""
+    return _pinned["count"], _pinned["bytes"]
+
+
+def _free_host(ptr: int, nbytes: int) -> None:
+    _pinned["count"] -= 1
+    _pinned["bytes"] -= nbytes
+    release(cu.cuMemFreeHost, ptr)
+
+
+class _HostAllocation:
+    """Owns one ``cuMemHostAlloc``. The buffer and every numpy view of it point
+    here, and this points at nothing of theirs: no reference cycle, so the
+    memory is freed as soon as the last of them goes, with no help from the GC
+    (numpy arrays are not tracked by the cycle collector)."""
+
+    __slots__ = ("ptr", "nbytes", "_finalizer", "__weakref__")
+
+    def __init__(self, nbytes: int, flags: int):
+        self.ptr = int(check(cu.cuMemHostAlloc, nbytes, flags))
+        self.nbytes = nbytes
+        _pinned["count"] += 1
+        _pinned["bytes"] += nbytes
+        self._finalizer = weakref.finalize(self, _free_host, self.ptr, nbytes)
+
+
+class _HostArrayView:
+    """Exposes host memory to numpy while keeping its allocation alive."""
+
+    def __init__(self, allocation: _HostAllocation, shape, dtype):
+        self.allocation = allocation
         self.__array_interface__ = {
-            "shape": shape, "typestr": dtype.str, "data": (address, False), "version": 3}
+            "shape": shape, "typestr": dtype.str, "data": (allocation.ptr, False), "version": 3}
 
 
 class _HostBuffer:
@@ -284,16 +386,17 @@ class _HostBuffer:
         if self.nbytes <= 0:
             raise ValueError(f"{type(self).__name__} needs a positive size, got shape {self.shape}")
         get_device()
-        self.host_ptr = int(check(cu.cuMemHostAlloc, self.nbytes, self._flags))
-        self._finalizer = weakref.finalize(self, release, cu.cuMemFreeHost, self.host_ptr)
-        self._array = np.asarray(_HostArrayView(self, self.host_ptr, self.shape, self.dtype))
+        self._allocation = _HostAllocation(self.nbytes, self._flags)
+        self.host_ptr = self._allocation.ptr
+        self._array = np.asarray(_HostArrayView(self._allocation, self.shape, self.dtype))
 
     def view(self) -> np.ndarray:
         """The host-side numpy view (valid until ``close()``)."""
         return self._array
 
     def close(self) -> None:
-        self._finalizer()
+        """Free the memory now; numpy views taken earlier must not be used after this."""
+        self._allocation._finalizer()
 
 
 class MappedBuffer(_HostBuffer):

@@ -5,7 +5,9 @@
 //   clip[0] = norm, clip[1] = scale, *step = t. Then it writes the step's metrics
 //   into slot t mod K of a ring in mapped host memory: {loss, norm, scale, t},
 //   with t stored last, after a system-wide fence, so a slot whose t matches
-//   is complete.
+//   is complete. With `skip` non-null it is the step's NaN guard: *skip = 1
+//   when the norm or *loss is not finite, else 0; a skipped step leaves t
+//   (and so the metrics ring) as it was.
 //   Launch: grid = G > 1 (fixed by the caller), block 256. Per-thread sums in a
 //   fixed grid-stride order, fixed block trees, and the last block sums the G
 //   partials in order: bitwise reproducible for a fixed G, no float atomics.
@@ -15,14 +17,17 @@
 //     theta *= 1 - lr wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //     theta -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 //   Launch: any grid, block 256; n must be a multiple of 4 (flat buffers are
-//   padded to 64 floats). Elementwise, deterministic.
+//   padded to 64 floats). Elementwise, deterministic. With `skip` non-null and
+//   *skip set, it changes nothing. t >= 1 always: the Python side refuses an
+//   update before the first norm, where 1 - beta^0 = 0 would divide by zero.
 #include "common.cuh"
 
 constexpr int NORM_THREADS = 256;
+constexpr int ADAM_THREADS = 256;
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_clip(
         const float* grads, long long n, double* partials, unsigned int* counter, float max_norm,
-        float* clip, int* step, const float* loss, float* ring, int ring_slots) {
+        float* clip, int* step, const float* loss, float* ring, int ring_slots, int* skip) {
     double acc = 0.0;
     const float4* g4 = reinterpret_cast<const float4*>(grads);
     for (long long i = dt_thread_index(); i < n / 4; i += dt_grid_stride()) {
@@ -33,9 +38,14 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_clip(
     if (!dt_grid_sum_last<NORM_THREADS>(acc, partials, counter, total) || threadIdx.x != 0) return;
     const float norm = (float)sqrt(total);
     const float scale = fminf(1.0f, max_norm / (norm + 1e-6f));
-    const int t = *step + 1;
     clip[0] = norm;
     clip[1] = scale;
+    if (skip != nullptr) {
+        const bool bad = !isfinite(norm) || (loss != nullptr && !isfinite(__ldcg(loss)));
+        *skip = bad ? 1 : 0;
+        if (bad) return;
+    }
+    const int t = *step + 1;
     *step = t;
     if (ring != nullptr) {
         float* slot = ring + 4 * (t % ring_slots);
@@ -47,9 +57,10 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_clip(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) adamw_step(
+extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_step(
         float* params, const float* grads, float* m, float* v, long long n, float lr, float beta1,
-        float beta2, float eps, float weight_decay, const float* clip, const int* step) {
+        float beta2, float eps, float weight_decay, const float* clip, const int* step, const int* skip) {
+    if (skip != nullptr && *skip) return;
     const float scale = clip[1];
     const int t = *step;
     const float step_size = (float)(lr / (1.0 - pow((double)beta1, (double)t)));

@@ -150,3 +150,65 @@ def test_repeated_launches_pack_only_what_changed(monkeypatch):
         k.launch(3, 64, np.zeros(4, np.float32), 6, stream=FakeStream())
     with pytest.raises(TypeError, match="expected an integer"):
         k.launch(3, 64, b, 6.0, stream=FakeStream())
+
+
+@pytest.mark.parametrize("kind, value", [("i32", True), ("f32", False), ("u64", True), ("ptr", True),
+                                         ("f64", np.True_), ("i32", 1.5), ("i32", np.float32(2.0)),
+                                         ("ptr", -1), ("ptr", 3.0), ("u32", -1), ("i32", 2**31)])
+def test_fast_and_validating_paths_refuse_the_same_inputs(kind, value):
+    """Whatever the order of calls, a value the validating path refuses never gets packed."""
+    good = {"ptr": 4096, "i32": 7, "u32": 7, "i64": 7, "u64": 7, "f32": 0.5, "f64": 0.5}[kind]
+    sig = parse_signature(f"{kind}, i32")
+    for warm in (False, True):
+        pack = ArgPack(sig)
+        if warm:  # an accepted pack first, so the fast path is armed
+            pack.pack((good, 1))
+        with pytest.raises((TypeError, ValueError, OverflowError)):
+            pack.pack((value, 1))
+        assert pack.refs == ()
+
+
+def test_failed_pack_never_leaves_stale_arguments_behind(rng):
+    """launch(A) ok, launch(B) fails half-way, launch(A) again: the pack holds A exactly."""
+    sig = parse_signature("ptr, i32, f32, i32")
+    a = (fake_buffer(int(rng.integers(1, 2**30)) * 256), int(rng.integers(-1000, 1000)),
+         float(rng.standard_normal()), int(rng.integers(-1000, 1000)))
+    pack = ArgPack(sig)
+    pack.pack(a)
+    want = pack.values()
+    b = (fake_buffer(int(rng.integers(1, 2**30)) * 256), int(rng.integers(1000, 2000)), 0.25, 2**40)
+    with pytest.raises((ValueError, OverflowError)):
+        pack.pack(b)  # the last argument does not fit i32: the first ones may already be written
+    assert pack.refs == ()
+    pack.pack(a)
+    assert pack.values() == want
+
+
+def test_kernel_launch_repacks_after_a_failed_launch(rng):
+    """Kernel.launch skips packing for the very same argument objects; after a failure it must not."""
+    kern = Kernel(None, "k", "ptr, i32", H200_LIKE)
+    sent = []
+    import drvtrain.kernel as kmod
+    original = kmod._cuLaunchKernel
+    kmod._cuLaunchKernel = lambda *args: (sent.append(list(kern._pack.values())), (0,))[1]
+    try:
+        class FakeStream:
+            handle = 0
+        a = (fake_buffer(4096), 5)
+        kern.launch(1, 32, *a, stream=FakeStream())
+        with pytest.raises(ValueError):
+            kern.launch(1, 32, fake_buffer(8192), 2**40, stream=FakeStream())
+        kern.launch(1, 32, *a, stream=FakeStream())
+    finally:
+        kmod._cuLaunchKernel = original
+    assert sent == [[4096, 5], [4096, 5]]
+
+
+def test_fixed_block_kernels_refuse_other_blocks():
+    kern = Kernel(None, "reduce", "ptr", H200_LIKE, max_threads=256, fixed_block=True)
+    assert kern.block == 256
+    kern.check_launch(4, 256)
+    for block in (128, 512, (256, 2), (16, 16)):
+        with pytest.raises(ValueError, match=r"exactly \(256, 1, 1\)"):
+            kern.check_launch(4, block)
+    assert Kernel(None, "free", "ptr", H200_LIKE, max_threads=256).block is None

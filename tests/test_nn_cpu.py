@@ -85,4 +85,15 @@ def test_clip_and_adamw_references(rng):
     g = rng.standard_normal(4)
     new, m1, v1 = adamw(theta, m, v, g, 1, lr=0.1, b1=0.9, b2=0.999, eps=0.0, wd=0.0)
     np.testing.assert_allclose(new, theta - 0.1 * np.sign(g), rtol=1e-12)  # first step is sign-like
-    assert rel(theta, theta) == 0.0 and rel(np.array([np.nan]), np.array([1.0])) == float("inf")
+    bump = rng.uniform(-1, 1, theta.size)
+    assert np.isclose(rel(theta + 1e-3 * bump, theta), 1e-3 * np.linalg.norm(bump) / np.linalg.norm(theta))
+    assert rel(np.array([np.nan, 1.0]), np.array([1.0, 1.0])) == float("inf")
+
+
+def test_from_widths_matches_the_out_in_list(rng):
+    widths = [int(w) for w in rng.integers(1, 300, size=int(rng.integers(2, 6)))]
+    layout = ParamLayout.from_widths(widths)
+    assert layout == ParamLayout([(o, i) for i, o in zip(widths, widths[1:])])
+    assert layout.widths == widths
+    with pytest.raises(ValueError, match="input and an output"):
+        ParamLayout.from_widths([4])

@@ -58,6 +58,18 @@ class ParamLayout:
         self.size = offset  # floats, a multiple of 64
         self._by_name = {s.name: s for s in slots}
 
+    @classmethod
+    def from_widths(cls, widths) -> "ParamLayout":
+        """``[4, 256, 256, 3]``: input width, hidden widths, output width."""
+        widths = [int(w) for w in widths]
+        if len(widths) < 2:
+            raise ValueError(f"from_widths needs an input and an output width, got {widths}")
+        return cls([(o, i) for i, o in zip(widths, widths[1:])])
+
+    @property
+    def widths(self) -> list[int]:
+        return [self.layers[0][1]] + [o for o, _ in self.layers]
+
     def weight(self, k: int) -> Slot:
         return self._by_name[f"layer{k}.weight"]
 

@@ -1,8 +1,6 @@
 """Per-step metrics in mapped host memory: written by kernels, read with no copy and no sync."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from ..memory import MappedBuffer
@@ -11,19 +9,35 @@ from ..stream import Event
 __all__ = ["Metrics", "StepMetrics"]
 
 
-@dataclass(frozen=True)
 class StepMetrics:
-    step: int
-    loss: float
-    grad_norm: float
-    clip_scale: float
+    """One step's metrics: ``step`` and one float attribute per field of the ring."""
+
+    __slots__ = ("step", "values")
+
+    def __init__(self, step: int, values: dict):
+        self.step = step
+        self.values = values
+
+    def __getattr__(self, name: str) -> float:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(f"no metric {name!r}; this ring has {sorted(self.values)}") from None
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StepMetrics) and (self.step, self.values) == (other.step, other.values)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v:.6g}" for k, v in self.values.items())
+        return f"StepMetrics(step={self.step}, {fields})"
 
 
 class Metrics:
-    """A ring of K slots in a MappedBuffer, one per step: {loss, grad norm, clip scale, step}.
+    """A ring of K slots in a MappedBuffer, one per step: the float ``fields``, then the step.
 
-    The optimizer's norm kernel writes slot ``t mod K`` for step ``t`` and
-    stores ``t`` last. The host calls :meth:`record` after queuing each step;
+    Default fields {loss, grad norm, clip scale}: the optimizer's norm kernel
+    writes slot ``t mod K`` for step ``t`` and stores ``t`` last (a slot is
+    ``width`` = len(fields) + 1 words). The host calls :meth:`record` after queuing each step;
     :meth:`poll` returns the steps finished since the last poll, in order,
     deciding with a non-blocking ``Event.query()`` per step. It never
     synchronises, never copies, and never returns a slot still being written.
@@ -31,14 +45,18 @@ class Metrics:
     counted in ``missed``.
     """
 
-    def __init__(self, slots: int = 1024):
+    def __init__(self, slots: int = 1024, fields=("loss", "grad_norm", "clip_scale")):
         if slots < 2:
             raise ValueError(f"a metrics ring needs at least 2 slots, got {slots}")
+        self.fields = tuple(fields)
+        if not self.fields or len(set(self.fields)) != len(self.fields):
+            raise ValueError(f"metrics fields must be distinct names, got {fields}")
         self.slots = int(slots)
-        self.ring = MappedBuffer((self.slots, 4), np.float32)
+        self.width = len(self.fields) + 1
+        self.ring = MappedBuffer((self.slots, self.width), np.float32)
         self._values = self.ring.view()
         self._values[:] = 0.0
-        self._steps = self._values.view(np.int32)[:, 3]
+        self._steps = self._values.view(np.int32)[:, -1]
         self._events = [Event() for _ in range(self.slots)]
         self.recorded = 0
         self.polled = 0
@@ -72,8 +90,11 @@ class Metrics:
             elif int(self._steps[slot]) != step:
                 self.missed += 1  # a step recorded without an optimizer step behind it
             else:
-                loss, norm, scale = (float(v) for v in self._values[slot, :3])
-                out.append(StepMetrics(step, loss, norm, scale))
+                row = self._values[slot, :-1].tolist()
+                if int(self._steps[slot]) != step:  # overwritten while we read: a newer step lapped it
+                    self.missed += 1
+                else:
+                    out.append(StepMetrics(step, dict(zip(self.fields, row))))
             self.polled = step
         return out
 

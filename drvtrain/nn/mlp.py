@@ -3,28 +3,44 @@ from __future__ import annotations
 
 import numpy as np
 
+from dataclasses import dataclass
+
 from ..driver import get_device
 from ..kernel import builtin_module
 from ..memory import Arena, DeviceBuffer
 from .layout import FlatBuffer, ParamLayout
 
-__all__ = ["MLP", "gemm", "split_count"]
+__all__ = ["MLP", "Forward", "gemm", "split_count"]
 
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr"
 _TILE = 64
 _MAX_TILES = 4096  # output tiles a split-k product may have (one counter each)
 
 
+@dataclass(frozen=True)
+class Forward:
+    """What one forward leaves for its backward: the input and the output of
+    every layer, as arena slices valid until the arena is reset."""
+    activations: tuple
+
+    @property
+    def output(self) -> DeviceBuffer:
+        return self.activations[-1]
+
+    @property
+    def batch(self) -> int:
+        return self.activations[0].shape[0]
+
+
 def _kernel(name: str):
-    return builtin_module("gemm.cu").kernel(name, _SIGNATURE)
+    return builtin_module("gemm.cu").kernel(name, _SIGNATURE, fixed_block=True)
 
 
 def gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
          splits=1, workspace=0, counters=0):
     """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
     (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile."""
-    threads = 128 if kernel.name.endswith("tf32") else 256
-    kernel.launch((-(-n // _TILE), -(-m // _TILE), splits), threads, a, lda, b, ldb, c, ldc, m, n, k,
+    kernel.launch((-(-n // _TILE), -(-m // _TILE), splits), kernel.block, a, lda, b, ldb, c, ldc, m, n, k,
                   bias, mask, ldm, col_sum, workspace, counters, stream=stream)
 
 
@@ -53,10 +69,13 @@ def _check_input(name: str, buf, shape) -> None:
 class MLP:
     """Linear, bias and ReLU after every layer but the last; the epilogues are fused.
 
-    ``forward`` keeps the activations (arena slices) for ``backward``, which
-    writes every gradient of the layout with no float atomics: dW = dY^T X and
-    db (column sums of dY) in one kernel, dX = dY W masked by the ReLU of the
-    layer's input in another.
+    Stateless between calls: ``forward`` returns a :class:`Forward` holding its
+    activations (arena slices) and ``backward`` takes it, so two forwards of
+    two parameter sets, on two streams, never touch each other's state. Every
+    split-k product takes its tile counters from ``arena.zeroed``.
+    ``backward`` writes every gradient of the layout with no float atomics:
+    dW = dY^T X and db (column sums of dY) in one kernel, dX = dY W masked by
+    the ReLU of the layer's input in another.
     """
 
     def __init__(self, layout: ParamLayout, *, tf32: bool = True):
@@ -67,9 +86,7 @@ class MLP:
         self.output_kernel = _kernel(f"linear_forward_{mode}")
         self.weight_grad_kernel = _kernel("linear_grad_weight_f32")
         self.input_grad_kernel = _kernel("linear_grad_input_f32")
-        self.activations: list[DeviceBuffer] = []
         self._sm_count = get_device().sm_count
-        self._counters = DeviceBuffer.from_numpy(np.zeros(_MAX_TILES, np.uint32))
 
     @property
     def in_features(self) -> int:
@@ -90,6 +107,14 @@ class MLP:
                 out.append((batch, i, o))
         return out
 
+    def zeroed_bytes(self, batch: int) -> int:
+        """``arena.zeroed`` bytes (tile counters) one forward and backward take."""
+        total = 0
+        for m, n, k in self._products(batch):
+            if split_count(m, n, k, self._sm_count) > 1:
+                total += -(-(-(-m // _TILE) * -(-n // _TILE)) * 4 // 256) * 256
+        return total
+
     def scratch_bytes(self, batch: int) -> int:
         """Arena bytes one forward and backward take at this batch size."""
         rounded = lambda floats: -(-floats * 4 // 256) * 256
@@ -104,11 +129,12 @@ class MLP:
     def _gemm(self, kernel, a, lda, b, ldb, c, ldc, m, n, k, arena, stream, **epilogue):
         s = split_count(m, n, k, self._sm_count)
         workspace = arena.array(s * (m * n + m), np.float32) if s > 1 else 0
+        counters = arena.zeroed(-(-m // _TILE) * -(-n // _TILE), np.uint32) if s > 1 else 0
         gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=s, workspace=workspace,
-             counters=self._counters if s > 1 else 0, **epilogue)
+             counters=counters, **epilogue)
 
-    def forward(self, params: FlatBuffer, x: DeviceBuffer, arena: Arena, stream) -> DeviceBuffer:
-        """Activations of every layer into arena slices; returns the output [batch, out]."""
+    def forward(self, params: FlatBuffer, x: DeviceBuffer, *, arena: Arena, stream) -> Forward:
+        """Every layer's output into arena slices; ``.output`` is [batch, out]."""
         if params.layout != self.layout:
             raise ValueError("params were made for another layout")
         batch = x.shape[0] if x.shape else 0
@@ -121,21 +147,21 @@ class MLP:
             self._gemm(kernel, acts[-1], inp, params.weight(k), inp, y, out, batch, out, inp, arena, stream,
                        bias=params.bias(k))
             acts.append(y)
-        self.activations = acts
-        return acts[-1]
+        return Forward(tuple(acts))
 
-    def backward(self, params: FlatBuffer, grads: FlatBuffer, dout: DeviceBuffer, arena: Arena, stream) -> None:
-        """Gradients of the loss whose derivative by the output is ``dout``, into ``grads``."""
-        if not self.activations:
-            raise RuntimeError("backward needs a forward first")
-        if grads.layout != self.layout:
-            raise ValueError("grads were made for another layout")
-        batch = self.activations[0].shape[0]
+    def backward(self, params: FlatBuffer, grads: FlatBuffer, forward: Forward, dout: DeviceBuffer, *,
+                 arena: Arena, stream) -> None:
+        """Gradients of the loss whose derivative by ``forward.output`` is ``dout``, into ``grads``."""
+        if not isinstance(forward, Forward) or len(forward.activations) != len(self.layout.layers) + 1:
+            raise TypeError("backward takes the Forward that this MLP's forward returned")
+        if grads.layout != self.layout or params.layout != self.layout:
+            raise ValueError("params and grads must be made for this MLP's layout")
+        batch = forward.batch
         _check_input("dout", dout, (batch, self.out_features))
         dy = dout
         for k in range(len(self.layout.layers) - 1, -1, -1):
             out, inp = self.layout.layers[k]
-            x = self.activations[k]
+            x = forward.activations[k]
             self._gemm(self.weight_grad_kernel, dy, out, x, inp, grads.weight(k), inp, out, inp, batch, arena,
                        stream, col_sum=grads.bias(k))
             if k > 0:

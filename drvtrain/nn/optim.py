@@ -18,11 +18,16 @@ class AdamW:
     ``t``, all in device memory, plus the metrics slot when a ring is given)
     and the AdamW kernel, which reads the scale and ``t`` from device memory.
     Graph replays therefore need nothing from the host.
+
+    With ``nan_guard=True`` the norm kernel also sets ``skip`` (an int32
+    device buffer) when the gradient norm or ``loss`` is not finite; the
+    update then changes nothing and ``t`` does not advance. Other kernels of
+    a step may read ``skip`` too.
     """
 
     def __init__(self, params: FlatBuffer, grads: FlatBuffer, *, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, max_norm: float = 10.0,
-                 loss: DeviceBuffer | None = None, metrics=None):
+                 loss: DeviceBuffer | None = None, metrics=None, nan_guard: bool = False):
         if params.layout != grads.layout:
             raise ValueError("params and grads must share one layout")
         if not (lr > 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 and eps > 0 and weight_decay >= 0
@@ -33,6 +38,9 @@ class AdamW:
         self.m, self.v = FlatBuffer(params.layout), FlatBuffer(params.layout)
         self.lr, self.betas, self.eps = float(lr), (float(betas[0]), float(betas[1])), float(eps)
         self.weight_decay, self.max_norm = float(weight_decay), float(max_norm)
+        if metrics is not None and metrics.width != 4:
+            raise ValueError("the norm kernel writes {loss, grad_norm, clip_scale, step} slots; "
+                             f"this ring has fields {metrics.fields}")
         self.loss, self.metrics = loss, metrics
         n = params.layout.size
         self.n = n
@@ -40,32 +48,40 @@ class AdamW:
         self._norm_grid = max(2, min(2 * get_device().sm_count, -(-n // 1024)))
         self._adam_grid = max(2, min(4 * get_device().sm_count, -(-n // 1024)))
         self._partials = DeviceBuffer(self._norm_grid, np.float64)
-        state = DeviceBuffer.from_numpy(np.zeros(4, np.int32))  # norm, scale, t, counter
+        state = DeviceBuffer.from_numpy(np.zeros(5, np.int32))  # norm, scale, t, counter, skip
         self._state = state
         self.clip = state.view(np.float32, (2,), 0)
         self.t = state.view(np.int32, (1,), 8)
         self._counter = state.view(np.uint32, (1,), 12)
+        self.skip = state.view(np.int32, (1,), 16) if nan_guard else None
+        self._norm_queued = False
         mod = builtin_module("optim.cu")
-        self._norm = mod.kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32")
-        self._adamw = mod.kernel("adamw_step", "ptr ptr ptr ptr i64 f32 f32 f32 f32 f32 ptr ptr")
+        self._norm = mod.kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32 ptr", fixed_block=True)
+        self._adamw = mod.kernel("adamw_step", "ptr ptr ptr ptr i64 f32 f32 f32 f32 f32 ptr ptr ptr",
+                                 fixed_block=True)
 
-    def clip_grad_norm(self, stream) -> None:
+    def clip_grad_norm(self, *, stream) -> None:
         """Norm, clip scale and ``t += 1`` on the device (and the metrics slot)."""
         ring = self.metrics.ptr if self.metrics is not None else 0
         slots = self.metrics.slots if self.metrics is not None else 1
-        self._norm.launch(self._norm_grid, 256, self.grads, self.n, self._partials, self._counter,
+        self._norm.launch(self._norm_grid, self._norm.block, self.grads, self.n, self._partials, self._counter,
                           self.max_norm, self.clip, self.t, self.loss if self.loss is not None else 0,
-                          ring, slots, stream=stream)
+                          ring, slots, self.skip if self.skip is not None else 0, stream=stream)
+        self._norm_queued = True
 
-    def apply(self, stream) -> None:
+    def apply(self, *, stream) -> None:
         """The AdamW update with the scale and ``t`` the last ``clip_grad_norm`` left."""
+        if not self._norm_queued:
+            raise RuntimeError("AdamW.apply needs clip_grad_norm first: it sets the step counter t "
+                               "(t = 0 would divide by 1 - beta**0 = 0) and the clip scale")
         b1, b2 = self.betas
-        self._adamw.launch(self._adam_grid, 256, self.params, self.grads, self.m, self.v, self.n, self.lr,
-                           b1, b2, self.eps, self.weight_decay, self.clip, self.t, stream=stream)
+        self._adamw.launch(self._adam_grid, self._adamw.block, self.params, self.grads, self.m, self.v, self.n,
+                           self.lr, b1, b2, self.eps, self.weight_decay, self.clip, self.t,
+                           self.skip if self.skip is not None else 0, stream=stream)
 
-    def step(self, stream) -> None:
-        self.clip_grad_norm(stream)
-        self.apply(stream)
+    def step(self, *, stream) -> None:
+        self.clip_grad_norm(stream=stream)
+        self.apply(stream=stream)
 
     def read_state(self) -> tuple[float, float, int]:
         """(norm, scale, t), read synchronously: tests and setup only."""

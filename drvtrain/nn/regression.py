@@ -37,32 +37,36 @@ class RegressionStep:
         self._loss_grid = max(2, min(2 * get_device().sm_count, -(-n // 1024)))
         self._loss_partials = DeviceBuffer(self._loss_grid, np.float64)
         self._loss_counter = DeviceBuffer.from_numpy(np.zeros(1, np.uint32))
-        self._mse = builtin_module("loss.cu").kernel("mse_loss", "ptr ptr i32 ptr ptr ptr ptr")
+        self._mse = builtin_module("loss.cu").kernel("mse_loss", "ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
         self.metrics = Metrics(metrics_slots)
         self.optimizer = AdamW(self.params, self.grads, lr=lr, weight_decay=weight_decay, max_norm=max_norm,
                                loss=self.loss, metrics=self.metrics)
-        self.arena = Arena(self.mlp.scratch_bytes(self.batch) + 4 * n + 256, active=arena_active)  # + dout
+        self.arena = Arena(self.mlp.scratch_bytes(self.batch) + 4 * n + 256,  # + dout
+                           zeroed_bytes=self.mlp.zeroed_bytes(self.batch) + 256, active=arena_active)
 
-    def enqueue(self, stream) -> None:
+    def enqueue(self, *, stream) -> None:
         """Queue one step on ``stream`` (eagerly, or into a capture)."""
         self.arena.reset()
-        out = self.mlp.forward(self.params, self.x, self.arena, stream)
+        fwd = self.mlp.forward(self.params, self.x, arena=self.arena, stream=stream)
+        out = fwd.output
         dout = self.arena.array(out.shape, np.float32)
-        self._mse.launch(self._loss_grid, 256, out, self.target, out.size, dout, self._loss_partials,
-                         self._loss_counter, self.loss, stream=stream)
-        self.mlp.backward(self.params, self.grads, dout, self.arena, stream)
-        self.optimizer.step(stream)
+        self._mse.launch(self._loss_grid, self._mse.block, out, self.target, out.size, dout,
+                         self._loss_partials, self._loss_counter, self.loss, stream=stream)
+        self.mlp.backward(self.params, self.grads, fwd, dout, arena=self.arena, stream=stream)
+        self.optimizer.step(stream=stream)
 
-    def capture(self, stream) -> GraphExec:
+    def capture(self, *, stream) -> GraphExec:
         """The step as one executable graph; replay it with ``launch(stream)``."""
         with capture(stream) as graph:
-            self.enqueue(stream)
+            self.enqueue(stream=stream)
         self.graph = graph
         return graph.instantiate()
 
-    def predict(self, x: DeviceBuffer, stream) -> np.ndarray:
+    def predict(self, x: DeviceBuffer, *, stream) -> np.ndarray:
         """The network's output for ``x`` (a host copy: tests and tools)."""
-        arena = Arena(self.mlp.scratch_bytes(x.shape[0]))
-        out = self.mlp.forward(self.params, x, arena, stream).to_numpy()
-        arena.close()
-        return out
+        batch = x.shape[0]
+        arena = Arena(self.mlp.scratch_bytes(batch), zeroed_bytes=self.mlp.zeroed_bytes(batch) + 256)
+        try:
+            return self.mlp.forward(self.params, x, arena=arena, stream=stream).output.to_numpy()
+        finally:
+            arena.close()

@@ -1,0 +1,192 @@
+"""Regression tests for lifetimes, ownership and error paths found in review (GPU)."""
+import gc
+import os
+import subprocess
+import sys
+import weakref
+
+import numpy as np
+import pytest
+
+from drvtrain import (Arena, DeviceBuffer, MappedBuffer, PinnedBuffer, Stream, builtin_module, capture,
+                      load_source)
+from drvtrain.flags import ErrorFlags
+from drvtrain.memory import pinned_total
+
+pytestmark = pytest.mark.gpu
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCALE_SOURCE = r'''
+extern "C" __global__ void scale_by(float* y, const float* x, float a, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i];
+}'''
+
+
+def test_executable_graph_keeps_its_module_loaded(device, stream, rng):
+    """A module dropped after capture stays loaded while a GraphExec made from it lives."""
+    n = 5000
+    src = rng.standard_normal(n).astype(np.float32)
+    a = float(rng.uniform(1.5, 3.0))
+    x, y = DeviceBuffer.from_numpy(src), DeviceBuffer(n)
+    module = load_source(SCALE_SOURCE, "scale_by.cu")
+    kernel = module.kernel("scale_by", "ptr ptr f32 i32")
+    alive = weakref.ref(module)
+    with capture(stream) as graph:
+        kernel.launch(-(-n // 128), 128, y, x, a, n, stream=stream)
+    exe = graph.instantiate()
+    graph.close()  # empties the Graph's own list; the GraphExec keeps its own
+    del module, kernel, graph
+    gc.collect()
+    assert alive() is not None, "the module was unloaded under a live GraphExec"
+    y.poison(stream)
+    exe.launch(stream)
+    np.testing.assert_array_equal(y.to_numpy(), np.float32(a) * src)
+    exe.close()
+    gc.collect()
+    assert alive() is None, "closing the GraphExec should let the module go"
+
+
+SPIN_SOURCE = r'''
+extern "C" __global__ void spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) { }
+}'''
+
+
+def test_view_of_a_torch_tensor(device, rng):
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy(rng.standard_normal((64, 33)).astype(np.float32)).cuda()
+    buf = DeviceBuffer.from_cuda_array(t)
+    view = buf.view(np.float32, (33,), 4 * 33 * 5)  # row 5; raised before: bool(t) of a tensor
+    np.testing.assert_array_equal(view.to_numpy(), t[5].cpu().numpy())
+    with pytest.raises(ValueError, match="empty"):
+        DeviceBuffer.from_cuda_array(torch.empty(0, device="cuda"))
+
+
+@pytest.mark.parametrize("wait_on", ["stream", "host"])
+def test_view_waits_for_the_producer_stream(device, rng, wait_on):
+    """__cuda_array_interface__ v3 names the stream still writing the data: the view waits for it."""
+    n = 1 << 16
+    producer, consumer = Stream(), Stream()
+    data = DeviceBuffer(n)
+    data.poison(producer)
+    producer.synchronize()
+    spin = load_source(SPIN_SOURCE, "spin.cu").kernel("spin", "i64")
+    fill = builtin_module("elementwise.cu").kernel("fill_f32", "ptr, f32, i32")
+    value = float(rng.uniform(1, 2))
+    spin.launch(1, 1, 200_000_000, stream=producer)  # ~0.1 s of the producer's time
+    fill.launch(64, 256, data, value, n, stream=producer)
+
+    class Foreign:  # what a torch or CuPy array on `producer` would expose
+        __cuda_array_interface__ = {"shape": (n,), "typestr": "<f4", "data": (data.ptr, False),
+                                    "version": 3, "strides": None, "stream": int(producer.handle)}
+
+    view = DeviceBuffer.from_cuda_array(Foreign(), stream=consumer if wait_on == "stream" else None)
+    if wait_on == "host":
+        assert producer.query(), "without a consumer stream the host waits for the producer"
+    out = DeviceBuffer(n)
+    builtin_module("elementwise.cu").kernel("scale_f32", "ptr, ptr, f32, i32").launch(
+        64, 256, out, view, 1.0, n, stream=consumer)
+    consumer.synchronize()
+    np.testing.assert_array_equal(out.to_numpy(), np.full(n, value, np.float32))
+    Foreign.__cuda_array_interface__ = {**Foreign.__cuda_array_interface__, "stream": 0}
+    with pytest.raises(ValueError, match="forbids"):
+        DeviceBuffer.from_cuda_array(Foreign())
+
+
+@pytest.mark.parametrize("kind", [MappedBuffer, PinnedBuffer])
+def test_dropped_host_buffers_return_their_pinned_memory(device, kind):
+    """1000 buffers dropped without close(): the pinned total and the process size come back."""
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    for _ in range(3):
+        kind(1 << 20, np.uint8)
+    count0, bytes0 = pinned_total()
+    rss0 = rss()
+    for _ in range(1000):
+        buf = kind(1 << 20, np.uint8)
+        buf.view()[:] = 7  # touch every page
+        del buf  # no gc.collect(): reference counting alone must free it
+    assert pinned_total() == (count0, bytes0)
+    assert rss() - rss0 < 256 << 20, f"the process grew by {(rss() - rss0) >> 20} MiB"
+    survivor = kind(1 << 20, np.uint8)
+    view = survivor.view()
+    del survivor  # a live numpy view keeps the memory valid
+    view[:] = 3
+    assert view.sum() == 3 * (1 << 20) and pinned_total()[0] == count0 + 1
+    del view
+    assert pinned_total() == (count0, bytes0)
+
+
+def test_zeros_and_zeroed_arena_slices(device, stream, rng):
+    z = DeviceBuffer.zeros((37, 3), np.float64)
+    assert z.to_numpy().shape == (37, 3) and not z.to_numpy().any()
+    arena = Arena(1 << 12, zeroed_bytes=1024)
+    a = arena.zeroed(100)
+    b = arena.zeroed(50)
+    assert a.ptr % 256 == 0 and b.ptr >= a.ptr + 400
+    assert not a.to_numpy().any() and not b.to_numpy().any()
+    arena.reset()
+    assert arena.zeroed(100).ptr == a.ptr
+    big = arena.zeroed(2000)  # beyond the zeroed slab: a tracked, still-zero fallback
+    assert not big.to_numpy().any() and arena.fallback_count == 1
+    arena.close()
+
+
+def test_error_flags_are_never_lost(device, stream):
+    flags = ErrorFlags(["first", "second"])
+    raise_src = r'''
+    #include "common.cuh"
+    extern "C" __global__ void raise_flag(unsigned int* counts, unsigned int* published, int k, int times) {
+        if (dt_thread_index() < times) dt_raise(counts, published, k);
+    }'''
+    kern = load_source(raise_src, "raise_flag.cu").kernel("raise_flag", "ptr ptr i32 i32")
+    assert flags.raised() == []
+    kern.launch(4, 128, flags.counts, flags.published, 1, 300, stream=stream)
+    stream.synchronize()
+    assert flags.raised() == ["second"]
+    assert flags.raised() == []  # reported once
+    kern.launch(1, 32, flags.counts, flags.published, 0, 1, stream=stream)
+    kern.launch(1, 32, flags.counts, flags.published, 1, 1, stream=stream)
+    stream.synchronize()
+    assert flags.raised() == ["first", "second"]
+    assert flags.counts.to_numpy().tolist() == [1, 301]
+
+
+def test_fixed_block_kernels_and_parameter_check(device, stream):
+    kern = builtin_module("optim.cu").kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32 ptr",
+                                             fixed_block=True)
+    assert kern.block == 256
+    assert kern.signature_checked, "the driver should confirm kernel signatures"
+    with pytest.raises(ValueError, match="exactly"):
+        kern.launch(2, 128, 0, 0, 0, 0, 1.0, 0, 0, 0, 0, 1, 0, stream=stream)
+    with pytest.raises(TypeError, match="takes 11 parameters"):
+        builtin_module("optim.cu").kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32")
+
+
+def _doctor(*args, env_extra=None, code=None):
+    env = {**os.environ, "PYTHONPATH": ROOT, **(env_extra or {})}
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "drvtrain", "doctor", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_doctor_bad_device_is_one_line_exit_2(device):
+    out = _doctor("--device", "99")
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "--device 99" in out.stderr
+
+
+def test_doctor_compile_error_is_one_line_exit_1(device, tmp_path):
+    broken = tmp_path / "broken.cu"
+    broken.write_text('extern "C" __global__ void broken() { this is not C++; }\n')
+    code = ("import sys, pathlib, drvtrain.compiler as c, drvtrain.cli as cli\n"
+            f"c.kernel_files = lambda: [pathlib.Path({str(broken)!r})]\n"
+            "sys.exit(cli.main(['doctor']))\n")
+    out = _doctor(code=code, env_extra={"DRVTRAIN_CACHE_DIR": str(tmp_path / "cache")})
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "broken.cu" in out.stderr
