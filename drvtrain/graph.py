@@ -11,7 +11,7 @@ from cuda.bindings import driver as cu
 from .driver import (CaptureError, DriverError, active_captures, check, raise_status, release,
                      release_deferred)
 
-__all__ = ["capture", "Graph", "GraphExec", "GraphUpdateError", "Node", "KernelNode"]
+__all__ = ["capture", "capture_frontier", "Graph", "GraphExec", "GraphUpdateError", "Node", "KernelNode"]
 
 
 class GraphUpdateError(DriverError):
@@ -102,6 +102,14 @@ class Graph:
             return []
         result = check(cu.cuGraphGetEdges, self.handle, count)
         return [(index[int(a)], index[int(b)]) for a, b in zip(result[0], result[1])]
+
+    def node_for(self, handle) -> Node:
+        """The Node of a raw ``CUgraphNode`` handle (e.g. from ``capture_frontier``)."""
+        want = int(handle)
+        for node in self.nodes():
+            if int(node.handle) == want:
+                return node
+        raise KeyError(f"no node {want:#x} in this graph")
 
     def dependencies(self, node: Node) -> list[Node]:
         """The nodes ``node`` waits for."""
@@ -281,3 +289,15 @@ def capture(stream):
     finally:
         release_deferred()
     graph._adopt(handle)
+
+
+def capture_frontier(stream) -> list:
+    """The ``CUgraphNode`` handles the next work captured on ``stream`` will depend on:
+    the last nodes queued there. Lets a library name the nodes a part of its
+    capture produced (``Graph.node_for``), e.g. to check two branches overlap."""
+    result = check(cu.cuStreamGetCaptureInfo, stream.handle)
+    status = result[0]
+    if status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+        raise CaptureError("cuStreamGetCaptureInfo", None, "the stream is not capturing")
+    deps = result[3]
+    return list(deps or [])

@@ -1,0 +1,475 @@
+"""The dueling Double-DQN step with prioritized replay, resident on the device as one graph.
+
+The maths is in ``docs/step-spec.md``. One step, in launch order:
+PER sample with IS weights and the gathered batch; the online forward on
+``s`` (main stream) while the online forward on ``s'`` and the target forward
+on ``s'`` run on two streams forked from it and joined before the loss; the
+fused loss (dueling combine, Double-DQN argmax and target, IS-weighted Huber,
+the output gradient, new priorities, metrics sums); the backward; the
+gradient-norm clip, which is also the NaN guard; AdamW; the spectral power
+iteration (two launches); the priority update; and one last pass that applies
+the spectral scales, updates the target network, counts the step and writes
+the metrics slot. No host branch anywhere: a captured step replays unchanged.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..audit import CallCounts, Criterion, classify, count_driver_calls
+from ..driver import active_captures, get_device
+from ..flags import ErrorFlags
+from ..graph import Graph, GraphExec, capture, capture_frontier
+from ..kernel import builtin_module
+from ..memory import Arena, DeviceBuffer, MappedBuffer
+from ..nn.layout import FlatBuffer, ParamLayout
+from ..nn.metrics import Metrics
+from ..nn.mlp import MLP
+from ..nn.optim import AdamW
+from ..stream import Stream, fork, join
+from .replay import ReplayBuffer
+
+__all__ = ["DQNConfig", "DQNStep", "TrainingError", "METRIC_FIELDS", "audit_step", "lint_step_graph"]
+
+METRIC_FIELDS = ("loss", "grad_norm", "clip_scale", "mean_q", "mean_abs_td", "sigma_max", "beta")
+
+# The table of spectral matrices, byte for byte as kernels/dqn.cuh lays it out.
+_SPECTRAL_DTYPE = np.dtype([("w_offset", "<i8"), ("rows", "<i4"), ("cols", "<i4"), ("u_offset", "<i4"),
+                            ("v_offset", "<i4"), ("first_block_cols", "<i4"), ("first_block_rows", "<i4")])
+_SPECTRAL_COLS_PER_BLOCK = 16  # DT_SPECTRAL_COLS_PER_BLOCK
+_SPECTRAL_ROWS_PER_BLOCK = 16  # DT_SPECTRAL_ROWS_PER_BLOCK
+
+
+class TrainingError(RuntimeError):
+    """The device skipped a step (a non-finite loss or gradient norm) or flagged bad replay input."""
+
+
+def _positive_int(name, value, low=1, high=None):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _real(name, value, low, high, *, low_open=False, high_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
+    if too_low or too_high:
+        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+        raise ValueError(f"{name} must be in {lo}{low}, {high}{hi}, got {value}")
+
+
+@dataclass(frozen=True)
+class DQNConfig:
+    """Everything that defines a DQN learner. Every field is checked at construction.
+
+    ``beta`` is a constant or ``(start, end, steps)``: a linear schedule over
+    sample launches, evaluated on the device. Exactly one of ``tau`` (Polyak)
+    and ``target_period`` (hard copy every K optimizer steps) is set.
+    ``spectral_c`` None turns the spectral projection off; ``spectral_layers``
+    None means every hidden layer (every layer but the output layer).
+    """
+    obs_dim: int
+    n_actions: int
+    hidden: tuple = (256, 256)
+    tf32: bool = True
+    batch: int = 256
+    capacity: int = 131072
+    alpha: float = 0.6
+    beta: float | tuple = 0.4
+    gamma: float = 0.99
+    lr: float = 1e-4
+    weight_decay: float = 1e-2
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    max_norm: float = 10.0
+    huber_delta: float = 1.0
+    tau: float | None = 0.005
+    target_period: int | None = None
+    spectral_c: float | None = 1.0
+    spectral_layers: tuple | None = None
+    seed: int = 0
+    dual_stream: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "hidden", tuple(self.hidden))
+        if self.spectral_layers is not None:
+            object.__setattr__(self, "spectral_layers", tuple(self.spectral_layers))
+        if isinstance(self.beta, list):
+            object.__setattr__(self, "beta", tuple(self.beta))
+        _positive_int("obs_dim", self.obs_dim)
+        _positive_int("n_actions", self.n_actions, 1, 1023)
+        if not self.hidden:
+            raise ValueError("hidden must name at least one hidden width")
+        for w in self.hidden:
+            _positive_int("hidden width", w)
+        _positive_int("capacity", self.capacity, 1, 2**31 - 1)
+        _positive_int("batch", self.batch, 1, min(self.capacity, 32768))
+        _real("alpha", self.alpha, 0.0, 1.0)
+        if isinstance(self.beta, tuple):
+            if len(self.beta) != 3:
+                raise ValueError(f"beta must be a number or (start, end, steps), got {self.beta!r}")
+            _real("beta start", self.beta[0], 0.0, 1.0)
+            _real("beta end", self.beta[1], 0.0, 1.0)
+            _positive_int("beta steps", self.beta[2])
+        else:
+            _real("beta", self.beta, 0.0, 1.0)
+        _real("gamma", self.gamma, 0.0, 1.0)
+        _real("lr", self.lr, 0.0, 1.0, low_open=True)
+        _real("weight_decay", self.weight_decay, 0.0, 1.0)
+        if len(self.betas) != 2:
+            raise ValueError(f"betas must be (beta1, beta2), got {self.betas!r}")
+        _real("betas[0]", self.betas[0], 0.0, 1.0, high_open=True)
+        _real("betas[1]", self.betas[1], 0.0, 1.0, high_open=True)
+        _real("eps", self.eps, 0.0, 1.0, low_open=True)
+        _real("max_norm", self.max_norm, 0.0, 1e30, low_open=True)
+        _real("huber_delta", self.huber_delta, 0.0, 1e30, low_open=True)
+        if (self.tau is None) == (self.target_period is None):
+            raise ValueError("set exactly one of tau (Polyak averaging) and target_period (hard copy), "
+                             f"got tau={self.tau!r}, target_period={self.target_period!r}")
+        if self.tau is not None:
+            _real("tau", self.tau, 0.0, 1.0, low_open=True)
+        else:
+            _positive_int("target_period", self.target_period)
+        if self.spectral_c is not None:
+            _real("spectral_c", self.spectral_c, 0.0, 1e30, low_open=True)
+        n_hidden = len(self.hidden)
+        for k in self.spectral_layers or ():
+            _positive_int("spectral layer index", k, 0, n_hidden - 1)
+        if self.spectral_layers is not None and len(set(self.spectral_layers)) != len(self.spectral_layers):
+            raise ValueError(f"spectral_layers repeats a layer: {self.spectral_layers}")
+        _positive_int("seed", self.seed, 0, 2**63 - 1)
+
+    @property
+    def widths(self) -> list[int]:
+        return [self.obs_dim, *self.hidden, 1 + self.n_actions]
+
+    @property
+    def projected_layers(self) -> tuple:
+        if self.spectral_c is None:
+            return ()
+        return self.spectral_layers if self.spectral_layers is not None else tuple(range(len(self.hidden)))
+
+    def beta_schedule(self):
+        return self.beta
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def small(cls, **overrides) -> "DQNConfig":
+        """The benchmark's small configuration."""
+        return cls(**{**dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=131072), **overrides})
+
+    @classmethod
+    def large(cls, **overrides) -> "DQNConfig":
+        """The benchmark's large configuration."""
+        return cls(**{**dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=1 << 20),
+                      **overrides})
+
+
+@dataclass
+class _Captured:
+    """What one enqueue left behind: device views tests read after the step."""
+    batch: object = None
+    q_s: DeviceBuffer | None = None
+    q_next_online: DeviceBuffer | None = None
+    q_next_target: DeviceBuffer | None = None
+    dout: DeviceBuffer | None = None
+    priorities: DeviceBuffer | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class DQNStep:
+    """Owns the online and target parameters, gradients, Adam moments, the replay,
+    the arena and the metrics ring; ``enqueue`` queues one step, ``capture``
+    records it as one executable graph."""
+
+    def __init__(self, config: DQNConfig, *, arena_active: bool = True, metrics_slots: int = 1024):
+        if not isinstance(config, DQNConfig):
+            raise TypeError(f"DQNStep takes a DQNConfig, got {type(config).__name__}")
+        self.config = cfg = config
+        self.layout = ParamLayout.from_widths(cfg.widths)
+        device = get_device()
+        rng = np.random.default_rng(cfg.seed)
+        init = self.layout.init_numpy(int(rng.integers(2**62)))
+        self.params = FlatBuffer(self.layout, init)
+        self.target = FlatBuffer(self.layout, init)
+        self.grads = FlatBuffer(self.layout)
+        self.online_mlp = MLP(self.layout, tf32=cfg.tf32)
+        self.metrics = Metrics(metrics_slots, METRIC_FIELDS)
+        # scalars: loss, mean Q, mean |td| (the loss kernel), then the sampler's beta.
+        self._scalars = DeviceBuffer.from_numpy(np.zeros(4, np.float32))
+        self.loss = self._scalars.view(np.float32, (1,), 0)
+        self._beta_used = self._scalars.view(np.float32, (1,), 12)
+        self.optimizer = AdamW(self.params, self.grads, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                               weight_decay=cfg.weight_decay, max_norm=cfg.max_norm, loss=self.loss,
+                               nan_guard=True)
+        self.replay = ReplayBuffer(cfg.capacity, cfg.obs_dim, alpha=cfg.alpha,
+                                   seed=int(rng.integers(2**63)), max_batch=cfg.batch)
+        b, a = cfg.batch, cfg.n_actions
+        mod = builtin_module("dqn.cu")
+        self._loss_kernel = mod.kernel("dqn_loss", "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr",
+                                       fixed_block=True)
+        self._loss_grid = -(-b // self._loss_kernel.block)
+        self._loss_partials = DeviceBuffer(3 * self._loss_grid, np.float64)
+        self._loss_counter = DeviceBuffer.zeros(1, np.uint32)
+        self._setup_spectral(mod, rng)
+        self._finish = builtin_module("dqn_step.cu").kernel(
+            "dqn_finish", "ptr ptr i64 ptr i32 ptr ptr f32 i32 ptr ptr ptr ptr ptr ptr ptr i32 ptr ptr ptr",
+            fixed_block=True)
+        self._finish_grid = max(2, min(4 * device.sm_count, -(-self.layout.size // (4 * self._finish.block))))
+        self._step_counter = DeviceBuffer.zeros(1, np.int64)
+        self.skips = ErrorFlags(["skipped"])
+        self._skipped_step = MappedBuffer(1, np.int64)
+        self._skipped_step.view()[:] = 0
+        forward_bytes = self.online_mlp.scratch_bytes(b)
+        out_bytes = 4 * b * (1 + a)
+        self.arena = Arena(self.replay.scratch_bytes(b) + 3 * forward_bytes + 2 * out_bytes + 8 * b + 4096,
+                           zeroed_bytes=3 * self.online_mlp.zeroed_bytes(b) + 1024, active=arena_active)
+        self.streams = (Stream(), Stream()) if cfg.dual_stream else ()
+        self.last = _Captured()
+        self.graph: Graph | None = None
+
+    # ------------------------------------------------------------------ setup
+    def _setup_spectral(self, mod, rng) -> None:
+        cfg = self.config
+        layers = cfg.projected_layers
+        table = np.zeros(max(1, len(layers)), _SPECTRAL_DTYPE)
+        u_parts, u_off, v_off, cb, rb = [], 0, 0, 0, 0
+        for m, k in enumerate(layers):
+            rows, cols = self.layout.layers[k]
+            table[m] = (self.layout.weight(k).offset, rows, cols, u_off, v_off, cb, rb)
+            u = rng.standard_normal(rows)
+            u_parts.append(u / max(np.linalg.norm(u), 1e-12))
+            u_off += rows
+            v_off += cols
+            cb += -(-cols // _SPECTRAL_COLS_PER_BLOCK)
+            rb += -(-rows // _SPECTRAL_ROWS_PER_BLOCK)
+        self.spectral_table = table[: len(layers)]
+        self.n_spectral = len(layers)
+        self._spectral_mats = DeviceBuffer.from_numpy(table.view(np.uint8))
+        self.u = DeviceBuffer.from_numpy(np.concatenate(u_parts).astype(np.float32) if u_parts
+                                         else np.zeros(1, np.float32))
+        self._v = DeviceBuffer(max(1, v_off), np.float32)
+        self._spectral_grids = (cb, rb)
+        self._spectral_partials = DeviceBuffer(max(1, cb + rb), np.float64)
+        self._spectral_counters = DeviceBuffer.zeros(max(1, len(layers)), np.uint32)
+        n = max(1, len(layers))
+        self._sigma_scale = DeviceBuffer.from_numpy(np.concatenate([np.zeros(n), np.ones(n)]).astype(np.float32))
+        self.sigma = self._sigma_scale.view(np.float32, (n,), 0)
+        self.spectral_scale = self._sigma_scale.view(np.float32, (n,), 4 * n)
+        self._spectral_columns = mod.kernel("spectral_columns", "ptr ptr i32 ptr ptr ptr ptr ptr", fixed_block=True)
+        self._spectral_rows = mod.kernel("spectral_rows", "ptr ptr i32 ptr ptr f32 ptr ptr ptr ptr ptr",
+                                         fixed_block=True)
+
+    # ------------------------------------------------------------------ the step
+    def enqueue(self, *, stream, uniforms=None) -> None:
+        """Queue one whole step on ``stream`` (eagerly, or into a capture).
+
+        ``uniforms`` (float64 device buffer, one per sample) replaces the
+        sampler's Philox draws: tests feed known strata.
+        """
+        cfg = self.config
+        b, a = cfg.batch, cfg.n_actions
+        arena, mlp = self.arena, self.online_mlp
+        arena.reset()
+        batch = self.replay.sample(b, stream=stream, beta=cfg.beta, arena=arena, uniforms=uniforms,
+                                   beta_out=self._beta_used)
+        if self.streams:
+            next_stream, target_stream = self.streams
+            fork(stream, next_stream, target_stream)
+        else:
+            next_stream = target_stream = stream
+        capturing = bool(active_captures())
+        f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream)
+        target_leaves = capture_frontier(target_stream) if capturing else []
+        f_next = mlp.forward(self.params, batch.next_obs, arena=arena, stream=next_stream)
+        f_online = mlp.forward(self.params, batch.obs, arena=arena, stream=stream)
+        online_leaves = capture_frontier(stream) if capturing else []
+        if self.streams:
+            join(stream, next_stream, target_stream)
+        dout = arena.array((b, 1 + a), np.float32)
+        priorities = arena.array(b, np.float32)
+        self._loss_kernel.launch(self._loss_grid, self._loss_kernel.block, f_online.output, f_next.output,
+                                 f_target.output, batch.action, batch.reward, batch.done, batch.weights, b, a,
+                                 cfg.gamma, cfg.huber_delta, dout, priorities, self._scalars,
+                                 self._loss_partials, self._loss_counter, stream=stream)
+        mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream)
+        self.optimizer.step(stream=stream)
+        skip = self.optimizer.skip
+        if self.n_spectral:
+            cb, rb = self._spectral_grids
+            self._spectral_columns.launch(cb, self._spectral_columns.block, self.params, self._spectral_mats,
+                                          self.n_spectral, self.u, self._v, self._spectral_partials,
+                                          self._spectral_counters, skip, stream=stream)
+            self._spectral_rows.launch(rb, self._spectral_rows.block, self.params, self._spectral_mats,
+                                       self.n_spectral, self.u, self._v, float(cfg.spectral_c), self.sigma,
+                                       self.spectral_scale, self._spectral_partials, self._spectral_counters,
+                                       skip, stream=stream)
+        self.replay.update_priorities(batch.indices, priorities, stream=stream, skip=skip)
+        tau, period = (float(cfg.tau), 0) if cfg.tau is not None else (0.0, int(cfg.target_period))
+        self._finish.launch(self._finish_grid, self._finish.block, self.params, self.target, self.layout.size,
+                            self._spectral_mats, self.n_spectral, self.spectral_scale, self.sigma, tau, period,
+                            self.optimizer.t, skip, self._scalars, self.optimizer.clip, self._beta_used,
+                            self._step_counter, self.metrics.ptr, self.metrics.slots, self.skips.counts,
+                            self.skips.published, self._skipped_step.ptr, stream=stream)
+        self.last = _Captured(batch, f_online.output, f_next.output, f_target.output, dout, priorities,
+                              {"target_forward_nodes": target_leaves, "online_forward_nodes": online_leaves})
+
+    def capture(self, *, stream) -> GraphExec:
+        """The whole step as one executable graph; replay it with ``launch(stream)``."""
+        with capture(stream) as graph:
+            self.enqueue(stream=stream)
+        self.graph = graph
+        return graph.instantiate()
+
+    # ------------------------------------------------------------------ host side
+    def check_errors(self) -> None:
+        """Raise for what the device flagged since the last check: bad replay input
+        (ReplayError) or a skipped step (TrainingError). Reads mapped memory only."""
+        self.replay.check_errors()
+        if self.skips.raised():
+            count = int(self.skips.published.view()[0])
+            step = int(self._skipped_step.view()[0])
+            raise TrainingError(f"step {step} was skipped: its loss or gradient norm was not finite; "
+                                f"parameters, moments, target and priorities were left as they were "
+                                f"({count} step(s) skipped so far)")
+
+    def steps_done(self) -> int:
+        """Steps run on the device, skipped ones included (synchronous read)."""
+        return int(self._step_counter.to_numpy()[0])
+
+    def q_values(self, obs: np.ndarray, *, stream) -> np.ndarray:
+        """Q(obs, .) of the online network, [N, n_actions], as a host array (tests, evaluation)."""
+        obs = np.ascontiguousarray(obs, np.float32)
+        if obs.ndim != 2 or obs.shape[1] != self.config.obs_dim:
+            raise ValueError(f"obs must have shape (N, {self.config.obs_dim}), got {obs.shape}")
+        n = obs.shape[0]
+        arena = Arena(self.online_mlp.scratch_bytes(n), zeroed_bytes=self.online_mlp.zeroed_bytes(n) + 256)
+        try:
+            x = DeviceBuffer.from_numpy(obs)
+            out = self.online_mlp.forward(self.params, x, arena=arena, stream=stream).output.to_numpy()
+        finally:
+            arena.close()
+        v, adv = out[:, :1].astype(np.float64), out[:, 1:].astype(np.float64)
+        return (v + adv - adv.mean(axis=1, keepdims=True)).astype(np.float32)
+
+    def state_numpy(self) -> dict:
+        """Every learner array as host copies: params, target, m, v, t, u (synchronous)."""
+        return {"params": self.params.buffer.to_numpy(), "target": self.target.buffer.to_numpy(),
+                "m": self.optimizer.m.buffer.to_numpy(), "v": self.optimizer.v.buffer.to_numpy(),
+                "t": np.array(self.optimizer.read_state()[2], np.int64), "u": self.u.to_numpy(),
+                "step": self._step_counter.to_numpy()}
+
+    def save(self, path) -> None:
+        """Write the learner (not the replay) to ``path`` (.npz), atomically."""
+        path = Path(path)
+        state = self.state_numpy()
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, layers=np.array(self.layout.layers, np.int64), **state)
+        tmp.replace(path)
+
+    def load(self, path) -> None:
+        """Read a file written by ``save``; a file of another network is refused and nothing changes."""
+        with np.load(Path(path)) as data:
+            missing = {"layers", "params", "target", "m", "v", "t", "u", "step"} - set(data.files)
+            if missing:
+                raise ValueError(f"{path}: not a DQN checkpoint (missing {sorted(missing)})")
+            layers = [tuple(int(v) for v in row) for row in data["layers"]]
+            if layers != self.layout.layers:
+                raise ValueError(f"{path}: saved network {layers} differs from this one {self.layout.layers}")
+            arrays = {k: data[k] for k in data.files}
+        if arrays["u"].shape != self.u.shape:
+            raise ValueError(f"{path}: spectral vectors of shape {arrays['u'].shape}, expected {self.u.shape}")
+        self.params.buffer.copy_from_numpy(arrays["params"].astype(np.float32))
+        self.target.buffer.copy_from_numpy(arrays["target"].astype(np.float32))
+        self.optimizer.m.buffer.copy_from_numpy(arrays["m"].astype(np.float32))
+        self.optimizer.v.buffer.copy_from_numpy(arrays["v"].astype(np.float32))
+        self.optimizer.t.copy_from_numpy(np.array([int(arrays["t"])], np.int32))
+        self.u.copy_from_numpy(arrays["u"].astype(np.float32))
+        self._step_counter.copy_from_numpy(arrays["step"].astype(np.int64).reshape(1))
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+        self.replay.close()
+        self.arena.close()
+        self.metrics.close()
+        self.optimizer.close()
+        self.skips.close()
+        self._skipped_step.close()
+
+
+def lint_step_graph(step: DQNStep) -> list[Criterion]:
+    """The captured step's graph against the hot-path rules (``step.capture`` first)."""
+    graph = step.graph
+    if graph is None:
+        raise RuntimeError("capture the step first: lint_step_graph reads step.graph")
+    kernels = graph.kernel_nodes()
+    counts = graph.node_counts()
+    single = [k.function for k in kernels if k.grid == (1, 1, 1)]
+    copies = counts.get("memset", 0) + counts.get("memcpy", 0)
+    spectral = [k for k in kernels if k.function.startswith("spectral_")]
+    forwards = [k.function for k in kernels if k.function.startswith("linear_forward")]
+    backwards = [k.function for k in kernels if k.function.startswith("linear_grad")]
+    want_fwd = "_tf32" if step.config.tf32 else "_f32"
+    target = [graph.node_for(h) for h in step.last.extra.get("target_forward_nodes", [])]
+    online = [graph.node_for(h) for h in step.last.extra.get("online_forward_nodes", [])]
+    overlap = bool(target and online) and all(graph.can_run_concurrently(a, b) for a in target for b in online)
+    want_overlap = step.config.dual_stream
+    return [
+        Criterion("kernels with grid (1,1,1)", "0", str(len(single)), not single),
+        Criterion("memset and memcpy nodes", "0", str(copies), copies == 0),
+        Criterion("spectral projection kernel nodes", "<= 2", str(len(spectral)), len(spectral) <= 2),
+        Criterion(f"forward products on {want_fwd[1:].upper()} kernels", f"{len(forwards)}/{len(forwards)}",
+                  f"{sum(f.endswith(want_fwd) for f in forwards)}/{len(forwards)}",
+                  bool(forwards) and all(f.endswith(want_fwd) for f in forwards)),
+        Criterion("backward products on FP32 kernels", f"{len(backwards)}/{len(backwards)}",
+                  f"{sum(f.endswith('_f32') for f in backwards)}/{len(backwards)}",
+                  bool(backwards) and all(f.endswith("_f32") for f in backwards)),
+        Criterion("target forward concurrent with online forward", "yes" if want_overlap else "no (one stream)",
+                  "yes" if overlap else "no", overlap == want_overlap),
+    ]
+
+
+def audit_step(step: DQNStep, *, stream, iterations: int = 200) -> tuple[list[Criterion], CallCounts]:
+    """Capture the step, run ``iterations`` steady-state steps while counting every
+    driver call drvtrain makes, and lint the graph. Returns the table rows and the counts.
+
+    The loop is what a trainer runs: launch the graph, record the step's
+    event, poll the metrics ring, check the device's error flags.
+    """
+    exe = step.capture(stream=stream)
+    for _ in range(5):  # warm up outside the count
+        exe.launch(stream)
+        step.metrics.record(stream)
+    stream.synchronize()
+    step.metrics.poll()
+    with count_driver_calls() as calls:
+        for _ in range(iterations):
+            exe.launch(stream)
+            step.metrics.record(stream)
+            step.metrics.poll()
+            while step.metrics.in_flight >= step.metrics.slots - 1:  # back-pressure, never a sync
+                step.metrics.poll()
+            step.check_errors()
+    stream.synchronize()
+    step.metrics.poll()
+    counts = CallCounts(calls, iterations)
+    rows = classify(counts)
+    allowed = {"cuGraphLaunch", "cuEventRecord", "cuEventQuery"}
+    others = sorted(set(calls) - allowed)
+    rows.append(Criterion("graph launches per step", "1", f"{counts.per_iteration('cuGraphLaunch'):g}",
+                          counts.per_iteration("cuGraphLaunch") == 1))
+    rows.append(Criterion("other driver calls", "none", ", ".join(others) or "none", not others))
+    rows.extend(lint_step_graph(step))
+    return rows, counts

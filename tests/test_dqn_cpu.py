@@ -1,0 +1,49 @@
+"""DQNConfig validation (CPU: no driver call is made)."""
+import pytest
+
+from drvtrain.rl.dqn import DQNConfig
+
+
+def test_benchmark_configurations_are_valid():
+    small, large = DQNConfig.small(), DQNConfig.large()
+    assert small.widths == [4, 256, 256, 3] and large.widths == [128, 1024, 1024, 19]
+    assert small.projected_layers == (0, 1) and (small.batch, small.capacity) == (256, 131072)
+    assert (large.batch, large.capacity) == (512, 1 << 20)
+    assert DQNConfig.small(spectral_c=None).projected_layers == ()
+    assert DQNConfig.small(spectral_layers=[1]).projected_layers == (1,)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(n_actions=0), "n_actions"),
+    (dict(batch=200, capacity=100), "batch"),
+    (dict(obs_dim=0), "obs_dim"),
+    (dict(hidden=()), "hidden"),
+    (dict(hidden=(16, 0)), "hidden width"),
+    (dict(tau=0.0), "tau"),
+    (dict(tau=1.5), "tau"),
+    (dict(tau=None), "exactly one of tau"),
+    (dict(tau=0.01, target_period=10), "exactly one of tau"),
+    (dict(tau=None, target_period=0), "target_period"),
+    (dict(gamma=1.2), "gamma"),
+    (dict(alpha=-0.1), "alpha"),
+    (dict(beta=1.5), "beta"),
+    (dict(beta=(0.4, 1.0, 0)), "beta steps"),
+    (dict(beta=(0.4, 1.2, 100)), "beta end"),
+    (dict(lr=0.0), "lr"),
+    (dict(max_norm=float("nan")), "max_norm"),
+    (dict(huber_delta=0.0), "huber_delta"),
+    (dict(spectral_c=-1.0), "spectral_c"),
+    (dict(spectral_layers=(2,)), "spectral layer index"),
+    (dict(spectral_layers=(0, 0)), "repeats"),
+    (dict(betas=(1.0, 0.999)), r"betas\[0\]"),
+    (dict(n_actions=True), "n_actions"),
+])
+def test_bad_values_name_the_field_and_the_range(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        DQNConfig.small(**overrides)
+
+
+def test_config_round_trips_through_a_dict():
+    cfg = DQNConfig.small(beta=(0.4, 1.0, 1000), tau=None, target_period=100, hidden=[64, 32])
+    again = DQNConfig(**cfg.to_dict())
+    assert again == cfg and again.hidden == (64, 32) and again.beta == (0.4, 1.0, 1000)

@@ -1,0 +1,306 @@
+"""The Double-DQN step on the GPU against the float64 reference of docs/step-spec.md."""
+import numpy as np
+import pytest
+
+from drvtrain import Stream
+from drvtrain.rl import DQNConfig, DQNStep, TrainingError
+from drvtrain.rl.dqn import audit_step
+from dqn_reference import dqn_loss, dqn_step
+from nn_reference import mlp_backward, mlp_forward, rel
+from per_reference import tree_inconsistency
+
+pytestmark = pytest.mark.gpu
+
+ODD = dict(obs_dim=3, hidden=(70, 33), n_actions=4, batch=100, capacity=1000)  # no tile multiples
+
+
+def fill(step, rng, stream, done_fraction=0.05):
+    """Random transitions and priorities in [0.1, 1.1), as the benchmark fills its replay."""
+    cfg = step.config
+    c, d = cfg.capacity, cfg.obs_dim
+    data = dict(obs=rng.standard_normal((c, d)).astype(np.float32),
+                action=rng.integers(0, cfg.n_actions, c).astype(np.int32),
+                reward=rng.standard_normal(c).astype(np.float32),
+                next_obs=rng.standard_normal((c, d)).astype(np.float32),
+                done=(rng.random(c) < done_fraction).astype(np.float32))
+    step.replay.insert(data["obs"], data["action"], data["reward"], data["next_obs"], data["done"], stream=stream)
+    step.replay.tree.set_priorities(rng.uniform(0.1, 1.1, c).astype(np.float32))
+    return data
+
+
+def ref_config(cfg):
+    return dict(gamma=cfg.gamma, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps,
+                max_norm=cfg.max_norm, huber_delta=cfg.huber_delta, tau=cfg.tau, target_period=cfg.target_period,
+                spectral_layers=list(cfg.projected_layers), spectral_c=cfg.spectral_c or 1.0)
+
+
+def ref_state(step):
+    s = step.state_numpy()
+    u = {}
+    for row, k in zip(step.spectral_table, step.config.projected_layers):
+        u[k] = s["u"][row["u_offset"]: row["u_offset"] + row["rows"]].astype(np.float64)
+    return dict(params=s["params"], target=s["target"], m=s["m"], v=s["v"], t=int(s["t"]), u=u)
+
+
+def sampled_batch(step, data):
+    b = step.last.batch
+    idx = b.indices.to_numpy()
+    assert np.all((idx >= 0) & (idx < step.config.capacity))
+    batch = dict(obs=data["obs"][idx], next_obs=data["next_obs"][idx], action=data["action"][idx],
+                 reward=data["reward"][idx], done=data["done"][idx], weights=b.weights.to_numpy())
+    np.testing.assert_array_equal(b.obs.to_numpy(), batch["obs"])  # the fused gather
+    np.testing.assert_array_equal(b.next_obs.to_numpy(), batch["next_obs"])
+    np.testing.assert_array_equal(b.action.to_numpy(), batch["action"])
+    assert np.all(np.isfinite(batch["weights"])) and batch["weights"].max() == 1.0
+    return idx, batch
+
+
+def assert_state_close(step, want, bound):
+    got = ref_state(step)
+    for key in ("params", "target", "m", "v"):
+        assert rel(got[key], want[key]) < bound, key
+    assert got["t"] == want["t"]
+    for k, u in want["u"].items():
+        assert rel(got["u"][k], u) < bound, f"u of layer {k}"
+
+
+def one_step(cfg, rng, bound=1e-5, done_fraction=0.05):
+    stream = Stream()
+    step = DQNStep(cfg)
+    data = fill(step, rng, stream, done_fraction)
+    before = ref_state(step)
+    step.enqueue(stream=stream)
+    step.metrics.record(stream)
+    stream.synchronize()
+    idx, batch = sampled_batch(step, data)
+    want = dqn_step(step.layout, before, batch, ref_config(cfg))
+    assert not want["skipped"]
+    assert_state_close(step, want, bound)
+    assert rel(step.last.priorities.to_numpy(), want["priorities"]) < bound
+    leaves = step.replay.tree.leaves_numpy()
+    once = np.flatnonzero(np.bincount(idx, minlength=cfg.capacity)[idx] == 1)
+    assert rel(leaves[idx[once]], want["priorities"][once] ** cfg.alpha) < bound
+    (m,) = step.metrics.poll()
+    assert m.step == 1
+    for name in ("loss", "grad_norm", "clip_scale", "mean_q", "mean_abs_td", "sigma_max"):
+        assert abs(getattr(m, name) - want[name]) <= bound * max(abs(want[name]), 1e-3), name
+    assert m.beta == pytest.approx(cfg.beta, abs=1e-7)
+    return step, data
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(ODD, tf32=False),
+    dict(ODD, tf32=False, n_actions=1),
+    dict(ODD, tf32=False, tau=None, target_period=1, spectral_layers=(1,), spectral_c=0.5),
+    dict(ODD, tf32=False, spectral_c=None, huber_delta=0.3, max_norm=0.01),
+    dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False),
+    dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=4096, tf32=False),
+], ids=["odd-shapes", "one-action", "hard-copy-spectral-c", "no-spectral-clipped", "small", "large"])
+def test_one_fp32_step_matches_float64(device, rng, overrides):
+    one_step(DQNConfig(seed=int(rng.integers(1 << 30)), **overrides), rng)
+
+
+def test_terminal_transitions_and_duplicate_indices(device, rng):
+    """A tiny replay: most samples repeat; 60% terminal. The tree stays consistent."""
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tf32=False, **dict(ODD, capacity=16))
+    step, _ = one_step(cfg, rng, done_fraction=0.6)
+    idx = step.last.batch.indices.to_numpy()
+    assert len(np.unique(idx)) < len(idx)
+    tree = step.replay.tree
+    assert tree_inconsistency(tree.nodes_numpy(), tree.leaves.to_numpy(), tree.levels) <= 1e-12
+    leaves = tree.leaves_numpy()
+    written = step.last.priorities.to_numpy().astype(np.float64) ** cfg.alpha
+    for i in np.unique(idx):  # a duplicated leaf ends as one of the values written to it
+        assert np.min(np.abs(written[idx == i] - leaves[i]) / written[idx == i]) < 1e-6
+
+
+def test_tf32_step_matches_float64_at_tf32_accuracy(device, rng):
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tf32=True, **ODD)
+    stream = Stream()
+    step = DQNStep(cfg)
+    data = fill(step, rng, stream)
+    before = ref_state(step)
+    step.enqueue(stream=stream)
+    stream.synchronize()
+    _, batch = sampled_batch(step, data)
+    named = step.layout.unflatten(before["params"])
+    target_named = step.layout.unflatten(before["target"])
+    n = len(step.layout.layers)
+    acts = mlp_forward(named, batch["obs"], n)
+    outs = {"q_s": acts[-1], "q_next_online": mlp_forward(named, batch["next_obs"], n)[-1],
+            "q_next_target": mlp_forward(target_named, batch["next_obs"], n)[-1]}
+    got = {k: getattr(step.last, k).to_numpy() for k in outs}
+    for k in outs:  # the forwards run on TF32 tensor cores
+        assert rel(got[k], outs[k]) < 3e-3, k
+    # The loss kernel is FP32: fed the device's own network outputs it matches to 1e-5.
+    res = dqn_loss(got["q_s"], got["q_next_online"], got["q_next_target"], batch["action"], batch["reward"],
+                   batch["done"], batch["weights"], cfg.gamma, cfg.huber_delta)
+    assert rel(step.last.dout.to_numpy(), res["dout"]) < 1e-5
+    assert rel(step.last.priorities.to_numpy(), res["priorities"]) < 1e-5
+    assert abs(step.loss.to_numpy()[0] - res["loss"]) < 1e-5 * res["loss"]
+    # The FP32 backward on TF32 activations: gradients to TF32 accuracy.
+    want = mlp_backward(named, acts, res["dout"])
+    got_grads = step.grads.to_numpy()
+    for name, w in want.items():
+        assert rel(got_grads[name], w) < 3e-3, name
+
+
+def test_fifty_fp32_steps_follow_the_reference_trajectory(device, rng):
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tf32=False, lr=3e-3, beta=(0.4, 1.0, 30), **ODD)
+    stream = Stream()
+    step = DQNStep(cfg)
+    data = fill(step, rng, stream)
+    state = ref_state(step)
+    rcfg = ref_config(cfg)
+    for k in range(50):
+        step.enqueue(stream=stream)
+        step.metrics.record(stream)
+        stream.synchronize()
+        _, batch = sampled_batch(step, data)
+        res = dqn_step(step.layout, state, batch, rcfg)
+        state = {key: res[key] for key in ("params", "target", "m", "v", "t", "u")}
+        (m,) = step.metrics.poll()
+        assert m.beta == pytest.approx(0.4 + 0.6 * min(1.0, k / 30), abs=1e-6)
+    assert_state_close(step, state, 1e-4)
+
+
+def run_losses(cfg, data, steps, *, graph, arena_active):
+    stream = Stream()
+    step = DQNStep(cfg, arena_active=arena_active)
+    step.replay.insert(data["obs"], data["action"], data["reward"], data["next_obs"], data["done"], stream=stream)
+    step.replay.tree.set_priorities(data["priorities"])
+    exe = step.capture(stream=stream) if graph else None
+    losses = []
+    for _ in range(steps):
+        exe.launch(stream) if graph else step.enqueue(stream=stream)
+        step.metrics.record(stream)
+        losses.extend(m.loss for m in step.metrics.poll())
+    stream.synchronize()
+    losses.extend(m.loss for m in step.metrics.poll())
+    assert step.metrics.missed == 0 and len(losses) == steps
+    return np.array(losses, np.float32), step.state_numpy()
+
+
+def test_eager_graph_and_inactive_arena_are_bitwise_identical(device, rng):
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), **ODD)
+    c = cfg.capacity
+    data = dict(obs=rng.standard_normal((c, 3)).astype(np.float32), action=rng.integers(0, 4, c).astype(np.int32),
+                reward=rng.standard_normal(c).astype(np.float32),
+                next_obs=rng.standard_normal((c, 3)).astype(np.float32),
+                done=(rng.random(c) < 0.05).astype(np.float32),
+                priorities=rng.uniform(0.1, 1.1, c).astype(np.float32))
+    eager, s1 = run_losses(cfg, data, 200, graph=False, arena_active=True)
+    replay, s2 = run_losses(cfg, data, 200, graph=True, arena_active=True)
+    inactive, s3 = run_losses(cfg, data, 200, graph=False, arena_active=False)
+    assert np.all(np.isfinite(eager))
+    assert eager.tobytes() == replay.tobytes() == inactive.tobytes()
+    for key in ("params", "target", "m", "v", "u"):
+        assert s1[key].tobytes() == s2[key].tobytes() == s3[key].tobytes(), key
+
+
+def test_nan_reward_skips_the_step_and_is_reported(device, rng):
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), **ODD)
+    stream = Stream()
+    step = DQNStep(cfg)
+    data = fill(step, rng, stream)
+    exe = step.capture(stream=stream)
+    exe.launch(stream)
+    stream.synchronize()
+    step.check_errors()
+    before = step.state_numpy()
+    leaves = step.replay.tree.leaves.to_numpy()
+    bad = data["reward"].copy()
+    bad[:] = np.nan  # whatever is sampled, the loss is NaN
+    step.replay.reward.copy_from_numpy(bad)
+    exe.launch(stream)
+    stream.synchronize()
+    after = step.state_numpy()
+    for key in ("params", "target", "m", "v", "t", "u"):
+        assert before[key].tobytes() == after[key].tobytes(), key
+    assert step.replay.tree.leaves.to_numpy().tobytes() == leaves.tobytes()
+    with pytest.raises(TrainingError, match="step 2 was skipped"):
+        step.check_errors()
+    step.check_errors()  # reported once
+    step.replay.reward.copy_from_numpy(data["reward"])
+    exe.launch(stream)
+    stream.synchronize()
+    step.check_errors()
+    assert step.state_numpy()["t"] == before["t"] + 1 and step.steps_done() == 3
+
+
+def test_hard_copy_every_k_steps_decided_on_the_device(device, rng):
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tau=None, target_period=3, **ODD)
+    stream = Stream()
+    step = DQNStep(cfg)
+    fill(step, rng, stream)
+    initial = step.target.buffer.to_numpy()
+    exe = step.capture(stream=stream)
+    for k in range(1, 7):
+        exe.launch(stream)
+        stream.synchronize()
+        target, params = step.target.buffer.to_numpy(), step.params.buffer.to_numpy()
+        if k % 3 == 0:
+            assert target.tobytes() == params.tobytes()
+            initial = target
+        else:
+            assert target.tobytes() == initial.tobytes() and params.tobytes() != target.tobytes()
+
+
+def test_spectral_projection_bounds_sigma(device, rng):
+    """With c below the layers' norms, every projected layer ends with spectral norm ~c."""
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), spectral_c=0.3, **ODD)
+    stream = Stream()
+    step = DQNStep(cfg)
+    fill(step, rng, stream)
+    exe = step.capture(stream=stream)
+    for _ in range(60):  # the persistent u converges over steps
+        exe.launch(stream)
+    stream.synchronize()
+    named = step.params.to_numpy()
+    for k in cfg.projected_layers:
+        assert np.linalg.norm(named[f"layer{k}.weight"].astype(np.float64), 2) < 0.3 * 1.02
+    assert np.all(step.sigma.to_numpy() > 0)
+
+
+@pytest.mark.parametrize("config", ["small", "large"])
+@pytest.mark.parametrize("dual_stream", [True, False])
+def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream):
+    cfg = getattr(DQNConfig, config)(capacity=8192, seed=int(rng.integers(1 << 30)), dual_stream=dual_stream)
+    stream = Stream()
+    step = DQNStep(cfg)
+    fill(step, rng, stream)
+    rows, counts = audit_step(step, stream=stream, iterations=50)
+    failed = [r for r in rows if not r.passed]
+    assert not failed, failed
+    assert counts.per_iteration("cuGraphLaunch") == 1 and counts.per_iteration("cuEventRecord") == 1
+
+
+def test_save_and_load_restore_the_learner(device, rng, tmp_path):
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), **ODD)
+    stream = Stream()
+    step = DQNStep(cfg)
+    fill(step, rng, stream)
+    for _ in range(3):
+        step.enqueue(stream=stream)
+    step.save(tmp_path / "learner.npz")
+    saved = step.state_numpy()
+    for _ in range(3):
+        step.enqueue(stream=stream)
+    assert step.state_numpy()["params"].tobytes() != saved["params"].tobytes()
+    step.load(tmp_path / "learner.npz")
+    restored = step.state_numpy()
+    for key in saved:
+        assert saved[key].tobytes() == restored[key].tobytes(), key
+    other = DQNStep(DQNConfig(seed=1, **dict(ODD, hidden=(70, 34))))
+    with pytest.raises(ValueError, match="differs"):
+        other.load(tmp_path / "learner.npz")
+
+
+def test_q_values_are_the_dueling_combination(device, rng):
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tf32=False, **ODD)
+    step = DQNStep(cfg)
+    obs = rng.standard_normal((37, 3)).astype(np.float32)
+    q = step.q_values(obs, stream=Stream())
+    out = mlp_forward(step.params.to_numpy(), obs, len(step.layout.layers))[-1]
+    want = out[:, :1] + out[:, 1:] - out[:, 1:].mean(axis=1, keepdims=True)
+    assert q.shape == (37, 4) and rel(q, want) < 1e-5
