@@ -8,9 +8,15 @@ from cuda.bindings import driver as cu
 from cuda.bindings import nvrtc
 
 import drvtrain
-from drvtrain.driver import CaptureError, DriverError, NoDeviceError, check, guard_sync
+from drvtrain.compiler import CompileError
+from drvtrain.driver import CaptureError, DriverError, NoDeviceError, active_captures, check, guard_sync
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS_DIR = os.path.join(ROOT, "tools")
+# Every command-line tool; _common.py is their shared preamble and torch_dqn.py a
+# module the benchmarks import.
+TOOLS = sorted(name for name in os.listdir(TOOLS_DIR)
+               if name.endswith(".py") and name not in ("_common.py", "torch_dqn.py"))
 # Subprocesses see this checkout's drvtrain even when it is not installed.
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
 NO_GPU_ENV = {**ENV, "CUDA_VISIBLE_DEVICES": ""}
@@ -58,8 +64,21 @@ def test_no_device_statuses_become_no_device_error():
         check(cuInit, 0)
 
 
-def test_guard_sync_is_silent_outside_capture():
-    guard_sync("Stream.synchronize")
+def test_guard_sync_refuses_exactly_while_this_thread_captures():
+    captures = active_captures()
+    saved = list(captures)
+    try:
+        captures.clear()
+        guard_sync("Stream.synchronize")  # nothing capturing: silent
+        captures.append(object())
+        for call in ("Stream.synchronize", "Device.synchronize"):
+            with pytest.raises(CaptureError, match="while a stream is capturing") as info:
+                guard_sync(call)
+            assert info.value.call == call and str(info.value).startswith(f"{call}: ")
+        captures.clear()
+        guard_sync("Event.synchronize")  # the capture ended: silent again
+    finally:
+        captures[:] = saved
 
 
 def test_import_needs_no_gpu():
@@ -95,16 +114,75 @@ def test_cli_help_matches_commands():
     assert out.returncode == 0 and "Exits 2 when no CUDA driver or GPU is found" in " ".join(out.stdout.split())
 
 
-@pytest.mark.parametrize("tool", ["dump_graph.py", "bench_launch.py", "bench_replay.py", "bench_engine.py", "overfit.py"])
+def test_every_tool_is_covered():
+    assert {"dump_graph.py", "overfit.py", "bench_launch.py", "bench_engine.py", "bench_replay.py"} <= set(TOOLS)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
 def test_tools_show_help(tool):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), "--help"],
+    out = subprocess.run([sys.executable, os.path.join(TOOLS_DIR, tool), "--help"],
                          capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "usage" in out.stdout
+    assert out.stdout.startswith("usage: ") and "--device N" in out.stdout
 
 
-def test_dump_graph_without_gpu_exits_2():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "dump_graph.py"), "--no-svg"],
-                         capture_output=True, text=True, env=NO_GPU_ENV, timeout=120)
-    assert out.returncode == 2
-    assert "no CUDA driver/GPU found" in out.stderr and "Traceback" not in out.stderr
+@pytest.mark.parametrize("tool", TOOLS)
+def test_tool_without_gpu_exits_2_with_one_line(tool, tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(TOOLS_DIR, tool)], capture_output=True, text=True,
+                         env=NO_GPU_ENV, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    stem = tool.removesuffix(".py")
+    assert len(lines) == 1 and lines[0].startswith(f"{stem}: no CUDA driver/GPU found"), out.stderr
+    assert list(tmp_path.iterdir()) == []  # gave up before writing anything
+
+
+@pytest.fixture
+def common(monkeypatch):
+    """The tools' shared preamble, imported as the tools import it."""
+    monkeypatch.syspath_prepend(TOOLS_DIR)
+    import _common
+    return _common
+
+
+def test_tool_runner_turns_errors_into_one_line_and_exit_code(common, capsys):
+    def no_gpu(argv):
+        raise NoDeviceError("cuInit: CUDA_ERROR_NO_DEVICE\n(second line)")
+
+    def bad_kernel(argv):
+        raise CompileError("spin.cu", 'spin.cu(3): warning: unused\nspin.cu(4): error: identifier "y" is undefined\n'
+                                      "1 error detected in the compilation of \"spin.cu\".\n")
+
+    assert common.run(no_gpu, [], name="bench_x") == 2
+    err = capsys.readouterr().err
+    assert err == "bench_x: no CUDA driver/GPU found (cuInit: CUDA_ERROR_NO_DEVICE (second line))\n"
+    assert common.run(bad_kernel, [], name="bench_x") == 1
+    err = capsys.readouterr().err
+    assert err == 'bench_x: NVRTC failed to compile spin.cu: spin.cu(4): error: identifier "y" is undefined\n'
+    assert common.run(lambda argv: len(argv), ["a", "b", "c"]) == 3
+
+    def bug(argv):
+        raise ValueError("other errors pass")
+
+    with pytest.raises(ValueError, match="other errors pass"):
+        common.run(bug, [])
+
+
+def test_tool_parser_describes_the_tool_and_selects_the_device(common, monkeypatch, rng):
+    parser = common.tool_parser("First line of the tool.\n\nMore prose.\n")
+    assert parser.description == "First line of the tool."
+    ordinal = int(rng.integers(1, 8))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert parser.parse_args([]).device == 0
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ  # device 0 changes nothing
+    assert parser.parse_args(["--device", str(ordinal)]).device == ordinal
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == str(ordinal)
+    listed = [f"GPU-{rng.integers(1 << 32):08x}" for _ in range(ordinal + 1)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(listed))
+    parser.parse_args(["--device", str(ordinal)])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == listed[ordinal]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(listed[:ordinal]))
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--device", str(ordinal)])
+    assert info.value.code == 2
+    assert "--device" not in common.tool_parser("x", device=False).format_help()

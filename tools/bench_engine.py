@@ -7,12 +7,12 @@ TFLOP/s; then the full step (forward, MSE, backward, clip, AdamW, metrics) as on
 replayed graph: us/step and its node count. Goals: full step <= 15 us (small),
 <= 50 us (large); forward TF32 GEMM 512x1024x1024 >= 150 TFLOP/s.
 """
-import argparse
 import sys
 
 import numpy as np
 
-from drvtrain import Arena, DeviceBuffer, NoDeviceError, Stream, capture, get_device
+import _common
+from drvtrain import Arena, DeviceBuffer, Stream, capture, get_device
 from drvtrain.nn import FlatBuffer, ParamLayout, RegressionStep
 from drvtrain.nn.mlp import MLP, gemm
 from drvtrain.timing import time_graph
@@ -27,15 +27,11 @@ def graph_of(stream, body):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.tool_parser(__doc__)
     parser.add_argument("--replays", type=int, default=200, help="graph replays per sample (default 200)")
     parser.add_argument("--repeats", type=int, default=5, help="samples; the median is reported (default 5)")
     args = parser.parse_args(argv)
-    try:
-        dev = get_device()
-    except NoDeviceError as exc:
-        print(f"bench_engine: {exc}", file=sys.stderr)
-        return 2
+    dev = get_device()
     stream = Stream()
     rng = np.random.default_rng(0)
     rows, steps = [], []
@@ -45,10 +41,9 @@ def main(argv=None) -> int:
         params = FlatBuffer(layout, layout.init_numpy(1))
         grads = FlatBuffer(layout)
         mlp = MLP(layout, tf32=True)
-        arena = Arena(mlp.scratch_bytes(batch))
+        arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)
         x = DeviceBuffer.from_numpy(rng.standard_normal((batch, obs)).astype(np.float32))
-        mlp.forward(params, x, arena, stream)
-        acts = mlp.activations
+        acts = mlp.forward(params, x, arena=arena, stream=stream).activations
         last = len(layout.layers) - 1
         for k, (out, inp) in enumerate(layout.layers):
             flops = 2.0 * batch * out * inp
@@ -75,7 +70,7 @@ def main(argv=None) -> int:
         step = RegressionStep(layout, batch, lr=1e-4, weight_decay=1e-2, max_norm=10.0)
         step.x.copy_from_numpy(rng.standard_normal((batch, obs)).astype(np.float32))
         step.target.copy_from_numpy(rng.standard_normal((batch, 1 + actions)).astype(np.float32))
-        exe = step.capture(stream)
+        exe = step.capture(stream=stream)
         us = time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
         steps.append((name, us, len(step.graph.nodes()), "<= 15" if name == "small" else "<= 50"))
     # The forward GEMM the goal names: 512 x 1024 x 1024, TF32.
@@ -103,4 +98,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

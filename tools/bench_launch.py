@@ -4,7 +4,6 @@
 Prints a table. Targets (H200): <= 7 us per launch of an 8-argument kernel,
 < 5 ms per file for a cache hit.
 """
-import argparse
 import ctypes
 import statistics
 import sys
@@ -13,7 +12,8 @@ import time
 import numpy as np
 from cuda.bindings import driver as cu
 
-from drvtrain import DeviceBuffer, NoDeviceError, Stream, builtin_module, capture, get_device
+import _common
+from drvtrain import DeviceBuffer, Stream, builtin_module, capture, get_device
 from drvtrain.compiler import compile_file, kernel_files
 from drvtrain.timing import time_graph
 
@@ -30,15 +30,11 @@ def per_call_us(fn, calls: int, repeats: int) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.tool_parser(__doc__)
     parser.add_argument("--calls", type=int, default=20000, help="launches per sample (default 20000)")
     parser.add_argument("--repeats", type=int, default=15, help="samples; the median is reported (default 15)")
     args = parser.parse_args(argv)
-    try:
-        dev = get_device()
-    except NoDeviceError as exc:
-        print(f"bench_launch: {exc}", file=sys.stderr)
-        return 2
+    dev = get_device()
     kern = builtin_module("probe.cu").kernel("noop8", ARGS8)
     stream = Stream()
     bufs = [DeviceBuffer(64, np.float32) for _ in range(4)]
@@ -113,4 +109,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

@@ -1,33 +1,38 @@
 #!/usr/bin/env python3
 """Capture a graph and dump it: DOT (and SVG when graphviz is installed) plus a text summary.
 
-The graph is the two-stream fork/join demo of real kernels; later the training
-step joins the choices of --what.
+--what demo is the two-stream fork/join demo of real kernels; dqn-small and
+dqn-large are the captured Double-DQN training step of the two benchmark
+configurations (the replay is filled with random data first).
 """
-import argparse
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from drvtrain import NoDeviceError
+import _common
+from drvtrain import Stream
 from drvtrain.demo import ForkJoinDemo
+from drvtrain.rl import DQNConfig, DQNStep
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--what", choices=["demo"], default="demo",
-                        help="which graph to capture (default: demo, a two-stream fork/join)")
+    parser = _common.tool_parser(__doc__)
+    parser.add_argument("--what", choices=["demo", "dqn-small", "dqn-large"], default="demo",
+                        help="which graph to capture: demo (a two-stream fork/join, the default) or the "
+                             "Double-DQN step of the small or large configuration")
     parser.add_argument("--out", type=Path, default=Path("graph.dot"), help="DOT file to write (default graph.dot)")
     parser.add_argument("--n", type=int, default=1 << 16, help="elements per kernel in the demo (default 65536)")
     parser.add_argument("--no-svg", action="store_true", help="skip the SVG even when `dot` is installed")
     args = parser.parse_args(argv)
-    try:
-        demo = ForkJoinDemo(args.n)
-    except NoDeviceError as exc:
-        print(f"dump_graph: {exc}", file=sys.stderr)
-        return 2
-    graph = demo.record()
+    if args.what == "demo":
+        graph = ForkJoinDemo(args.n).record()
+    else:
+        stream = Stream()
+        step = DQNStep(getattr(DQNConfig, args.what.removeprefix("dqn-"))())
+        step.fill_random(1, stream=stream)
+        step.capture(stream=stream)
+        graph = step.graph
     graph.to_dot(args.out)
     print(f"wrote {args.out}")
     dot = shutil.which("dot")
@@ -42,4 +47,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

@@ -6,18 +6,18 @@ and replayed; the loss curve is printed from the mapped metrics ring as it
 trains, with no synchronisation and no copy. Exits 0 when the loss falls from
 >= 0.3 to < 1e-3, 1 otherwise, 2 with no GPU.
 """
-import argparse
 import sys
 import time
 
 import numpy as np
 
-from drvtrain import Arena, NoDeviceError, Stream, get_device
+import _common
+from drvtrain import Arena, Stream, get_device
 from drvtrain.nn import FlatBuffer, MLP, ParamLayout, RegressionStep
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.tool_parser(__doc__)
     parser.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
     parser.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden width (default 256)")
@@ -25,11 +25,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed for data, teacher and student (default 0)")
     parser.add_argument("--print-every", type=int, default=250, help="print every N steps (default 250)")
     args = parser.parse_args(argv)
-    try:
-        get_device()
-    except NoDeviceError as exc:
-        print(f"overfit: {exc}", file=sys.stderr)
-        return 2
+    get_device()
     rng = np.random.default_rng(args.seed)
     inp, out, h = 16, 4, args.hidden
     layout = ParamLayout([(h, inp), (h, h), (out, h)])
@@ -44,12 +40,13 @@ def main(argv=None) -> int:
     x = rng.standard_normal((args.batch, inp)).astype(np.float32)
     step = RegressionStep(layout, args.batch, lr=args.lr, weight_decay=0.0, max_norm=10.0, seed=args.seed + 2)
     step.x.copy_from_numpy(x)
-    arena = Arena(MLP(layout, tf32=False).scratch_bytes(args.batch))
-    target = MLP(layout, tf32=False).forward(teacher, step.x, arena, stream)
+    teacher_mlp = MLP(layout, tf32=False)
+    arena = Arena(teacher_mlp.scratch_bytes(args.batch), zeroed_bytes=teacher_mlp.zeroed_bytes(args.batch) + 256)
+    target = teacher_mlp.forward(teacher, step.x, arena=arena, stream=stream).output
     step.target.copy_from(target, stream)
     stream.synchronize()
 
-    exe = step.capture(stream)
+    exe = step.capture(stream=stream)
     print(f"layout {layout.layers}, batch {args.batch}, {len(step.graph.nodes())} graph nodes per step")
     first = last = None
     started = time.perf_counter()
@@ -75,4 +72,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

@@ -332,6 +332,21 @@ class DQNStep:
         return graph.instantiate()
 
     # ------------------------------------------------------------------ host side
+    def fill_random(self, seed: int, *, stream, done_fraction: float = 0.05, chunk: int = 1 << 18) -> None:
+        """Fill the whole replay as the benchmark does: normal observations and
+        rewards, ``done_fraction`` terminal, priorities uniform in [0.1, 1.1).
+        Synchronous setup, in chunks so host memory stays bounded."""
+        cfg = self.config
+        rng = np.random.default_rng(seed)
+        for start in range(0, cfg.capacity, chunk):
+            n = min(chunk, cfg.capacity - start)
+            self.replay.insert(rng.standard_normal((n, cfg.obs_dim), dtype=np.float32),
+                               rng.integers(0, cfg.n_actions, n, dtype=np.int32),
+                               rng.standard_normal(n, dtype=np.float32),
+                               rng.standard_normal((n, cfg.obs_dim), dtype=np.float32),
+                               (rng.random(n) < done_fraction).astype(np.float32), stream=stream)
+        self.replay.tree.set_priorities(rng.uniform(0.1, 1.1, cfg.capacity).astype(np.float32))
+
     def check_errors(self) -> None:
         """Raise for what the device flagged since the last check: bad replay input
         (ReplayError) or a skipped step (TrainingError). Reads mapped memory only."""
