@@ -6,19 +6,21 @@
 // replay_insert: write n transitions at slots (cursor + t) mod capacity,
 // t < n <= capacity, and set each slot's leaf to *max_leaf.
 // state[0] = transitions ever inserted (the cursor), state[1] = stored count.
-// Launch: one warp per transition, blockDim = 128, grid = ceil(n / 4). The last
-// block to finish advances the cursor and count and resets the counter, so
-// the kernel replays correctly inside a graph. Inputs may be device or mapped
-// memory. Deterministic: each slot is written by exactly one warp.
-extern "C" __global__ void replay_insert(
+// Launch: one warp per transition, block INSERT_THREADS (pinned), grid =
+// ceil(n / INSERT_WARPS). The last block (dt_last_block) advances the cursor
+// and count, so the kernel replays correctly inside a graph. Inputs may be
+// device or mapped memory. Deterministic: each slot is written by exactly one
+// warp.
+constexpr int INSERT_THREADS = 128;
+constexpr int INSERT_WARPS = INSERT_THREADS / 32;
+
+extern "C" __global__ void __launch_bounds__(INSERT_THREADS) replay_insert(
         float* obs, float* next_obs, int* action, float* reward, float* done, int obs_dim, int capacity,
         const float* in_obs, const float* in_next_obs, const int* in_action, const float* in_reward,
         const float* in_done, int n, long long* state, double* nodes, float* leaves,
         const float* max_leaf, int tree_height, int tree_internal, unsigned int* counter) {
-    constexpr int WARPS = 4;
-    __shared__ bool last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int t = blockIdx.x * WARPS + warp;
+    const int t = blockIdx.x * INSERT_WARPS + warp;
     if (t < n) {
         const int slot = (int)((state[0] + t) % capacity);
         const long long src = (long long)t * obs_dim, dst = (long long)slot * obs_dim;
@@ -33,16 +35,10 @@ extern "C" __global__ void replay_insert(
             dt_tree_set_leaf(nodes, leaves, capacity, tree_height, tree_internal, slot, *max_leaf);
         }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (last && threadIdx.x == 0) {
-        long long stored = state[1] + n;
+    // Every block has read the cursor before it arrives, so the last one may move it.
+    if (dt_last_block(counter, gridDim.x) && threadIdx.x == 0) {
+        const long long stored = state[1] + n;
         state[0] += n;
         state[1] = stored < capacity ? stored : capacity;
-        *counter = 0u;
     }
 }

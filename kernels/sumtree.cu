@@ -5,15 +5,22 @@
 #include "sumtree.cuh"
 
 // sumtree_update: leaf[indices[t]] = priorities[t]^alpha for t < n, one thread
-// per index over any grid whose block size is a multiple of 32. Duplicate indices are legal (see dt_tree_set_leaf).
-// An index outside [0, capacity) or a negative, NaN or infinite priority is
-// skipped and raises its flag in `errors` (mapped host memory).
+// per index over any grid whose block size is a multiple of 32. Duplicate
+// indices are legal (see dt_tree_set_leaf). An index outside [0, capacity) or
+// a negative, NaN or infinite priority is skipped and raises its flag
+// (dt_raise into err_counts / err_published). When `skip` is not null and
+// *skip != 0, nothing changes: a training step that found a NaN skips its
+// update without the host deciding.
 // max_leaf tracks the largest leaf value ever written (new transitions enter
 // with it). The final leaves depend only on which duplicate lands last; the
 // internal sums are exact to fp64 rounding.
 extern "C" __global__ void sumtree_update(double* nodes, float* leaves, float* max_leaf,
                                           const int* indices, const float* priorities, float alpha,
-                                          int n, int capacity, int height, int internal, int* errors) {
+                                          int n, int capacity, int height, int internal, const int* skip,
+                                          unsigned int* err_counts, unsigned int* err_published) {
+    // Nothing writes *skip here, so every thread sees the same value and the
+    // warp-wide shuffles below are never split.
+    if (skip != nullptr && *skip != 0) return;
     // Every lane of a warp runs the same iterations (the grid stride is a multiple
     // of 32), so the root and the running maximum take one atomic per warp instead
     // of one per index: those two addresses are where all updates collide.
@@ -27,9 +34,9 @@ extern "C" __global__ void sumtree_update(double* nodes, float* leaves, float* m
             i = indices[t];
             const float pr = priorities[t];
             if (i < 0 || i >= capacity) {
-                errors[DT_ERR_INDEX] = 1;
+                dt_raise(err_counts, err_published, DT_ERR_INDEX);
             } else if (!(pr >= 0.0f) || isinf(pr)) {
-                errors[DT_ERR_PRIORITY] = 1;
+                dt_raise(err_counts, err_published, DT_ERR_PRIORITY);
             } else {
                 p = alpha == 1.0f ? pr : powf(pr, alpha);
                 diff = (double)p - (double)atomicExch(&leaves[i], p);
@@ -49,18 +56,19 @@ extern "C" __global__ void sumtree_update(double* nodes, float* leaves, float* m
 
 // sumtree_rebuild: recompute every internal node from the leaves with fixed-order
 // warp sums, so the result is bit-for-bit reproducible.
-// Launch: blockDim = 1024 (32 warps), grid = ceil(ceil(capacity / 32) / 32).
+// Launch: block REBUILD_THREADS (pinned), grid = ceil(ceil(capacity / 32) / REBUILD_WARPS).
 // Warp w of block b sums the leaves of level-1 node 32b + w; warp 0 then sums
-// the block's 32 level-1 nodes into level-2 node b. The last block to finish
-// (counter pattern, no float atomics) builds levels 3 and up, then resets the
-// counter for the next launch.
-extern "C" __global__ void sumtree_rebuild(double* nodes, const float* leaves, int capacity, int height,
-                                           int internal, unsigned int* counter) {
-    __shared__ double level1[32];
-    __shared__ bool last;
+// the block's 32 level-1 nodes into level-2 node b. The last block
+// (dt_last_block) builds levels 3 and up.
+constexpr int REBUILD_WARPS = 32;  // one warp per child of a level-2 node
+constexpr int REBUILD_THREADS = 32 * REBUILD_WARPS;
+
+extern "C" __global__ void __launch_bounds__(REBUILD_THREADS) sumtree_rebuild(
+        double* nodes, const float* leaves, int capacity, int height, int internal, unsigned int* counter) {
+    __shared__ double level1[REBUILD_WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int offset1 = internal - dt_level_size(capacity, 1);
-    const int n = blockIdx.x * 32 + warp;
+    const int n = blockIdx.x * REBUILD_WARPS + warp;
     double v = 0.0;
     if (n < dt_level_real(capacity, 1)) {
         v = dt_warp_sum((double)leaves[n * 32 + lane]);
@@ -72,16 +80,11 @@ extern "C" __global__ void sumtree_rebuild(double* nodes, const float* leaves, i
         double s = dt_warp_sum(level1[lane]);
         if (lane == 0) nodes[offset1 - dt_level_size(capacity, 2) + blockIdx.x] = s;
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!dt_last_block(counter, gridDim.x)) return;
     int below = offset1 - dt_level_size(capacity, 2);  // offset of level h-1
     for (int h = 3; h <= height; ++h) {
         const int offset = below - dt_level_size(capacity, h);
-        for (int k = warp; k < dt_level_real(capacity, h); k += 32) {
+        for (int k = warp; k < dt_level_real(capacity, h); k += REBUILD_WARPS) {
             double s = dt_warp_sum(__ldcg(&nodes[below + k * 32 + lane]));
             if (lane == 0) nodes[offset + k] = s;
         }
@@ -89,36 +92,46 @@ extern "C" __global__ void sumtree_rebuild(double* nodes, const float* leaves, i
         __syncthreads();
         below = offset;
     }
-    if (threadIdx.x == 0) *counter = 0u;
 }
 
 // sumtree_sample: a stratified batch of B leaves with importance weights, and
 // optionally the gathered transitions.
 //   mass_j = (j + U_j) * total / B, U_j from Philox(seed, *step, j) or, when
 //   `uniforms` is not null, uniforms[j] (tests inject them);
-//   w_j = (N p_j / total)^-beta / max_j w_j = (p_min / p_j)^beta.
-// Launch: one warp per sample, blockDim = 32 * SAMPLES_PER_BLOCK (128),
-// grid = ceil(B / 4): never a single block for B > 4. The warp walks the
-// 32-ary tree together (one coalesced load per level), then copies the rows
-// with coalesced accesses. Dynamic shared memory: 4 * B bytes. The last block
-// to finish computes the weights, advances *step and resets the counter, so
-// a graph replay draws fresh numbers.
-// A tree whose total is 0 raises errors[DT_ERR_EMPTY] and returns leaf 0.
+//   w_j = (N p_j / total)^-beta / max_j w_j = (p_min / p_j)^beta;
+//   beta = beta_start + (beta_end - beta_start) * min(1, *step / beta_steps),
+//   with *step read before this launch advances it (a constant beta passes
+//   start = end). When `beta_out` is not null the beta used is written there.
+// Launch: one warp per sample, block SAMPLE_THREADS (pinned), grid =
+// ceil(B / SAMPLE_WARPS): never a single block for B > SAMPLE_WARPS. The warp
+// walks the 32-ary tree together (one coalesced load per level), then copies
+// the rows with coalesced accesses. Dynamic shared memory: 4 * B bytes. The
+// last block (dt_last_block) computes the weights and advances *step, so a
+// graph replay draws fresh numbers.
+// A sampled leaf is never 0 while any leaf is not (sumtree.cuh says how).
+// When every leaf is 0, the sample is leaf 0 with weight 0 and DT_ERR_EMPTY
+// is raised.
 // Gather pointers may be null (obs_dim 0 skips the rows); with obs_dim a
 // multiple of 4, every row pointer must be 16-byte aligned (device buffers
 // and arena slices are 256-byte aligned).
-extern "C" __global__ void sumtree_sample(
+constexpr int SAMPLE_THREADS = 128;
+constexpr int SAMPLE_WARPS = SAMPLE_THREADS / 32;
+// A residency hint of 8 blocks (32 warps) per SM: with the bound alone, ptxas
+// aims higher and spills the walk's state to local memory.
+constexpr int SAMPLE_MIN_BLOCKS = 8;
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) sumtree_sample(
         const double* nodes, const float* leaves, int capacity, int height, int batch,
-        unsigned long long seed, unsigned long long* step, const double* uniforms, float beta,
-        int* out_index, float* out_weight, unsigned int* counter, int* errors,
+        unsigned long long seed, unsigned long long* step, const double* uniforms,
+        float beta_start, float beta_end, unsigned long long beta_steps, float* beta_out,
+        int* out_index, float* out_weight, unsigned int* counter,
+        unsigned int* err_counts, unsigned int* err_published,
         const float* obs, const float* next_obs, const int* action, const float* reward,
         const float* done, int obs_dim, float* batch_obs, float* batch_next_obs, int* batch_action,
         float* batch_reward, float* batch_done) {
-    constexpr int WARPS = 4;
-    __shared__ bool last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int j = blockIdx.x * WARPS + warp;
-    float p = dt_inf();
+    const int j = blockIdx.x * SAMPLE_WARPS + warp;
+    float p = 0.0f;
     int leaf = 0;
     if (j < batch) {
         const double total = nodes[0];
@@ -128,46 +141,51 @@ extern "C" __global__ void sumtree_sample(
         if (total > 0.0) {
             leaf = dt_tree_descend(nodes, leaves, capacity, height, first, mass, total * 0x1p-40, p);
         } else {
-            p = leaves[0];
-            if (lane == 0) errors[DT_ERR_EMPTY] = 1;
+            // A root <= 0 is an empty tree or fp64 residue: only the leaves can
+            // tell. Start from this sample's stratum of the leaf range.
+            const int groups = dt_level_real(capacity, 1);
+            leaf = dt_tree_nearest_live(leaves, groups, (int)((long long)j * groups / batch), p);
+        }
+        if (leaf < 0) {
+            leaf = 0;
+            p = 0.0f;
+            if (lane == 0) dt_raise(err_counts, err_published, DT_ERR_EMPTY);
         }
         if (lane == 0) {
             out_index[j] = leaf;
             out_weight[j] = p;  // the leaf value, until the last block turns it into a weight
         }
     }
-    // The weights need the batch minimum. Each writer fences its own stores; the
-    // last block to arrive stages every leaf value in shared memory with one
-    // round of loads, takes the minimum there and writes the weights.
-    if (j < batch && lane == 0) __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (last) {  // block-uniform, so the barriers below are safe
-        __threadfence();
+    // The weights need the batch minimum: the last block stages every leaf
+    // value in shared memory with one round of loads, takes the minimum there
+    // and writes the weights.
+    if (dt_last_block(counter, gridDim.x)) {  // block-uniform, so the barriers below are safe
         extern __shared__ float batch_p[];  // `batch` floats
-        __shared__ float reduce[128];
+        __shared__ float reduce[SAMPLE_THREADS];
+        const unsigned long long s = *step;  // read by every thread before thread 0 advances it
+        const double progress = s >= beta_steps ? 1.0 : (double)s / (double)beta_steps;
+        const float beta = (float)((double)beta_start + ((double)beta_end - (double)beta_start) * progress);
         float m = dt_inf();
 #pragma unroll 4
-        for (int k = threadIdx.x; k < batch; k += blockDim.x) {
+        for (int k = threadIdx.x; k < batch; k += SAMPLE_THREADS) {
             const float pk = __ldcg(&out_weight[k]);
             batch_p[k] = pk;
             m = fminf(m, pk);
         }
         reduce[threadIdx.x] = m;
         __syncthreads();
-        for (int width = blockDim.x >> 1; width >= 1; width >>= 1) {
+        for (int width = SAMPLE_THREADS / 2; width >= 1; width >>= 1) {
             if (threadIdx.x < width) reduce[threadIdx.x] = fminf(reduce[threadIdx.x], reduce[threadIdx.x + width]);
             __syncthreads();
         }
         const float p_min = reduce[0];
-        for (int k = threadIdx.x; k < batch; k += blockDim.x) {
+        for (int k = threadIdx.x; k < batch; k += SAMPLE_THREADS) {
             const float pk = batch_p[k];
             out_weight[k] = pk > 0.0f ? powf(p_min / pk, beta) : 0.0f;
         }
         if (threadIdx.x == 0) {
-            *counter = 0u;
-            *step += 1ull;
+            *step = s + 1ull;
+            if (beta_out != nullptr) *beta_out = beta;
         }
     }
     // The gather comes last: its HBM round trip overlaps the weights tail

@@ -16,12 +16,25 @@
 // 10^6 updates at capacity 2^20 the root still matches an exact sum of the
 // leaves to better than 1e-12 (measured: docs/perf-notes.md). rebuild()
 // restores sums that are exact up to one rounding per add.
+//
+// Why the sampler reads the leaves when the sums say otherwise: the fp64 error
+// is relative to the largest sums a node ever held, not to what it holds now.
+// Leaves once near 1e6, all set back to 0, leave their ancestors holding a
+// residue of 1e-10 or more, of either sign, while one live leaf elsewhere is
+// 1e-6: a dead node can then outweigh live ones, and the root can even be
+// <= 0 while a leaf is not. So the walk takes the sums as a guide only: when
+// it reaches 32 leaves that are all 0, or the root is not positive, the warp
+// scans the leaves themselves for the nearest non-zero one
+// (dt_tree_nearest_live). Only when every leaf is 0 does the sampler raise
+// DT_ERR_EMPTY. The scan is the rare path; rebuild() removes the residue that
+// leads to it.
 #pragma once
 
 #define DT_FULL_MASK 0xffffffffu
 
-// Error flags in mapped host memory: plain stores of 1, so no atomics cross the bus.
-enum { DT_ERR_INDEX = 0, DT_ERR_PRIORITY = 1, DT_ERR_EMPTY = 2, DT_ERR_COUNT = 4 };
+// Error flags, raised with dt_raise (common.cuh); the order matches the flag
+// names in drvtrain/rl/sumtree.py.
+enum { DT_ERR_INDEX = 0, DT_ERR_PRIORITY = 1, DT_ERR_EMPTY = 2, DT_ERR_COUNT = 3 };
 
 // Nodes at level h >= 1 that cover real leaves: ceil(capacity / 32^h).
 __device__ __forceinline__ int dt_level_real(int capacity, int h) {
@@ -64,13 +77,47 @@ __device__ __forceinline__ double dt_warp_sum(double v) {
     return v;
 }
 
+// The nearest non-zero leaf to the group of 32 leaves `group` (level-1 node
+// `group`), looking at groups at distance 0, 1, 2, ... below and above it: one
+// coalesced load per group. Below is taken before above, and within a group
+// the leaf nearest `group` (the last one below, the first one above), so the
+// answer is deterministic. Returns -1, with leaf_value 0, when all `groups`
+// groups hold only zeros. Every lane of the warp must call it; every lane
+// gets the same answer. Terminates after at most `groups` rounds.
+__device__ __forceinline__ int dt_tree_nearest_live(const float* leaves, int groups, int group,
+                                                    float& leaf_value) {
+    const int lane = threadIdx.x & 31;
+    for (int d = 0; d < groups; ++d) {
+        const int below = group - d, above = group + d;
+        if (below < 0 && above >= groups) break;
+        const float lo = below >= 0 ? leaves[below * 32 + lane] : 0.0f;
+        const float hi = above < groups ? leaves[above * 32 + lane] : 0.0f;
+        const unsigned lo_mask = __ballot_sync(DT_FULL_MASK, lo > 0.0f);
+        const unsigned hi_mask = __ballot_sync(DT_FULL_MASK, hi > 0.0f);
+        if (lo_mask) {
+            const int c = 31 - __clz(lo_mask);
+            leaf_value = __shfl_sync(DT_FULL_MASK, lo, c);
+            return below * 32 + c;
+        }
+        if (hi_mask) {
+            const int c = __ffs(hi_mask) - 1;
+            leaf_value = __shfl_sync(DT_FULL_MASK, hi, c);
+            return above * 32 + c;
+        }
+    }
+    leaf_value = 0.0f;
+    return -1;
+}
+
 // The whole warp walks from the root to the leaf holding prefix mass `mass`.
 // At each node the 32 lanes load the 32 child sums, scan them, and take the
 // first child whose running sum exceeds the mass, then subtract the sums
 // before it. A child whose sum is at most `empty` (0 for leaves) is never
 // taken, so rounding at a segment edge cannot end on a zero leaf: when no
-// child qualifies the walk clamps to the last non-empty one. Every lane
-// returns the leaf index, and its value in `leaf_value`.
+// child qualifies the walk clamps to the last non-empty one. A group of 32
+// leaves with none above 0 (reached through fp64 residue, see the top of this
+// file) hands over to dt_tree_nearest_live. Every lane returns the leaf index,
+// and its value in `leaf_value`; -1 when every leaf is 0.
 // `first` is this lane's child of the root, loaded by the caller (see
 // dt_tree_first_level) so that its load overlaps the load of the total.
 __device__ __forceinline__ int dt_tree_descend(const double* nodes, const float* leaves, int capacity,
@@ -100,6 +147,8 @@ __device__ __forceinline__ int dt_tree_descend(const double* nodes, const float*
         if (lane == 0) exclusive = 0.0;
         const bool live = v > threshold;
         const unsigned live_mask = __ballot_sync(DT_FULL_MASK, live);
+        if (h == 1 && live_mask == 0)  // warp-uniform: the ballot is the same in every lane
+            return dt_tree_nearest_live(leaves, dt_level_real(capacity, 1), node, leaf_value);
         const unsigned hit_mask = __ballot_sync(DT_FULL_MASK, live && inclusive > mass);
         const int c = hit_mask ? __ffs(hit_mask) - 1 : (live_mask ? 31 - __clz(live_mask) : 0);
         mass -= __shfl_sync(DT_FULL_MASK, exclusive, c);

@@ -41,9 +41,19 @@ def prefix_search(leaves: np.ndarray, masses: np.ndarray) -> np.ndarray:
 
 
 def importance_weights(p: np.ndarray, total: float, stored: int, beta: float) -> np.ndarray:
-    """w_j = (N p_j / total)^-beta, divided by the batch maximum."""
-    w = (stored * np.asarray(p, np.float64) / total) ** (-beta)
-    return w / w.max()
+    """Importance-sampling weights of a batch, from the definition.
+
+    A leaf of value p_j is drawn with probability P(j) = p_j / total; its
+    weight is (N * P(j)) ** -beta with N the stored transitions, and the
+    batch is scaled so that its largest weight is 1. A sampled leaf of 0 has
+    no weight (it could not have been drawn), so it is refused.
+    """
+    p = np.asarray(p, np.float64)
+    if not np.all(p > 0):
+        raise ValueError("a sampled leaf of 0 (or NaN) has no importance weight")
+    probability = p / float(total)
+    unscaled = (float(stored) * probability) ** (-float(beta))
+    return unscaled / np.max(unscaled)
 
 
 def tree_inconsistency(nodes: np.ndarray, leaves: np.ndarray, levels) -> float:

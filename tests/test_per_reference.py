@@ -47,11 +47,34 @@ def test_stratified_masses_fall_in_their_strata(rng):
     assert np.all(m >= j * total / 512) and np.all(m < (j + 1) * total / 512 * (1 + 1e-15))
 
 
-def test_importance_weights_normalise_to_batch_max(rng):
-    p = rng.uniform(0.1, 1.1, 256)
-    w = importance_weights(p, total=float(p.sum() * 7), stored=1000, beta=0.4)
+def test_importance_weights_hand_computed_case():
+    # P = p / 7; N * P = 10/7, 20/7, 40/7; (N P)^-1/2 scaled by its largest: 1, 2^-1/2, 1/2.
+    w = importance_weights(np.array([1.0, 2.0, 4.0]), total=7.0, stored=10, beta=0.5)
+    np.testing.assert_allclose(w, [1.0, 2 ** -0.5, 0.5], rtol=1e-15, atol=0)
+
+
+def test_importance_weights_follow_the_definition(rng):
+    p = rng.uniform(0.01, 3.0, 256)
+    total = float(p.sum() * rng.uniform(1.5, 20.0))
+    stored, beta = int(rng.integers(300, 10_000)), float(rng.uniform(0.1, 1.0))
+    w = importance_weights(p, total, stored, beta)
+    assert not np.isnan(w).any()
     assert w.max() == 1.0 and np.argmax(w) == np.argmin(p)
-    np.testing.assert_allclose(w, (p.min() / p) ** 0.4, rtol=1e-12)
+    # The batch scaling leaves ratios alone: w_i / w_k = (p_k / p_i)^beta.
+    i, k = rng.choice(256, 2, replace=False)
+    assert math.isclose(w[i] / w[k], (p[k] / p[i]) ** beta, rel_tol=1e-12)
+    # beta 0 weighs every sample alike; beta 1 undoes the sampling bias exactly.
+    assert np.array_equal(importance_weights(p, total, stored, 0.0), np.ones(256))
+    w1 = importance_weights(p, total, stored, 1.0)
+    np.testing.assert_allclose(w1 * p, p.min(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [0.0, np.nan])
+def test_importance_weights_refuse_a_zero_leaf(rng, bad):
+    p = rng.uniform(0.1, 1.0, 8)
+    p[int(rng.integers(8))] = bad
+    with pytest.raises(ValueError, match="no importance weight"):
+        importance_weights(p, float(p[p > 0].sum()), 8, 0.4)
 
 
 def build_tree(leaves: np.ndarray, levels) -> np.ndarray:

@@ -4,6 +4,7 @@ import pytest
 
 from drvtrain import Arena, DeviceBuffer, capture
 from drvtrain.rl import ReplayBuffer
+from per_reference import importance_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +29,7 @@ def test_insert_wraps_around_in_order(device, stream, rng, on_device):
     cursor = 0
     for batch in batches:
         args = [DeviceBuffer.from_numpy(a) for a in batch] if on_device else list(batch)
-        rb.insert(*args, stream)
+        rb.insert(*args, stream=stream)
         slots = (cursor + np.arange(len(batch[1]))) % c
         for e, a in zip(expected, batch):
             e[slots] = a
@@ -43,10 +44,10 @@ def test_insert_wraps_around_in_order(device, stream, rng, on_device):
 
 def test_new_transitions_enter_at_the_largest_priority(device, stream, rng):
     rb = ReplayBuffer(100, 4, alpha=0.6, seed=2)
-    rb.insert(*transitions(rng, 50, 4), stream)
+    rb.insert(*transitions(rng, 50, 4), stream=stream)
     pri = rng.uniform(0.1, 3.0, 50).astype(np.float32)
-    rb.update_priorities(np.arange(50), pri, stream)
-    rb.insert(*transitions(rng, 10, 4), stream)
+    rb.update_priorities(np.arange(50), pri, stream=stream)
+    rb.insert(*transitions(rng, 10, 4), stream=stream)
     leaves = rb.tree.leaves_numpy()
     np.testing.assert_allclose(leaves[50:60], float(pri.max()) ** 0.6, rtol=1e-6)
     assert rb.stored() == 60
@@ -67,7 +68,7 @@ def test_new_transitions_enter_at_the_largest_priority(device, stream, rng):
 ])
 def test_bad_inserts_are_refused_and_change_nothing(device, stream, rng, case, error, match):
     rb = ReplayBuffer(10, 3, seed=1)
-    rb.insert(*transitions(rng, 4, 3), stream)
+    rb.insert(*transitions(rng, 4, 3), stream=stream)
     before, state, leaves = host_copy(rb), rb.state.to_numpy(), rb.tree.leaves_numpy()
     obs, action, reward, next_obs, done = transitions(rng, 3, 3)
     if case == "obs_shape":
@@ -91,10 +92,11 @@ def test_bad_inserts_are_refused_and_change_nothing(device, stream, rng, case, e
     elif case == "mixed":
         obs = DeviceBuffer.from_numpy(obs)
     elif case == "device_dtype":
-        obs, action, reward, next_obs, done = (DeviceBuffer.from_numpy(a) for a in (obs, action, reward, next_obs, done))
+        obs, action, reward, next_obs, done = (DeviceBuffer.from_numpy(a)
+                                               for a in (obs, action, reward, next_obs, done))
         obs = DeviceBuffer.from_numpy(np.zeros((3, 3), np.float64))
     with pytest.raises(error, match=match):
-        rb.insert(obs, action, reward, next_obs, done, stream)
+        rb.insert(obs, action, reward, next_obs, done, stream=stream)
     for got, want in zip(host_copy(rb), before):
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(rb.state.to_numpy(), state)
@@ -104,10 +106,12 @@ def test_bad_inserts_are_refused_and_change_nothing(device, stream, rng, case, e
 def test_sample_gathers_the_sampled_rows(device, stream, rng):
     c, d, b = 3000, 7, 512
     rb = ReplayBuffer(c, d, alpha=0.6, seed=int(rng.integers(2**63)))
-    rb.insert(*transitions(rng, c, d), stream)
-    rb.update_priorities(np.arange(c), rng.uniform(0.1, 1.1, c).astype(np.float32), stream)
+    rb.insert(*transitions(rng, c, d), stream=stream)
+    rb.update_priorities(np.arange(c), rng.uniform(0.1, 1.1, c).astype(np.float32), stream=stream)
     arena = Arena(1 << 20)
-    batch = rb.sample(b, stream, beta=0.4, arena=arena)
+    beta_used = DeviceBuffer(1, np.float32)
+    beta_used.poison(stream)
+    batch = rb.sample(b, stream=stream, beta=0.4, arena=arena, beta_out=beta_used)
     idx = batch.indices.to_numpy()
     obs, action, reward, next_obs, done = host_copy(rb)
     np.testing.assert_array_equal(batch.obs.to_numpy(), obs[idx])
@@ -117,8 +121,10 @@ def test_sample_gathers_the_sampled_rows(device, stream, rng):
     np.testing.assert_array_equal(batch.done.to_numpy(), done[idx])
     leaves = rb.tree.leaves_numpy().astype(np.float64)
     w = batch.weights.to_numpy()
-    ref = (rb.stored() * leaves[idx] / rb.tree.read_total()) ** -0.4
-    np.testing.assert_allclose(w, ref / ref.max(), rtol=2e-6)
+    assert not np.isnan(w).any()
+    np.testing.assert_allclose(w, importance_weights(leaves[idx], rb.tree.read_total(), rb.stored(), 0.4),
+                               rtol=2e-6)
+    assert beta_used.to_numpy()[0] == np.float32(0.4)
     rb.check_errors()
 
 
@@ -126,9 +132,9 @@ def run_steps(rb, stream, arena, new_p, inserts, steps, graph=False):
     """One step: sample, write new priorities for the sampled leaves, insert a few transitions."""
     def step():
         arena.reset()
-        batch = rb.sample(64, stream, beta=0.4, arena=arena)
-        rb.update_priorities(batch.indices, new_p, stream)
-        rb.insert(*inserts, stream)
+        batch = rb.sample(64, stream=stream, beta=0.4, arena=arena)
+        rb.update_priorities(batch.indices, new_p, stream=stream)
+        rb.insert(*inserts, stream=stream)
         return batch
 
     if not graph:
@@ -137,6 +143,10 @@ def run_steps(rb, stream, arena, new_p, inserts, steps, graph=False):
         return batch.indices.to_numpy()
     with capture(stream) as g:
         batch = step()
+    # One warp per sample and per inserted transition, four warps per block.
+    shapes = {k.function: (k.grid[0], k.block[0]) for k in g.kernel_nodes()}
+    assert shapes == {"sumtree_sample": (64 // 4, 128), "sumtree_update": (1, 64),
+                      "replay_insert": (-(-inserts[1].size // 4), 128)}
     exe = g.instantiate()
     for _ in range(steps):
         exe.launch(stream)
@@ -155,8 +165,8 @@ def test_graph_replay_matches_eager_sequence(device, stream, rng):
     results = []
     for graph in (False, True):
         rb = ReplayBuffer(c, d, alpha=0.6, seed=seed, max_batch=64)
-        rb.insert(*init, stream)
-        rb.update_priorities(np.arange(c), pri, stream)
+        rb.insert(*init, stream=stream)
+        rb.update_priorities(np.arange(c), pri, stream=stream)
         last = run_steps(rb, stream, Arena(1 << 16), new_p, inserts, 1000, graph=graph)
         results.append((last, rb.tree.leaves_numpy(), rb.tree.nodes_numpy(), rb.state.to_numpy(),
                         host_copy(rb)))
@@ -169,3 +179,30 @@ def test_graph_replay_matches_eager_sequence(device, stream, rng):
     np.testing.assert_allclose(n0, n1, rtol=1e-12)
     for a, b in zip(h0, h1):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("b, d", [(1, 1), (100, 7), (512, 128)])
+def test_scratch_bytes_is_what_one_sample_takes(device, stream, rng, b, d):
+    c = 1000
+    rb = ReplayBuffer(c, d, alpha=0.6, seed=int(rng.integers(2**63)), max_batch=512)
+    rb.insert(*transitions(rng, c, d), stream=stream)
+    rb.update_priorities(np.arange(c), rng.uniform(0.1, 1.1, c).astype(np.float32), stream=stream)
+
+    def slice_bytes(nbytes):  # the arena starts every slice on a 256-byte boundary
+        return -(-nbytes // 256) * 256
+
+    # indices, weights, action, reward, done: 4 bytes per sample; obs, next_obs: 4 * d.
+    want = 5 * slice_bytes(4 * b) + 2 * slice_bytes(4 * b * d)
+    assert rb.scratch_bytes(b) == want
+    arena = Arena(want)  # exactly enough: a capture cannot fall back to an allocation
+    with capture(stream) as graph:
+        arena.reset()
+        batch = rb.sample(b, stream=stream, beta=0.4, arena=arena)
+    assert slice_bytes(arena.high_water) == want and arena.fallback_count == 0
+    exe = graph.instantiate()
+    exe.launch(stream)
+    idx = batch.indices.to_numpy()
+    assert idx.min() >= 0 and idx.max() < c
+    np.testing.assert_array_equal(batch.next_obs.to_numpy(), rb.next_obs.to_numpy()[idx])
+    np.testing.assert_array_equal(batch.done.to_numpy(), rb.done.to_numpy()[idx])
+    rb.check_errors()

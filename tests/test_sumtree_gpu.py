@@ -17,7 +17,7 @@ def sample_with(tree, stream, uniforms, beta=0.4):
     idx, w = DeviceBuffer(b, np.int32), DeviceBuffer(b, np.float32)
     idx.poison(stream)
     w.poison(stream)
-    tree.sample(b, stream, beta=beta, indices=idx, weights=w,
+    tree.sample(b, stream=stream, beta=beta, indices=idx, weights=w,
                 uniforms=DeviceBuffer.from_numpy(np.asarray(uniforms, np.float64)))
     return idx.to_numpy(), w.to_numpy()
 
@@ -42,15 +42,24 @@ def assert_consistent(tree, node_rel=1e-12):
     ([0, 0, 1, 3], {0.0: 2, 0.5: 2, 0.99: 2, 1.01: 3, 3.0: 3, 4.0: 3}),
     ([0.5, 1, 1, 3], {0.0: 0, 0.55: 1, 0.99: 1, 1.51: 2, 3.0: 3, 5.5: 3}),
 ])
-def test_exact_prefix_sum_cases(device, stream, leaves, cases):
+def test_exact_prefix_sum_cases_and_their_weights(device, stream, rng, leaves, cases):
     tree = SumTree(4, alpha=1.0, seed=1)
     tree.set_priorities(np.array(leaves, np.float32))
+    p = np.array(leaves, np.float64)
     total = tree.read_total()
-    assert total == sum(leaves)
+    assert total == p.sum()
+    b = 8
     for mass, want in cases.items():
-        idx, w = sample_with(tree, stream, [mass / total])  # batch of one: mass = u * total
-        assert idx[0] == want, f"mass {mass}: got leaf {idx[0]}, want {want}"
-        assert w[0] == 1.0
+        # Stratum j holds mass m when (j + u_j) * total / b == m; the other strata draw at random.
+        j = min(int(mass * b / total), b - 1)
+        u = rng.random(b)
+        u[j] = mass * b / total - j
+        got, w = sample_with(tree, stream, u, beta=0.4)
+        assert got[j] == want, f"mass {mass}: got leaf {got[j]}, want {want}"
+        assert np.array_equal(got, prefix_search(p, stratified_masses(u, total)))
+        assert len(np.unique(p[got])) > 1, "a batch of one leaf value cannot test the weights"
+        assert not np.isnan(w).any()
+        np.testing.assert_allclose(w, importance_weights(p[got], total, stored=4, beta=0.4), rtol=2e-6)
 
 
 def test_injected_uniforms_match_searchsorted(device, stream, rng):
@@ -84,9 +93,9 @@ def test_philox_draws_are_reproducible_and_fresh_per_replay(device, stream, rng)
     w = DeviceBuffer(b, np.float32)
     for t in trees:
         t.set_priorities(pri)
-    trees[0].sample(b, stream, beta=0.4, indices=idx[0], weights=w)
-    trees[1].sample(b, stream, beta=0.4, indices=idx[1], weights=w)
-    trees[1].sample(b, stream, beta=0.4, indices=idx[2], weights=w)
+    trees[0].sample(b, stream=stream, beta=0.4, indices=idx[0], weights=w)
+    trees[1].sample(b, stream=stream, beta=0.4, indices=idx[1], weights=w)
+    trees[1].sample(b, stream=stream, beta=0.4, indices=idx[2], weights=w)
     first, same, second = (i.to_numpy() for i in idx)
     assert np.array_equal(first, same)
     assert not np.array_equal(first, second)
@@ -108,7 +117,7 @@ def test_chi_square_and_strata_over_a_million_draws(device, stream, rng):
     all_idx.poison(stream)
     w = DeviceBuffer(b, np.float32)
     for i in range(launches):
-        tree.sample(b, stream, beta=0.4, indices=all_idx.view(np.int32, (b,), i * b * 4), weights=w)
+        tree.sample(b, stream=stream, beta=0.4, indices=all_idx.view(np.int32, (b,), i * b * 4), weights=w)
     idx = all_idx.to_numpy()
     leaves = tree.leaves_numpy().astype(np.float64)
     assert idx.min() >= 0 and np.all(leaves[idx] > 0), "a zero-priority leaf was sampled"
@@ -139,7 +148,7 @@ def test_duplicate_indices_keep_tree_consistent(device, stream, rng, pattern):
         base = rng.integers(0, c, b // 2)
         idx = np.concatenate([base, rng.choice(base, b - b // 2)]).astype(np.int32)
     pri = rng.uniform(0.1, 5.0, b).astype(np.float32)
-    tree.update(DeviceBuffer.from_numpy(idx), DeviceBuffer.from_numpy(pri), stream)
+    tree.update(DeviceBuffer.from_numpy(idx), DeviceBuffer.from_numpy(pri), stream=stream)
     leaves = tree.leaves_numpy()
     written = (pri.astype(np.float32) ** np.float32(0.6))
     for i in np.unique(idx):
@@ -157,7 +166,8 @@ def test_drift_after_a_million_updates(device, stream, rng):
     pri = DeviceBuffer.from_numpy(rng.uniform(0.0, 2.0, per_launch * launches).astype(np.float32))
     for i in range(launches):
         off = i * per_launch * 4
-        tree.update(idx.view(np.int32, (per_launch,), off), pri.view(np.float32, (per_launch,), off), stream)
+        tree.update(idx.view(np.int32, (per_launch,), off), pri.view(np.float32, (per_launch,), off),
+                    stream=stream)
     leaves = padded_leaves(tree)
     exact = math.fsum(leaves.astype(np.float64))
     root_drift = abs(tree.read_total() - exact) / exact
@@ -165,7 +175,7 @@ def test_drift_after_a_million_updates(device, stream, rng):
     print(f"after 1e6 updates at C=2^20: root drift {root_drift:.3e}, worst node drift {node_drift:.3e}")
     assert root_drift < 1e-6
     assert node_drift < 1e-9
-    tree.rebuild(stream)
+    tree.rebuild(stream=stream)
     assert inconsistency(tree) < 1e-13
     assert math.isclose(tree.read_total(), exact, rel_tol=1e-13)
 
@@ -190,7 +200,7 @@ def test_capacities_sample_only_live_leaves(device, stream, rng, capacity):
     assert got.min() >= 0 and got.max() < capacity and np.all(live[got])
     assert np.all((w > 0) & (w <= 1))
     idx = rng.integers(0, capacity, 64).astype(np.int32)
-    tree.update(idx, rng.uniform(0, 2, 64).astype(np.float32), stream)
+    tree.update(idx, rng.uniform(0, 2, 64).astype(np.float32), stream=stream)
     assert_consistent(tree)
 
 
@@ -198,7 +208,7 @@ def test_max_priority_tracks_largest_write(device, stream, rng):
     tree = SumTree(100, alpha=0.5, seed=1, initial_priority=1.0)
     assert tree.max_priority().to_numpy()[0] == 1.0
     pri = rng.uniform(0.1, 9.0, 50).astype(np.float32)
-    tree.update(np.arange(50), pri, stream)
+    tree.update(np.arange(50), pri, stream=stream)
     assert tree.max_priority().to_numpy()[0] == pytest.approx(float(pri.max()) ** 0.5, rel=1e-6)
 
 
@@ -207,22 +217,228 @@ def test_device_side_bad_input_sets_flags_not_crashes(device, stream, rng):
     tree.set_priorities(rng.uniform(0.1, 1, 10).astype(np.float32))
     before = tree.leaves_numpy()
     tree.update(DeviceBuffer.from_numpy(np.array([3, 10, -1], np.int32)),
-                DeviceBuffer.from_numpy(np.array([2.0, 1.0, 1.0], np.float32)), stream)
+                DeviceBuffer.from_numpy(np.array([2.0, 1.0, 1.0], np.float32)), stream=stream)
     stream.synchronize()
     with pytest.raises(ReplayError, match="index out of range"):
         tree.check_errors()
-    tree.check_errors()  # cleared
+    tree.check_errors()  # reported once
     after = tree.leaves_numpy()
     assert after[3] == 2.0 and np.array_equal(np.delete(after, 3), np.delete(before, 3))
     tree.update(DeviceBuffer.from_numpy(np.array([4], np.int32)),
-                DeviceBuffer.from_numpy(np.array([np.nan], np.float32)), stream)
+                DeviceBuffer.from_numpy(np.array([np.nan], np.float32)), stream=stream)
     stream.synchronize()
     with pytest.raises(ReplayError, match="NaN"):
         tree.check_errors()
     empty = SumTree(8, seed=1)
-    sample_with(empty, stream, [0.5])
+    got, w = sample_with(empty, stream, [0.5, 0.25])
+    assert got.tolist() == [0, 0] and w.tolist() == [0.0, 0.0]
     with pytest.raises(ReplayError, match="empty tree"):
         empty.check_errors()
+
+
+def test_error_flags_name_every_new_error_and_lose_none(device, stream, rng):
+    c = 16
+    tree = SumTree(c, alpha=1.0, seed=1)
+    tree.set_priorities(rng.uniform(0.1, 1, c).astype(np.float32))
+    one = DeviceBuffer.from_numpy(np.ones(1, np.float32))
+    bad_index = DeviceBuffer.from_numpy(np.array([rng.integers(c, 10 * c)], np.int32))
+    good_idx = DeviceBuffer.from_numpy(rng.choice(c, 8, replace=False).astype(np.int32))
+    good_pri = DeviceBuffer.from_numpy(rng.uniform(0.1, 2.0, 8).astype(np.float32))
+    idx, w = DeviceBuffer(8, np.int32), DeviceBuffer(8, np.float32)
+
+    tree.update(bad_index, one, stream=stream)
+    stream.synchronize()
+    with pytest.raises(ReplayError, match="index out of range") as first:
+        tree.check_errors()
+    assert "NaN" not in str(first.value) and "empty" not in str(first.value)
+
+    tree.update(good_idx, good_pri, stream=stream)  # a clean step
+    tree.sample(8, stream=stream, beta=0.4, indices=idx, weights=w)
+    stream.synchronize()
+    tree.check_errors()
+
+    tree.update(bad_index, one, stream=stream)  # the same error again is a new error
+    stream.synchronize()
+    with pytest.raises(ReplayError, match="index out of range"):
+        tree.check_errors()
+
+    # Two kinds in one launch: both are named.
+    tree.update(DeviceBuffer.from_numpy(np.array([-1, int(rng.integers(c))], np.int32)),
+                DeviceBuffer.from_numpy(np.array([1.0, -2.0], np.float32)), stream=stream)
+    stream.synchronize()
+    with pytest.raises(ReplayError) as both:
+        tree.check_errors()
+    assert "index out of range" in str(both.value) and "NaN" in str(both.value)
+    tree.check_errors()
+
+
+def test_sampler_never_returns_a_zero_leaf_despite_fp64_residue(device, stream, rng):
+    groups = 1024
+    c = 32 * groups
+    b, batches = 1024, 32
+    tree = SumTree(c, alpha=1.0, seed=int(rng.integers(2**63)), max_batch=b)
+    # Half the groups get a mix of large (1e5..1e6) and tiny leaves, then all of
+    # them go back to 0: the ancestors keep the rounding of the tiny values
+    # added next to the large ones. Group 0 stays dead, so leaf 0 is 0.
+    churn = rng.choice(np.arange(1, groups), groups // 2, replace=False)
+    idx = (churn[:, None] * 32 + np.arange(32)).ravel()
+    large = rng.random(idx.size) < 0.5
+    pri = np.where(large, rng.uniform(1e5, 1e6, idx.size), rng.uniform(1e-7, 1e-5, idx.size)).astype(np.float32)
+    order = rng.permutation(idx.size)
+    for part in np.array_split(order, 2):
+        tree.update(idx[part], pri[part], stream=stream)
+    tree.update(idx[rng.permutation(idx.size)], np.zeros(idx.size, np.float32), stream=stream)
+    assert not (tree.leaves_numpy() > 0).any()
+
+    # Every leaf is 0 though the sums are not: the sampler says the tree is empty.
+    got, w = sample_with(tree, stream, rng.random(b))
+    assert np.all(got == 0) and np.all(w == 0.0)
+    with pytest.raises(ReplayError, match="empty tree"):
+        tree.check_errors()
+
+    quiet = np.setdiff1d(np.arange(1, groups), churn)
+    live = rng.choice(quiet, 4, replace=False) * 32 + rng.integers(0, 32, 4)
+    tree.update(live, rng.uniform(1e-6, 2e-6, 4).astype(np.float32), stream=stream)
+    leaves = tree.leaves_numpy()
+    assert np.array_equal(np.flatnonzero(leaves), np.sort(live))
+    nodes = tree.nodes_numpy()
+    total = nodes[0]
+    offset1, real1, _ = tree.levels[-1]
+    dead = ~(leaves.reshape(groups, 32) > 0).any(axis=1)
+    assert total <= 0 or np.any(nodes[offset1: offset1 + real1][dead] > total * 2.0**-40), \
+        "no residue above the sampler's threshold: the case under test was not built"
+
+    all_idx, all_w = DeviceBuffer((batches, b), np.int32), DeviceBuffer((batches, b), np.float32)
+    all_idx.poison(stream)
+    all_w.poison(stream)
+    for i in range(batches):
+        tree.sample(b, stream=stream, beta=0.4, indices=all_idx.view(np.int32, (b,), i * b * 4),
+                    weights=all_w.view(np.float32, (b,), i * b * 4))
+    got, w = all_idx.to_numpy(), all_w.to_numpy()
+    edges = np.concatenate([np.zeros(4), np.full(4, np.nextafter(1.0, 0.0)), rng.random(b - 8)])
+    got_edges, w_edges = sample_with(tree, stream, edges)
+    got, w = np.vstack([got, got_edges]), np.vstack([w, w_edges])
+    assert np.all(np.isin(got, live)), f"{np.sum(~np.isin(got, live))} samples are not live leaves"
+    assert np.all(np.isfinite(w)) and np.all(w > 0)
+    live_total = math.fsum(leaves.astype(np.float64))
+    for row, weights in zip(got, w):
+        ref = importance_weights(leaves[row].astype(np.float64), live_total, stored=c, beta=0.4)
+        np.testing.assert_allclose(weights, ref, rtol=2e-6)
+    tree.check_errors()
+
+
+def test_beta_schedule_runs_on_the_device_across_graph_replays(device, stream, rng):
+    c, b, launches, replays = 3000, 256, 3, 5
+    tree = SumTree(c, alpha=0.6, seed=int(rng.integers(2**63)), max_batch=b)
+    tree.set_priorities(rng.uniform(0.1, 1.1, c).astype(np.float32))
+    start, end = float(rng.uniform(0.1, 0.5)), float(rng.uniform(0.6, 1.0))
+    steps = int(rng.integers(2 * launches, launches * (replays - 1)))  # saturates before the last replay
+    idx = [DeviceBuffer(b, np.int32) for _ in range(launches)]
+    w = [DeviceBuffer(b, np.float32) for _ in range(launches)]
+    used = [DeviceBuffer(1, np.float32) for _ in range(launches)]
+    with capture(stream) as graph:
+        for k in range(launches):
+            for buf in (idx[k], w[k], used[k]):
+                buf.poison(stream)
+            tree.sample(b, stream=stream, beta=(start, end, steps), indices=idx[k], weights=w[k],
+                        beta_out=used[k])
+    exe = graph.instantiate()
+    leaves = tree.leaves_numpy().astype(np.float64)
+    total = math.fsum(leaves)
+    seen = set()
+    for r in range(replays):
+        exe.launch(stream)
+        for k in range(launches):
+            step = r * launches + k
+            beta = start + (end - start) * min(1.0, step / steps)
+            got_beta = float(used[k].to_numpy()[0])
+            assert got_beta == pytest.approx(beta, rel=2e-6, abs=2e-7), f"step {step}"
+            got, weights = idx[k].to_numpy(), w[k].to_numpy()
+            assert not np.isnan(weights).any()
+            np.testing.assert_allclose(weights, importance_weights(leaves[got], total, stored=c, beta=beta),
+                                       rtol=1e-5, err_msg=f"step {step}, beta {beta}")
+            seen.add(round(beta, 9))
+    assert len(seen) > launches + 1, "the schedule did not move"
+    assert int(tree.step.to_numpy()[0]) == launches * replays
+    tree.check_errors()
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, "random"])
+def test_constant_beta_weights_and_beta_out(device, stream, rng, beta):
+    c, b = 700, 128
+    beta = float(np.float32(rng.uniform(0.05, 0.95))) if beta == "random" else beta
+    tree = SumTree(c, alpha=0.6, seed=int(rng.integers(2**63)))
+    tree.set_priorities(rng.uniform(0.1, 1.1, c).astype(np.float32))
+    idx, w, used = DeviceBuffer(b, np.int32), DeviceBuffer(b, np.float32), DeviceBuffer(1, np.float32)
+    for buf in (idx, w, used):
+        buf.poison(stream)
+    tree.sample(b, stream=stream, beta=beta, indices=idx, weights=w, beta_out=used)
+    assert used.to_numpy()[0] == np.float32(beta)
+    leaves = tree.leaves_numpy().astype(np.float64)
+    got, weights = idx.to_numpy(), w.to_numpy()
+    assert not np.isnan(weights).any()
+    np.testing.assert_allclose(weights, importance_weights(leaves[got], math.fsum(leaves), c, beta), rtol=2e-6)
+
+
+@pytest.mark.parametrize("beta, error", [
+    (-0.1, ValueError), (1.5, ValueError), (float("nan"), ValueError), ((0.4, 1.0, 0), ValueError),
+    ((0.4, 1.2, 10), ValueError), ((-0.4, 1.0, 10), ValueError), ((0.4, 1.0), ValueError),
+    ((0.4, 1.0, 2.5), TypeError), ((0.4, 1.0, True), TypeError), ("0.4", TypeError),
+    ([0.4, 1.0, 10], TypeError), (None, TypeError),
+])
+def test_bad_beta_is_refused_before_any_launch(device, stream, rng, beta, error):
+    tree = SumTree(64, seed=1)
+    tree.set_priorities(rng.uniform(0.1, 1.0, 64).astype(np.float32))
+    idx, w = DeviceBuffer(8, np.int32), DeviceBuffer(8, np.float32)
+    with pytest.raises(error):
+        tree.sample(8, stream=stream, beta=beta, indices=idx, weights=w)
+    assert int(tree.step.to_numpy()[0]) == 0
+
+
+def test_skip_decides_on_the_device_whether_update_changes_anything(device, stream, rng):
+    c, n = 2000, 256
+    tree = SumTree(c, alpha=0.6, seed=1)
+    tree.set_priorities(rng.uniform(0.1, 1.1, c).astype(np.float32))
+    where = rng.choice(c, n, replace=False).astype(np.int32)
+    pri = rng.uniform(2.0, 20.0, n).astype(np.float32)  # above every leaf, so the maximum would move
+    idx, new_p = DeviceBuffer.from_numpy(where), DeviceBuffer.from_numpy(pri)
+    skip = DeviceBuffer(1, np.int32)
+    with capture(stream) as graph:
+        tree.update(idx, new_p, stream=stream, skip=skip)
+    exe = graph.instantiate()
+    leaves, nodes, top = tree.leaves_numpy(), tree.nodes_numpy(), tree.max_priority().to_numpy()
+
+    skip.fill_u32(int(rng.integers(1, 2**31)), stream)  # any non-zero value skips
+    exe.launch(stream)
+    assert tree.leaves_numpy().tobytes() == leaves.tobytes()
+    assert tree.nodes_numpy().tobytes() == nodes.tobytes()
+    assert tree.max_priority().to_numpy().tobytes() == top.tobytes()
+
+    skip.fill_u32(0, stream)
+    exe.launch(stream)
+    want = leaves.copy()
+    want[where] = pri.astype(np.float64) ** 0.6
+    np.testing.assert_allclose(tree.leaves_numpy(), want, rtol=1e-6, atol=0)
+    assert tree.max_priority().to_numpy()[0] == pytest.approx(float(pri.max()) ** 0.6, rel=1e-6)
+    assert_consistent(tree)
+    tree.check_errors()
+
+
+def test_arguments_of_the_wrong_kind_name_what_is_accepted(device, stream, rng):
+    tree = SumTree(16, seed=1)
+    d_idx = DeviceBuffer.from_numpy(np.arange(4, dtype=np.int32))
+    with pytest.raises(TypeError, match="indices must be a DeviceBuffer, or a numpy array when priorities"):
+        tree.update([0, 1], [1.0, 1.0], stream=stream)
+    with pytest.raises(TypeError, match="both be numpy arrays or both DeviceBuffers"):
+        tree.update(d_idx, np.ones(4, np.float32), stream=stream)
+    with pytest.raises(TypeError, match="skip must be a DeviceBuffer or None"):
+        tree.update(d_idx, DeviceBuffer.from_numpy(np.ones(4, np.float32)), stream=stream, skip=1)
+    w = DeviceBuffer(4, np.float32)
+    with pytest.raises(TypeError, match="indices must be a DeviceBuffer, got ndarray"):
+        tree.sample(4, stream=stream, beta=0.4, indices=np.zeros(4, np.int32), weights=w)
+    with pytest.raises(TypeError, match="beta_out must hold float32"):
+        tree.sample(4, stream=stream, beta=0.4, indices=d_idx, weights=w,
+                    beta_out=DeviceBuffer(1, np.float64))
 
 
 @pytest.mark.parametrize("indices, priorities, error", [
@@ -239,7 +455,7 @@ def test_host_bad_input_is_refused_and_changes_nothing(device, stream, rng, indi
     tree.set_priorities(rng.uniform(0.1, 1, 10).astype(np.float32))
     leaves, nodes = tree.leaves_numpy(), tree.nodes_numpy()
     with pytest.raises(error):
-        tree.update(indices, priorities, stream)
+        tree.update(indices, priorities, stream=stream)
     assert np.array_equal(tree.leaves_numpy(), leaves) and np.array_equal(tree.nodes_numpy(), nodes)
 
 
@@ -250,11 +466,14 @@ def test_update_sample_rebuild_capture_into_one_graph(device, stream, rng):
     idx, w = DeviceBuffer(b, np.int32), DeviceBuffer(b, np.float32)
     new_p = DeviceBuffer.from_numpy(rng.uniform(0.1, 2.0, b).astype(np.float32))
     with capture(stream) as graph:
-        tree.sample(b, stream, beta=0.4, indices=idx, weights=w)
-        tree.update(idx, new_p, stream)
-        tree.rebuild(stream)
+        tree.sample(b, stream=stream, beta=0.4, indices=idx, weights=w)
+        tree.update(idx, new_p, stream=stream)
+        tree.rebuild(stream=stream)
     assert graph.node_counts() == {"kernel": 3}
-    assert all(k.grid[0] > 1 for k in graph.kernel_nodes()), "a single-block kernel on the PER path"
+    shapes = {k.function: (k.grid[0], k.block[0]) for k in graph.kernel_nodes()}
+    # sample: one warp per sample, 4 warps; rebuild: one warp per level-1 node, 32 warps.
+    assert shapes == {"sumtree_sample": (b // 4, 128), "sumtree_update": (b // 64, 64),
+                      "sumtree_rebuild": (c // 32 // 32, 1024)}
     exe = graph.instantiate()
     for _ in range(50):
         exe.launch(stream)

@@ -8,14 +8,14 @@ searchsorted + index_put, eager and as a torch CUDA graph. Prints a table and
 the drift of the fp64 tree after the benchmark's updates.
 Goal: sample + gather + update <= 10 us at C = 2^20, B = 512, >= 5x PyTorch.
 """
-import argparse
 import math
 import statistics
 import sys
 
 import numpy as np
 
-from drvtrain import Arena, DeviceBuffer, NoDeviceError, Stream, capture, get_device
+import _common
+from drvtrain import Arena, DeviceBuffer, Stream, capture, get_device
 from drvtrain.rl import ReplayBuffer, SumTree
 from drvtrain.timing import time_graph
 
@@ -40,8 +40,9 @@ def drvtrain_times(torch, data, c, d, b, stream, replays, repeats):
     rb = ReplayBuffer(c, d, alpha=ALPHA, seed=7, max_batch=b)
     view = DeviceBuffer.from_cuda_array
     rb.insert(view(data["obs"]), view(data["action"]), view(data["reward"]), view(data["next_obs"]),
-              view(data["done"]), stream)
-    rb.tree.update(view(torch.arange(c, device="cuda", dtype=torch.int32)), view(data["priority"]), stream)
+              view(data["done"]), stream=stream)
+    rb.tree.update(view(torch.arange(c, device="cuda", dtype=torch.int32)), view(data["priority"]),
+                   stream=stream)
     stream.synchronize()
     idx = view(torch.randint(0, c, (b,), device="cuda", dtype=torch.int32))
     new_p = view(torch.rand(b, device="cuda") + 0.1)
@@ -54,14 +55,14 @@ def drvtrain_times(torch, data, c, d, b, stream, replays, repeats):
             body()
         return g.instantiate()
 
-    update = graph_of(lambda: rb.update_priorities(idx, new_p, stream))
+    update = graph_of(lambda: rb.update_priorities(idx, new_p, stream=stream))
     times["update"] = time_graph(update, stream, replays=replays, repeats=repeats)
-    sample = graph_of(lambda: rb.sample(b, stream, beta=BETA, arena=arena))
+    sample = graph_of(lambda: rb.sample(b, stream=stream, beta=BETA, arena=arena))
     times["sample+IS+gather"] = time_graph(sample, stream, replays=replays, repeats=repeats)
 
     def combined():
-        batch = rb.sample(b, stream, beta=BETA, arena=arena)
-        rb.update_priorities(batch.indices, new_p, stream)
+        batch = rb.sample(b, stream=stream, beta=BETA, arena=arena)
+        rb.update_priorities(batch.indices, new_p, stream=stream)
 
     times["sample+gather+update"] = time_graph(graph_of(combined), stream, replays=replays, repeats=repeats)
     rb.check_errors()
@@ -129,7 +130,7 @@ def measure_drift(stream, capacity=1 << 20, updates=10**6, per_launch=10_000):
     pri = DeviceBuffer.from_numpy(np.exp(rng.normal(0, 4, updates)).astype(np.float32))
     for start in range(0, updates, per_launch):
         tree.update(idx.view(np.int32, (per_launch,), 4 * start),
-                    pri.view(np.float32, (per_launch,), 4 * start), stream)
+                    pri.view(np.float32, (per_launch,), 4 * start), stream=stream)
     stream.synchronize()
     tree.check_errors()
     result = tree.drift()
@@ -138,15 +139,11 @@ def measure_drift(stream, capacity=1 << 20, updates=10**6, per_launch=10_000):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.tool_parser(__doc__)
     parser.add_argument("--replays", type=int, default=1000, help="graph replays per sample (default 1000)")
     parser.add_argument("--repeats", type=int, default=5, help="samples; the median is reported (default 5)")
     args = parser.parse_args(argv)
-    try:
-        dev = get_device()
-    except NoDeviceError as exc:
-        print(f"bench_replay: {exc}", file=sys.stderr)
-        return 2
+    dev = get_device()
     try:
         import torch
     except ImportError:
@@ -191,4 +188,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

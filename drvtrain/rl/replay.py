@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernel import builtin_module
-from ..memory import Arena, DeviceBuffer
-from .sumtree import SAMPLES_PER_BLOCK, SumTree
+from ..memory import ALIGNMENT, Arena, DeviceBuffer
+from .sumtree import SumTree
 
 __all__ = ["ReplayBuffer", "Batch"]
 
@@ -26,6 +26,14 @@ class Batch:
 
 _FIELDS = (("obs", np.float32, 2), ("action", np.int32, 1), ("reward", np.float32, 1),
            ("next_obs", np.float32, 2), ("done", np.float32, 1))
+
+
+def _batch_slices(batch: int, obs_dim: int):
+    """(field, shape, dtype) of every arena slice one ``sample`` takes, in allocation order."""
+    return (("indices", (batch,), np.int32), ("weights", (batch,), np.float32),
+            ("obs", (batch, obs_dim), np.float32), ("action", (batch,), np.int32),
+            ("reward", (batch,), np.float32), ("next_obs", (batch, obs_dim), np.float32),
+            ("done", (batch,), np.float32))
 
 
 class ReplayBuffer:
@@ -54,22 +62,24 @@ class ReplayBuffer:
         self._counter = state.view(np.uint32, (1,), 16)
         self._state_owner = state
         self._insert = builtin_module("replay.cu").kernel(
-            "replay_insert", "ptr ptr ptr ptr ptr i32 i32 ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr i32 i32 ptr")
+            "replay_insert", "ptr ptr ptr ptr ptr i32 i32 ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr i32 i32 ptr",
+            fixed_block=True)
 
     # -------------------------------------------------------------- insertion
-    def insert(self, obs, action, reward, next_obs, done, stream) -> None:
+    def insert(self, obs, action, reward, next_obs, done, *, stream) -> None:
         """Append transitions: device buffers queue one launch; host arrays are validated
         (nothing changes on bad input), uploaded, and the call waits for the insert."""
         fields = (obs, action, reward, next_obs, done)
         if any(isinstance(f, np.ndarray) for f in fields):
             host = self._validate_host(fields)
             staged = [DeviceBuffer.from_numpy(a) for a in host]
-            self.insert(*staged, stream)
+            self.insert(*staged, stream=stream)
             stream.synchronize()
             return
         n = self._validate_device(fields)
         obs, action, reward, next_obs, done = fields
-        self._insert.launch(-(-n // SAMPLES_PER_BLOCK), 32 * SAMPLES_PER_BLOCK,
+        block = self._insert.block  # one warp per transition
+        self._insert.launch(-(-n // (block // 32)), block,
                             self.obs, self.next_obs, self.action, self.reward, self.done,
                             self.obs_dim, self.capacity, obs, next_obs, action, reward, done, n,
                             self.state, self.tree.nodes, self.tree.leaves, self.tree.max_priority(),
@@ -83,7 +93,8 @@ class ReplayBuffer:
     def _validate_device(self, fields) -> int:
         for (name, dtype, ndim), f in zip(_FIELDS, fields):
             if not isinstance(f, DeviceBuffer):
-                raise TypeError(f"{name} must be a DeviceBuffer or a numpy array, got {type(f).__name__}")
+                raise TypeError(f"{name} must be a DeviceBuffer, or every field a numpy array; "
+                                f"got {type(f).__name__}")
             if f.dtype != np.dtype(dtype):
                 raise TypeError(f"{name} must hold {np.dtype(dtype)}, got {f.dtype}")
         n = fields[1].size
@@ -123,22 +134,33 @@ class ReplayBuffer:
                 np.ascontiguousarray(done, np.float32)]
 
     # -------------------------------------------------------------- sampling
-    def sample(self, batch: int, stream, *, beta: float, arena: Arena, uniforms=None) -> Batch:
-        """A stratified batch with IS weights, gathered into arena slices in one launch."""
-        out = Batch(
-            indices=arena.array(batch, np.int32), weights=arena.array(batch, np.float32),
-            obs=arena.array((batch, self.obs_dim), np.float32), action=arena.array(batch, np.int32),
-            reward=arena.array(batch, np.float32), next_obs=arena.array((batch, self.obs_dim), np.float32),
-            done=arena.array(batch, np.float32))
+    def sample(self, batch: int, *, stream, beta, arena: Arena, uniforms=None,
+               beta_out: DeviceBuffer | None = None) -> Batch:
+        """A stratified batch with IS weights, gathered into arena slices in one launch.
+
+        ``beta``, ``uniforms`` and ``beta_out`` are as in :meth:`SumTree.sample`;
+        the slices take :meth:`scratch_bytes` of the arena.
+        """
+        out = Batch(**{name: arena.array(shape, dtype)
+                       for name, shape, dtype in _batch_slices(batch, self.obs_dim)})
         gather = (self.obs, self.next_obs, self.action, self.reward, self.done, self.obs_dim,
                   out.obs, out.next_obs, out.action, out.reward, out.done)
-        self.tree.sample(batch, stream, beta=beta, indices=out.indices, weights=out.weights,
-                         uniforms=uniforms, gather=gather)
+        self.tree.sample(batch, stream=stream, beta=beta, indices=out.indices, weights=out.weights,
+                         uniforms=uniforms, gather=gather, beta_out=beta_out)
         return out
 
-    def update_priorities(self, indices, priorities, stream, n: int | None = None) -> None:
+    def scratch_bytes(self, batch: int) -> int:
+        """Arena bytes one ``sample(batch)`` takes: every slice rounded up as the arena aligns it."""
+        total = 0
+        for _, shape, dtype in _batch_slices(batch, self.obs_dim):
+            nbytes = max(1, int(np.prod(shape))) * np.dtype(dtype).itemsize
+            total += -(-nbytes // ALIGNMENT) * ALIGNMENT
+        return total
+
+    def update_priorities(self, indices, priorities, *, stream, n: int | None = None,
+                          skip: DeviceBuffer | None = None) -> None:
         """Write new priorities for sampled indices (see SumTree.update)."""
-        self.tree.update(indices, priorities, stream, n)
+        self.tree.update(indices, priorities, stream=stream, n=n, skip=skip)
 
     def check_errors(self) -> None:
         self.tree.check_errors()

@@ -6,9 +6,10 @@ nothing read back: ``update``, ``sample``, ``rebuild``; ``total()`` and
 the choice of fp64 internal sums are explained in ``kernels/sumtree.cuh``.
 
 Errors the device finds (an index out of range, a NaN or negative priority,
-sampling an empty tree) cannot raise there. They set flags in mapped host
-memory, which :meth:`SumTree.check_errors` reads on the host without any
-copy or synchronisation and raises as :class:`ReplayError`.
+sampling an empty tree) cannot raise there. They raise flags
+(:class:`drvtrain.flags.ErrorFlags`), which :meth:`SumTree.check_errors`
+reads on the host without any copy or synchronisation and raises as
+:class:`ReplayError`.
 """
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import secrets
 
 import numpy as np
 
+from ..flags import ErrorFlags
 from ..kernel import builtin_module
-from ..memory import DeviceBuffer, MappedBuffer
+from ..memory import DeviceBuffer
 
-__all__ = ["SumTree", "ReplayError", "SAMPLES_PER_BLOCK", "tree_levels"]
+__all__ = ["SumTree", "ReplayError", "beta_schedule", "tree_levels"]
 
-SAMPLES_PER_BLOCK = 4  # one warp per sample, 4 warps per block
+# In the order of DT_ERR_INDEX, DT_ERR_PRIORITY, DT_ERR_EMPTY (kernels/sumtree.cuh).
 _FLAGS = ("index out of range", "negative, NaN or infinite priority", "sampled an empty tree")
 
 
@@ -53,14 +55,49 @@ class ReplayError(RuntimeError):
     """The device flagged bad input since the last check."""
 
 
-def _device_array(value, dtype, name: str, n: int | None = None) -> DeviceBuffer:
+def _device_array(value, dtype, name: str, n: int | None = None,
+                  accepted: str = "a DeviceBuffer") -> DeviceBuffer:
+    """``value`` checked as a device array of ``dtype`` with at least ``n`` elements.
+
+    ``accepted`` names everything the caller takes, for the message.
+    """
     if not isinstance(value, DeviceBuffer):
-        raise TypeError(f"{name} must be a DeviceBuffer or a numpy array, got {type(value).__name__}")
+        raise TypeError(f"{name} must be {accepted}, got {type(value).__name__}")
     if value.dtype != np.dtype(dtype):
         raise TypeError(f"{name} must hold {np.dtype(dtype)}, got {value.dtype}")
     if n is not None and value.size < n:
         raise ValueError(f"{name} holds {value.size} elements, {n} needed")
     return value
+
+
+def beta_schedule(beta) -> tuple[float, float, int]:
+    """``(start, end, steps)`` from a constant ``beta`` or a ``(start, end, steps)`` tuple, validated.
+
+    The sampler uses ``start + (end - start) * min(1, step / steps)``, with
+    ``step`` the number of sample launches before it; a constant is
+    ``(beta, beta, 1)``.
+    """
+    if isinstance(beta, tuple):
+        if len(beta) != 3:
+            raise ValueError(f"beta as a tuple must be (start, end, steps), got {beta!r}")
+        start, end, steps = beta
+        names = ("beta start", "beta end")
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
+            raise TypeError(f"beta steps must be an integer, got {steps!r}")
+        if not 1 <= steps < 2**64:
+            raise ValueError(f"beta steps must be in [1, 2**64), got {steps}")
+    else:
+        start = end = beta
+        steps = 1
+        names = ("beta", "beta")
+    values = []
+    for name, v in zip(names, (start, end)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{name} must be a number (or beta a (start, end, steps) tuple), got {v!r}")
+        if not 0.0 <= v <= 1.0:  # NaN fails too
+            raise ValueError(f"{name} must be in [0, 1], got {v}")
+        values.append(float(v))
+    return values[0], values[1], int(steps)
 
 
 class SumTree:
@@ -95,13 +132,15 @@ class SumTree:
         self._sample_counter = self._state.view(np.uint32, (1,), 8)
         self._rebuild_counter = self._state.view(np.uint32, (1,), 12)
         self._max_leaf = self._state.view(np.float32, (1,), 16)
-        self.errors = MappedBuffer(4, np.int32)
-        self.errors.view()[:] = 0
+        self.flags = ErrorFlags(_FLAGS)
         mod = builtin_module("sumtree.cu")
-        self._update = mod.kernel("sumtree_update", "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr")
-        self._rebuild = mod.kernel("sumtree_rebuild", "ptr ptr i32 i32 i32 ptr")
-        self._sample = mod.kernel("sumtree_sample", "ptr ptr i32 i32 i32 u64 ptr ptr f32 ptr ptr ptr ptr "
-                                                    "ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr ptr")
+        # update runs on any block that is a multiple of 32; rebuild and sample
+        # are written for one block size each, read from the CUBIN.
+        self._update = mod.kernel("sumtree_update", "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr ptr ptr")
+        self._rebuild = mod.kernel("sumtree_rebuild", "ptr ptr i32 i32 i32 ptr", fixed_block=True)
+        self._sample = mod.kernel("sumtree_sample",
+                                  "ptr ptr i32 i32 i32 u64 ptr ptr f32 f32 u64 ptr ptr ptr ptr ptr ptr "
+                                  "ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr ptr", fixed_block=True)
 
     # -------------------------------------------------------------- device views
     def total(self) -> DeviceBuffer:
@@ -113,28 +152,44 @@ class SumTree:
         return self._max_leaf
 
     # -------------------------------------------------------------- operations
-    def update(self, indices, priorities, stream, n: int | None = None) -> None:
-        """Set ``leaf[indices[t]] = priorities[t] ** alpha``; duplicates are legal.
+    def update(self, indices, priorities, *, stream, n: int | None = None,
+               skip: DeviceBuffer | None = None) -> None:
+        """Set ``leaf[indices[t]] = priorities[t] ** alpha`` for ``t < n``; duplicates are legal.
 
-        Device buffers (int32 and float32) queue one launch. Host arrays are
-        validated first (nothing changes on bad input), uploaded, and the
-        call waits for the update: a setup and test convenience.
+        Device buffers (int32 and float32) queue one launch. Two numpy arrays
+        are validated first (nothing changes on bad input), uploaded, and the
+        call waits for the update: a setup and test convenience. ``skip``, an
+        int32 device buffer of one element, makes the launch change nothing
+        when it holds a non-zero value at the time the kernel runs.
         """
+        if skip is not None:
+            _device_array(skip, np.int32, "skip", 1, "a DeviceBuffer or None")
         if isinstance(indices, np.ndarray) or isinstance(priorities, np.ndarray):
+            if isinstance(indices, DeviceBuffer) or isinstance(priorities, DeviceBuffer):
+                raise TypeError(f"indices and priorities must both be numpy arrays or both DeviceBuffers, "
+                                f"got {type(indices).__name__} and {type(priorities).__name__}")
+            if n is not None:
+                raise ValueError("n applies to DeviceBuffers only; slice the numpy arrays instead")
             idx, pri = self._validate_host(indices, priorities)
             d_idx, d_pri = DeviceBuffer.from_numpy(idx), DeviceBuffer.from_numpy(pri)
-            self.update(d_idx, d_pri, stream)
+            self.update(d_idx, d_pri, stream=stream, skip=skip)
             stream.synchronize()
             return
+        indices_ok = "a DeviceBuffer, or a numpy array when priorities is one too"
+        priorities_ok = "a DeviceBuffer, or a numpy array when indices is one too"
+        _device_array(indices, np.int32, "indices", None, indices_ok)
         n = indices.size if n is None else int(n)
-        _device_array(indices, np.int32, "indices", n)
-        _device_array(priorities, np.float32, "priorities", n)
+        if n < 0:
+            raise ValueError(f"n must be non-negative, got {n}")
+        _device_array(indices, np.int32, "indices", n, indices_ok)
+        _device_array(priorities, np.float32, "priorities", n, priorities_ok)
         if n == 0:
             return
         # Small blocks, so even a batch of 128 spreads over several SMs.
         grid = min(-(-n // 64), 4096)
         self._update.launch(grid, 64, self.nodes, self.leaves, self._max_leaf, indices, priorities,
-                            self.alpha, n, self.capacity, self.height, self.internal, self.errors,
+                            self.alpha, n, self.capacity, self.height, self.internal,
+                            skip if skip is not None else 0, self.flags.counts, self.flags.published,
                             stream=stream)
 
     def _validate_host(self, indices, priorities) -> tuple[np.ndarray, np.ndarray]:
@@ -154,31 +209,44 @@ class SumTree:
             raise ValueError("priorities must be finite and non-negative (NaN, inf or a negative value given)")
         return np.ascontiguousarray(indices, np.int32), np.ascontiguousarray(pri)
 
-    def rebuild(self, stream) -> None:
+    def rebuild(self, *, stream) -> None:
         """Recompute every internal node from the leaves, bit-reproducibly, in one launch."""
         level1_nodes = self.levels[-1][1]
-        self._rebuild.launch(-(-level1_nodes // 32), 1024, self.nodes, self.leaves, self.capacity,
+        block = self._rebuild.block
+        self._rebuild.launch(-(-level1_nodes // (block // 32)), block, self.nodes, self.leaves, self.capacity,
                              self.height, self.internal, self._rebuild_counter, stream=stream)
 
-    def sample(self, batch: int, stream, *, beta: float, indices: DeviceBuffer, weights: DeviceBuffer,
-               uniforms: DeviceBuffer | None = None, gather=None) -> None:
+    def sample(self, batch: int, *, stream, beta, indices: DeviceBuffer, weights: DeviceBuffer,
+               uniforms: DeviceBuffer | None = None, gather=None,
+               beta_out: DeviceBuffer | None = None) -> None:
         """Draw a stratified batch into ``indices`` (int32) and IS ``weights`` (float32).
 
-        ``uniforms`` (float64, one per sample) replaces the Philox draws, for
-        tests. ``gather`` is ``(storage, batch)`` from the replay buffer,
-        which copies the sampled transitions in the same launch.
+        ``beta`` is a constant in [0, 1] or a schedule ``(start, end, steps)``
+        that the device evaluates at ``step``, the sample launches before this
+        one: ``start + (end - start) * min(1, step / steps)``, so a replayed
+        graph anneals beta with no host involvement. ``beta_out`` (float32, one
+        element) receives the beta used. ``uniforms`` (float64, one per
+        sample) replaces the Philox draws, for tests. ``gather`` is
+        ``(storage, batch)`` from the replay buffer, which copies the sampled
+        transitions in the same launch.
         """
         if not 1 <= batch <= self.max_batch:
             raise ValueError(f"batch must be in [1, {self.max_batch}], got {batch}")
+        beta_start, beta_end, beta_steps = beta_schedule(beta)
         _device_array(indices, np.int32, "indices", batch)
         _device_array(weights, np.float32, "weights", batch)
         if uniforms is not None:
-            _device_array(uniforms, np.float64, "uniforms", batch)
+            _device_array(uniforms, np.float64, "uniforms", batch, "a DeviceBuffer or None")
+        if beta_out is not None:
+            _device_array(beta_out, np.float32, "beta_out", 1, "a DeviceBuffer or None")
         rows = gather if gather is not None else (0,) * 11
-        self._sample.launch(-(-batch // SAMPLES_PER_BLOCK), 32 * SAMPLES_PER_BLOCK,
+        block = self._sample.block
+        self._sample.launch(-(-batch // (block // 32)), block,
                             self.nodes, self.leaves, self.capacity, self.height, batch, self.seed, self.step,
-                            uniforms if uniforms is not None else 0, float(beta), indices, weights,
-                            self._sample_counter, self.errors, *rows, stream=stream, shared_mem=4 * batch)
+                            uniforms if uniforms is not None else 0, beta_start, beta_end, beta_steps,
+                            beta_out if beta_out is not None else 0, indices, weights, self._sample_counter,
+                            self.flags.counts, self.flags.published, *rows,
+                            stream=stream, shared_mem=4 * batch)
 
     # -------------------------------------------------------------- host side
     def set_priorities(self, priorities) -> None:
@@ -194,20 +262,19 @@ class SumTree:
         self._max_leaf.copy_from_numpy(np.array([largest], np.float32))
         from ..stream import Stream
         stream = Stream()
-        self.rebuild(stream)
+        self.rebuild(stream=stream)
         stream.synchronize()
         stream.close()
 
     def check_errors(self) -> None:
-        """Raise ReplayError for any flag the device set since the last check, and clear them.
+        """Raise ReplayError naming every flag the device raised since the last check.
 
-        Reads mapped memory: no copy, no synchronisation. Flags from work still
-        running appear at a later check.
+        Reads mapped memory: no copy, no synchronisation, and nothing is
+        cleared, so a flag the device raises during the check shows at the
+        next one. Flags from work still running appear at a later check.
         """
-        flags = self.errors.view()
-        raised = [text for i, text in enumerate(_FLAGS) if flags[i]]
+        raised = self.flags.raised()
         if raised:
-            flags[:] = 0
             raise ReplayError("the device reported: " + "; ".join(raised))
 
     def drift(self) -> tuple[float, float]:
@@ -240,5 +307,5 @@ class SumTree:
         return float(self.total().to_numpy()[0])
 
     def close(self) -> None:
-        for buf in (self.nodes, self.leaves, self._state, self.errors):
+        for buf in (self.nodes, self.leaves, self._state, self.flags):
             buf.close()
