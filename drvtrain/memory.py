@@ -160,17 +160,17 @@ class DeviceBuffer:
         check(cu.cuMemcpyDtoH, out.ctypes.data, self.ptr, self.nbytes)
         return out
 
-    def fill_u32(self, word: int, stream) -> None:
+    def fill_u32(self, word: int, *, stream) -> None:
         """Fill with a 32-bit pattern on ``stream`` (async; legal inside a capture)."""
         if self.nbytes % 4:
             raise ValueError("fill_u32 needs a size that is a multiple of 4 bytes")
         check(cu.cuMemsetD32Async, self.ptr, word & 0xFFFFFFFF, self.nbytes // 4, stream.handle)
 
-    def poison(self, stream) -> None:
+    def poison(self, *, stream) -> None:
         """Fill with 0xFFFFFFFF (NaN as float32, -1 as int32) so unwritten elements show."""
-        self.fill_u32(0xFFFFFFFF, stream)
+        self.fill_u32(0xFFFFFFFF, stream=stream)
 
-    def copy_from(self, other: "DeviceBuffer", stream) -> None:
+    def copy_from(self, other: "DeviceBuffer", *, stream) -> None:
         """Async device-to-device copy of ``other`` into this buffer on ``stream``."""
         if other.nbytes != self.nbytes:
             raise ValueError(f"copy of {other.nbytes} bytes into a buffer of {self.nbytes}")
@@ -421,12 +421,12 @@ class PinnedBuffer(_HostBuffer):
 
     _flags = cu.CU_MEMHOSTALLOC_PORTABLE
 
-    def copy_to_device_async(self, dst: DeviceBuffer, stream) -> None:
+    def copy_to_device_async(self, dst: DeviceBuffer, *, stream) -> None:
         if dst.nbytes != self.nbytes:
             raise ValueError(f"copy of {self.nbytes} bytes into a buffer of {dst.nbytes}")
         check(cu.cuMemcpyHtoDAsync, dst.ptr, self.host_ptr, self.nbytes, stream.handle)
 
-    def copy_from_device_async(self, src: DeviceBuffer, stream) -> None:
+    def copy_from_device_async(self, src: DeviceBuffer, *, stream) -> None:
         if src.nbytes != self.nbytes:
             raise ValueError(f"copy of {src.nbytes} bytes into a pinned buffer of {self.nbytes}")
         check(cu.cuMemcpyDtoHAsync, self.host_ptr, src.ptr, self.nbytes, stream.handle)

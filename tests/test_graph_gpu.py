@@ -60,7 +60,7 @@ def demo(device, rng):
 
 def test_fork_join_graph_has_concurrent_branches_and_right_result(demo, rng):
     demo.start = float(rng.uniform(-10, 10))
-    demo.out.poison(demo.main)
+    demo.out.poison(stream=demo.main)
     graph = demo.record()
     counts = graph.node_counts()
     assert counts.get("kernel") == 4
@@ -130,12 +130,12 @@ def test_exec_update_takes_new_parameters(rng, stream, elementwise):
     exe.launch(stream)
     np.testing.assert_array_equal(y.to_numpy(), 2.0 * src)
     exe.update(record(-3.0))
-    y.poison(stream)
+    y.poison(stream=stream)
     exe.launch(stream)
     np.testing.assert_array_equal(y.to_numpy(), -3.0 * src)
     with pytest.raises(GraphUpdateError, match="topology changed"):
         exe.update(record(5.0, extra=True))
-    y.poison(stream)
+    y.poison(stream=stream)
     exe.launch(stream)  # unchanged after the refused update
     np.testing.assert_array_equal(y.to_numpy(), -3.0 * src)
 
@@ -193,7 +193,7 @@ def test_event_query_never_blocks_and_times(stream):
     spin_ms = 300
     spin = load_source(SPIN_SOURCE, "spin.cu").kernel("spin_ns", "u64, ptr")
     done = DeviceBuffer(1, np.int32)
-    done.poison(stream)
+    done.poison(stream=stream)
     stream.synchronize()
     start, end = Event(timing=True), Event(timing=True)
     start.record(stream)

@@ -39,7 +39,7 @@ def test_executable_graph_keeps_its_module_loaded(device, stream, rng):
     del module, kernel, graph
     gc.collect()
     assert alive() is not None, "the module was unloaded under a live GraphExec"
-    y.poison(stream)
+    y.poison(stream=stream)
     exe.launch(stream)
     np.testing.assert_array_equal(y.to_numpy(), np.float32(a) * src)
     exe.close()
@@ -70,7 +70,7 @@ def test_view_waits_for_the_producer_stream(device, rng, wait_on):
     n = 1 << 16
     producer, consumer = Stream(), Stream()
     data = DeviceBuffer(n)
-    data.poison(producer)
+    data.poison(stream=producer)
     producer.synchronize()
     spin = load_source(SPIN_SOURCE, "spin.cu").kernel("spin", "i64")
     fill = builtin_module("elementwise.cu").kernel("fill_f32", "ptr, f32, i32")

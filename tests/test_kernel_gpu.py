@@ -47,7 +47,7 @@ def test_user_template_kernel_through_public_compiler(tmp_path, rng, stream, cac
         n = 1000
         x = rng.standard_normal(n).astype(dtype)
         dx, out = DeviceBuffer.from_numpy(x), DeviceBuffer(n, dtype)
-        out.poison(stream)
+        out.poison(stream=stream)
         a = float(rng.uniform(1, 2))
         with capture(stream) as g:  # user kernels capture like drvtrain's own
             k.launch(4, 256, out, dx, a, n, stream=stream)

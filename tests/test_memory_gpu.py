@@ -30,7 +30,7 @@ def test_poison_then_kernel_writes_every_element(rng, stream, elementwise):
     n = int(rng.integers(1000, 5000))
     x = DeviceBuffer.from_numpy(rng.standard_normal(n).astype(np.float32))
     y = DeviceBuffer(n, np.float32)
-    y.poison(stream)
+    y.poison(stream=stream)
     a = float(rng.uniform(0.5, 2.0))
     elementwise["scale"].launch(grid(n), BLOCK, y, x, a, n, stream=stream)
     got = y.to_numpy()
@@ -140,8 +140,8 @@ def test_pinned_async_copies_round_trip(rng, stream):
     pinned_in.view()[:] = rng.standard_normal(n)
     pinned_out.view()[:] = np.nan
     dev = DeviceBuffer(n, np.float32)
-    pinned_in.copy_to_device_async(dev, stream)
-    pinned_out.copy_from_device_async(dev, stream)
+    pinned_in.copy_to_device_async(dev, stream=stream)
+    pinned_out.copy_from_device_async(dev, stream=stream)
     stream.synchronize()
     np.testing.assert_array_equal(pinned_out.view(), pinned_in.view())
 

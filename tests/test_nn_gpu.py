@@ -34,7 +34,7 @@ def test_forward_matches_float64(device, stream, rng, batch, widths, tf32, bound
     x = DeviceBuffer.from_numpy(rng.standard_normal((batch, widths[0])).astype(np.float32))
     mlp = MLP(layout, tf32=tf32)
     arena = Arena(mlp.scratch_bytes(batch))
-    arena.alloc(arena.capacity - 256).poison(stream)  # unwritten activations would be NaN
+    arena.alloc(arena.capacity - 256).poison(stream=stream)  # unwritten activations would be NaN
     arena.reset()
     fwd = mlp.forward(params, x, arena=arena, stream=stream)
     out = fwd.output.to_numpy()
@@ -49,7 +49,7 @@ def test_gradients_match_float64(device, stream, rng, batch, widths):
     layout = make_layout(widths)
     params = random_params(layout, rng)
     grads = FlatBuffer(layout)
-    grads.buffer.poison(stream)
+    grads.buffer.poison(stream=stream)
     x = rng.standard_normal((batch, widths[0])).astype(np.float32)
     dout = rng.standard_normal((batch, widths[-1])).astype(np.float32)
     mlp = MLP(layout, tf32=False)
@@ -287,7 +287,7 @@ def test_two_forwards_on_two_streams_do_not_interfere(device, rng, graph):
         mlp.backward(online, grads, outs["online"], d, arena=arena, stream=main)
 
     for _ in range(5):  # repeated runs: a counter race would show as a wrong sum sooner or later
-        grads.buffer.poison(main)
+        grads.buffer.poison(stream=main)
         if graph:
             with capture(main) as g:
                 enqueue()

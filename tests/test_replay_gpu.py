@@ -110,7 +110,7 @@ def test_sample_gathers_the_sampled_rows(device, stream, rng):
     rb.update_priorities(np.arange(c), rng.uniform(0.1, 1.1, c).astype(np.float32), stream=stream)
     arena = Arena(1 << 20)
     beta_used = DeviceBuffer(1, np.float32)
-    beta_used.poison(stream)
+    beta_used.poison(stream=stream)
     batch = rb.sample(b, stream=stream, beta=0.4, arena=arena, beta_out=beta_used)
     idx = batch.indices.to_numpy()
     obs, action, reward, next_obs, done = host_copy(rb)

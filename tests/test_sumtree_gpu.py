@@ -15,8 +15,8 @@ pytestmark = pytest.mark.gpu
 def sample_with(tree, stream, uniforms, beta=0.4):
     b = len(uniforms)
     idx, w = DeviceBuffer(b, np.int32), DeviceBuffer(b, np.float32)
-    idx.poison(stream)
-    w.poison(stream)
+    idx.poison(stream=stream)
+    w.poison(stream=stream)
     tree.sample(b, stream=stream, beta=beta, indices=idx, weights=w,
                 uniforms=DeviceBuffer.from_numpy(np.asarray(uniforms, np.float64)))
     return idx.to_numpy(), w.to_numpy()
@@ -114,7 +114,7 @@ def test_chi_square_and_strata_over_a_million_draws(device, stream, rng):
     tree = SumTree(c, alpha=0.6, seed=int(rng.integers(2**63)), max_batch=b)
     tree.set_priorities(pri)
     all_idx = DeviceBuffer((launches, b), np.int32)
-    all_idx.poison(stream)
+    all_idx.poison(stream=stream)
     w = DeviceBuffer(b, np.float32)
     for i in range(launches):
         tree.sample(b, stream=stream, beta=0.4, indices=all_idx.view(np.int32, (b,), i * b * 4), weights=w)
@@ -309,8 +309,8 @@ def test_sampler_never_returns_a_zero_leaf_despite_fp64_residue(device, stream, 
         "no residue above the sampler's threshold: the case under test was not built"
 
     all_idx, all_w = DeviceBuffer((batches, b), np.int32), DeviceBuffer((batches, b), np.float32)
-    all_idx.poison(stream)
-    all_w.poison(stream)
+    all_idx.poison(stream=stream)
+    all_w.poison(stream=stream)
     for i in range(batches):
         tree.sample(b, stream=stream, beta=0.4, indices=all_idx.view(np.int32, (b,), i * b * 4),
                     weights=all_w.view(np.float32, (b,), i * b * 4))
@@ -339,7 +339,7 @@ def test_beta_schedule_runs_on_the_device_across_graph_replays(device, stream, r
     with capture(stream) as graph:
         for k in range(launches):
             for buf in (idx[k], w[k], used[k]):
-                buf.poison(stream)
+                buf.poison(stream=stream)
             tree.sample(b, stream=stream, beta=(start, end, steps), indices=idx[k], weights=w[k],
                         beta_out=used[k])
     exe = graph.instantiate()
@@ -371,7 +371,7 @@ def test_constant_beta_weights_and_beta_out(device, stream, rng, beta):
     tree.set_priorities(rng.uniform(0.1, 1.1, c).astype(np.float32))
     idx, w, used = DeviceBuffer(b, np.int32), DeviceBuffer(b, np.float32), DeviceBuffer(1, np.float32)
     for buf in (idx, w, used):
-        buf.poison(stream)
+        buf.poison(stream=stream)
     tree.sample(b, stream=stream, beta=beta, indices=idx, weights=w, beta_out=used)
     assert used.to_numpy()[0] == np.float32(beta)
     leaves = tree.leaves_numpy().astype(np.float64)
@@ -408,13 +408,13 @@ def test_skip_decides_on_the_device_whether_update_changes_anything(device, stre
     exe = graph.instantiate()
     leaves, nodes, top = tree.leaves_numpy(), tree.nodes_numpy(), tree.max_priority().to_numpy()
 
-    skip.fill_u32(int(rng.integers(1, 2**31)), stream)  # any non-zero value skips
+    skip.fill_u32(int(rng.integers(1, 2**31)), stream=stream)  # any non-zero value skips
     exe.launch(stream)
     assert tree.leaves_numpy().tobytes() == leaves.tobytes()
     assert tree.nodes_numpy().tobytes() == nodes.tobytes()
     assert tree.max_priority().to_numpy().tobytes() == top.tobytes()
 
-    skip.fill_u32(0, stream)
+    skip.fill_u32(0, stream=stream)
     exe.launch(stream)
     want = leaves.copy()
     want[where] = pri.astype(np.float64) ** 0.6

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     teacher_mlp = MLP(layout, tf32=False)
     arena = Arena(teacher_mlp.scratch_bytes(args.batch), zeroed_bytes=teacher_mlp.zeroed_bytes(args.batch) + 256)
     target = teacher_mlp.forward(teacher, step.x, arena=arena, stream=stream).output
-    step.target.copy_from(target, stream)
+    step.target.copy_from(target, stream=stream)
     stream.synchronize()
 
     exe = step.capture(stream=stream)
