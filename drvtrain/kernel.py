@@ -331,7 +331,10 @@ def _param_count(function) -> int | None:
     get_count = getattr(cu, "cuFuncGetParamCount", None)
     if get_count is None:
         return None
-    status, count = get_count(function)
+    try:
+        status, count = get_count(function)
+    except RuntimeError:  # the bindings know the call, the installed driver does not
+        return None
     return None if status else int(count)
 
 
@@ -343,8 +346,9 @@ def _check_param_sizes(kernel: Kernel, function) -> None:
 
     Asks only for parameters that exist, so the driver never reports a failed
     query. Where the driver cannot count parameters, the declared ones are
-    checked and extra ones go unnoticed; where it offers no parameter queries
-    at all, the check is unavailable: one warning, and ``kernel.signature_checked``
+    checked (a declared parameter the kernel lacks is found; an extra one the
+    declaration lacks is not); where it offers no parameter queries at all,
+    the check is unavailable: one warning, and ``kernel.signature_checked``
     stays False.
     """
     global _unchecked_warned
@@ -355,7 +359,10 @@ def _check_param_sizes(kernel: Kernel, function) -> None:
                         f"the declared signature has {declared}: {kernel.signature}")
     get_info = getattr(cu, "cuFuncGetParamInfo", None)
     for i, kind in enumerate(kernel.signature):
-        status, _offset, size = get_info(function, i) if get_info else (True, 0, 0)
+        try:
+            status, _offset, size = get_info(function, i) if get_info else (True, 0, 0)
+        except RuntimeError:  # not in the installed driver
+            status = True
         if status:
             if count is None and i > 0:
                 raise TypeError(f"kernel {kernel.name} takes {i} parameters, "
@@ -368,7 +375,7 @@ def _check_param_sizes(kernel: Kernel, function) -> None:
         if size != _SIZES[kind]:
             raise TypeError(f"kernel {kernel.name} parameter {i} is {size} bytes, "
                             f"declared {kind} is {_SIZES[kind]}")
-    kernel.signature_checked = count is not None
+    kernel.signature_checked = True
 
 
 def load_module(path, *, include_dirs=(), options=DEFAULT_OPTIONS, name_expressions=(),

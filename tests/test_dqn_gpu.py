@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 ODD = dict(obs_dim=3, hidden=(70, 33), n_actions=4, batch=100, capacity=1000)  # no tile multiples
 
 
-def fill(step, rng, stream, done_fraction=0.05):
+def fill(step, rng, stream, done_fraction=0.05, priorities=None):
     """Random transitions and priorities in [0.1, 1.1), as the benchmark fills its replay."""
     cfg = step.config
     c, d = cfg.capacity, cfg.obs_dim
@@ -24,7 +24,9 @@ def fill(step, rng, stream, done_fraction=0.05):
                 next_obs=rng.standard_normal((c, d)).astype(np.float32),
                 done=(rng.random(c) < done_fraction).astype(np.float32))
     step.replay.insert(data["obs"], data["action"], data["reward"], data["next_obs"], data["done"], stream=stream)
-    step.replay.tree.set_priorities(rng.uniform(0.1, 1.1, c).astype(np.float32))
+    if priorities is None:
+        priorities = rng.uniform(0.1, 1.1, c)
+    step.replay.tree.set_priorities(np.asarray(priorities, np.float32))
     return data
 
 
@@ -64,10 +66,10 @@ def assert_state_close(step, want, bound):
         assert rel(got["u"][k], u) < bound, f"u of layer {k}"
 
 
-def one_step(cfg, rng, bound=1e-5, done_fraction=0.05):
+def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     stream = Stream()
     step = DQNStep(cfg)
-    data = fill(step, rng, stream, done_fraction)
+    data = fill(step, rng, stream, done_fraction, priorities)
     before = ref_state(step)
     step.enqueue(stream=stream)
     step.metrics.record(stream)
@@ -101,9 +103,12 @@ def test_one_fp32_step_matches_float64(device, rng, overrides):
 
 
 def test_terminal_transitions_and_duplicate_indices(device, rng):
-    """A tiny replay: most samples repeat; 60% terminal. The tree stays consistent."""
-    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tf32=False, **dict(ODD, capacity=16))
-    step, _ = one_step(cfg, rng, done_fraction=0.6)
+    """Three heavy leaves take most of the mass, so strata repeat them; 60% terminal.
+    The tree stays consistent."""
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tf32=False, **dict(ODD, capacity=64, batch=64))
+    priorities = rng.uniform(0.1, 0.2, 64)
+    priorities[rng.choice(64, 3, replace=False)] = 500.0
+    step, _ = one_step(cfg, rng, done_fraction=0.6, priorities=priorities)
     idx = step.last.batch.indices.to_numpy()
     assert len(np.unique(idx)) < len(idx)
     tree = step.replay.tree

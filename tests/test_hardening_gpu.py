@@ -164,7 +164,9 @@ def test_fixed_block_kernels_and_parameter_check(device, stream):
     with pytest.raises(ValueError, match="exactly"):
         kern.launch(2, 128, 0, 0, 0, 0, 1.0, 0, 0, 0, 0, 1, 0, stream=stream)
     with pytest.raises(TypeError, match="takes 11 parameters"):
-        builtin_module("optim.cu").kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32")
+        builtin_module("optim.cu").kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32 ptr i32")
+    with pytest.raises(TypeError, match="parameter 1 is 8 bytes, declared i32"):
+        builtin_module("optim.cu").kernel("grad_norm_clip", "ptr i32 ptr ptr f32 ptr ptr ptr ptr i32 ptr")
 
 
 def _doctor(*args, env_extra=None, code=None):
