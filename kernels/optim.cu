@@ -58,13 +58,18 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_clip(
 }
 
 extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_step(
-        float* params, const float* grads, float* m, float* v, long long n, float lr, float beta1,
-        float beta2, float eps, float weight_decay, const float* clip, const int* step, const int* skip) {
+        float* params, const float* grads, float* m, float* v, long long n, float lr, double beta1,
+        double beta2, float eps, float weight_decay, const float* clip, const int* step, const int* skip) {
     if (skip != nullptr && *skip) return;
     const float scale = clip[1];
     const int t = *step;
-    const float step_size = (float)(lr / (1.0 - pow((double)beta1, (double)t)));
-    const float bias2_sqrt = (float)sqrt(1.0 - pow((double)beta2, (double)t));
+    // The betas arrive in double, so 1 - beta and the bias corrections are
+    // rounded once, from the exact values (float32(0.999) would put 1.3e-5
+    // relative error into 1 - beta2).
+    const float step_size = (float)(lr / (1.0 - pow(beta1, (double)t)));
+    const float bias2_sqrt = (float)sqrt(1.0 - pow(beta2, (double)t));
+    const float b1 = (float)beta1, b2 = (float)beta2;
+    const float c1 = (float)(1.0 - beta1), c2 = (float)(1.0 - beta2);
     const float decay = 1.0f - lr * weight_decay;
     float4* p4 = reinterpret_cast<float4*>(params);
     float4* m4 = reinterpret_cast<float4*>(m);
@@ -81,8 +86,8 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_step(
         for (int e = 0; e < 4; ++e) {
             const float ge = gp[e] * scale;
             pp[e] *= decay;
-            mp[e] = beta1 * mp[e] + (1.0f - beta1) * ge;
-            vp[e] = beta2 * vp[e] + (1.0f - beta2) * ge * ge;
+            mp[e] = b1 * mp[e] + c1 * ge;
+            vp[e] = b2 * vp[e] + c2 * ge * ge;
             pp[e] -= step_size * mp[e] / (sqrtf(vp[e]) / bias2_sqrt + eps);
         }
         p4[i] = p;

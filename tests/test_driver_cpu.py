@@ -172,6 +172,9 @@ def test_tool_parser_describes_the_tool_and_selects_the_device(common, monkeypat
     parser = common.tool_parser("First line of the tool.\n\nMore prose.\n")
     assert parser.description == "First line of the tool."
     ordinal = int(rng.integers(1, 8))
+    # select_device writes os.environ itself: give it a copy, so nothing leaks
+    # into later tests (and their subprocesses) whatever monkeypatch records.
+    monkeypatch.setattr(os, "environ", os.environ.copy())
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert parser.parse_args([]).device == 0
     assert "CUDA_VISIBLE_DEVICES" not in os.environ  # device 0 changes nothing

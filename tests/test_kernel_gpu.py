@@ -31,7 +31,7 @@ def test_unknown_kernel_name_is_a_driver_error(device):
 def test_signature_is_checked_against_the_cubin(device):
     mod = builtin_module("elementwise.cu")
     with pytest.raises(TypeError, match="takes 3 parameters"):
-        mod.kernel("fill_f32", "ptr, f32")
+        mod.kernel("fill_f32", "ptr, f32, i32, i32")
     with pytest.raises(TypeError, match="parameter 1 is 8 bytes, declared f32 is 4"):
         mod.kernel("add_f32", "ptr, f32, ptr, i32")
 

@@ -106,6 +106,7 @@ def test_hundred_adamw_steps_match_float64_recurrence(device, stream, rng):
         theta, m, v = adamw(theta, m, v, g.astype(np.float64) * scale, t, lr, b1, b2, eps, wd)
     got = params.buffer.to_numpy()
     assert rel(got, theta) < 1e-5
+    assert rel(opt.m.buffer.to_numpy(), m) < 1e-5 and rel(opt.v.buffer.to_numpy(), v) < 1e-5
     assert np.all(got[~mask] == 0)
     assert opt.read_state()[2] == 100
 

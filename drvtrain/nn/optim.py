@@ -57,7 +57,7 @@ class AdamW:
         self._norm_queued = False
         mod = builtin_module("optim.cu")
         self._norm = mod.kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32 ptr", fixed_block=True)
-        self._adamw = mod.kernel("adamw_step", "ptr ptr ptr ptr i64 f32 f32 f32 f32 f32 ptr ptr ptr",
+        self._adamw = mod.kernel("adamw_step", "ptr ptr ptr ptr i64 f32 f64 f64 f32 f32 ptr ptr ptr",
                                  fixed_block=True)
 
     def clip_grad_norm(self, *, stream) -> None:
