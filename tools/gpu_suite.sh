@@ -33,14 +33,29 @@ step overfit python3 tools/overfit.py
 for bench in tools/bench_*.py; do
   step "$(basename "$bench" .py)" python3 "$bench"
 done
-if [ "${SANITIZE:-1}" = 1 ]; then
-  san_tests="tests/test_kernel_gpu.py tests/test_memory_gpu.py tests/test_graph_gpu.py tests/test_nn_gpu.py
-             tests/test_sumtree_gpu.py tests/test_replay_gpu.py tests/test_hardening_gpu.py"
-  step memcheck_tests "$sanitizer" --tool memcheck --error-exitcode 1 --target-processes all \
-    python3 -m pytest -q -p no:cacheprovider -x $san_tests
-  for tool in memcheck racecheck; do
-    step "${tool}_dqn" "$sanitizer" --tool "$tool" --error-exitcode 1 \
-      python3 tools/audit_step.py --steps 3
+if [ "${SANITIZE:-1}" = 1 ] && { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",sanitize,"* ]]; }; then
+  # One sanitizer process per test file, side by side: the instrumentation costs
+  # CPU time, and the files are independent.
+  san_files="test_kernel_gpu test_memory_gpu test_graph_gpu test_nn_gpu test_sumtree_gpu test_replay_gpu
+             test_hardening_gpu test_dqn_gpu"
+  mkdir -p "$logs/sanitizer"
+  pids=()
+  for f in $san_files; do
+    "$sanitizer" --tool memcheck --error-exitcode 1 --print-limit 20 \
+      python3 -m pytest -q -p no:cacheprovider "tests/$f.py" > "$logs/sanitizer/memcheck_$f.log" 2>&1 &
+    pids+=($!)
   done
+  for tool in memcheck racecheck; do
+    "$sanitizer" --tool "$tool" --error-exitcode 1 --print-limit 20 \
+      python3 tools/audit_step.py --steps 3 > "$logs/sanitizer/${tool}_dqn_step.log" 2>&1 &
+    pids+=($!)
+  done
+  san_status=0
+  for pid in "${pids[@]}"; do wait "$pid" || san_status=1; done
+  for log in "$logs"/sanitizer/*.log; do
+    printf '%-40s %s | %s\n' "$(basename "$log" .log)" \
+      "$(grep -h 'ERROR SUMMARY' "$log" | tail -n 1)" "$(grep -hE 'passed|failed|all criteria|FAIL' "$log" | tail -n 1)"
+  done
+  [ "$san_status" -eq 0 ] || { echo "=== sanitizer: errors or failures (logs in $logs/sanitizer)"; status=1; }
 fi
 exit $status
