@@ -54,14 +54,20 @@ def spectral_project(w: np.ndarray, u: np.ndarray, c=1.0):
 
 
 def dqn_loss(q_s_out, q_next_online_out, q_next_target_out, action, reward, done, weights,
-             gamma, delta=1.0) -> dict:
-    """Loss, TD errors and the gradient by the online output on ``s`` (stages 4-6)."""
+             gamma, delta=1.0, a_star=None) -> dict:
+    """Loss, TD errors and the gradient by the online output on ``s`` (stages 4-6).
+
+    ``a_star`` replaces the argmax when given: a trajectory test feeds the
+    device's choice, as it feeds the sampled indices, because a near tie that
+    float32 and float64 break differently would otherwise fork the two runs."""
     q = dueling_q(q_s_out)
     batch, n_actions = q.shape
     rows = np.arange(batch)
     action = np.asarray(action, np.int64)
     reward, done, weights = (np.asarray(a, np.float64) for a in (reward, done, weights))
-    a_star = np.argmax(dueling_q(q_next_online_out), axis=1)  # argmax keeps the first maximum
+    if a_star is None:
+        a_star = np.argmax(dueling_q(q_next_online_out), axis=1)  # argmax keeps the first maximum
+    a_star = np.asarray(a_star, np.int64)
     q_next = dueling_q(q_next_target_out)[rows, a_star]
     y = reward + gamma * (1.0 - done) * q_next
     q_taken = q[rows, action]
@@ -127,7 +133,8 @@ def dqn_step(layout, state: dict, batch: dict, cfg: dict) -> dict:
     next_online = mlp_forward(online, batch["next_obs"], nlayers)[-1]
     next_target = mlp_forward(target_named, batch["next_obs"], nlayers)[-1]
     res = dqn_loss(acts[-1], next_online, next_target, batch["action"], batch["reward"],
-                   batch["done"], batch["weights"], cfg["gamma"], cfg.get("huber_delta", 1.0))
+                   batch["done"], batch["weights"], cfg["gamma"], cfg.get("huber_delta", 1.0),
+                   batch.get("a_star"))
     grad = _flat(layout, mlp_backward(online, acts, res["dout"]))
     grad_norm, scale = clip_scale(grad, cfg["max_norm"])
 

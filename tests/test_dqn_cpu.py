@@ -15,6 +15,7 @@ def test_benchmark_configurations_are_valid():
 
 @pytest.mark.parametrize("overrides, field", [
     (dict(n_actions=0), "n_actions"),
+    (dict(n_actions=65), "n_actions"),
     (dict(batch=200, capacity=100), "batch"),
     (dict(obs_dim=0), "obs_dim"),
     (dict(hidden=()), "hidden"),

@@ -5,7 +5,7 @@ import pytest
 from drvtrain import Stream
 from drvtrain.rl import DQNConfig, DQNStep, TrainingError
 from drvtrain.rl.dqn import audit_step
-from dqn_reference import dqn_loss, dqn_step
+from dqn_reference import dqn_loss, dqn_step, dueling_q
 from nn_reference import mlp_backward, mlp_forward, rel
 from per_reference import tree_inconsistency
 
@@ -49,7 +49,8 @@ def sampled_batch(step, data):
     idx = b.indices.to_numpy()
     assert np.all((idx >= 0) & (idx < step.config.capacity))
     batch = dict(obs=data["obs"][idx], next_obs=data["next_obs"][idx], action=data["action"][idx],
-                 reward=data["reward"][idx], done=data["done"][idx], weights=b.weights.to_numpy())
+                 reward=data["reward"][idx], done=data["done"][idx], weights=b.weights.to_numpy(),
+                 a_star=step.last.extra["a_star"].to_numpy())
     np.testing.assert_array_equal(b.obs.to_numpy(), batch["obs"])  # the fused gather
     np.testing.assert_array_equal(b.next_obs.to_numpy(), batch["next_obs"])
     np.testing.assert_array_equal(b.action.to_numpy(), batch["action"])
@@ -75,6 +76,13 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     step.metrics.record(stream)
     stream.synchronize()
     idx, batch = sampled_batch(step, data)
+    # The device's a* is the float64 argmax wherever the top two Q values are not a near tie.
+    q_next = dueling_q(mlp_forward(step.layout.unflatten(before["params"]), batch["next_obs"],
+                                   len(step.layout.layers))[-1])
+    top = np.sort(q_next, axis=1)
+    clear = (top[:, -1] - top[:, -2] > 1e-4 * (1 + np.abs(top[:, -1]))) if cfg.n_actions > 1 else np.ones(len(idx), bool)
+    assert clear.mean() > 0.8
+    np.testing.assert_array_equal(batch["a_star"][clear], np.argmax(q_next, axis=1)[clear])
     want = dqn_step(step.layout, before, batch, ref_config(cfg))
     assert not want["skipped"]
     assert_state_close(step, want, bound)

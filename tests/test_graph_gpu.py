@@ -165,6 +165,7 @@ def test_stream_synchronize_inside_capture_is_refused_and_stream_survives(stream
     np.testing.assert_array_equal(out.to_numpy(), np.full(16, 2.0, np.float32))
 
 
+@pytest.mark.provokes_driver_errors
 def test_raw_illegal_driver_call_inside_capture_names_the_call(stream, elementwise):
     with pytest.raises(CaptureError, match="cuCtxSynchronize: CUDA_ERROR_STREAM_CAPTURE"):
         with capture(stream):
@@ -175,6 +176,7 @@ def test_raw_illegal_driver_call_inside_capture_names_the_call(stream, elementwi
     np.testing.assert_array_equal(out.to_numpy(), np.full(16, 4.0, np.float32))
 
 
+@pytest.mark.provokes_driver_errors
 def test_ignored_illegal_call_surfaces_at_capture_end(stream):
     with pytest.raises(CaptureError, match="cuStreamEndCapture.*invalidated"):
         with capture(stream):
@@ -182,6 +184,7 @@ def test_ignored_illegal_call_surfaces_at_capture_end(stream):
     assert not stream.is_capturing()
 
 
+@pytest.mark.provokes_driver_errors
 def test_unjoined_fork_is_reported(stream, elementwise):
     side, scratch = Stream(), DeviceBuffer(16)
     with pytest.raises(CaptureError, match="cuStreamEndCapture"):

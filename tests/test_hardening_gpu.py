@@ -156,6 +156,7 @@ def test_error_flags_are_never_lost(device, stream):
     assert flags.counts.to_numpy().tolist() == [1, 301]
 
 
+@pytest.mark.provokes_driver_errors
 def test_fixed_block_kernels_and_parameter_check(device, stream):
     kern = builtin_module("optim.cu").kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32 ptr",
                                              fixed_block=True)

@@ -17,17 +17,20 @@ __global__ void scale_add(T* out, const T* x, T a, int n) {
 '''
 
 
+@pytest.mark.provokes_driver_errors
 def test_driver_error_names_call_status_and_message(device):
     with pytest.raises(DriverError) as info:
         check(cu.cuMemAlloc, 0)
     assert str(info.value) == "cuMemAlloc: CUDA_ERROR_INVALID_VALUE (invalid argument)"
 
 
+@pytest.mark.provokes_driver_errors
 def test_unknown_kernel_name_is_a_driver_error(device):
     with pytest.raises(DriverError, match="cuModuleGetFunction: CUDA_ERROR_NOT_FOUND"):
         builtin_module("elementwise.cu").kernel("no_such_kernel", "ptr")
 
 
+@pytest.mark.provokes_driver_errors
 def test_signature_is_checked_against_the_cubin(device):
     mod = builtin_module("elementwise.cu")
     with pytest.raises(TypeError, match="takes 3 parameters"):

@@ -40,6 +40,7 @@ METRIC_FIELDS = ("loss", "grad_norm", "clip_scale", "mean_q", "mean_abs_td", "si
 _SPECTRAL_DTYPE = np.dtype([("w_offset", "<i8"), ("rows", "<i4"), ("cols", "<i4"), ("u_offset", "<i4"),
                             ("v_offset", "<i4"), ("first_block_cols", "<i4"), ("first_block_rows", "<i4")])
 _SPECTRAL_COLS_PER_BLOCK = 16  # DT_SPECTRAL_COLS_PER_BLOCK
+MAX_ACTIONS = 64  # DQN_MAX_ACTIONS in kernels/dqn.cu: the loss kernel stages rows in shared memory
 _SPECTRAL_ROWS_PER_BLOCK = 16  # DT_SPECTRAL_ROWS_PER_BLOCK
 
 
@@ -105,7 +106,7 @@ class DQNConfig:
         if isinstance(self.beta, list):
             object.__setattr__(self, "beta", tuple(self.beta))
         _positive_int("obs_dim", self.obs_dim)
-        _positive_int("n_actions", self.n_actions, 1, 1023)
+        _positive_int("n_actions", self.n_actions, 1, MAX_ACTIONS)
         if not self.hidden:
             raise ValueError("hidden must name at least one hidden width")
         for w in self.hidden:
@@ -216,7 +217,7 @@ class DQNStep:
                                    seed=int(rng.integers(2**63)), max_batch=cfg.batch)
         b, a = cfg.batch, cfg.n_actions
         mod = builtin_module("dqn.cu")
-        self._loss_kernel = mod.kernel("dqn_loss", "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr",
+        self._loss_kernel = mod.kernel("dqn_loss", "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr",
                                        fixed_block=True)
         self._loss_grid = -(-b // self._loss_kernel.block)
         self._loss_partials = DeviceBuffer(3 * self._loss_grid, np.float64)
@@ -298,10 +299,11 @@ class DQNStep:
             join(stream, next_stream, target_stream)
         dout = arena.array((b, 1 + a), np.float32)
         priorities = arena.array(b, np.float32)
+        a_star = arena.array(b, np.int32)
         self._loss_kernel.launch(self._loss_grid, self._loss_kernel.block, f_online.output, f_next.output,
                                  f_target.output, batch.action, batch.reward, batch.done, batch.weights, b, a,
                                  cfg.gamma, cfg.huber_delta, dout, priorities, self._scalars,
-                                 self._loss_partials, self._loss_counter, stream=stream)
+                                 self._loss_partials, self._loss_counter, a_star, stream=stream)
         mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream)
         self.optimizer.step(stream=stream)
         skip = self.optimizer.skip
@@ -322,7 +324,8 @@ class DQNStep:
                             self._step_counter, self.metrics.ptr, self.metrics.slots, self.skips.counts,
                             self.skips.published, self._skipped_step.ptr, stream=stream)
         self.last = _Captured(batch, f_online.output, f_next.output, f_target.output, dout, priorities,
-                              {"target_forward_nodes": target_leaves, "online_forward_nodes": online_leaves})
+                              {"target_forward_nodes": target_leaves, "online_forward_nodes": online_leaves,
+                               "a_star": a_star})
 
     def capture(self, *, stream) -> GraphExec:
         """The whole step as one executable graph; replay it with ``launch(stream)``."""
