@@ -93,8 +93,8 @@ __device__ __forceinline__ void epilogue_store(float* C, int ldc, int M, int N, 
 // Where a block's sums go. With gridDim.z == 1, through the epilogue into C. With
 // the k range split over gridDim.z blocks, into partial tiles in `workspace`
 // ([z][M][N], then the row sums [z][M]); the last block of each output tile to
-// finish (a counter per tile, no float atomics) adds the partials in z order,
-// applies the epilogue and resets its counter. Deterministic either way.
+// finish (dt_last_block on a counter per tile, no float atomics) adds the
+// partials in z order and applies the epilogue. Deterministic either way.
 template <int EPI>
 struct Output {
     float* C;
@@ -119,14 +119,8 @@ struct Output {
 
     __device__ void finish(bool sums) const {
         if (gridDim.z == 1) return;
-        __shared__ bool last;
         const unsigned int tile = blockIdx.y * gridDim.x + blockIdx.x;
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) last = atomicAdd(&counters[tile], 1u) == gridDim.z - 1;
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
+        if (!dt_last_block(&counters[tile], gridDim.z)) return;
         const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN, splits = gridDim.z;
         // Each thread owns Q elements; for every z their loads go out together, so the
         // tail costs `splits` round trips, not splits * Q. The z order stays fixed.
@@ -157,7 +151,6 @@ struct Output {
                 col_sum[i0 + r] = v;
             }
         }
-        if (threadIdx.x == 0) counters[tile] = 0u;
     }
 };
 

@@ -1,4 +1,4 @@
-// Optimizer kernels over flat parameter buffers (STEP_SPEC steps 6, 7 and 11).
+// Optimizer kernels over flat parameter buffers (docs/step-spec.md, steps 6, 7 and 11).
 //
 // grad_norm_clip: norm = sqrt(sum g^2) over the whole flat gradient buffer,
 //   scale = min(1, max_norm / (norm + 1e-6)), step t += 1, all on the device:

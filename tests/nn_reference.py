@@ -1,4 +1,4 @@
-"""Float64 numpy references for the MLP engine (STEP_SPEC steps 5-7)."""
+"""Float64 numpy references for the MLP engine (docs/step-spec.md, steps 5-7)."""
 import numpy as np
 
 

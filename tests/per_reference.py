@@ -1,4 +1,4 @@
-"""Float64 numpy references for prioritized replay (STEP_SPEC steps 1, 2 and 9)."""
+"""Float64 numpy references for prioritized replay (docs/step-spec.md, steps 1, 2 and 9)."""
 import numpy as np
 
 MASK32 = np.uint64(0xFFFFFFFF)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The engine's GEMMs and the whole supervised step, for the two STEP_SPEC configurations.
+"""The engine's GEMMs and the whole supervised step, for the two configurations of docs/step-spec.md.
 
 For every linear layer: the forward (TF32, bias and ReLU fused) and the backward
 (dW with db, and dX with the ReLU mask; FP32) as replayed graphs, with achieved
