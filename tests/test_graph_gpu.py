@@ -220,6 +220,7 @@ def test_event_query_never_blocks_and_times(stream):
         Event().elapsed_ms(end)
 
 
+@pytest.mark.counts_device_memory
 def test_garbage_collected_during_capture_is_freed_after_it(device, stream, elementwise):
     import gc
 

@@ -325,7 +325,7 @@ class DQNStep:
                             self.skips.published, self._skipped_step.ptr, stream=stream)
         self.last = _Captured(batch, f_online.output, f_next.output, f_target.output, dout, priorities,
                               {"target_forward_nodes": target_leaves, "online_forward_nodes": online_leaves,
-                               "a_star": a_star})
+                               "a_star": a_star, "online_forward": f_online})
 
     def capture(self, *, stream) -> GraphExec:
         """The whole step as one executable graph; replay it with ``launch(stream)``."""
