@@ -38,6 +38,7 @@ __device__ __forceinline__ double norm_floor(double n) { return n < 1e-12 ? 1e-1
 //          scalars[2] = mean |td| (written by the last block).
 //          a_star [batch] int32 (may be null) = the a* of each sample, for tests
 //            and diagnostics.
+//   gate (may be null): while it points at a non-zero word the kernel returns at once.
 //   a* = argmax Q_online(s', .) (first maximum), y = r + gamma (1 - done) Q_target(s', a*),
 //   td = y - Q_online(s, a); huber with threshold huber_delta.
 // NaN: td is NaN when any Q_online(s', .) is NaN (the argmax is then
@@ -87,7 +88,8 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
         const float* q_s, const float* q_next_online, const float* q_next_target, const int* action,
         const float* reward, const float* done, const float* weights, int batch, int n_actions,
         float gamma, float huber_delta, float* dout, float* priorities, float* scalars,
-        double* partials, unsigned int* counter, int* a_star) {
+        double* partials, unsigned int* counter, int* a_star, const int* gate) {
+    if (gate != nullptr && *gate) return;  // a step that is not due: nothing is written
     __shared__ float tile[DQN_LOSS_THREADS * (1 + DQN_MAX_ACTIONS)];
     if (n_actions < 1 || n_actions > DQN_MAX_ACTIONS) {
         if (blockIdx.x == 0 && threadIdx.x == 0) scalars[0] = scalars[1] = scalars[2] = quiet_nan();

@@ -9,6 +9,7 @@
 //       then the target: Polyak target += tau (params - target) when
 //       period == 0, else target = params when the optimizer counter *adam_t
 //       is a multiple of period. The device decides: no host branch.
+//   - *skip == 2 (the step was not due, see grad_norm_clip's gate): nothing.
 //   - block 0, thread 0: step = ++*step_counter (every step, skipped or
 //     not); the metrics slot `step mod ring_slots` gets
 //     {loss, grad_norm, clip_scale, mean_q, mean_abs_td, sigma_max, beta}
@@ -31,6 +32,7 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
         const float* scale, const float* sigma, float tau, int period, const int* adam_t, const int* skip,
         const float* scalars, const float* clip, const float* beta, long long* step_counter, float* ring,
         int ring_slots, unsigned int* skip_counts, unsigned int* skip_published, long long* skipped_step) {
+    if (*skip == 2) return;  // a training loop's step that was not due: nothing happened
     const bool skipped = *skip != 0;
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         const long long step = *step_counter + 1;

@@ -284,28 +284,36 @@ __device__ void gemm_f32(const float* A, int lda, const float* B, int ldb, int M
 #define DT_GEMM_PARAMS                                                                            \
     const float *A, int lda, const float *B, int ldb, float *C, int ldc, int M, int N, int K,         \
         const float *bias, const float *mask, int ldm, float *col_sum, float *workspace,              \
-        unsigned int *counters
+        unsigned int *counters, const int *gate
 #define DT_GEMM_OUT(EPI) Output<EPI>{C, ldc, M, N, bias, mask, ldm, col_sum, workspace, counters}
 
-// One signature for all: ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr.
+// One signature for all: ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr.
+// `gate` (may be 0): when it points at a non-zero word the whole grid returns at
+// once, writing nothing (a training loop's step that is not due this iteration).
 // Arguments a kernel does not use (bias, mask, col_sum) may be 0; with gridDim.z == 1
 // so may workspace and counters. Otherwise workspace holds gridDim.z * (M*N + M)
 // floats and counters one zeroed uint per output tile (left zeroed on exit).
 extern "C" __global__ void __launch_bounds__(128) linear_forward_tf32(DT_GEMM_PARAMS) {
+    if (gate != nullptr && *gate) return;
     gemm_tf32<EPI_BIAS, true, true>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_BIAS));
 }
 extern "C" __global__ void __launch_bounds__(128) linear_forward_relu_tf32(DT_GEMM_PARAMS) {
+    if (gate != nullptr && *gate) return;
     gemm_tf32<EPI_BIAS_RELU, true, true>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_BIAS_RELU));
 }
 extern "C" __global__ void __launch_bounds__(256) linear_forward_f32(DT_GEMM_PARAMS) {
+    if (gate != nullptr && *gate) return;
     gemm_f32<EPI_BIAS, true, true>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_BIAS));
 }
 extern "C" __global__ void __launch_bounds__(256) linear_forward_relu_f32(DT_GEMM_PARAMS) {
+    if (gate != nullptr && *gate) return;
     gemm_f32<EPI_BIAS_RELU, true, true>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_BIAS_RELU));
 }
 extern "C" __global__ void __launch_bounds__(256) linear_grad_input_f32(DT_GEMM_PARAMS) {
+    if (gate != nullptr && *gate) return;
     gemm_f32<EPI_MASK, true, false>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_MASK));
 }
 extern "C" __global__ void __launch_bounds__(256) linear_grad_weight_f32(DT_GEMM_PARAMS) {
+    if (gate != nullptr && *gate) return;
     gemm_f32<EPI_NONE, false, false>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_NONE));
 }

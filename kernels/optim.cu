@@ -7,7 +7,9 @@
 //   with t stored last, after a system-wide fence, so a slot whose t matches
 //   is complete. With `skip` non-null it is the step's NaN guard: *skip = 1
 //   when the norm or *loss is not finite, else 0; a skipped step leaves t
-//   (and so the metrics ring) as it was.
+//   (and so the metrics ring) as it was. With `gate` non-null and non-zero (a
+//   training loop's step that is not due) it only sets *skip = 2, so the
+//   kernels after it skip without reporting anything.
 //   Launch: grid = G > 1 (fixed by the caller), block 256. Per-thread sums in a
 //   fixed grid-stride order, fixed block trees, and the last block sums the G
 //   partials in order: bitwise reproducible for a fixed G, no float atomics.
@@ -27,7 +29,11 @@ constexpr int ADAM_THREADS = 256;
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_clip(
         const float* grads, long long n, double* partials, unsigned int* counter, float max_norm,
-        float* clip, int* step, const float* loss, float* ring, int ring_slots, int* skip) {
+        float* clip, int* step, const float* loss, float* ring, int ring_slots, int* skip, const int* gate) {
+    if (gate != nullptr && *gate) {  // not due: later kernels see skip = 2 and do nothing either
+        if (blockIdx.x == 0 && threadIdx.x == 0 && skip != nullptr) *skip = 2;
+        return;
+    }
     double acc = 0.0;
     const float4* g4 = reinterpret_cast<const float4*>(grads);
     for (long long i = dt_thread_index(); i < n / 4; i += dt_grid_stride()) {

@@ -128,7 +128,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
         unsigned int* err_counts, unsigned int* err_published,
         const float* obs, const float* next_obs, const int* action, const float* reward,
         const float* done, int obs_dim, float* batch_obs, float* batch_next_obs, int* batch_action,
-        float* batch_reward, float* batch_done) {
+        float* batch_reward, float* batch_done, const int* gate) {
+    if (gate != nullptr && *gate) return;  // a training loop's step that is not due: no draw, no write
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j = blockIdx.x * SAMPLE_WARPS + warp;
     float p = 0.0f;

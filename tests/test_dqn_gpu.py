@@ -341,3 +341,34 @@ def test_q_values_are_the_dueling_combination(device, rng):
     out = mlp_forward(step.params.to_numpy(), obs, len(step.layout.layers))[-1]
     want = out[:, :1] + out[:, 1:] - out[:, 1:].mean(axis=1, keepdims=True)
     assert q.shape == (37, 4) and rel(q, want) < 1e-5
+
+
+def test_gate_lets_the_device_decide_whether_the_captured_step_runs(device, rng):
+    """A step captured with a gate does nothing at all while the gate is set."""
+    from drvtrain import DeviceBuffer, capture
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), **ODD)
+    stream = Stream()
+    step = DQNStep(cfg)
+    fill(step, rng, stream)
+    gate = DeviceBuffer.from_numpy(np.array([int(rng.integers(1, 1 << 30))], np.int32))
+    with capture(stream) as graph:
+        step.enqueue(stream=stream, gate=gate)
+    exe = graph.instantiate()
+    before = step.state_numpy()
+    tree = step.replay.tree
+    leaves, sampled = tree.leaves.to_numpy(), tree.step.to_numpy()
+    for _ in range(3):
+        exe.launch(stream)
+        step.metrics.record(stream)
+    stream.synchronize()
+    after = step.state_numpy()
+    for key in before:
+        assert before[key].tobytes() == after[key].tobytes(), key
+    assert tree.leaves.to_numpy().tobytes() == leaves.tobytes() and tree.step.to_numpy() == sampled
+    step.check_errors()  # a gated step is not a skipped one
+    assert step.metrics.poll() == []
+    gate.copy_from_numpy(np.zeros(1, np.int32))
+    exe.launch(stream)
+    stream.synchronize()
+    assert step.steps_done() == 1 and step.state_numpy()["t"] == before["t"] + 1
+    assert tree.step.to_numpy() == sampled + 1

@@ -158,16 +158,16 @@ def test_error_flags_are_never_lost(device, stream):
 
 @pytest.mark.provokes_driver_errors
 def test_fixed_block_kernels_and_parameter_check(device, stream):
-    kern = builtin_module("optim.cu").kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32 ptr",
+    kern = builtin_module("optim.cu").kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32 ptr ptr",
                                              fixed_block=True)
     assert kern.block == 256
     assert kern.signature_checked, "the driver should confirm kernel signatures"
     with pytest.raises(ValueError, match="exactly"):
-        kern.launch(2, 128, 0, 0, 0, 0, 1.0, 0, 0, 0, 0, 1, 0, stream=stream)
-    with pytest.raises(TypeError, match="takes 11 parameters"):
-        builtin_module("optim.cu").kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32 ptr i32")
+        kern.launch(2, 128, 0, 0, 0, 0, 1.0, 0, 0, 0, 0, 1, 0, 0, stream=stream)
+    with pytest.raises(TypeError, match="takes 12 parameters"):
+        builtin_module("optim.cu").kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32 ptr ptr i32")
     with pytest.raises(TypeError, match="parameter 1 is 8 bytes, declared i32"):
-        builtin_module("optim.cu").kernel("grad_norm_clip", "ptr i32 ptr ptr f32 ptr ptr ptr ptr i32 ptr")
+        builtin_module("optim.cu").kernel("grad_norm_clip", "ptr i32 ptr ptr f32 ptr ptr ptr ptr i32 ptr ptr")
 
 
 def _doctor(*args, env_extra=None, code=None):

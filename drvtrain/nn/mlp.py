@@ -12,7 +12,7 @@ from .layout import FlatBuffer, ParamLayout
 
 __all__ = ["MLP", "Forward", "gemm", "split_count"]
 
-_SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr"
+_SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
 _TILE = 64
 _MAX_TILES = 4096  # output tiles a split-k product may have (one counter each)
 
@@ -37,11 +37,11 @@ def _kernel(name: str):
 
 
 def gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
-         splits=1, workspace=0, counters=0):
+         splits=1, workspace=0, counters=0, gate=0):
     """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
     (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile."""
     kernel.launch((-(-n // _TILE), -(-m // _TILE), splits), kernel.block, a, lda, b, ldb, c, ldc, m, n, k,
-                  bias, mask, ldm, col_sum, workspace, counters, stream=stream)
+                  bias, mask, ldm, col_sum, workspace, counters, gate if gate is not None else 0, stream=stream)
 
 
 def split_count(m: int, n: int, k: int, sm_count: int) -> int:
@@ -126,15 +126,18 @@ class MLP:
                 total += rounded(s * (m * n + m))
         return total + 1024
 
-    def _gemm(self, kernel, a, lda, b, ldb, c, ldc, m, n, k, arena, stream, **epilogue):
+    def _gemm(self, kernel, a, lda, b, ldb, c, ldc, m, n, k, arena, stream, gate=None, **epilogue):
         s = split_count(m, n, k, self._sm_count)
         workspace = arena.array(s * (m * n + m), np.float32) if s > 1 else 0
         counters = arena.zeroed(-(-m // _TILE) * -(-n // _TILE), np.uint32) if s > 1 else 0
         gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=s, workspace=workspace,
-             counters=counters, **epilogue)
+             counters=counters, gate=gate, **epilogue)
 
-    def forward(self, params: FlatBuffer, x: DeviceBuffer, *, arena: Arena, stream) -> Forward:
-        """Every layer's output into arena slices; ``.output`` is [batch, out]."""
+    def forward(self, params: FlatBuffer, x: DeviceBuffer, *, arena: Arena, stream, gate=None) -> Forward:
+        """Every layer's output into arena slices; ``.output`` is [batch, out].
+
+        ``gate``: an int32 device word; while it is non-zero every launch returns
+        at once (a training loop's step that is not due)."""
         if params.layout != self.layout:
             raise ValueError("params were made for another layout")
         batch = x.shape[0] if x.shape else 0
@@ -145,12 +148,12 @@ class MLP:
             y = arena.array((batch, out), np.float32)
             kernel = self.output_kernel if k == last else self.hidden_kernel
             self._gemm(kernel, acts[-1], inp, params.weight(k), inp, y, out, batch, out, inp, arena, stream,
-                       bias=params.bias(k))
+                       gate=gate, bias=params.bias(k))
             acts.append(y)
         return Forward(tuple(acts))
 
     def backward(self, params: FlatBuffer, grads: FlatBuffer, forward: Forward, dout: DeviceBuffer, *,
-                 arena: Arena, stream) -> None:
+                 arena: Arena, stream, gate=None) -> None:
         """Gradients of the loss whose derivative by ``forward.output`` is ``dout``, into ``grads``."""
         if not isinstance(forward, Forward) or len(forward.activations) != len(self.layout.layers) + 1:
             raise TypeError("backward takes the Forward that this MLP's forward returned")
@@ -163,9 +166,9 @@ class MLP:
             out, inp = self.layout.layers[k]
             x = forward.activations[k]
             self._gemm(self.weight_grad_kernel, dy, out, x, inp, grads.weight(k), inp, out, inp, batch, arena,
-                       stream, col_sum=grads.bias(k))
+                       stream, gate=gate, col_sum=grads.bias(k))
             if k > 0:
                 dx = arena.array((batch, inp), np.float32)
                 self._gemm(self.input_grad_kernel, dy, out, params.weight(k), inp, dx, inp, batch, inp, out,
-                           arena, stream, mask=x, ldm=inp)
+                           arena, stream, gate=gate, mask=x, ldm=inp)
                 dy = dx

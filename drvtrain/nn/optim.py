@@ -56,17 +56,24 @@ class AdamW:
         self.skip = state.view(np.int32, (1,), 16) if nan_guard else None
         self._norm_queued = False
         mod = builtin_module("optim.cu")
-        self._norm = mod.kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32 ptr", fixed_block=True)
+        self._norm = mod.kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32 ptr ptr",
+                                fixed_block=True)
         self._adamw = mod.kernel("adamw_step", "ptr ptr ptr ptr i64 f32 f64 f64 f32 f32 ptr ptr ptr",
                                  fixed_block=True)
 
-    def clip_grad_norm(self, *, stream) -> None:
-        """Norm, clip scale and ``t += 1`` on the device (and the metrics slot)."""
+    def clip_grad_norm(self, *, stream, gate=None) -> None:
+        """Norm, clip scale and ``t += 1`` on the device (and the metrics slot).
+
+        ``gate`` (int32 device word, needs ``nan_guard``): while non-zero the
+        kernel only sets ``skip`` to 2, and ``apply`` then changes nothing."""
+        if gate is not None and self.skip is None:
+            raise ValueError("a gated clip_grad_norm needs AdamW(..., nan_guard=True)")
         ring = self.metrics.ptr if self.metrics is not None else 0
         slots = self.metrics.slots if self.metrics is not None else 1
         self._norm.launch(self._norm_grid, self._norm.block, self.grads, self.n, self._partials, self._counter,
                           self.max_norm, self.clip, self.t, self.loss if self.loss is not None else 0,
-                          ring, slots, self.skip if self.skip is not None else 0, stream=stream)
+                          ring, slots, self.skip if self.skip is not None else 0,
+                          gate if gate is not None else 0, stream=stream)
         self._norm_queued = True
 
     def apply(self, *, stream) -> None:
@@ -79,8 +86,8 @@ class AdamW:
                            self.lr, b1, b2, self.eps, self.weight_decay, self.clip, self.t,
                            self.skip if self.skip is not None else 0, stream=stream)
 
-    def step(self, *, stream) -> None:
-        self.clip_grad_norm(stream=stream)
+    def step(self, *, stream, gate=None) -> None:
+        self.clip_grad_norm(stream=stream, gate=gate)
         self.apply(stream=stream)
 
     def read_state(self) -> tuple[float, float, int]:

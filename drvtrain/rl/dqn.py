@@ -217,7 +217,7 @@ class DQNStep:
                                    seed=int(rng.integers(2**63)), max_batch=cfg.batch)
         b, a = cfg.batch, cfg.n_actions
         mod = builtin_module("dqn.cu")
-        self._loss_kernel = mod.kernel("dqn_loss", "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr",
+        self._loss_kernel = mod.kernel("dqn_loss", "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr",
                                        fixed_block=True)
         self._loss_grid = -(-b // self._loss_kernel.block)
         self._loss_partials = DeviceBuffer(3 * self._loss_grid, np.float64)
@@ -272,28 +272,31 @@ class DQNStep:
                                          fixed_block=True)
 
     # ------------------------------------------------------------------ the step
-    def enqueue(self, *, stream, uniforms=None) -> None:
+    def enqueue(self, *, stream, uniforms=None, gate=None) -> None:
         """Queue one whole step on ``stream`` (eagerly, or into a capture).
 
         ``uniforms`` (float64 device buffer, one per sample) replaces the
-        sampler's Philox draws: tests feed known strata.
+        sampler's Philox draws: tests feed known strata. ``gate`` (an int32
+        device word) lets the device decide: while it is non-zero the step's
+        kernels return at once and nothing changes, counters and metrics
+        included (a training loop captures the step once and gates it).
         """
         cfg = self.config
         b, a = cfg.batch, cfg.n_actions
         arena, mlp = self.arena, self.online_mlp
         arena.reset()
         batch = self.replay.sample(b, stream=stream, beta=cfg.beta, arena=arena, uniforms=uniforms,
-                                   beta_out=self._beta_used)
+                                   beta_out=self._beta_used, gate=gate)
         if self.streams:
             next_stream, target_stream = self.streams
             fork(stream, next_stream, target_stream)
         else:
             next_stream = target_stream = stream
         capturing = bool(active_captures())
-        f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream)
+        f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream, gate=gate)
         target_leaves = capture_frontier(target_stream) if capturing else []
-        f_next = mlp.forward(self.params, batch.next_obs, arena=arena, stream=next_stream)
-        f_online = mlp.forward(self.params, batch.obs, arena=arena, stream=stream)
+        f_next = mlp.forward(self.params, batch.next_obs, arena=arena, stream=next_stream, gate=gate)
+        f_online = mlp.forward(self.params, batch.obs, arena=arena, stream=stream, gate=gate)
         online_leaves = capture_frontier(stream) if capturing else []
         if self.streams:
             join(stream, next_stream, target_stream)
@@ -303,9 +306,10 @@ class DQNStep:
         self._loss_kernel.launch(self._loss_grid, self._loss_kernel.block, f_online.output, f_next.output,
                                  f_target.output, batch.action, batch.reward, batch.done, batch.weights, b, a,
                                  cfg.gamma, cfg.huber_delta, dout, priorities, self._scalars,
-                                 self._loss_partials, self._loss_counter, a_star, stream=stream)
-        mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream)
-        self.optimizer.step(stream=stream)
+                                 self._loss_partials, self._loss_counter, a_star, gate if gate is not None else 0,
+                                 stream=stream)
+        mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate)
+        self.optimizer.step(stream=stream, gate=gate)
         skip = self.optimizer.skip
         if self.n_spectral:
             cb, rb = self._spectral_grids

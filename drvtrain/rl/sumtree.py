@@ -140,7 +140,7 @@ class SumTree:
         self._rebuild = mod.kernel("sumtree_rebuild", "ptr ptr i32 i32 i32 ptr", fixed_block=True)
         self._sample = mod.kernel("sumtree_sample",
                                   "ptr ptr i32 i32 i32 u64 ptr ptr f32 f32 u64 ptr ptr ptr ptr ptr ptr "
-                                  "ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr ptr", fixed_block=True)
+                                  "ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr", fixed_block=True)
 
     # -------------------------------------------------------------- device views
     def total(self) -> DeviceBuffer:
@@ -218,7 +218,7 @@ class SumTree:
 
     def sample(self, batch: int, *, stream, beta, indices: DeviceBuffer, weights: DeviceBuffer,
                uniforms: DeviceBuffer | None = None, gather=None,
-               beta_out: DeviceBuffer | None = None) -> None:
+               beta_out: DeviceBuffer | None = None, gate: DeviceBuffer | None = None) -> None:
         """Draw a stratified batch into ``indices`` (int32) and IS ``weights`` (float32).
 
         ``beta`` is a constant in [0, 1] or a schedule ``(start, end, steps)``
@@ -228,7 +228,8 @@ class SumTree:
         element) receives the beta used. ``uniforms`` (float64, one per
         sample) replaces the Philox draws, for tests. ``gather`` is
         ``(storage, batch)`` from the replay buffer, which copies the sampled
-        transitions in the same launch.
+        transitions in the same launch. ``gate`` (int32, one element): while
+        non-zero the launch draws nothing and writes nothing, not even ``step``.
         """
         if not 1 <= batch <= self.max_batch:
             raise ValueError(f"batch must be in [1, {self.max_batch}], got {batch}")
@@ -246,7 +247,7 @@ class SumTree:
                             uniforms if uniforms is not None else 0, beta_start, beta_end, beta_steps,
                             beta_out if beta_out is not None else 0, indices, weights, self._sample_counter,
                             self.flags.counts, self.flags.published, *rows,
-                            stream=stream, shared_mem=4 * batch)
+                            gate if gate is not None else 0, stream=stream, shared_mem=4 * batch)
 
     # -------------------------------------------------------------- host side
     def set_priorities(self, priorities) -> None:
