@@ -409,16 +409,23 @@ class DQNStep:
             layers = [tuple(int(v) for v in row) for row in data["layers"]]
             if layers != self.layout.layers:
                 raise ValueError(f"{path}: saved network {layers} differs from this one {self.layout.layers}")
-            arrays = {k: data[k] for k in data.files}
-        if arrays["u"].shape != self.u.shape:
-            raise ValueError(f"{path}: spectral vectors of shape {arrays['u'].shape}, expected {self.u.shape}")
-        self.params.buffer.copy_from_numpy(arrays["params"].astype(np.float32))
-        self.target.buffer.copy_from_numpy(arrays["target"].astype(np.float32))
-        self.optimizer.m.buffer.copy_from_numpy(arrays["m"].astype(np.float32))
-        self.optimizer.v.buffer.copy_from_numpy(arrays["v"].astype(np.float32))
+            arrays = {k: data[k] for k in data.files if k != "layers"}
+        self.load_state(arrays)
+
+    def load_state(self, arrays: dict) -> None:
+        """Restore ``state_numpy()``'s arrays; shapes are checked before anything is written."""
+        want = {"params": self.layout.size, "target": self.layout.size, "m": self.layout.size,
+                "v": self.layout.size, "u": self.u.size}
+        for key, size in want.items():
+            if np.asarray(arrays[key]).size != size:
+                raise ValueError(f"{key} holds {np.asarray(arrays[key]).size} values, this learner needs {size}")
+        self.params.buffer.copy_from_numpy(np.asarray(arrays["params"], np.float32))
+        self.target.buffer.copy_from_numpy(np.asarray(arrays["target"], np.float32))
+        self.optimizer.m.buffer.copy_from_numpy(np.asarray(arrays["m"], np.float32))
+        self.optimizer.v.buffer.copy_from_numpy(np.asarray(arrays["v"], np.float32))
         self.optimizer.t.copy_from_numpy(np.array([int(arrays["t"])], np.int32))
-        self.u.copy_from_numpy(arrays["u"].astype(np.float32))
-        self._step_counter.copy_from_numpy(arrays["step"].astype(np.int64).reshape(1))
+        self.u.copy_from_numpy(np.asarray(arrays["u"], np.float32).reshape(self.u.shape))
+        self._step_counter.copy_from_numpy(np.asarray(arrays["step"], np.int64).reshape(1))
 
     def close(self) -> None:
         for s in self.streams:

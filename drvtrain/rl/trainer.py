@@ -1,0 +1,432 @@
+"""Training end to end on the device: acting, environment steps, replay, learning, all in graphs.
+
+One iteration of the loop, for ``n_envs`` environments at once:
+the online network's forward over the current observations (TF32), one
+fused kernel that picks epsilon-greedy actions, steps the environments
+(auto-reset, truncation kept apart from termination), writes the transitions
+into the replay at the largest priority seen and counts finished episodes
+into a ring in mapped memory; then the whole Double-DQN step, gated by a word
+that the acting kernel writes from the device's own counters
+(``learning_starts``, env steps per gradient step). ``unroll`` iterations are
+captured into one graph; the host launches it, reads mapped memory, and
+synchronises only to evaluate or to checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from ..graph import capture
+from ..memory import Arena, DeviceBuffer, MappedBuffer
+from ..stream import Event, Stream
+from .dqn import DQNConfig, DQNStep
+from .env import make_env
+
+__all__ = ["TrainConfig", "Trainer", "ENV_DEFAULTS"]
+
+# Hyperparameters per environment: the defaults `drvtrain train ENV` uses.
+ENV_DEFAULTS = {
+    "cartpole": dict(
+        n_envs=10, total_steps=500_000, learning_starts=10_000, train_every=10, eps_start=1.0, eps_end=0.05,
+        eps_fraction=0.5, eval_every=50_000, eval_episodes=100,
+        dqn=dict(hidden=(128, 128), batch=128, capacity=50_000, lr=2.5e-4, gamma=0.99, weight_decay=0.0,
+                 max_norm=10.0, tau=None, target_period=50, alpha=0.6, beta=(0.4, 1.0, 50_000),
+                 spectral_c=None, tf32=True)),
+}
+
+_EPISODE_FIELDS = 5  # return, length, env step at its end, env index, sequence
+
+
+def _check_int(name, value, low=1):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_real(name, value, low, high):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low <= value <= high):
+        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A whole training run: the environment, the acting schedule and the learner (``dqn``:
+    DQNConfig fields except obs_dim, n_actions and seed, which come from the env and ``seed``).
+    Every field is checked at construction; ``to_dict``/``from_dict`` round-trip through JSON."""
+    env: str = "cartpole"
+    n_envs: int = 10
+    total_steps: int = 500_000
+    seed: int = 0
+    learning_starts: int = 10_000
+    train_every: int = 10
+    eps_start: float = 1.0
+    eps_end: float = 0.05
+    eps_fraction: float = 0.5
+    eval_every: int = 50_000
+    eval_episodes: int = 100
+    unroll: int = 50
+    checkpoint_every: int = 100_000
+    dqn: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        from .env import known_envs
+        if self.env not in known_envs():
+            raise ValueError(f"unknown environment {self.env!r}; known: {', '.join(known_envs())}")
+        for name in ("n_envs", "total_steps", "train_every", "eval_every", "eval_episodes", "unroll",
+                     "checkpoint_every"):
+            _check_int(name, getattr(self, name))
+        _check_int("seed", self.seed, 0)
+        _check_int("learning_starts", self.learning_starts, 0)
+        if self.train_every < self.n_envs:
+            raise ValueError(f"train_every ({self.train_every} env steps per gradient step) must be at least "
+                             f"n_envs ({self.n_envs}): one iteration steps every env once and learns at most once")
+        _check_real("eps_start", self.eps_start, 0.0, 1.0)
+        _check_real("eps_end", self.eps_end, 0.0, 1.0)
+        _check_real("eps_fraction", self.eps_fraction, 0.0, 1.0)
+        if not isinstance(self.dqn, dict):
+            raise ValueError(f"dqn must be a dict of DQNConfig fields, got {type(self.dqn).__name__}")
+        bad = sorted(set(self.dqn) - {f.name for f in fields(DQNConfig)} | set(self.dqn) & {"obs_dim", "n_actions",
+                                                                                          "seed"})
+        if bad:
+            raise ValueError(f"dqn has fields that are not DQNConfig's or are set by the trainer: {bad}")
+        self.dqn_config(obs_dim=1, n_actions=1)  # validates every learner field now
+
+    @classmethod
+    def for_env(cls, env: str = "cartpole", **overrides) -> "TrainConfig":
+        """The defaults of ``env`` (ENV_DEFAULTS) with ``overrides``; ``dqn`` overrides merge."""
+        base = dict(ENV_DEFAULTS.get(env, {}))
+        dqn = {**base.pop("dqn", {}), **overrides.pop("dqn", {})}
+        return cls(env=env, **{**base, **overrides}, dqn=dqn)
+
+    def dqn_config(self, *, obs_dim: int, n_actions: int) -> DQNConfig:
+        return DQNConfig(obs_dim=obs_dim, n_actions=n_actions, seed=self.seed, **self.dqn)
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        data = dict(data)
+        dqn = dict(data.pop("dqn", {}))
+        for key in ("hidden", "beta", "betas", "spectral_layers"):
+            if isinstance(dqn.get(key), list):
+                dqn[key] = tuple(dqn[key])
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown training settings: {unknown}")
+        return cls(**data, dqn=dqn)
+
+    def with_overrides(self, **changes) -> "TrainConfig":
+        return replace(self, **changes)
+
+
+class _Actor:
+    """One set of environments with its acting state: the fused act kernel's arguments."""
+
+    def __init__(self, config: TrainConfig, learner: DQNStep, n: int, seed: int, *, episode_slots: int):
+        self.env = make_env(config.env, n, seed=seed)
+        self.n, self.seed = n, seed
+        self.loop = DeviceBuffer.zeros(3, np.int64)
+        self.ep_return = DeviceBuffer.zeros(n, np.float32)
+        self.counter = DeviceBuffer.zeros(1, np.uint32)
+        self.episode_slots = episode_slots
+        self.episodes = MappedBuffer((episode_slots, _EPISODE_FIELDS), np.float64)
+        self.episodes.view()[:] = 0.0
+        mlp = learner.online_mlp
+        self.arena = Arena(mlp.scratch_bytes(n), zeroed_bytes=mlp.zeroed_bytes(n) + 256)
+        self.kernel = self.env.module.kernel(
+            f"{self.env.name}_act", "ptr ptr ptr ptr ptr i32 u64 ptr ptr f32 f32 i64 i32 i64 i64 ptr "
+                                    "ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr i32 i32 ptr ptr i32", fixed_block=True)
+        self.polled = 0  # episodes read from the ring
+
+    def enqueue(self, learner: DQNStep, *, stream, greedy: bool, eps=(1.0, 0.05, 1), schedule=(0, 1),
+                gate=None, replay=None) -> None:
+        self.arena.reset()
+        q = learner.online_mlp.forward(learner.params, self.env.obs, arena=self.arena, stream=stream).output
+        r = replay
+        tree = r.tree if r is not None else None
+        rows = ((r.obs, r.next_obs, r.action, r.reward, r.done, r.capacity, r.state, tree.nodes, tree.leaves,
+                 tree.max_priority(), tree.height, tree.internal) if r is not None
+                else (0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1))
+        env = self.env
+        self.kernel.launch(-(-self.n // self.kernel.block), self.kernel.block, q, env.states, env.obs,
+                           env.episode_steps, env.rng_counters, self.n, self.seed, self.ep_return, self.loop,
+                           float(eps[0]), float(eps[1]), int(eps[2]), int(greedy), int(schedule[0]),
+                           int(schedule[1]), gate if gate is not None else 0, *rows, self.counter,
+                           self.episodes.ptr, self.episode_slots, stream=stream)
+
+    def poll(self) -> list[tuple[float, int, int, int]]:
+        """Finished episodes since the last poll, in order: (return, length, env step, env index)."""
+        rows = self.episodes.view()
+        out = []
+        while True:
+            k = self.polled
+            row = rows[k % self.episode_slots]
+            if row[4] != k + 1:
+                break
+            out.append((float(row[0]), int(row[1]), int(row[2]), int(row[3])))
+            self.polled += 1
+        return out
+
+    def close(self) -> None:
+        self.env.close()
+        self.arena.close()
+        self.episodes.close()
+
+
+class Trainer:
+    """Runs a TrainConfig: ``run()`` trains, evaluates and (with ``out_dir``) writes a run folder."""
+
+    def __init__(self, config: TrainConfig, *, out_dir=None):
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"Trainer takes a TrainConfig, got {type(config).__name__}")
+        self.config = cfg = config
+        self.stream = Stream()
+        probe = make_env(cfg.env, 1, seed=0)
+        obs_dim, n_actions, self.max_steps = probe.obs_dim, probe.n_actions, probe.max_steps
+        probe.close()
+        self.learner = DQNStep(cfg.dqn_config(obs_dim=obs_dim, n_actions=n_actions), metrics_slots=4096)
+        self.gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
+        self.actor = _Actor(cfg, self.learner, cfg.n_envs, _derive_seed(cfg.seed, 1),
+                            episode_slots=max(4096, 4 * cfg.n_envs))
+        self.eval_actor = _Actor(cfg, self.learner, cfg.eval_episodes, _derive_seed(cfg.seed, 2),
+                                 episode_slots=cfg.eval_episodes * max(1, self.max_steps))
+        self.actor.env.reset(stream=self.stream)
+        self.iterations = 0          # host mirror of loop[1]
+        self.evaluations = 0
+        self.recent = deque(maxlen=100)
+        self.episodes = 0
+        self.last_loss = float("nan")
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self._exe = None
+        self._eval_exe = None
+        self._eval_unroll = 50
+        self.stream.synchronize()
+
+    # ------------------------------------------------------------------ schedule (host mirror)
+    @property
+    def env_steps(self) -> int:
+        return self.iterations * self.config.n_envs
+
+    def epsilon(self, env_steps: int | None = None) -> float:
+        cfg = self.config
+        steps = self.env_steps if env_steps is None else env_steps
+        span = max(1, int(cfg.eps_fraction * cfg.total_steps))
+        return cfg.eps_start + (cfg.eps_end - cfg.eps_start) * min(1.0, steps / span)
+
+    def _learns(self, iteration: int) -> bool:
+        """Whether the device's schedule runs the learning step in this iteration (0-based)."""
+        n, cfg = self.config.n_envs, self.config
+        before, after = iteration * n, (iteration + 1) * n
+        return after >= cfg.learning_starts and after // cfg.train_every > before // cfg.train_every
+
+    # ------------------------------------------------------------------ graphs
+    def _capture(self):
+        cfg = self.config
+        eps = (cfg.eps_start, cfg.eps_end, max(1, int(cfg.eps_fraction * cfg.total_steps)))
+        with capture(self.stream) as graph:
+            for _ in range(cfg.unroll):
+                self.actor.enqueue(self.learner, stream=self.stream, greedy=False, eps=eps,
+                                   schedule=(cfg.learning_starts, cfg.train_every), gate=self.gate,
+                                   replay=self.learner.replay)
+                self.learner.enqueue(stream=self.stream, gate=self.gate)
+        self.graph = graph
+        return graph.instantiate()
+
+    def _capture_eval(self):
+        with capture(self.stream) as graph:
+            for _ in range(self._eval_unroll):
+                self.eval_actor.enqueue(self.learner, stream=self.stream, greedy=True)
+        return graph.instantiate()
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> float:
+        """Mean return of one greedy episode in each of ``eval_episodes`` fresh evaluation envs."""
+        actor = self.eval_actor
+        if self._eval_exe is None:
+            self._eval_exe = self._capture_eval()
+        self.evaluations += 1
+        self.stream.synchronize()
+        # Fresh episodes: the envs' random counters carry on, so every evaluation
+        # starts from new states, and the same run evaluates the same way.
+        actor.ep_return.copy_from_numpy(np.zeros(actor.n, np.float32))
+        actor.env.reset(stream=self.stream)
+        first: dict[int, float] = {}
+        launches = -(-max(1, self.max_steps) // self._eval_unroll) + 1
+        for _ in range(launches):
+            self._eval_exe.launch(self.stream)
+        self.stream.synchronize()
+        for ret, _, _, env in actor.poll():
+            first.setdefault(env, ret)
+        if len(first) < actor.n:
+            raise RuntimeError(f"evaluation: only {len(first)} of {actor.n} episodes finished")
+        return float(np.mean([first[i] for i in range(actor.n)]))
+
+    # ------------------------------------------------------------------ running
+    def run(self, callback=None, *, report_every_s: float = 1.0) -> dict:
+        """Train to ``total_steps`` env steps; ``callback(progress)`` on every report.
+
+        Returns the summary: wall time, env steps, episodes, learning steps,
+        the final greedy evaluation.
+        """
+        cfg = self.config
+        if self._exe is None:
+            self._exe = self._capture()
+        total_iterations = -(-cfg.total_steps // cfg.n_envs)
+        metrics = self.learner.metrics
+        folder = self._folder()
+        started = time.perf_counter()
+        last_report = started
+        next_eval = (self.env_steps // cfg.eval_every + 1) * cfg.eval_every
+        next_checkpoint = (self.env_steps // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+        eval_return = None
+        in_flight = deque()
+        events = [Event() for _ in range(3)]
+        launch_index = 0
+        while self.iterations < total_iterations:
+            self._exe.launch(self.stream)
+            for it in range(self.iterations, self.iterations + cfg.unroll):
+                if self._learns(it):
+                    metrics.record(self.stream)
+            self.iterations += cfg.unroll
+            event = events[launch_index % len(events)]
+            event.record(self.stream)
+            in_flight.append(event)
+            launch_index += 1
+            while len(in_flight) >= len(events) - 1:  # bounded queue: wait by polling, never a sync
+                if in_flight[0].query():
+                    in_flight.popleft()
+                else:
+                    time.sleep(0)
+            self._drain(metrics)
+            self.learner.check_errors()
+            due_eval = self.env_steps >= next_eval or self.iterations >= total_iterations
+            now = time.perf_counter()
+            if due_eval or now - last_report >= report_every_s:
+                if due_eval:
+                    eval_return = self.evaluate()
+                    next_eval += cfg.eval_every
+                    self._drain(metrics)
+                progress = self._progress(started, eval_return if due_eval else None)
+                last_report = now
+                if folder is not None:
+                    folder.append_metrics(progress)
+                if callback is not None:
+                    callback(progress)
+            if folder is not None and (self.env_steps >= next_checkpoint or self.iterations >= total_iterations):
+                self.save_checkpoint(folder.checkpoint_path())
+                next_checkpoint += cfg.checkpoint_every
+        self.stream.synchronize()
+        self._drain(metrics)
+        summary = {"wall_s": time.perf_counter() - started, "env_steps": self.env_steps,
+                   "episodes": self.episodes, "learning_steps": self.learner.steps_done(),
+                   "final_eval_return": eval_return, "mean_return_100": _mean(self.recent),
+                   "eval_episodes": cfg.eval_episodes}
+        if folder is not None:
+            folder.write_summary(summary)
+        return summary
+
+    def _drain(self, metrics) -> None:
+        for m in metrics.poll():
+            self.last_loss = m.loss
+        for ret, _, _, _ in self.actor.poll():
+            self.recent.append(ret)
+            self.episodes += 1
+
+    def _progress(self, started: float, eval_return) -> dict:
+        wall = time.perf_counter() - started
+        return {"env_steps": self.env_steps, "wall_s": wall, "steps_per_s": self.env_steps / max(wall, 1e-9),
+                "episodes": self.episodes, "mean_return_100": _mean(self.recent), "loss": self.last_loss,
+                "epsilon": self.epsilon(), "eval_return": eval_return}
+
+    def _folder(self):
+        if self.out_dir is None:
+            return None
+        from .run import RunFolder
+        folder = RunFolder(self.out_dir)
+        folder.write_config(self.config.to_dict())
+        return folder
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Everything a resume needs, as host arrays (synchronous)."""
+        self.stream.synchronize()
+        learner, replay, tree, actor = self.learner, self.learner.replay, self.learner.replay.tree, self.actor
+        out = {f"learner.{k}": v for k, v in learner.state_numpy().items()}
+        out.update({
+            "tree.nodes": tree.nodes.to_numpy(), "tree.leaves": tree.leaves.to_numpy(),
+            "tree.state": tree._state.to_numpy(),
+            "replay.obs": replay.obs.to_numpy(), "replay.next_obs": replay.next_obs.to_numpy(),
+            "replay.action": replay.action.to_numpy(), "replay.reward": replay.reward.to_numpy(),
+            "replay.done": replay.done.to_numpy(), "replay.state": replay.state.to_numpy(),
+            "env.states": actor.env.states.to_numpy(), "env.obs": actor.env.obs.to_numpy(),
+            "env.episode_steps": actor.env.episode_steps.to_numpy(),
+            "env.rng_counters": actor.env.rng_counters.to_numpy(),
+            "env.ep_return": actor.ep_return.to_numpy(), "loop": actor.loop.to_numpy(),
+            "gate": self.gate.to_numpy(),
+            "host": np.array([self.iterations, self.evaluations, self.episodes, actor.polled,
+                              learner.metrics.recorded], np.int64),
+            "host.recent": np.array(self.recent, np.float64),
+        })
+        return out
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Restore ``state_arrays()``; every array is checked before anything is written."""
+        current = self.state_arrays()
+        missing = sorted(set(current) - set(arrays) - {"host.recent"})
+        if missing:
+            raise ValueError(f"checkpoint lacks {missing}")
+        for key, now in current.items():
+            if key == "host.recent":
+                continue
+            got = np.asarray(arrays[key])
+            if got.shape != now.shape or got.dtype != now.dtype:
+                raise ValueError(f"checkpoint array {key} is {got.dtype}{got.shape}, this run needs "
+                                 f"{now.dtype}{now.shape}: it belongs to another configuration")
+        learner, replay, tree, actor = self.learner, self.learner.replay, self.learner.replay.tree, self.actor
+        learner.load_state({k.removeprefix("learner."): v for k, v in arrays.items() if k.startswith("learner.")})
+        for buf, key in ((tree.nodes, "tree.nodes"), (tree.leaves, "tree.leaves"), (tree._state, "tree.state"),
+                         (replay.obs, "replay.obs"), (replay.next_obs, "replay.next_obs"),
+                         (replay.action, "replay.action"), (replay.reward, "replay.reward"),
+                         (replay.done, "replay.done"), (replay.state, "replay.state"),
+                         (actor.env.states, "env.states"), (actor.env.obs, "env.obs"),
+                         (actor.env.episode_steps, "env.episode_steps"),
+                         (actor.env.rng_counters, "env.rng_counters"), (actor.ep_return, "env.ep_return"),
+                         (actor.loop, "loop"), (self.gate, "gate")):
+            buf.copy_from_numpy(np.ascontiguousarray(arrays[key]))
+        iterations, evaluations, episodes, polled, recorded = (int(v) for v in arrays["host"])
+        self.iterations, self.evaluations, self.episodes = iterations, evaluations, episodes
+        actor.polled = polled
+        learner.metrics.recorded = learner.metrics.polled = recorded
+        self.recent = deque((float(v) for v in arrays.get("host.recent", [])), maxlen=100)
+
+    def save_checkpoint(self, path) -> None:
+        from ..checkpoint import save_checkpoint
+        save_checkpoint(path, self.state_arrays(), {"config": self.config.to_dict(), "env_steps": self.env_steps})
+
+    def load_checkpoint(self, path) -> None:
+        from ..checkpoint import load_checkpoint
+        arrays, meta = load_checkpoint(path)
+        if meta.get("config") != self.config.to_dict():
+            raise ValueError(f"{path}: the checkpoint belongs to another configuration")
+        self.load_state_arrays(arrays)
+
+    def close(self) -> None:
+        self.actor.close()
+        self.eval_actor.close()
+        self.learner.close()
+        self.stream.close()
+
+
+def _derive_seed(seed: int, stream: int) -> int:
+    """Independent 64-bit seeds for the parts of a run, from the run's seed."""
+    return int(np.random.SeedSequence([seed, stream]).generate_state(1, np.uint64)[0])
+
+
+def _mean(values) -> float:
+    return float(np.mean(values)) if len(values) else float("nan")
