@@ -268,16 +268,18 @@ class Trainer:
         return float(np.mean([first[i] for i in range(actor.n)]))
 
     # ------------------------------------------------------------------ running
-    def run(self, callback=None, *, report_every_s: float = 1.0) -> dict:
-        """Train to ``total_steps`` env steps; ``callback(progress)`` on every report.
+    def run(self, callback=None, *, until: int | None = None, report_every_s: float = 1.0) -> dict:
+        """Train to ``total_steps`` env steps (or stop at ``until`` env steps, to
+        checkpoint and resume later); ``callback(progress)`` on every report.
 
         Returns the summary: wall time, env steps, episodes, learning steps,
-        the final greedy evaluation.
+        the final greedy evaluation (None when stopped before the end).
         """
         cfg = self.config
         if self._exe is None:
             self._exe = self._capture()
         total_iterations = -(-cfg.total_steps // cfg.n_envs)
+        stop_iterations = total_iterations if until is None else min(total_iterations, -(-until // cfg.n_envs))
         metrics = self.learner.metrics
         folder = self._folder()
         started = time.perf_counter()
@@ -288,7 +290,7 @@ class Trainer:
         in_flight = deque()
         events = [Event() for _ in range(3)]
         launch_index = 0
-        while self.iterations < total_iterations:
+        while self.iterations < stop_iterations:
             self._exe.launch(self.stream)
             for it in range(self.iterations, self.iterations + cfg.unroll):
                 if self._learns(it):
@@ -318,7 +320,7 @@ class Trainer:
                     folder.append_metrics(progress)
                 if callback is not None:
                     callback(progress)
-            if folder is not None and (self.env_steps >= next_checkpoint or self.iterations >= total_iterations):
+            if folder is not None and (self.env_steps >= next_checkpoint or self.iterations >= stop_iterations):
                 self.save_checkpoint(folder.checkpoint_path())
                 next_checkpoint += cfg.checkpoint_every
         self.stream.synchronize()
