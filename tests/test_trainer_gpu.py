@@ -50,8 +50,10 @@ def test_truncated_episodes_are_bootstrapped_and_store_the_true_final_obs(device
     trainer = Trainer(cfg)
     trainer.run()
     replay = trainer.learner.replay
-    obs, nxt = replay.obs.to_numpy(), replay.next_obs.to_numpy()
-    done, reward = replay.done.to_numpy(), replay.reward.to_numpy()
+    stored = replay.stored()
+    assert stored == 8 * 400
+    obs, nxt = replay.obs.to_numpy()[:stored], replay.next_obs.to_numpy()[:stored]
+    done, reward = replay.done.to_numpy()[:stored], replay.reward.to_numpy()[:stored]
     pos, npos = obs.argmax(1), nxt.argmax(1)
     assert np.all(obs.sum(1) == 1) and np.all(nxt.sum(1) == 1)  # one-hot: a real observation everywhere
     assert np.array_equal(done == 1, npos == 7)  # terminated exactly at the goal
