@@ -358,6 +358,9 @@ class Trainer:
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Everything a resume needs, as host arrays (synchronous)."""
         self.stream.synchronize()
+        # Read every finished episode now: a resumed run's ring starts empty, so
+        # the host's count must already match the device's.
+        self._drain(self.learner.metrics)
         learner, replay, tree, actor = self.learner, self.learner.replay, self.learner.replay.tree, self.actor
         out = {f"learner.{k}": v for k, v in learner.state_numpy().items()}
         out.update({
