@@ -30,6 +30,7 @@ step dump_graph python3 tools/dump_graph.py --out "$logs/demo.dot" --no-svg
 step dump_dqn python3 tools/dump_graph.py --what dqn-small --out "$logs/dqn-small.dot" --no-svg
 step audit python3 tools/audit_step.py
 step overfit python3 tools/overfit.py
+step train_cli python3 -m drvtrain train cartpole --seed 0 --out "$logs/run-cartpole-seed0"
 for bench in tools/bench_*.py; do
   step "$(basename "$bench" .py)" python3 "$bench"
 done
@@ -39,7 +40,7 @@ if [ "${SANITIZE:-1}" = 1 ] && { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",saniti
   # calls on purpose are deselected (every API error left is a real one), and
   # so are those that count free device memory, which the sanitizer moves.
   san_files="test_kernel_gpu test_memory_gpu test_graph_gpu test_nn_gpu test_sumtree_gpu test_replay_gpu
-             test_hardening_gpu test_dqn_gpu"
+             test_hardening_gpu test_dqn_gpu test_envs_gpu"
   mkdir -p "$logs/sanitizer"
   pids=()
   for f in $san_files; do

@@ -34,9 +34,9 @@ __all__ = ["TrainConfig", "Trainer", "ENV_DEFAULTS"]
 ENV_DEFAULTS = {
     "cartpole": dict(
         n_envs=10, total_steps=500_000, learning_starts=10_000, train_every=10, eps_start=1.0, eps_end=0.05,
-        eps_fraction=0.5, eval_every=50_000, eval_episodes=100,
+        eps_fraction=0.2, eval_every=50_000, eval_episodes=100,
         dqn=dict(hidden=(128, 128), batch=128, capacity=50_000, lr=2.5e-4, gamma=0.99, weight_decay=0.0,
-                 max_norm=10.0, tau=None, target_period=50, alpha=0.6, beta=(0.4, 1.0, 50_000),
+                 max_norm=10.0, tau=None, target_period=100, alpha=0.6, beta=(0.4, 1.0, 50_000),
                  spectral_c=None, tf32=True)),
 }
 
