@@ -37,9 +37,8 @@ def measure(cfg, args):
 
 
 def torch_times(cfg, args):
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
         return None
     from torch_dqn import TorchDQNStep
     t = TorchDQNStep(cfg.obs_dim, list(cfg.hidden), cfg.n_actions, cfg.batch, cfg.capacity, gamma=cfg.gamma,

@@ -14,7 +14,6 @@ synchronises only to evaluate or to checkpoint.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields, replace
