@@ -23,10 +23,11 @@ import json
 import math
 import os
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from .files import atomic_file
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "MAGIC", "load_checkpoint", "save_checkpoint"]
 
@@ -84,48 +85,22 @@ def save_checkpoint(path, arrays: dict, meta: dict) -> None:
     header += b" " * (_aligned(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            digest = hashlib.sha256()
+    with atomic_file(path, "wb") as f:
+        digest = hashlib.sha256()
 
-            def put(data) -> None:
-                digest.update(data)
-                f.write(data)
+        def put(data) -> None:
+            digest.update(data)
+            f.write(data)
 
-            put(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), payload_len))
-            put(header)
-            written = 0
-            for start, array in blobs:
-                if start > written:
-                    put(bytes(start - written))
-                put(array.reshape(-1).view(np.uint8).data)
-                written = start + array.nbytes
-            f.write(digest.digest())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename itself durable; not every platform can open a directory."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        put(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), payload_len))
+        put(header)
+        written = 0
+        for start, array in blobs:
+            if start > written:
+                put(bytes(start - written))
+            put(array.reshape(-1).view(np.uint8).data)
+            written = start + array.nbytes
+        f.write(digest.digest())
 
 
 def load_checkpoint(path) -> tuple[dict, dict]:

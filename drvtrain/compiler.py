@@ -17,7 +17,6 @@ import json
 import os
 import re
 import struct
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from pathlib import Path
 from cuda.bindings import nvrtc
 
 from .driver import check, nvrtc_version
+from .files import atomic_file
 
 __all__ = [
     "CompileError", "CacheWarning", "CompiledProgram", "KernelCache", "compile_source",
@@ -162,17 +162,9 @@ class KernelCache:
                               CacheWarning, stacklevel=4)
 
     def _write_atomic(self, path: Path, blob: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        # A cache entry need not survive a power cut: its checksum catches a torn one.
+        with atomic_file(path, "wb", durable=False) as f:
+            f.write(blob)
 
     def clear(self) -> int:
         """Delete every entry; returns how many were removed."""

@@ -1,6 +1,7 @@
 """NVRTC compilation to CUBIN and the on-disk cache (CPU only: NVRTC needs no GPU)."""
 import os
 import struct
+import tempfile
 import warnings
 
 import pytest
@@ -129,7 +130,7 @@ def test_read_only_cache_dir_degrades_with_a_warning(tmp_path, monkeypatch):
         # root writes through mode bits; make the write fail as a read-only mount would.
         def refuse(*a, **k):
             raise OSError(30, "Read-only file system")
-        monkeypatch.setattr(compiler.tempfile, "mkstemp", refuse)
+        monkeypatch.setattr(tempfile, "mkstemp", refuse)
     try:
         with pytest.warns(CacheWarning, match="not writable"):
             prog = compile_file("probe.cu", arch="sm_90", cache=cache)

@@ -17,11 +17,11 @@ import csv
 import io
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from ..files import atomic_file
 
 __all__ = ["METRIC_COLUMNS", "MetricsWriter", "RunFolder", "RunFolderError"]
 
@@ -33,19 +33,8 @@ class RunFolderError(ValueError):
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_file(path, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
 
 
 def _cell(value) -> str:
