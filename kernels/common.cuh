@@ -100,3 +100,26 @@ __device__ __forceinline__ void dt_raise(unsigned int* counts, unsigned int* pub
     const unsigned int c = atomicAdd(&counts[k], 1u) + 1u;
     reinterpret_cast<volatile unsigned int*>(published)[k] = c;
 }
+
+// ---------------------------------------------------------------- dependent launch
+// Programmatic dependent launch (sm_90+). A kernel launched with
+// Kernel.launch(..., dependent=True) may start while the kernel before it on the
+// stream is still running; dt_wait_prior_grid() blocks until that kernel has
+// finished and its writes are visible. Every drvtrain kernel calls it before its
+// first global memory access (read or write), so the overlap covers only launch
+// and block setup and no result can change. Without the launch attribute both
+// calls are no-ops.
+// dt_allow_dependents() lets the next kernel's blocks be scheduled once every
+// block of this grid has called it (or exited); calling it early is safe because
+// the next kernel still waits for this whole grid in dt_wait_prior_grid().
+__device__ __forceinline__ void dt_wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void dt_allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}

@@ -50,25 +50,16 @@ __device__ __forceinline__ double norm_floor(double n) { return n < 1e-12 ? 1e-1
 //   n_actions outside [1, DQN_MAX_ACTIONS] writes NaN to scalars and nothing else.
 // Scratch: partials = 3 * gridDim.x doubles; counter = one uint, zero on entry
 //   and on exit.
-// Launch: grid = ceil(batch / DQN_LOSS_THREADS), block DQN_LOSS_THREADS (64),
+// Launch: grid = ceil(batch / DQN_LOSS_THREADS), block DQN_LOSS_THREADS (32),
 //   one thread per sample. The block's rows of each Q array are contiguous, so
-//   they are staged through shared memory with coalesced loads (and dout is
-//   stored the same way).
+//   the three are staged through shared memory with coalesced loads, in one
+//   round (and dout is stored the same way).
 // Determinism: per-sample terms in double, fixed block trees, partials added in
 //   block order by the last block: bitwise reproducible for a fixed grid.
-constexpr int DQN_LOSS_THREADS = 64;
+constexpr int DQN_LOSS_THREADS = 32;
 constexpr int DQN_MAX_ACTIONS = 64;
 
 namespace {
-
-// Copies `count` contiguous floats from src + base into the block's tile.
-// The leading barrier frees the tile from its previous readers.
-__device__ __forceinline__ void stage_rows(float* tile, const float* src, long long base, int count) {
-    __syncthreads();
-#pragma unroll 4
-    for (int e = threadIdx.x; e < count; e += DQN_LOSS_THREADS) tile[e] = src[base + e];
-    __syncthreads();
-}
 
 // mean(A) of one row [V, A_0 .. A_{n-1}], summed in double in index order.
 __device__ __forceinline__ float advantage_mean(const float* row, int n_actions) {
@@ -89,8 +80,12 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
         const float* reward, const float* done, const float* weights, int batch, int n_actions,
         float gamma, float huber_delta, float* dout, float* priorities, float* scalars,
         double* partials, unsigned int* counter, int* a_star, const int* gate) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
     if (gate != nullptr && *gate) return;  // a step that is not due: nothing is written
-    __shared__ float tile[DQN_LOSS_THREADS * (1 + DQN_MAX_ACTIONS)];
+    // One tile per Q array, all staged in one round of loads (no barrier between
+    // the three), so the kernel waits for memory once, not three times.
+    __shared__ float tiles[3][DQN_LOSS_THREADS * (1 + DQN_MAX_ACTIONS)];
     if (n_actions < 1 || n_actions > DQN_MAX_ACTIONS) {
         if (blockIdx.x == 0 && threadIdx.x == 0) scalars[0] = scalars[1] = scalars[2] = quiet_nan();
         return;
@@ -103,18 +98,32 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
     const bool live = t < here;
     const long long base = j0 * cols;
     const int count = here * cols;
-    float* row = tile + t * cols;
+    int a = 0;
+    float r = 0.0f, d = 0.0f, w = 0.0f;
+    if (live) {  // the per-sample loads fly with the tiles'
+        a = action[j];
+        r = reward[j];
+        d = done[j];
+        w = weights[j];
+    }
+#pragma unroll 4
+    for (int e = t; e < count; e += DQN_LOSS_THREADS) {
+        tiles[0][e] = q_next_online[base + e];
+        tiles[1][e] = q_next_target[base + e];
+        tiles[2][e] = q_s[base + e];
+    }
+    __syncthreads();
 
     // a* = first argmax of Q_online(s', .); any NaN among those Q poisons td.
-    stage_rows(tile, q_next_online, base, count);
+    const float* row_next = tiles[0] + t * cols;
     int best_a = 0;
     bool poisoned = false;
     if (live) {
-        const float mean = advantage_mean(row, n_actions);
-        float best = dueling_q(row, 0, mean);
+        const float mean = advantage_mean(row_next, n_actions);
+        float best = dueling_q(row_next, 0, mean);
         poisoned = is_nan(best);
         for (int k = 1; k < n_actions; ++k) {
-            const float q = dueling_q(row, k, mean);
+            const float q = dueling_q(row_next, k, mean);
             poisoned |= is_nan(q);
             if (q > best) {
                 best = q;
@@ -125,22 +134,20 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
 
     if (live && a_star != nullptr) a_star[j] = best_a;
 
-    stage_rows(tile, q_next_target, base, count);
+    const float* row_target = tiles[1] + t * cols;
     float q_target = 0.0f;
-    if (live) q_target = dueling_q(row, best_a, advantage_mean(row, n_actions));
+    if (live) q_target = dueling_q(row_target, best_a, advantage_mean(row_target, n_actions));
 
-    stage_rows(tile, q_s, base, count);
+    float* row = tiles[2] + t * cols;
     double loss_j = 0.0, q_j = 0.0, abs_j = 0.0;
     if (live) {
-        const int a = action[j];
         const bool valid = a >= 0 && a < n_actions;
         const int ac = a < 0 ? 0 : (a >= n_actions ? n_actions - 1 : a);
         float q_sa = dueling_q(row, ac, advantage_mean(row, n_actions));
         if (!valid) q_sa = quiet_nan();
-        const float y = reward[j] + gamma * (1.0f - done[j]) * q_target;
+        const float y = r + gamma * (1.0f - d) * q_target;
         float td = y - q_sa;
         if (poisoned) td = quiet_nan();
-        const float w = weights[j];
         const float abs_td = fabsf(td);
         // Written so that a NaN td takes the branch that keeps it NaN.
         const float huber = abs_td < huber_delta ? 0.5f * td * td : huber_delta * (abs_td - 0.5f * huber_delta);
@@ -157,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
     }
     __syncthreads();
 #pragma unroll 4
-    for (int e = t; e < count; e += DQN_LOSS_THREADS) dout[base + e] = tile[e];
+    for (int e = t; e < count; e += DQN_LOSS_THREADS) dout[base + e] = tiles[2][e];
 
     const double block_loss = dt_block_sum<DQN_LOSS_THREADS>(loss_j);
     const double block_q = dt_block_sum<DQN_LOSS_THREADS>(q_j);
@@ -255,6 +262,8 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_columns(
         const float* params, const DtSpectralMatrix* mats, int n_mats, const float* u_all, float* v_all,
         double* partials, unsigned int* counters, const int* skip) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
     (void)counters;
     if (skip != nullptr && *skip != 0) return;
     DtSpectralMatrix mat;
@@ -326,6 +335,8 @@ extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_columns(
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
         const float* params, const DtSpectralMatrix* mats, int n_mats, float* u_all, const float* v_all,
         float c, float* sigma, float* scale, double* partials, unsigned int* counters, const int* skip) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
     if (skip != nullptr && *skip != 0) return;
     DtSpectralMatrix mat;
     int block = 0;

@@ -32,6 +32,8 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
         const float* scale, const float* sigma, float tau, int period, const int* adam_t, const int* skip,
         const float* scalars, const float* clip, const float* beta, long long* step_counter, float* ring,
         int ring_slots, unsigned int* skip_counts, unsigned int* skip_published, long long* skipped_step) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
     if (*skip == 2) return;  // a training loop's step that was not due: nothing happened
     const bool skipped = *skip != 0;
     if (blockIdx.x == 0 && threadIdx.x == 0) {

@@ -78,6 +78,8 @@ __device__ __forceinline__ int dt_env_step_one(int i, float* states, float* obs,
     extern "C" __global__ void __launch_bounds__(DT_ENV_THREADS) name##_reset(                                \
             float* states, float* obs, int* episode_steps, unsigned int* rng_counters, int n,                  \
             unsigned long long seed) {                                                                         \
+        dt_wait_prior_grid();                                                                                  \
+        dt_allow_dependents();                                                                                 \
         const int i = (int)dt_thread_index();                                                                  \
         if (i >= n) return;                                                                                    \
         float* state = states + (long long)i * Env::STATE_DIM;                                                 \
@@ -90,6 +92,8 @@ __device__ __forceinline__ int dt_env_step_one(int i, float* states, float* obs,
             float* states, float* obs, int* episode_steps, unsigned int* rng_counters, const int* actions,     \
             int n, unsigned long long seed, float* final_obs, float* reward, float* terminated,                \
             float* truncated) {                                                                                \
+        dt_wait_prior_grid();                                                                                  \
+        dt_allow_dependents();                                                                                 \
         const int i = (int)dt_thread_index();                                                                  \
         if (i >= n) return;                                                                                    \
         float r;                                                                                               \

@@ -123,6 +123,8 @@ __device__ __forceinline__ void dt_act_step_insert(
             float* r_obs, float* r_next_obs, int* r_action, float* r_reward, float* r_done, int capacity,      \
             long long* r_state, double* nodes, float* leaves, const float* max_leaf, int tree_height,          \
             int tree_internal, unsigned int* counter, double* episodes, int episode_slots) {                   \
+        dt_wait_prior_grid();                                                                                  \
+        dt_allow_dependents();                                                                                 \
         dt_act_step_insert<Env>(q, states, obs, episode_steps, rng_counters, n, seed, ep_return, loop,         \
                                 eps_start, eps_end, eps_steps, greedy, learning_starts, train_every, gate,     \
                                 r_obs, r_next_obs, r_action, r_reward, r_done, capacity, r_state, nodes,        \

@@ -14,6 +14,8 @@ constexpr int LOSS_THREADS = 256;
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS) mse_loss(const float* pred, const float* target, int n,
                                                            float* dpred, double* partials,
                                                            unsigned int* counter, float* loss) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
     const float scale = 2.0f / (float)n;
     double acc = 0.0;
     for (long long i = dt_thread_index(); i < n; i += dt_grid_stride()) {

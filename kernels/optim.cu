@@ -30,6 +30,8 @@ constexpr int ADAM_THREADS = 256;
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_clip(
         const float* grads, long long n, double* partials, unsigned int* counter, float max_norm,
         float* clip, int* step, const float* loss, float* ring, int ring_slots, int* skip, const int* gate) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
     if (gate != nullptr && *gate) {  // not due: later kernels see skip = 2 and do nothing either
         if (blockIdx.x == 0 && threadIdx.x == 0 && skip != nullptr) *skip = 2;
         return;
@@ -66,6 +68,8 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_clip(
 extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_step(
         float* params, const float* grads, float* m, float* v, long long n, float lr, double beta1,
         double beta2, float eps, float weight_decay, const float* clip, const int* step, const int* skip) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
     if (skip != nullptr && *skip) return;
     const float scale = clip[1];
     const int t = *step;

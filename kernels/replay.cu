@@ -19,6 +19,8 @@ extern "C" __global__ void __launch_bounds__(INSERT_THREADS) replay_insert(
         const float* in_obs, const float* in_next_obs, const int* in_action, const float* in_reward,
         const float* in_done, int n, long long* state, double* nodes, float* leaves,
         const float* max_leaf, int tree_height, int tree_internal, unsigned int* counter) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int t = blockIdx.x * INSERT_WARPS + warp;
     if (t < n) {

@@ -18,6 +18,8 @@ extern "C" __global__ void sumtree_update(double* nodes, float* leaves, float* m
                                           const int* indices, const float* priorities, float alpha,
                                           int n, int capacity, int height, int internal, const int* skip,
                                           unsigned int* err_counts, unsigned int* err_published) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
     // Nothing writes *skip here, so every thread sees the same value and the
     // warp-wide shuffles below are never split.
     if (skip != nullptr && *skip != 0) return;
@@ -65,6 +67,8 @@ constexpr int REBUILD_THREADS = 32 * REBUILD_WARPS;
 
 extern "C" __global__ void __launch_bounds__(REBUILD_THREADS) sumtree_rebuild(
         double* nodes, const float* leaves, int capacity, int height, int internal, unsigned int* counter) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
     __shared__ double level1[REBUILD_WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int offset1 = internal - dt_level_size(capacity, 1);
@@ -129,6 +133,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
         const float* obs, const float* next_obs, const int* action, const float* reward,
         const float* done, int obs_dim, float* batch_obs, float* batch_next_obs, int* batch_action,
         float* batch_reward, float* batch_done, const int* gate) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
     if (gate != nullptr && *gate) return;  // a training loop's step that is not due: no draw, no write
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j = blockIdx.x * SAMPLE_WARPS + warp;

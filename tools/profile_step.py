@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Per-kernel Nsight Compute table of one training step: time, achieved occupancy, limiting unit.
+
+Runs itself under ``ncu`` (``--ncu PATH``, default /usr/local/cuda/bin/ncu),
+profiling exactly one eagerly enqueued step after a few warm-up steps (the
+profiler is switched on around that step only), and prints one Markdown row per
+kernel launch in launch order: duration, grid x block, achieved occupancy, SM
+and memory throughput as % of peak, and the limiting unit. A kernel whose SM
+and memory throughput both stay under 30% of peak is reported as latency-bound:
+neither unit is busy, so its time is its own chain of dependent operations.
+
+What is profiled: ``dqn-small`` / ``dqn-large`` (the Double-DQN step of
+docs/step-spec.md) or ``engine-small`` / ``engine-large`` (the supervised step
+of tools/bench_engine.py). Eager launches compute what the captured graph does,
+so the table is the graph's, less the replay's own launch costs.
+"""
+import csv
+import io
+import os
+import subprocess
+import sys
+
+import _common
+from drvtrain import get_device
+
+METRICS = {
+    "gpu__time_duration.sum": "time",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm",
+    "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed": "mem",
+    "launch__grid_size": "grid",
+    "launch__block_size": "block",
+}
+WHAT = ("dqn-small", "dqn-large", "engine-small", "engine-large")
+
+
+def child(what: str, warmup: int) -> int:
+    """The profiled process: build the step, warm up, profile one step."""
+    import numpy as np
+    from cuda.bindings import driver
+
+    from drvtrain import Stream, check
+    stream = Stream()
+    kind, size = what.split("-")
+    if kind == "dqn":
+        from drvtrain.rl import DQNConfig, DQNStep
+        step = DQNStep(getattr(DQNConfig, size)())
+        step.fill_random(1, stream=stream)
+    else:
+        from drvtrain.nn import ParamLayout, RegressionStep
+        obs, hidden, actions, batch = {"small": (4, [256, 256], 2, 256), "large": (128, [1024, 1024], 18, 512)}[size]
+        widths = [obs] + hidden + [1 + actions]
+        rng = np.random.default_rng(0)
+        step = RegressionStep(ParamLayout.from_widths(widths), batch, lr=1e-4, weight_decay=1e-2)
+        step.x.copy_from_numpy(rng.standard_normal((batch, obs)).astype(np.float32))
+        step.target.copy_from_numpy(rng.standard_normal((batch, 1 + actions)).astype(np.float32))
+    for _ in range(warmup):
+        step.enqueue(stream=stream)
+    stream.synchronize()
+    check(driver.cuProfilerStart)
+    step.enqueue(stream=stream)
+    stream.synchronize()
+    check(driver.cuProfilerStop)
+    return 0
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return float("nan")
+
+
+def table(csv_text: str) -> list[dict]:
+    """ncu's ``--page raw --csv`` output as rows of the fields in METRICS."""
+    lines = [line for line in csv_text.splitlines() if line.startswith('"')]
+    reader = list(csv.reader(io.StringIO("\n".join(lines))))
+    if len(reader) < 3:
+        return []
+    header, units, data = reader[0], reader[1], reader[2:]
+    col = {name: i for i, name in enumerate(header)}
+    rows = []
+    for rec in data:
+        row = {"kernel": rec[col["Kernel Name"]].split("(")[0]}
+        for metric, key in METRICS.items():
+            value = rec[col[metric]] if metric in col else ""
+            unit = units[col[metric]] if metric in col else ""
+            if key == "time":
+                scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "ns": 1e-3, "us": 1.0}.get(unit, 1e-3)
+                row[key] = _number(value) * scale
+            elif key in ("grid", "block"):
+                row[key] = value.replace(",", "")
+            else:
+                row[key] = _number(value)
+        busiest = max(row["sm"], row["mem"])
+        row["limit"] = ("latency" if busiest < 30 else "SM" if row["sm"] >= row["mem"] else "memory")
+        rows.append(row)
+    return rows
+
+
+def print_table(what: str, rows: list[dict]) -> None:
+    total = sum(r["time"] for r in rows)
+    print(f"\n{what}: {len(rows)} kernels, {total:.1f} us of kernel time (sum of durations)\n")
+    print("| # | kernel | us | grid x block | occupancy % | SM % | memory % | limit |")
+    print("|---|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rows):
+        print(f"| {i} | {r['kernel']} | {r['time']:.2f} | {r['grid']} x {r['block']} | {r['occupancy']:.1f} | "
+              f"{r['sm']:.1f} | {r['mem']:.1f} | {r['limit']} |")
+
+
+def main(argv=None) -> int:
+    parser = _common.tool_parser(__doc__)
+    parser.add_argument("what", nargs="*", metavar="WHAT",
+                        help=f"steps to profile (default all: {', '.join(WHAT)})")
+    parser.add_argument("--ncu", default="/usr/local/cuda/bin/ncu", help="the ncu executable")
+    parser.add_argument("--warmup", type=int, default=3, help="eager steps before the profiled one (default 3)")
+    parser.add_argument("--child", action="store_true", help=argparse_hidden())
+    args = parser.parse_args(argv)
+    args.what = args.what or list(WHAT)
+    unknown = [w for w in args.what if w not in WHAT]
+    if unknown:
+        parser.error(f"unknown step(s) {', '.join(unknown)}; choose from {', '.join(WHAT)}")
+    if args.child:
+        return child(args.what[0], args.warmup)
+    get_device()  # no GPU: one line and exit 2, before starting the profiler
+    if not os.path.exists(args.ncu):
+        parser.error(f"--ncu {args.ncu}: no such file")
+    status = 0
+    for what in args.what:
+        print(f"profiling {what} ...", flush=True)
+        cmd = [args.ncu, "--profile-from-start", "off", "--csv", "--page", "raw", "--metrics", ",".join(METRICS),
+               sys.executable, os.path.abspath(__file__), "--child", "--warmup", str(args.warmup), what]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        rows = table(proc.stdout)
+        if proc.returncode != 0 or not rows:
+            print(f"ncu failed for {what} (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}",
+                  file=sys.stderr)
+            status = 1
+            continue
+        print_table(what, rows)
+    return status
+
+
+def argparse_hidden():
+    import argparse
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    sys.exit(_common.run(main))
