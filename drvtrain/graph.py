@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import re
+import tempfile
 import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -37,6 +39,9 @@ class KernelNode:
     shared_mem: int
 
 
+_PROGRAMMATIC = int(cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
+
+
 def _type_name(t) -> str:
     return t.name.removeprefix("CU_GRAPH_NODE_TYPE_").lower()
 
@@ -53,6 +58,7 @@ class Graph:
         self.keepalive: list = []
         self._finalizer = None
         self._nodes = None
+        self._edges = None
         if handle is not None:
             self._adopt(handle)
 
@@ -92,16 +98,37 @@ class Graph:
                                   (p.blockDimX, p.blockDimY, p.blockDimZ), p.sharedMemBytes))
         return out
 
+    def _edge_list(self) -> list[tuple[int, int, bool]]:
+        """(from, to, programmatic) per edge, read once: a captured graph never changes.
+
+        The edge data is read with the edges: a programmatic edge (from a
+        ``dependent=True`` launch) cannot be read without it.
+        """
+        if self._edges is None:
+            index = {int(n.handle): n.index for n in self.nodes()}
+            result = check(cu.cuGraphGetEdges, self.handle, 0)
+            count = result[-1]
+            edges = []
+            if count:
+                result = check(cu.cuGraphGetEdges, self.handle, count)
+                data = result[2] if len(result) > 3 else [None] * count
+                for a, b, d in zip(result[0], result[1], data):
+                    programmatic = d is not None and int(d.type) == _PROGRAMMATIC
+                    edges.append((index[int(a)], index[int(b)], programmatic))
+            self._edges = edges
+        return self._edges
+
     def edges(self) -> list[tuple[int, int]]:
-        """Dependencies as (from, to) node indices: ``to`` runs after ``from``."""
-        nodes = self.nodes()
-        index = {int(n.handle): n.index for n in nodes}
-        result = check(cu.cuGraphGetEdges, self.handle, 0)
-        count = result[-1]
-        if not count:
-            return []
-        result = check(cu.cuGraphGetEdges, self.handle, count)
-        return [(index[int(a)], index[int(b)]) for a, b in zip(result[0], result[1])]
+        """Dependencies as (from, to) node indices: ``to`` runs after ``from``.
+
+        A programmatic edge counts: ``to`` may start early, but waits for
+        ``from`` in ``dt_wait_prior_grid()``.
+        """
+        return [(a, b) for a, b, _ in self._edge_list()]
+
+    def programmatic_edges(self) -> list[tuple[int, int]]:
+        """The edges of programmatic dependent launches (``dependent=True``), as (from, to)."""
+        return [(a, b) for a, b, programmatic in self._edge_list() if programmatic]
 
     def node_for(self, handle) -> Node:
         """The Node of a raw ``CUgraphNode`` handle (e.g. from ``capture_frontier``)."""
@@ -170,16 +197,42 @@ class Graph:
         for k in self.kernel_nodes():
             lines.append(f"  kernel {k.function:<24} grid {k.grid} block {k.block}"
                          + (f" smem {k.shared_mem}" if k.shared_mem else ""))
+        programmatic = len(self.programmatic_edges())
+        if programmatic:
+            lines.append(f"programmatic edges (dependent launches): {programmatic}")
         lines.append(f"concurrent branches: {self.concurrent_branches()}")
         lines.append(f"longest dependent chain: {self.longest_chain()} nodes")
         return "\n".join(lines)
 
     def to_dot(self, path, verbose: bool = True) -> None:
-        """Write the graph as Graphviz DOT with ``cuGraphDebugDotPrint``."""
+        """Write the graph as Graphviz DOT with ``cuGraphDebugDotPrint``.
+
+        The driver draws a programmatic edge like any other; drvtrain dashes
+        it and labels it ``programmatic``.
+        """
         self._require()
         flags = (cu.CUgraphDebugDot_flags.CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE if verbose
                  else cu.CUgraphDebugDot_flags.CU_GRAPH_DEBUG_DOT_FLAGS_KERNEL_NODE_PARAMS)
         check(cu.cuGraphDebugDotPrint, self.handle, str(path).encode(), int(flags))
+        programmatic = self.programmatic_edges()
+        if not programmatic:
+            return
+        path = str(path)
+        with open(path) as f:
+            text = f.read()
+        if verbose:
+            handles_text = text
+        else:  # only the verbose dump names each DOT node's handle
+            with tempfile.TemporaryDirectory() as tmp:
+                verbose_path = f"{tmp}/graph.dot"
+                check(cu.cuGraphDebugDotPrint, self.handle, verbose_path.encode(),
+                      int(cu.CUgraphDebugDot_flags.CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE))
+                with open(verbose_path) as f:
+                    handles_text = f.read()
+        index = {int(n.handle): n.index for n in self.nodes()}
+        names = {name: index[h] for name, h in _dot_node_handles(handles_text).items() if h in index}
+        with open(path, "w") as f:
+            f.write(_mark_programmatic_edges(text, names, set(programmatic)))
 
     # -------------------------------------------------------------- execution
     def instantiate(self) -> "GraphExec":
@@ -230,6 +283,33 @@ class GraphExec:
     def close(self) -> None:
         self._finalizer()
         self.keepalive = []
+
+
+_DOT_NODE = re.compile(r'^"(graph_\d+_node_\d+)"\[', re.M)
+_DOT_HANDLE = re.compile(r"\{\{node handle \|[^}]*\} \| \{0x([0-9A-Fa-f]+)")
+_DOT_EDGE = re.compile(r'^("(graph_\d+_node_\d+)" -> "(graph_\d+_node_\d+)")(?: \[(.*)\])?;$', re.M)
+
+
+def _dot_node_handles(text: str) -> dict[str, int]:
+    """DOT node name -> node handle, from a verbose ``cuGraphDebugDotPrint`` dump."""
+    starts = list(_DOT_NODE.finditer(text))
+    found = {}
+    for m, end in zip(starts, [s.start() for s in starts[1:]] + [len(text)]):
+        h = _DOT_HANDLE.search(text, m.end(), end)
+        if h:
+            found[m.group(1)] = int(h.group(1), 16)
+    return found
+
+
+def _mark_programmatic_edges(text: str, names: dict[str, int], programmatic: set) -> str:
+    """Dash and label the DOT edges whose (from, to) node indices are in ``programmatic``."""
+    def mark(m):
+        a, b = names.get(m.group(2)), names.get(m.group(3))
+        if a is None or b is None or (a, b) not in programmatic:
+            return m.group(0)
+        attrs = (m.group(4) + " ") if m.group(4) else ""
+        return f'{m.group(1)} [{attrs}style="dashed" label="programmatic"];'
+    return _DOT_EDGE.sub(mark, text)
 
 
 def _topology(graph: Graph) -> tuple:

@@ -3,6 +3,11 @@
 A launch with the wrong number or kinds of arguments, or a grid or block the
 device cannot run, fails here with a TypeError or ValueError before any
 driver call.
+
+A plain launch goes through ``cuLaunchKernel``. The launch options
+(``dependent``, ``cluster``) go through ``cuLaunchKernelEx``, with the
+``CUlaunchConfig`` built once per launch shape and reused: only its stream
+changes from one launch to the next.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import ctypes
 import struct
 import warnings
 import weakref
+from contextlib import contextmanager
 from operator import is_ as _is
 
 import numpy as np
@@ -20,8 +26,14 @@ from .compiler import DEFAULT_OPTIONS, CompiledProgram, compile_file, compile_so
 from .driver import DeviceLimits, _tls, check, get_device, release
 
 _cuLaunchKernel = cu.cuLaunchKernel  # bound once: it is called on every launch
+_cuLaunchKernelEx = cu.cuLaunchKernelEx
 
-__all__ = ["Module", "Kernel", "ArgPack", "BoundLaunch", "load_module", "load_source", "parse_signature",
+# Thread block clusters of up to 8 blocks run on every device that has them;
+# 16 needs CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED on the function.
+PORTABLE_CLUSTER_SIZE = 8
+_OPTIONS_CC = (9, 0)  # programmatic dependent launch and clusters: Hopper and newer
+
+__all__ = ["dependent_launches", "Module", "Kernel", "ArgPack", "BoundLaunch", "load_module", "load_source", "parse_signature",
            "builtin_module"]
 
 # Argument kinds: their struct format and size. Every argument gets an 8-byte
@@ -158,20 +170,42 @@ def _dims(value, what: str) -> tuple[int, int, int]:
         dims = (int(value), 1, 1)
     else:
         try:
-            dims = tuple(int(v) for v in value)
-        except TypeError:
-            raise TypeError(f"{what} must be an int or a tuple of up to 3 ints, got {value!r}") from None
+            dims = tuple(int(v) for v in value) if not isinstance(value, (str, bytes)) else None
+        except (TypeError, ValueError):  # not iterable, or items that are not numbers
+            dims = None
+        if dims is None:
+            raise TypeError(f"{what} must be an int or a tuple of up to 3 ints, got {value!r}")
         if not 1 <= len(dims) <= 3:
             raise TypeError(f"{what} must have 1 to 3 dimensions, got {value!r}")
         dims = dims + (1,) * (3 - len(dims))
     return dims
 
 
+class _DynamicShared:
+    """A function's dynamic shared memory allowance, shared by every Kernel made from it.
+
+    Two Kernels of one ``CUfunction`` (say with and without ``fixed_block``)
+    share one ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``: one must
+    never lower what the other raised. Read from the driver on first need.
+    """
+    __slots__ = ("allowed", "static")
+
+    def __init__(self):
+        self.allowed: int | None = None  # the attribute as last read or set
+        self.static = 0  # bytes of the function's own __shared__ arrays
+
+
 class Kernel:
-    """A ``CUfunction`` with its argument signature and the limits its launches obey."""
+    """A ``CUfunction`` with its argument signature and the limits its launches obey.
+
+    ``compute_capability`` gates the launch options that need Hopper; it is
+    the module's device's unless given, and unknown (options refused) for a
+    kernel made without either.
+    """
 
     def __init__(self, function, name: str, signature, limits: DeviceLimits,
-                 max_threads: int | None = None, module=None, fixed_block: bool = False):
+                 max_threads: int | None = None, module=None, fixed_block: bool = False,
+                 compute_capability: tuple[int, int] | None = None, dynamic_shared=None):
         self.function = function
         self.name = name
         self.signature = parse_signature(signature)
@@ -184,8 +218,13 @@ class Kernel:
         self._module = module  # keeps the module loaded while the kernel lives
         self._pack = ArgPack(self.signature)
         self._validated: dict = {}  # launch shapes already checked
+        self._configs: dict = {}  # launch shapes with options: (grid, block, CUlaunchConfig)
         self.signature_checked = False  # set when the CUBIN's parameter sizes confirmed it
-        self._shared_raised = limits.max_shared_per_block
+        if compute_capability is None and module is not None:
+            compute_capability = module.device.compute_capability
+        self.compute_capability = tuple(compute_capability) if compute_capability else None
+        self._dependent_capable = bool(self.compute_capability) and self.compute_capability >= (9, 0)
+        self._dynamic_shared = dynamic_shared if dynamic_shared is not None else _DynamicShared()
 
     # -------------------------------------------------------------- validation
     def check_launch(self, grid, block, shared_mem: int = 0) -> tuple[tuple, tuple]:
@@ -210,13 +249,16 @@ class Kernel:
         if threads > self.max_threads:
             raise ValueError(f"{self.name}: block of {threads} threads exceeds this kernel's "
                              f"limit of {self.max_threads}")
-        if not 0 <= shared_mem <= lim.max_shared_per_block_optin:
-            raise ValueError(f"{self.name}: {shared_mem} bytes of dynamic shared memory exceed "
-                             f"the device's {lim.max_shared_per_block_optin}")
-        if shared_mem > self._shared_raised and self.function is not None:
-            check(cu.cuFuncSetAttribute, self.function,
-                  cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
-            self._shared_raised = shared_mem
+        if isinstance(shared_mem, bool) or not isinstance(shared_mem, (int, np.integer)):
+            raise TypeError(f"{self.name}: shared_mem must be a number of bytes, got {shared_mem!r}")
+        if shared_mem < 0:
+            raise ValueError(f"{self.name}: shared_mem = {shared_mem} bytes is negative")
+        if shared_mem > lim.max_shared_per_block_optin:
+            raise ValueError(f"{self.name}: {shared_mem} bytes of dynamic shared memory requested; the "
+                             f"device allows at most {lim.max_shared_per_block_optin} per block "
+                             f"(its opt-in maximum)")
+        if shared_mem and self.function is not None:
+            self._allow_dynamic_shared(int(shared_mem))
         if len(self._validated) < 64:
             try:
                 self._validated[(grid, block, shared_mem)] = (g, b)
@@ -224,14 +266,132 @@ class Kernel:
                 pass
         return g, b
 
+    def _allow_dynamic_shared(self, shared_mem: int) -> None:
+        """Raise the function's dynamic shared memory attribute to ``shared_mem`` if it is lower.
+
+        Beyond 48 KiB a block must opt in, per function. The attribute only
+        ever grows, so launches of any smaller size stay valid; what the
+        function's static ``__shared__`` arrays take counts against the
+        device's opt-in maximum too.
+        """
+        state = self._dynamic_shared
+        attr = cu.CUfunction_attribute
+        if state.allowed is None:
+            state.static = check(cu.cuFuncGetAttribute, attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                                 self.function)
+            state.allowed = check(cu.cuFuncGetAttribute,
+                                  attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.function)
+        if shared_mem <= state.allowed:
+            return
+        optin = self.limits.max_shared_per_block_optin
+        if shared_mem + state.static > optin:
+            raise ValueError(f"{self.name}: {shared_mem} bytes of dynamic shared memory requested; the "
+                             f"device's opt-in maximum is {optin} bytes per block and the kernel's "
+                             f"static __shared__ arrays take {state.static}, so at most "
+                             f"{optin - state.static} are available")
+        check(cu.cuFuncSetAttribute, self.function,
+              attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+        state.allowed = shared_mem
+
+    def _launch_config(self, grid, block, shared_mem, dependent, cluster) -> tuple:
+        """``(grid, block, CUlaunchConfig)`` for a launch with options, checked and memoised.
+
+        The config and its attributes are built once per shape; a launch only
+        sets its stream.
+        """
+        key = (grid, block, shared_mem, dependent, cluster)
+        try:
+            return self._configs[key]
+        except (KeyError, TypeError):
+            pass
+        g, b = self.check_launch(grid, block, shared_mem)
+        if not isinstance(dependent, (bool, np.bool_)):
+            raise TypeError(f"{self.name}: dependent must be True or False, got {dependent!r}")
+        attrs = []
+        if dependent:
+            self._require_options_cc("dependent=True (programmatic dependent launch)")
+            a = cu.CUlaunchAttribute()
+            a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            a.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(a)
+        if cluster is not None:
+            c = self._check_cluster(cluster, g)
+            a = cu.CUlaunchAttribute()
+            a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = c
+            attrs.append(a)
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = g
+        config.blockDimX, config.blockDimY, config.blockDimZ = b
+        config.sharedMemBytes = int(shared_mem)
+        config.attrs = attrs  # copied into the config's own array
+        config.numAttrs = len(attrs)
+        entry = (g, b, config)
+        if len(self._configs) < 64:
+            try:
+                self._configs[key] = entry
+            except TypeError:
+                pass
+        return entry
+
+    def _check_cluster(self, cluster, g) -> tuple[int, int, int]:
+        c = _dims(cluster, "cluster")
+        self._require_options_cc(f"cluster={cluster!r} (thread block clusters)")
+        if min(c) < 1:
+            raise ValueError(f"{self.name}: cluster dimensions must be at least 1, got {c}")
+        size = c[0] * c[1] * c[2]
+        if size > PORTABLE_CLUSTER_SIZE:
+            raise ValueError(f"{self.name}: a cluster of {c} is {size} blocks; the portable maximum "
+                             f"is {PORTABLE_CLUSTER_SIZE} (16 would need the non-portable cluster "
+                             f"size attribute on the function, which drvtrain does not set)")
+        for axis in range(3):
+            if g[axis] % c[axis]:
+                raise ValueError(f"{self.name}: grid {g} is not divisible by cluster {c} along "
+                                 f"{'xyz'[axis]}")
+        return c
+
+    def _require_options_cc(self, what: str) -> None:
+        cc = self.compute_capability
+        if cc is None or cc < _OPTIONS_CC:
+            have = "an unknown device" if cc is None else f"compute capability {cc[0]}.{cc[1]}"
+            raise ValueError(f"{self.name}: {what} needs compute capability "
+                             f"{_OPTIONS_CC[0]}.{_OPTIONS_CC[1]} or newer; the kernel's device has {have}")
+
     # -------------------------------------------------------------- launching
-    def launch(self, grid, block, *args, stream, shared_mem: int = 0) -> None:
+    def launch(self, grid, block, *args, stream, shared_mem: int = 0, dependent: bool = False,
+               cluster=None) -> None:
         """Pack ``args`` into the kernel's reusable pack and launch on ``stream``.
 
         The hot path of every eager launch: a memoised shape check, and
         arguments that are the very objects of the previous launch are not
         packed again.
+
+        ``shared_mem``: bytes of dynamic (``extern __shared__``) shared memory.
+        Above 48 KiB the function's limit is raised once, up to the device's
+        opt-in maximum less the kernel's static shared arrays; more is refused.
+
+        ``dependent=True``: programmatic dependent launch (compute capability
+        9.0+). The kernel may start while the kernel before it on the stream
+        is still running, eagerly and in a captured graph (a programmatic
+        edge). The contract: the kernel calls ``dt_wait_prior_grid()``
+        (common.cuh) in every thread before its first global memory access,
+        read or write, that could touch what earlier work writes or reads;
+        that call returns once the previous kernel has finished and its
+        writes are visible. Work before it (index math, shared memory setup)
+        overlaps the previous kernel's tail; a kernel that never calls it is
+        not ordered after the previous kernel at all. The previous kernel may
+        call ``dt_allow_dependents()`` to let this one start even earlier.
+        After work that is not a kernel (a copy, an event wait) the launch is
+        ordered as usual.
+
+        ``cluster=(x, y, z)``: launch as thread block clusters of that shape
+        (compute capability 9.0+); the grid must divide by it, and a cluster
+        is at most 8 blocks (the portable size).
         """
+        if dependent or cluster is not None or (_dependent_scope[0] and self._dependent_capable):
+            self._launch_with_options(grid, block, args, stream, shared_mem,
+                                      dependent or (_dependent_scope[0] and self._dependent_capable), cluster)
+            return
         try:
             g, b = self._validated[(grid, block, shared_mem)]
         except (KeyError, TypeError):
@@ -242,8 +402,27 @@ class Kernel:
             pack.pack(args)
         _launch(self, g, b, shared_mem, stream, pack)
 
-    def bind(self, grid, block, *args, shared_mem: int = 0) -> "BoundLaunch":
-        """A launch with its arguments packed once, for replaying many times."""
+    def _launch_with_options(self, grid, block, args, stream, shared_mem, dependent, cluster) -> None:
+        # Every option is checked before the pack is touched, so a refused
+        # launch leaves the pack matching its references.
+        _, _, config = self._launch_config(grid, block, shared_mem, dependent, cluster)
+        pack = self._pack
+        if len(args) != len(pack.refs) or not all(map(_is, args, pack.refs)):
+            pack.pack(args)
+        _launch_ex(self, config, stream, pack)
+
+    def bind(self, grid, block, *args, shared_mem: int = 0, dependent: bool = False,
+             cluster=None) -> "BoundLaunch":
+        """A launch with its arguments packed once, for replaying many times.
+
+        The options are those of :meth:`launch`.
+        """
+        if dependent or cluster is not None:
+            g, b, config = self._launch_config(grid, block, shared_mem, dependent, cluster)
+            pack = ArgPack(self.signature)
+            pack.pack(args)
+            cluster_dims = None if cluster is None else _dims(cluster, "cluster")
+            return _BoundLaunchWithOptions(self, g, b, shared_mem, pack, config, bool(dependent), cluster_dims)
         g, b = self.check_launch(grid, block, shared_mem)
         pack = ArgPack(self.signature)
         pack.pack(args)
@@ -251,6 +430,26 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"<Kernel {self.name}({', '.join(self.signature)})>"
+
+
+_dependent_scope = [False]
+
+
+@contextmanager
+def dependent_launches(enabled: bool = True):
+    """Inside the block, every ``Kernel.launch`` is a dependent launch
+    (``dependent=True``) on devices of compute capability 9.0+; elsewhere the
+    block changes nothing. For code that queues only kernels honouring the
+    ``dt_wait_prior_grid()`` contract, as every kernel of drvtrain does: a
+    training step wraps its enqueue in it, eagerly and under capture alike.
+    ``enabled=False`` makes the block a no-op, so callers can pass a setting.
+    Scopes nest; the outer setting is restored on exit."""
+    previous = _dependent_scope[0]
+    _dependent_scope[0] = bool(enabled) or previous
+    try:
+        yield
+    finally:
+        _dependent_scope[0] = previous
 
 
 def _keep_for_captures(captures, kernel, refs) -> None:
@@ -274,8 +473,30 @@ def _launch(kernel: Kernel, g, b, shared_mem, stream, pack: ArgPack) -> None:
         _driver.raise_status("cuLaunchKernel", status)
 
 
+def _launch_ex(kernel: Kernel, config, stream, pack: ArgPack) -> None:
+    """``cuLaunchKernelEx`` with a memoised config: only the stream is set per launch.
+
+    Like the pack, the config is the kernel's own; a Kernel is launched from
+    one thread at a time.
+    """
+    try:
+        handle = stream.handle
+    except AttributeError:
+        raise TypeError("stream must be a drvtrain Stream; the legacy stream is never used") from None
+    captures = getattr(_tls, "captures", None)
+    if captures:
+        _keep_for_captures(captures, kernel, pack.refs)
+    config.hStream = handle
+    status, = _cuLaunchKernelEx(config, kernel.function, pack.address, 0)
+    if status:
+        _driver.raise_status("cuLaunchKernelEx", status)
+
+
 class BoundLaunch:
     """A kernel, its launch shape and its packed arguments."""
+
+    dependent = False
+    cluster = None
 
     def __init__(self, kernel: Kernel, grid, block, shared_mem: int, pack: ArgPack):
         self.kernel, self.grid, self.block, self.shared_mem, self.pack = kernel, grid, block, shared_mem, pack
@@ -285,6 +506,18 @@ class BoundLaunch:
 
     def launch(self, stream) -> None:
         _launch(self.kernel, self.grid, self.block, self.shared_mem, stream, self.pack)
+
+
+class _BoundLaunchWithOptions(BoundLaunch):
+    """A BoundLaunch with launch options: replayed through ``cuLaunchKernelEx``."""
+
+    def __init__(self, kernel: Kernel, grid, block, shared_mem: int, pack: ArgPack, config,
+                 dependent: bool, cluster):
+        super().__init__(kernel, grid, block, shared_mem, pack)
+        self.config, self.dependent, self.cluster = config, dependent, cluster
+
+    def launch(self, stream) -> None:
+        _launch_ex(self.kernel, self.config, stream, self.pack)
 
 
 class Module:
@@ -300,6 +533,7 @@ class Module:
         # Weak: a kernel keeps its module loaded, not the other way round, so
         # dropping the last reference frees a module without waiting for the GC.
         self._kernels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._dynamic_shared: dict[str, _DynamicShared] = {}  # per function symbol
 
     def kernel(self, name: str, signature, *, fixed_block: bool = False) -> Kernel:
         """The kernel ``name`` (a function name or a compiled name expression).
@@ -316,7 +550,8 @@ class Module:
             max_threads = check(cu.cuFuncGetAttribute,
                                 cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, function)
             kern = Kernel(function, name, key[1], self.device.limits, max_threads, module=self,
-                          fixed_block=fixed_block)
+                          fixed_block=fixed_block,
+                          dynamic_shared=self._dynamic_shared.setdefault(symbol, _DynamicShared()))
             _check_param_sizes(kern, function)
             self._kernels[key] = kern
         return kern

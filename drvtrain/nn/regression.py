@@ -5,7 +5,7 @@ import numpy as np
 
 from ..driver import get_device
 from ..graph import GraphExec, capture
-from ..kernel import builtin_module
+from ..kernel import builtin_module, dependent_launches
 from ..memory import Arena, DeviceBuffer
 from .layout import FlatBuffer, ParamLayout
 from .metrics import Metrics
@@ -25,8 +25,10 @@ class RegressionStep:
 
     def __init__(self, layout: ParamLayout, batch: int, *, lr: float = 1e-3, weight_decay: float = 0.0,
                  max_norm: float = 10.0, tf32: bool = True, seed: int = 0, arena_active: bool = True,
-                 metrics_slots: int = 1024, params: np.ndarray | None = None):
+                 metrics_slots: int = 1024, params: np.ndarray | None = None,
+                 dependent_launch: bool = True):
         self.layout, self.batch = layout, int(batch)
+        self.dependent_launch = bool(dependent_launch)
         self.params = FlatBuffer(layout, layout.init_numpy(seed) if params is None else params)
         self.grads = FlatBuffer(layout)
         self.mlp = MLP(layout, tf32=tf32)
@@ -45,7 +47,12 @@ class RegressionStep:
                            zeroed_bytes=self.mlp.zeroed_bytes(self.batch) + 256, active=arena_active)
 
     def enqueue(self, *, stream) -> None:
-        """Queue one step on ``stream`` (eagerly, or into a capture)."""
+        """Queue one step on ``stream`` (eagerly, or into a capture); with
+        ``dependent_launch`` (the default) every kernel is a dependent launch."""
+        with dependent_launches(self.dependent_launch):
+            self._enqueue(stream)
+
+    def _enqueue(self, stream) -> None:
         self.arena.reset()
         fwd = self.mlp.forward(self.params, self.x, arena=self.arena, stream=stream)
         out = fwd.output

@@ -23,7 +23,7 @@ from ..audit import CallCounts, Criterion, classify, count_driver_calls
 from ..driver import active_captures, get_device
 from ..flags import ErrorFlags
 from ..graph import Graph, GraphExec, capture, capture_frontier
-from ..kernel import builtin_module
+from ..kernel import builtin_module, dependent_launches
 from ..memory import Arena, DeviceBuffer, MappedBuffer
 from ..nn.layout import FlatBuffer, ParamLayout
 from ..nn.metrics import Metrics
@@ -76,6 +76,9 @@ class DQNConfig:
     and ``target_period`` (hard copy every K optimizer steps) is set.
     ``spectral_c`` None turns the spectral projection off; ``spectral_layers``
     None means every hidden layer (every layer but the output layer).
+    ``dependent_launch`` launches every kernel of the step as a programmatic
+    dependent launch (compute capability 9.0+; ignored below): each kernel's
+    launch overlaps the tail of the one before, and no result changes.
     """
     obs_dim: int
     n_actions: int
@@ -98,6 +101,7 @@ class DQNConfig:
     spectral_layers: tuple | None = None
     seed: int = 0
     dual_stream: bool = True
+    dependent_launch: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "hidden", tuple(self.hidden))
@@ -147,6 +151,9 @@ class DQNConfig:
         if self.spectral_layers is not None and len(set(self.spectral_layers)) != len(self.spectral_layers):
             raise ValueError(f"spectral_layers repeats a layer: {self.spectral_layers}")
         _positive_int("seed", self.seed, 0, 2**63 - 1)
+        for flag in ("tf32", "dual_stream", "dependent_launch"):
+            if not isinstance(getattr(self, flag), (bool, np.bool_)):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 
     @property
     def widths(self) -> list[int]:
@@ -281,6 +288,10 @@ class DQNStep:
         kernels return at once and nothing changes, counters and metrics
         included (a training loop captures the step once and gates it).
         """
+        with dependent_launches(self.config.dependent_launch):
+            self._enqueue(stream, uniforms, gate)
+
+    def _enqueue(self, stream, uniforms, gate) -> None:
         cfg = self.config
         b, a = cfg.batch, cfg.n_actions
         arena, mlp = self.arena, self.online_mlp

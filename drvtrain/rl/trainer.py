@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..graph import capture
+from ..kernel import dependent_launches
 from ..memory import Arena, DeviceBuffer, MappedBuffer
 from ..stream import Event, Stream
 from .dqn import DQNConfig, DQNStep
@@ -145,6 +146,10 @@ class _Actor:
 
     def enqueue(self, learner: DQNStep, *, stream, greedy: bool, eps=(1.0, 0.05, 1), schedule=(0, 1),
                 gate=None, replay=None) -> None:
+        with dependent_launches(learner.config.dependent_launch):
+            self._enqueue(learner, stream, greedy, eps, schedule, gate, replay)
+
+    def _enqueue(self, learner, stream, greedy, eps, schedule, gate, replay) -> None:
         self.arena.reset()
         q = learner.online_mlp.forward(learner.params, self.env.obs, arena=self.arena, stream=stream).output
         r = replay
