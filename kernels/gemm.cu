@@ -1,41 +1,389 @@
-// Tiled GEMM with fused epilogues: the linear layers of drvtrain's MLPs.
+// Tiled GEMMs with fused epilogues: the linear layers of drvtrain's MLPs.
 //
 //   C[i, j] = sum_k A(i, k) * B(k, j)
 //
 // Each operand is stored either "k-fast" (k contiguous) or "row-fast" (i, resp. j,
-// contiguous), fixed per kernel at compile time so the tile loaders are a pointer
-// walk with no per-element index arithmetic; lda/ldb are the other stride:
+// contiguous), fixed per kernel at compile time; lda/ldb are the other stride:
 //   A k-fast: A(i, k) = A[i*lda + k]      A row-fast: A(i, k) = A[i + k*lda]
 //   B k-fast: B(k, j) = B[j*ldb + k]      B row-fast: B(k, j) = B[j + k*ldb]
-// The kernels are the three products of a linear layer Y = X W^T + b:
-//   linear_forward[_relu]_{tf32,f32}  Y = X W^T + b (+ ReLU)      A = X k-fast, B = W k-fast
-//   linear_grad_input_f32            dX = (dY W) * (X > 0)       A = dY k-fast, B = W row-fast
-//   linear_grad_weight_f32           dW = dY^T X, db = sum_m dY   A = dY row-fast, B = X row-fast
 // C is row-major with leading dimension ldc; `mask` is row-major with ldm.
+// The kernels are the three products of a linear layer Y = X W^T + b:
+//   linear_forward[_relu]_<tile>_<cp>_tf32    Y = X W^T + b (+ ReLU)      A = X k-fast,  B = W k-fast
+//   linear_grad_input_<tile>_<cp>_3xtf32     dX = (dY W) * (X > 0)       A = dY k-fast, B = W row-fast
+//   linear_grad_weight_<tile>_<cp>_3xtf32    dW = dY^T X, db = sum_m dY   A = dY row-fast, B = X row-fast
+//   linear_forward[_relu]_f32, linear_grad_input_f32, linear_grad_weight_f32: the same on FP32 FFMA.
 //
-// Arithmetic:
-//   *_tf32: tensor cores, mma.sync m16n8k8 TF32 inputs with FP32 accumulation;
-//           128 threads, 64x64 block tile, 2x2 warps of 32x32.
-//   *_f32:  exact FP32 FFMA; 256 threads, 64x64 block tile, 4x4 outputs per thread.
-// Tiles are 64 deep in k, with the next tile's loads in flight during the current
-// one. Launch: grid (ceil(N/64), ceil(M/64), S), block 128 (tf32) or 256 (f32); S > 1
-// splits the k range over S blocks per output tile (see Output), so that small
-// products still spread over the SMs.
-// Determinism: every output is one thread's accumulation in a fixed k order; db is
-// summed by the blocks of grid column 0 in a fixed order. No atomics.
+// Tensor-core kernels: mma.sync m16n8k8 with FP32 accumulation, operands staged
+// in shared memory in their global layout by cp.async through a ring of stages.
+//   *_tf32:   one MMA on operands rounded to TF32 (round to nearest, as cvt.rna):
+//             about 1e-3 relative.
+//   *_3xtf32: x = big + small with big = tf32(x), small = tf32(x - big); each step
+//             adds small_a*big_b, big_a*small_b, then big_a*big_b into a fragment
+//             that is added to the FP32 accumulator with an FADD once per k tile
+//             (the tensor cores do not round their own sums to nearest): FP32
+//             accuracy, about 2e-7 relative against float64 on random data.
+//   <tile>:   64x64: 128 threads, 4 warps of 32x32 outputs, k tiles of 32, 2 stages
+//                    (36 KB of shared memory at most);
+//             32x32: 128 threads, 4 warps of 16x16 outputs, k tiles of 16, 4 stages
+//                    (20 KB), so several blocks share an SM on the small products.
+//             Static shared memory stays under 48 KB, which caps the 128-row tiles
+//             at 2 stages of 16: they measured slower than both on the H200.
+//   <cp>:     cp16: 16-byte copies; needs lda, ldb multiples of 4 floats and A, B
+//             16-byte aligned (drvtrain.nn.mlp.vector_width decides).
+//             cp4: 4-byte copies, any stride and alignment.
+//   Out-of-range elements are zero-filled by the copy (src-size below cp-size).
+// FFMA kernels: exact FP32; 256 threads, 64x64 block tile, k tiles of 64.
+// Launch: grid (ceil(N/BN), ceil(M/BM), S), block = the kernel's __launch_bounds__;
+// drvtrain.nn.mlp.plan picks the tile and S.
+// S > 1 splits the k range over S blocks per output tile: each writes its sums to
+// `workspace`, and the last block of the tile to arrive (dt_last_block on a counter
+// per tile) adds the S partials in z order and applies the epilogue.
+// Determinism: every output is one thread's accumulation in a fixed k order plus a
+// fixed z order over the splits; db is summed in FP32 by the blocks of grid column
+// 0, in a fixed order. No atomics on data: bitwise reproducible for a fixed launch.
 #include "common.cuh"
 
 namespace {
 
-constexpr int BM = 64, BN = 64, BK = 64, PAD = 4;  // PAD keeps fragment loads conflict-free
-
 enum { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_RELU = 2, EPI_MASK = 3 };
 
-__device__ __forceinline__ unsigned int to_tf32(float x) {
-    unsigned int r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
+template <int EPI>
+__device__ __forceinline__ float epilogue_value(float v, float bias, float mask) {
+    if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) v += bias;
+    if (EPI == EPI_BIAS_RELU) v = fmaxf(v, 0.0f);
+    // The layer input is relu(z), and relu(z) > 0 exactly when z > 0, so the mask
+    // of the saved activation equals the mask of the pre-activation.
+    if (EPI == EPI_MASK && !(mask > 0.0f)) v = 0.0f;
+    return v;
 }
+
+// ================================================================= tensor cores
+namespace tc {
+
+enum { PREC_TF32 = 1, PREC_3XTF32 = 3 };
+
+template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int BK_, int STAGES_>
+struct Config {
+    static constexpr int BM = BM_, BN = BN_, BK = BK_, STAGES = STAGES_;
+    static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_;
+    static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+    static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // one warp's outputs
+    static constexpr int MI = WM / 16, NI = WN / 8;              // its m16n8 fragments
+    static_assert(WM % 16 == 0 && WN % 8 == 0 && BK % 8 == 0, "tile shape");
+    static_assert(THREADS >= BM, "one thread per row sums db");
+};
+
+using Tile64x64 = Config<64, 64, 2, 2, 32, 2>;
+using Tile32x32 = Config<32, 32, 2, 2, 16, 4>;
+
+// One operand's tile in shared memory, in its global layout. Row strides make the
+// m16n8k8 fragment loads conflict-free: lane (g, t) = (lane / 4, lane % 4) reads
+// (row g, depth t) at g*S + t (k-fast, S % 8 == 4) or t*S + g (row-fast,
+// S % 16 == 8): 32 distinct banks either way. S is a multiple of 4, so every
+// 16-byte copy lands aligned.
+template <int ROWS, int BK, bool KFAST>
+struct Smem {
+    static constexpr int STRIDE = KFAST ? BK + 4 : ROWS + 8;
+    static constexpr int LINES = KFAST ? ROWS : BK;
+    static constexpr int FLOATS = LINES * STRIDE;
+    static_assert(KFAST ? STRIDE % 8 == 4 : STRIDE % 16 == 8, "padding must keep fragment loads conflict-free");
+    __device__ static __forceinline__ int at(int r, int k) { return KFAST ? r * STRIDE + k : k * STRIDE + r; }
+};
+
+template <int W>
+__device__ __forceinline__ void cp_async(unsigned int dst, const float* src, int bytes) {
+    if (W == 4)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Moves one operand's ROWS x BK tiles into shared memory. A tile is LINES lines
+// (rows when k-fast, depths when row-fast) of a contiguous extent; consecutive
+// threads copy consecutive W-float pieces of a line, and each thread walks down
+// the lines with a fixed stride, so only "outer" (the line) and "inner" (the
+// position along it) need bounds.
+template <int ROWS, int BK, int THREADS, bool KFAST, bool VEC>
+struct Loader {
+    using S = Smem<ROWS, BK, KFAST>;
+    static constexpr int W = VEC ? 4 : 1;
+    static constexpr int PER_LINE = (KFAST ? BK : ROWS) / W;
+    static_assert(THREADS % PER_LINE == 0, "a round covers whole lines");
+    static constexpr int STEP = THREADS / PER_LINE;  // lines per round
+    static_assert(S::LINES % STEP == 0, "whole rounds per tile");
+    static constexpr int ROUNDS = S::LINES / STEP;
+
+    const float* base;
+    const float* ptr;  // this thread's first element of the next tile
+    long long ld;
+    int outer, outer_end, inner, inner_end;
+    unsigned int dst;  // byte offset of this thread's first element within a tile
+
+    __device__ __forceinline__ Loader(const float* base_, int ld_, int row0, int rows, int k0, int k_end)
+        : base(base_), ld(ld_) {
+        const int along = (threadIdx.x % PER_LINE) * W, line = threadIdx.x / PER_LINE;
+        if (KFAST) {
+            outer = row0 + line, outer_end = rows, inner = k0 + along, inner_end = k_end;
+        } else {
+            outer = k0 + line, outer_end = k_end, inner = row0 + along, inner_end = rows;
+        }
+        ptr = base + (long long)outer * ld + inner;
+        dst = (unsigned int)(line * S::STRIDE + along) * 4u;
+    }
+
+    // Queue the copies of the next tile into the tile at shared address `tile`.
+    __device__ __forceinline__ void load(unsigned int tile) {
+        const int inner_bytes = 4 * max(0, min(W, inner_end - inner));
+#pragma unroll
+        for (int c = 0; c < ROUNDS; ++c) {
+            const int bytes = outer + c * STEP < outer_end ? inner_bytes : 0;
+            const float* src = bytes ? ptr + c * STEP * ld : base;  // never form a wild address
+            cp_async<W>(tile + dst + c * STEP * S::STRIDE * 4, src, bytes);
+        }
+        if (KFAST) {
+            inner += BK;
+            ptr += BK;
+        } else {
+            outer += BK;
+            ptr += BK * ld;
+        }
+    }
+};
+
+// TF32 operands. The tensor cores ignore the low 13 bits of a TF32 operand, so
+// adding half their unit first rounds to nearest, ties away from zero: the bits
+// of cvt.rna.tf32.f32 for every finite x, in one integer add instead of the four
+// instructions sm_90 spends on cvt.rna. 3xTF32: big = tf32(x), small = tf32(x - big),
+// x - big exact in FP32.
+template <int PREC>
+__device__ __forceinline__ void split(float x, unsigned int& big, unsigned int& small) {
+    big = __float_as_uint(x) + 0x1000u;
+    if (PREC == PREC_3XTF32) small = __float_as_uint(x - __uint_as_float(big & 0xffffe000u)) + 0x1000u;
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The split-k workspace of a launch (floats):
+//   partials: tiles * S * BM * BN, tile-major, in fragment order (fully coalesced);
+//   row sums (grad-weight only): gridDim.y * S * BM, after the partials.
+template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC>
+__device__ __forceinline__ void gemm(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
+                                     int N, int K, const float* bias, const float* mask, int ldm, float* col_sum,
+                                     float* workspace, unsigned int* counters) {
+    constexpr int BM = CFG::BM, BN = CFG::BN, BK = CFG::BK, STAGES = CFG::STAGES, THREADS = CFG::THREADS;
+    constexpr int MI = CFG::MI, NI = CFG::NI;
+    using SA = Smem<BM, BK, A_KFAST>;
+    using SB = Smem<BN, BK, B_KFAST>;
+    constexpr int STAGE = SA::FLOATS + SB::FLOATS;
+    __shared__ __align__(16) float smem[STAGES * STAGE];
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wm = warp / CFG::WARPS_N, wn = warp % CFG::WARPS_N;
+    const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
+    const int splits = gridDim.z, z = blockIdx.z;
+    // This block's share of k: whole BK-deep tiles, split evenly over gridDim.z.
+    const int k_tiles = (K + BK - 1) / BK, per = (k_tiles + splits - 1) / splits;
+    const int kb = min(K, z * per * BK), ke = min(K, kb + per * BK);
+    const int tiles = (ke - kb + BK - 1) / BK;
+    // A warp whose outputs all fall outside C skips the arithmetic (N = 3, say).
+    const bool active = i0 + wm * CFG::WM < M && j0 + wn * CFG::WN < N;
+    const bool sums = EPI == EPI_NONE && col_sum != nullptr && blockIdx.x == 0;
+
+    Loader<BM, BK, THREADS, A_KFAST, VEC> la(A, lda, i0, M, kb, ke);
+    Loader<BN, BK, THREADS, B_KFAST, VEC> lb(B, ldb, j0, N, kb, ke);
+    const unsigned int smem0 = (unsigned int)__cvta_generic_to_shared(smem);
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.0f;
+    float row_sum = 0.0f;
+
+    // Each thread's fragment elements sit at fixed offsets from one base per
+    // operand: (row wm*WM + g, depth t) for A, (column wn*WN + g, depth t) for B.
+    const int a_base = SA::at(wm * CFG::WM + g, t), b_base = SB::at(wn * CFG::WN + g, t);
+
+    // Prologue: STAGES - 1 tiles in flight. Every thread commits one group per
+    // tile slot, empty or not, so wait_group counts stay uniform.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < tiles) {
+            la.load(smem0 + s * STAGE * 4);
+            lb.load(smem0 + (s * STAGE + SA::FLOATS) * 4);
+        }
+        cp_async_commit();
+    }
+    int read_slot = 0, write_slot = STAGES - 1;
+    for (int kt = 0; kt < tiles; ++kt) {
+        cp_async_wait<STAGES - 2>();
+        // Tile kt has landed for every thread, and every warp is done with tile
+        // kt - 1, whose slot the next copies overwrite.
+        __syncthreads();
+        if (kt + STAGES - 1 < tiles) {
+            la.load(smem0 + write_slot * STAGE * 4);
+            lb.load(smem0 + (write_slot * STAGE + SA::FLOATS) * 4);
+        }
+        cp_async_commit();
+        write_slot = write_slot == STAGES - 1 ? 0 : write_slot + 1;
+        const float* As = smem + read_slot * STAGE;
+        const float* Bs = As + SA::FLOATS;
+        read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
+        if (sums && tid < BM) {
+#pragma unroll
+            for (int k = 0; k < BK; ++k) row_sum += As[SA::at(tid, k)];
+        }
+        if (active) {
+            // 3xTF32: the tensor cores' own accumulation is not round-to-nearest, so
+            // each k tile's products are summed in a fresh fragment and added to the
+            // FP32 accumulator with an FADD (the error no longer grows with k).
+            float part[MI][NI][4];
+            if (PREC == PREC_3XTF32) {
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) part[mi][ni][q] = 0.0f;
+            }
+#pragma unroll
+            for (int kk = 0; kk < BK; kk += 8) {
+                unsigned int a[MI][4], as[MI][4], b[NI][2], bs[NI][2];
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q)
+                        split<PREC>(As[a_base + SA::at(mi * 16 + (q & 1) * 8, kk + (q >> 1) * 4)], a[mi][q], as[mi][q]);
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                    for (int q = 0; q < 2; ++q)
+                        split<PREC>(Bs[b_base + SB::at(ni * 8, kk + q * 4)], b[ni][q], bs[ni][q]);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni) {
+                        if (PREC == PREC_3XTF32) {  // small terms first: they are the ones rounding would lose
+                            mma(part[mi][ni], as[mi], b[ni]);
+                            mma(part[mi][ni], a[mi], bs[ni]);
+                            mma(part[mi][ni], a[mi], b[ni]);
+                        } else {
+                            mma(acc[mi][ni], a[mi], b[ni]);
+                        }
+                    }
+            }
+            if (PREC == PREC_3XTF32) {
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) acc[mi][ni][q] += part[mi][ni][q];
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    if (splits > 1) {
+        const unsigned int tile = blockIdx.y * gridDim.x + blockIdx.x;
+        float4* parts = reinterpret_cast<float4*>(workspace) + (size_t)tile * splits * (BM * BN / 4);
+        float* row_parts = workspace + (size_t)gridDim.x * gridDim.y * splits * BM * BN + (size_t)blockIdx.y * splits * BM;
+        if (active) {
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni)
+                    parts[(size_t)z * (BM * BN / 4) + (mi * NI + ni) * THREADS + tid] =
+                        make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]);
+        }
+        if (sums && tid < BM) row_parts[z * BM + tid] = row_sum;
+        if (!dt_last_block(&counters[tile], splits)) return;
+        // The partials in z order; this block's own come from its registers. Every
+        // z's loads go out together: the tail costs `splits` round trips.
+        if (active) {
+            float4 v[MI][NI];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni) v[mi][ni] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int s = 0; s < splits; ++s) {
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni) {
+                        const float4 p = s == z ? make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2],
+                                                              acc[mi][ni][3])
+                                                : __ldcg(&parts[(size_t)s * (BM * BN / 4) + (mi * NI + ni) * THREADS + tid]);
+                        v[mi][ni].x += p.x, v[mi][ni].y += p.y, v[mi][ni].z += p.z, v[mi][ni].w += p.w;
+                    }
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni)
+                    acc[mi][ni][0] = v[mi][ni].x, acc[mi][ni][1] = v[mi][ni].y, acc[mi][ni][2] = v[mi][ni].z,
+                    acc[mi][ni][3] = v[mi][ni].w;
+        }
+        if (sums && tid < BM) {
+            float v = 0.0f;
+            for (int s = 0; s < splits; ++s) v += s == z ? row_sum : __ldcg(&row_parts[s * BM + tid]);
+            row_sum = v;
+        }
+    }
+    if (sums && tid < BM && i0 + tid < M) col_sum[i0 + tid] = row_sum;
+    if (!active) return;
+
+    // Epilogue: fragment (mi, ni) holds rows r, r + 8 and columns c, c + 1.
+    float bv[NI][2], mv[MI][NI][4];
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int c = j0 + wn * CFG::WN + ni * 8 + 2 * t + q;
+            bv[ni][q] = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) && c < N ? bias[c] : 0.0f;
+        }
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int r = i0 + wm * CFG::WM + mi * 16 + g + (q >> 1) * 8;
+                const int c = j0 + wn * CFG::WN + ni * 8 + 2 * t + (q & 1);
+                mv[mi][ni][q] = EPI == EPI_MASK && r < M && c < N ? mask[(size_t)r * ldm + c] : 0.0f;
+            }
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int r = i0 + wm * CFG::WM + mi * 16 + g + (q >> 1) * 8;
+                const int c = j0 + wn * CFG::WN + ni * 8 + 2 * t + (q & 1);
+                if (r < M && c < N)
+                    C[(size_t)r * ldc + c] = epilogue_value<EPI>(acc[mi][ni][q], bv[ni][q & 1], mv[mi][ni][q]);
+            }
+}
+
+}  // namespace tc
+
+// ================================================================= FP32 FFMA
+namespace ffma {
+
+constexpr int BM = 64, BN = 64, BK = 64, PAD = 4;  // PAD keeps the tile stores conflict-free
 
 // Tile loader: THREADS threads move a ROWS x BK tile into registers, then into
 // shared memory as tile[row][k]. Consecutive threads take consecutive addresses
@@ -65,15 +413,13 @@ struct TileLoader {
         }
     }
 
-    template <bool TF32>
     __device__ __forceinline__ void store(float (*tile)[BK + PAD]) const {
         const int fixed = threadIdx.x % (K_FAST ? BK : ROWS);
         const int first = threadIdx.x / (K_FAST ? BK : ROWS);
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
-            const float v = TF32 ? __uint_as_float(to_tf32(reg[i])) : reg[i];
-            if (K_FAST) tile[first + i * STEP][fixed] = v;
-            else tile[fixed][first + i * STEP] = v;
+            if (K_FAST) tile[first + i * STEP][fixed] = reg[i];
+            else tile[fixed][first + i * STEP] = reg[i];
         }
     }
 };
@@ -82,19 +428,15 @@ template <int EPI>
 __device__ __forceinline__ void epilogue_store(float* C, int ldc, int M, int N, int i, int j, float v,
                                                const float* bias, const float* mask, int ldm) {
     if (i >= M || j >= N) return;
-    if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) v += bias[j];
-    if (EPI == EPI_BIAS_RELU) v = fmaxf(v, 0.0f);
-    // The layer input is relu(z), and relu(z) > 0 exactly when z > 0, so the mask
-    // of the saved activation equals the mask of the pre-activation.
-    if (EPI == EPI_MASK && !(mask[(long long)i * ldm + j] > 0.0f)) v = 0.0f;
-    C[(long long)i * ldc + j] = v;
+    const float b = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) ? bias[j] : 0.0f;
+    const float m = EPI == EPI_MASK ? mask[(long long)i * ldm + j] : 0.0f;
+    C[(long long)i * ldc + j] = epilogue_value<EPI>(v, b, m);
 }
 
 // Where a block's sums go. With gridDim.z == 1, through the epilogue into C. With
 // the k range split over gridDim.z blocks, into partial tiles in `workspace`
-// ([z][M][N], then the row sums [z][M]); the last block of each output tile to
-// finish (dt_last_block on a counter per tile, no float atomics) adds the
-// partials in z order and applies the epilogue. Deterministic either way.
+// ([z][M][N], then the row sums [z][M]); the last block of each output tile adds
+// the partials in z order and applies the epilogue.
 template <int EPI>
 struct Output {
     float* C;
@@ -124,7 +466,7 @@ struct Output {
         const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN, splits = gridDim.z;
         // Each thread owns Q elements; for every z their loads go out together, so the
         // tail costs `splits` round trips, not splits * Q. The z order stays fixed.
-        constexpr int Q = 16;  // BM * BN / 256; a 128-thread block runs the loop twice
+        constexpr int Q = 16;  // BM * BN / 256
         for (int base = threadIdx.x; base < BM * BN; base += Q * blockDim.x) {
             float v[Q];
 #pragma unroll
@@ -154,83 +496,8 @@ struct Output {
     }
 };
 
-// This block's share of the k range: whole 64-deep tiles, split evenly over gridDim.z.
-__device__ __forceinline__ void k_range(int K, int& begin, int& end) {
-    const int tiles = (K + BK - 1) / BK;
-    const int per = (tiles + gridDim.z - 1) / gridDim.z;
-    begin = min(K, (int)blockIdx.z * per * BK);
-    end = min(K, begin + per * BK);
-}
-
 template <int EPI, bool A_KFAST, bool B_KFAST>
-__device__ void gemm_tf32(const float* A, int lda, const float* B, int ldb, int M, int N, int K,
-                          const Output<EPI>& out) {
-    constexpr int THREADS = 128;
-    __shared__ float As[BM][BK + PAD];
-    __shared__ float Bs[BN][BK + PAD];
-    const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int wm = warp >> 1, wn = warp & 1, g = lane >> 2, t = lane & 3;
-    float acc[2][4][4] = {};
-    int kb, ke;
-    k_range(K, kb, ke);
-    TileLoader<THREADS, BM, A_KFAST> la;
-    TileLoader<THREADS, BN, B_KFAST> lb;
-    la.load(A, lda, i0, kb, M, ke);
-    lb.load(B, ldb, j0, kb, N, ke);
-    for (int k0 = kb; k0 < ke; k0 += BK) {
-        la.template store<true>(As);
-        lb.template store<true>(Bs);
-        __syncthreads();
-        if (k0 + BK < ke) {  // the next tile's global loads fly while this one computes
-            la.load(A, lda, i0, k0 + BK, M, ke);
-            lb.load(B, ldb, j0, k0 + BK, N, ke);
-        }
-#pragma unroll 2
-        for (int kk = 0; kk < BK; kk += 8) {
-            unsigned int a[2][4], b[4][2];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                const int r = wm * 32 + mi * 16 + g;
-                a[mi][0] = __float_as_uint(As[r][kk + t]);
-                a[mi][1] = __float_as_uint(As[r + 8][kk + t]);
-                a[mi][2] = __float_as_uint(As[r][kk + t + 4]);
-                a[mi][3] = __float_as_uint(As[r + 8][kk + t + 4]);
-            }
-#pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                const int c = wn * 32 + ni * 8 + g;
-                b[ni][0] = __float_as_uint(Bs[c][kk + t]);
-                b[ni][1] = __float_as_uint(Bs[c][kk + t + 4]);
-            }
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                for (int ni = 0; ni < 4; ++ni)
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-                        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                        : "+f"(acc[mi][ni][0]), "+f"(acc[mi][ni][1]), "+f"(acc[mi][ni][2]), "+f"(acc[mi][ni][3])
-                        : "r"(a[mi][0]), "r"(a[mi][1]), "r"(a[mi][2]), "r"(a[mi][3]), "r"(b[ni][0]), "r"(b[ni][1]));
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni) {
-            const int r = i0 + wm * 32 + mi * 16 + g, c = j0 + wn * 32 + ni * 8 + 2 * t;
-            out.put(r, c, acc[mi][ni][0]);
-            out.put(r, c + 1, acc[mi][ni][1]);
-            out.put(r + 8, c, acc[mi][ni][2]);
-            out.put(r + 8, c + 1, acc[mi][ni][3]);
-        }
-    out.finish(false);
-}
-
-template <int EPI, bool A_KFAST, bool B_KFAST>
-__device__ void gemm_f32(const float* A, int lda, const float* B, int ldb, int M, int N, int K,
-                         const Output<EPI>& out) {
+__device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, int N, int K, const Output<EPI>& out) {
     constexpr int THREADS = 256;
     __shared__ float As[BM][BK + PAD];
     __shared__ float Bs[BN][BK + PAD];
@@ -239,17 +506,18 @@ __device__ void gemm_f32(const float* A, int lda, const float* B, int ldb, int M
     const bool sums = out.col_sum != nullptr && blockIdx.x == 0;
     float acc[4][4] = {};
     float row_sum = 0.0f;
-    int kb, ke;
-    k_range(K, kb, ke);
+    // This block's share of the k range: whole 64-deep tiles, split evenly over gridDim.z.
+    const int k_tiles = (K + BK - 1) / BK, per = (k_tiles + gridDim.z - 1) / gridDim.z;
+    const int kb = min(K, (int)blockIdx.z * per * BK), ke = min(K, kb + per * BK);
     TileLoader<THREADS, BM, A_KFAST> la;
     TileLoader<THREADS, BN, B_KFAST> lb;
     la.load(A, lda, i0, kb, M, ke);
     lb.load(B, ldb, j0, kb, N, ke);
     for (int k0 = kb; k0 < ke; k0 += BK) {
-        la.template store<false>(As);
-        lb.template store<false>(Bs);
+        la.store(As);
+        lb.store(Bs);
         __syncthreads();
-        if (k0 + BK < ke) {
+        if (k0 + BK < ke) {  // the next tile's global loads fly while this one computes
             la.load(A, lda, i0, k0 + BK, M, ke);
             lb.load(B, ldb, j0, k0 + BK, N, ke);
         }
@@ -279,41 +547,55 @@ __device__ void gemm_f32(const float* A, int lda, const float* B, int ldb, int M
     out.finish(sums);
 }
 
-}  // namespace
+}  // namespace ffma
 
-#define DT_GEMM_PARAMS                                                                            \
-    const float *A, int lda, const float *B, int ldb, float *C, int ldc, int M, int N, int K,         \
-        const float *bias, const float *mask, int ldm, float *col_sum, float *workspace,              \
-        unsigned int *counters, const int *gate
-#define DT_GEMM_OUT(EPI) Output<EPI>{C, ldc, M, N, bias, mask, ldm, col_sum, workspace, counters}
+}  // namespace
 
 // One signature for all: ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr.
 // `gate` (may be 0): when it points at a non-zero word the whole grid returns at
 // once, writing nothing (a training loop's step that is not due this iteration).
 // Arguments a kernel does not use (bias, mask, col_sum) may be 0; with gridDim.z == 1
-// so may workspace and counters. Otherwise workspace holds gridDim.z * (M*N + M)
-// floats and counters one zeroed uint per output tile (left zeroed on exit).
-extern "C" __global__ void __launch_bounds__(128) linear_forward_tf32(DT_GEMM_PARAMS) {
+// so may workspace and counters. Otherwise counters is one zeroed uint per output
+// tile (left zeroed on exit) and workspace holds, in floats:
+//   tensor cores: gridDim.x * gridDim.y * S * BM * BN (+ gridDim.y * S * BM with col_sum)
+//   FFMA:         S * (M * N + M)
+// Every kernel waits for the grid before it (programmatic dependent launch) before
+// touching memory, the gate word included.
+#define DT_GEMM_PARAMS                                                                                    \
+    const float *A, int lda, const float *B, int ldb, float *C, int ldc, int M, int N, int K,             \
+        const float *bias, const float *mask, int ldm, float *col_sum, float *workspace,                  \
+        unsigned int *counters, const int *gate
+#define DT_GEMM_ARGS A, lda, B, ldb, C, ldc, M, N, K, bias, mask, ldm, col_sum, workspace, counters
+#define DT_GEMM_PROLOGUE        \
+    dt_wait_prior_grid();       \
+    dt_allow_dependents();      \
     if (gate != nullptr && *gate) return;
-    gemm_tf32<EPI_BIAS, true, true>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_BIAS));
-}
-extern "C" __global__ void __launch_bounds__(128) linear_forward_relu_tf32(DT_GEMM_PARAMS) {
-    if (gate != nullptr && *gate) return;
-    gemm_tf32<EPI_BIAS_RELU, true, true>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_BIAS_RELU));
-}
-extern "C" __global__ void __launch_bounds__(256) linear_forward_f32(DT_GEMM_PARAMS) {
-    if (gate != nullptr && *gate) return;
-    gemm_f32<EPI_BIAS, true, true>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_BIAS));
-}
-extern "C" __global__ void __launch_bounds__(256) linear_forward_relu_f32(DT_GEMM_PARAMS) {
-    if (gate != nullptr && *gate) return;
-    gemm_f32<EPI_BIAS_RELU, true, true>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_BIAS_RELU));
-}
-extern "C" __global__ void __launch_bounds__(256) linear_grad_input_f32(DT_GEMM_PARAMS) {
-    if (gate != nullptr && *gate) return;
-    gemm_f32<EPI_MASK, true, false>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_MASK));
-}
-extern "C" __global__ void __launch_bounds__(256) linear_grad_weight_f32(DT_GEMM_PARAMS) {
-    if (gate != nullptr && *gate) return;
-    gemm_f32<EPI_NONE, false, false>(A, lda, B, ldb, M, N, K, DT_GEMM_OUT(EPI_NONE));
-}
+
+#define DT_TC_KERNEL(NAME, CFG, PREC, A_KFAST, B_KFAST, EPI, VEC)                                        \
+    extern "C" __global__ void __launch_bounds__(tc::CFG::THREADS) NAME(DT_GEMM_PARAMS) {                \
+        DT_GEMM_PROLOGUE                                                                                  \
+        tc::gemm<tc::CFG, tc::PREC, A_KFAST, B_KFAST, EPI, VEC>(DT_GEMM_ARGS);                            \
+    }
+#define DT_TC_ROLES(TILE, CP, VEC)                                                                         \
+    DT_TC_KERNEL(linear_forward_##TILE##_##CP##_tf32, Tile##TILE, PREC_TF32, true, true, EPI_BIAS, VEC)   \
+    DT_TC_KERNEL(linear_forward_relu_##TILE##_##CP##_tf32, Tile##TILE, PREC_TF32, true, true, EPI_BIAS_RELU, VEC) \
+    DT_TC_KERNEL(linear_grad_input_##TILE##_##CP##_3xtf32, Tile##TILE, PREC_3XTF32, true, false, EPI_MASK, VEC) \
+    DT_TC_KERNEL(linear_grad_weight_##TILE##_##CP##_3xtf32, Tile##TILE, PREC_3XTF32, false, false, EPI_NONE, VEC)
+
+DT_TC_ROLES(64x64, cp16, true)
+DT_TC_ROLES(64x64, cp4, false)
+DT_TC_ROLES(32x32, cp16, true)
+DT_TC_ROLES(32x32, cp4, false)
+
+#define DT_FFMA_KERNEL(NAME, EPI, A_KFAST, B_KFAST)                                                    \
+    extern "C" __global__ void __launch_bounds__(256) NAME(DT_GEMM_PARAMS) {                            \
+        DT_GEMM_PROLOGUE                                                                                \
+        ffma::gemm<EPI, A_KFAST, B_KFAST>(A, lda, B, ldb, M, N, K,                                      \
+                                          ffma::Output<EPI>{C, ldc, M, N, bias, mask, ldm, col_sum,     \
+                                                            workspace, counters});                      \
+    }
+
+DT_FFMA_KERNEL(linear_forward_f32, EPI_BIAS, true, true)
+DT_FFMA_KERNEL(linear_forward_relu_f32, EPI_BIAS_RELU, true, true)
+DT_FFMA_KERNEL(linear_grad_input_f32, EPI_MASK, true, false)
+DT_FFMA_KERNEL(linear_grad_weight_f32, EPI_NONE, false, false)

@@ -97,3 +97,152 @@ def test_from_widths_matches_the_out_in_list(rng):
     assert layout.widths == widths
     with pytest.raises(ValueError, match="input and an output"):
         ParamLayout.from_widths([4])
+
+
+# ---------------------------------------------------------------- the GEMM chooser (drvtrain.nn.mlp)
+from types import SimpleNamespace
+
+from drvtrain.memory import DeviceBuffer
+from drvtrain.nn import mlp as mlp_module
+from drvtrain.nn.mlp import FFMA_TILE, TILES, kernel_name, plan, split_count
+
+
+@pytest.mark.parametrize("tile", TILES + (FFMA_TILE,), ids=lambda t: t.name)
+def test_splits_never_leave_a_block_empty(rng, tile):
+    for _ in range(3000):
+        m, n = (int(v) for v in rng.integers(1, 3000, size=2))
+        k = int(rng.integers(1, 5000))
+        sm = int(rng.choice([1, 16, 108, 132, 144]))
+        s = split_count(m, n, k, sm, tile)
+        assert 1 <= s <= tile.max_splits
+        k_tiles = -(-k // tile.bk)
+        per = -(-k_tiles // s)
+        for z in range(s):  # the kernels' k range: whole tiles, per of them each
+            begin, end = min(k, z * per * tile.bk), min(k, (z + 1) * per * tile.bk)
+            assert begin < end, (m, n, k, sm, s)
+        assert s * per * tile.bk >= k
+
+
+def test_plans_pick_the_big_tile_for_the_wide_layers_and_cover_the_sms():
+    for precision in ("tf32", "3xtf32"):
+        big = plan(512, 1024, 1024, 132, precision=precision)
+        assert (big.tile.name, big.splits) == ("64x64", 2)
+        assert big.workspace_floats == 8 * 16 * 2 * 64 * 64 and big.counters == 8 * 16
+    assert plan(1024, 1024, 512, 132, precision="3xtf32", sums=True).splits == 1
+    for m, n, k in [(256, 256, 256), (256, 3, 256), (512, 19, 1024), (19, 1024, 512), (1024, 128, 512)]:
+        p = plan(m, n, k, 132, precision="3xtf32", sums=True)
+        assert p.tile.name == "32x32" and p.splits > 1
+        rows, cols = -(-m // 32), -(-n // 32)
+        assert p.workspace_floats == rows * cols * p.splits * 32 * 32 + rows * p.splits * 32
+    assert plan(256, 256, 4, 132, precision="tf32").splits == 1  # one k tile
+    assert plan(256, 256, 256, 132, precision="f32").tile is FFMA_TILE
+
+
+class _FakeArena:
+    """Arena's bookkeeping (256-byte aligned bump pointers) over fake addresses."""
+
+    def __init__(self):
+        self.offset = self.zeroed_offset = 0
+
+    def _take(self, attr, base, shape, dtype):
+        shape = tuple(shape) if isinstance(shape, tuple) else (int(shape),)
+        nbytes = max(1, int(np.prod(shape))) * np.dtype(dtype).itemsize
+        start = -(-getattr(self, attr) // 256) * 256
+        setattr(self, attr, start + nbytes)
+        return DeviceBuffer._view(None, base + start, shape, dtype)
+
+    def array(self, shape, dtype=np.float32):
+        return self._take("offset", 1 << 40, shape, dtype)
+
+    def zeroed(self, shape, dtype=np.uint32):
+        return self._take("zeroed_offset", 1 << 41, shape, dtype)
+
+
+class _FakeFlat:
+    def __init__(self, layout, base):
+        self.layout, self.base = layout, base
+
+    def _view(self, slot):
+        return DeviceBuffer._view(None, self.base + 4 * slot.offset, slot.shape, np.float32)
+
+    def weight(self, k):
+        return self._view(self.layout.weight(k))
+
+    def bias(self, k):
+        return self._view(self.layout.bias(k))
+
+
+def _fake_kernels(monkeypatch, launches):
+    monkeypatch.setattr(mlp_module, "get_device", lambda: SimpleNamespace(sm_count=132))
+    monkeypatch.setattr(mlp_module, "fork", lambda parent, *children: launches.append(("fork", children)))
+    monkeypatch.setattr(mlp_module, "join", lambda parent, *children: launches.append(("join", children)))
+
+    def load(name):
+        def launch(grid, block, *args, stream):
+            launches.append((name, grid, args, stream))
+        return SimpleNamespace(block=256, launch=launch)
+
+    monkeypatch.setattr(mlp_module, "_load_kernel", load)
+
+
+@pytest.mark.parametrize("tf32, backward", [(True, "3xtf32"), (False, "f32"), (False, "3xtf32")])
+@pytest.mark.parametrize("widths, batch", [([4, 256, 256, 3], 256), ([128, 1024, 1024, 19], 512),
+                                           ([129, 1000, 4], 7), ([33, 65, 7], 1000)])
+def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths, batch, tf32, backward):
+    launches = []
+    _fake_kernels(monkeypatch, launches)
+    layout = ParamLayout.from_widths(widths)
+    model = mlp_module.MLP(layout, tf32=tf32, backward=backward)
+    arena = _FakeArena()
+    params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
+    x = DeviceBuffer._view(None, 1 << 37, (batch, widths[0]), np.float32)
+    dout = DeviceBuffer._view(None, 1 << 36, (batch, widths[-1]), np.float32)
+    main, side = object(), object()
+    fwd = model.forward(params, x, arena=arena, stream=main)
+    model.backward(params, grads, fwd, dout, arena=arena, stream=main, weight_stream=side)
+    rounded = lambda nbytes: -(-nbytes // 256) * 256
+    assert rounded(arena.offset) + 1024 == model.scratch_bytes(batch)
+    assert rounded(arena.zeroed_offset) == model.zeroed_bytes(batch)
+    kernels = [entry for entry in launches if entry[0] not in ("fork", "join")]
+    assert len(kernels) == len(model._products(batch))
+    for (name, grid, args, stream), (m, n, k) in zip(kernels, model._products(batch)):
+        assert args[6:9] == (m, n, k)
+        workspace, counters, col_sum = args[13], args[14], args[12]
+        splits = grid[2]
+        if splits == 1:
+            assert workspace == 0 and counters == 0
+            continue
+        if name.endswith("_f32"):  # the kernel header's contract: S * (M * N + M)
+            need = splits * (m * n + m)
+            bm = bn = 64
+        else:  # grid.x * grid.y * S * BM * BN (+ grid.y * S * BM with db)
+            bm, bn = (int(v) for v in name.split("_")[-3].split("x"))
+            need = grid[0] * grid[1] * splits * bm * bn + (grid[1] * splits * bm if col_sum else 0)
+        assert grid[:2] == (-(-n // bn), -(-m // bm))
+        assert workspace.size == need, name
+        assert counters.size == grid[0] * grid[1], name
+        assert (stream is side) == ("grad_weight" in name)
+    assert [e[0] for e in launches].count("fork") == len(layout.layers)
+    assert launches[-1][0] == "join"
+
+
+def test_kernel_names_follow_the_roles_and_precisions():
+    assert kernel_name("forward_relu", "tf32", TILES[0], 16) == "linear_forward_relu_64x64_cp16_tf32"
+    assert kernel_name("grad_weight", "3xtf32", TILES[1], 4) == "linear_grad_weight_32x32_cp4_3xtf32"
+    assert kernel_name("grad_input", "f32") == "linear_grad_input_f32"
+    with pytest.raises(ValueError, match="runs in"):
+        kernel_name("forward", "3xtf32", TILES[0])
+    with pytest.raises(ValueError, match="backward must be"):
+        mlp_module.MLP(ParamLayout(SMALL), backward="tf32")
+
+
+def test_gemm_cu_compiles_for_sm_90_with_every_kernel_the_host_names():
+    from drvtrain.compiler import compile_file
+    cubin = compile_file("gemm.cu", arch="sm_90").cubin
+    names = [kernel_name(role, "f32") for role in ("forward", "forward_relu", "grad_input", "grad_weight")]
+    for tile in TILES:
+        for vector in (16, 4):
+            names += [kernel_name(role, "tf32", tile, vector) for role in ("forward", "forward_relu")]
+            names += [kernel_name(role, "3xtf32", tile, vector) for role in ("grad_input", "grad_weight")]
+    for name in names:
+        assert name.encode() + b"\0" in cubin, name

@@ -2,10 +2,13 @@
 """The engine's GEMMs and the whole supervised step, for the two configurations of docs/step-spec.md.
 
 For every linear layer: the forward (TF32, bias and ReLU fused) and the backward
-(dW with db, and dX with the ReLU mask; FP32) as replayed graphs, with achieved
-TFLOP/s; then the full step (forward, MSE, backward, clip, AdamW, metrics) as one
-replayed graph: us/step and its node count. Goals: full step <= 15 us (small),
-<= 50 us (large); forward TF32 GEMM 512x1024x1024 >= 150 TFLOP/s.
+(dW with db, and dX with the ReLU mask; 3xTF32 tensor cores at FP32 accuracy) as
+replayed graphs, each product launched as MLP launches it (tile, split-k), with
+achieved TFLOP/s; the whole backward on one stream and with dW on a second stream;
+then the full step (forward, MSE, backward, clip, AdamW, metrics) as one replayed
+graph: us/step and its node count. Goals: full step <= 15 us (small), <= 50 us
+(large); forward TF32 GEMM 512x1024x1024 >= 150 TFLOP/s; its backward products
+(dW with db, dX) >= 3x faster than the FP32 FFMA kernels' 143 us.
 """
 import sys
 
@@ -14,16 +17,22 @@ import numpy as np
 import _common
 from drvtrain import Arena, DeviceBuffer, Stream, capture, get_device
 from drvtrain.nn import FlatBuffer, ParamLayout, RegressionStep
-from drvtrain.nn.mlp import MLP, gemm
+from drvtrain.nn.mlp import MLP
 from drvtrain.timing import time_graph
 
 CONFIGS = {"small": (4, [256, 256], 2, 256), "large": (128, [1024, 1024], 18, 512)}
 
 
-def graph_of(stream, body):
+def graph_of(stream, arena, body):
+    arena.reset()
     with capture(stream) as g:
         body()
     return g.instantiate(), g
+
+
+def plan_text(kernels, role, m, n, k) -> str:
+    p = kernels.plan(role, m, n, k)
+    return f"{p.tile.name}/{p.splits}"
 
 
 def main(argv=None) -> int:
@@ -32,65 +41,99 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="samples; the median is reported (default 5)")
     args = parser.parse_args(argv)
     dev = get_device()
-    stream = Stream()
+    stream, side = Stream(), Stream()
     rng = np.random.default_rng(0)
-    rows, steps = [], []
+    timed = lambda exe: time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
+    rows, backwards, steps = [], [], []
     for name, (obs, hidden, actions, batch) in CONFIGS.items():
         widths = [obs] + hidden + [1 + actions]
-        layout = ParamLayout([(o, i) for i, o in zip(widths, widths[1:])])
+        layout = ParamLayout.from_widths(widths)
         params = FlatBuffer(layout, layout.init_numpy(1))
         grads = FlatBuffer(layout)
         mlp = MLP(layout, tf32=True)
-        arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)
+        fk, bk = mlp.forward_kernels, mlp.backward_kernels
+        arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)  # the activations
+        work = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)  # each graph's scratch
         x = DeviceBuffer.from_numpy(rng.standard_normal((batch, obs)).astype(np.float32))
-        acts = mlp.forward(params, x, arena=arena, stream=stream).activations
+        fwd_result = mlp.forward(params, x, arena=arena, stream=stream)
+        acts = fwd_result.activations
         last = len(layout.layers) - 1
         for k, (out, inp) in enumerate(layout.layers):
             flops = 2.0 * batch * out * inp
-            fwd_kernel = mlp.output_kernel if k == last else mlp.hidden_kernel
-            y = acts[k + 1]
-            exe, _ = graph_of(stream, lambda: gemm(fwd_kernel, acts[k], inp, params.weight(k), inp, y, out,
-                                                   batch, out, inp, stream, bias=params.bias(k)))
-            fwd = time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
+            role = "forward" if k == last else "forward_relu"
+            y = DeviceBuffer((batch, out))
+            exe, _ = graph_of(stream, work, lambda: fk.launch(role, acts[k], inp, params.weight(k), inp, y, out,
+                                                              batch, out, inp, arena=work, stream=stream,
+                                                              bias=params.bias(k)))
+            fwd = timed(exe)
             dy = DeviceBuffer.from_numpy(rng.standard_normal((batch, out)).astype(np.float32))
             dx = DeviceBuffer((batch, inp))
 
             def backward():
-                gemm(mlp.weight_grad_kernel, dy, out, acts[k], inp, grads.weight(k), inp, out, inp, batch, stream,
-                     col_sum=grads.bias(k))
+                bk.launch("grad_weight", dy, out, acts[k], inp, grads.weight(k), inp, out, inp, batch, arena=work,
+                          stream=stream, col_sum=grads.bias(k))
                 if k > 0:
-                    gemm(mlp.input_grad_kernel, dy, out, params.weight(k), inp, dx, inp, batch, inp, out, stream,
-                         mask=acts[k], ldm=inp)
+                    bk.launch("grad_input", dy, out, params.weight(k), inp, dx, inp, batch, inp, out, arena=work,
+                              stream=stream, mask=acts[k], ldm=inp)
 
-            exe, _ = graph_of(stream, backward)
-            bwd = time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
+            exe, _ = graph_of(stream, work, backward)
+            bwd = timed(exe)
             bwd_flops = flops * (2 if k > 0 else 1)
-            rows.append((name, f"{batch}x{out}x{inp}", f"{fwd:7.2f}", f"{flops / fwd / 1e6:7.2f}",
-                         f"{bwd:7.2f}", f"{bwd_flops / bwd / 1e6:7.2f}"))
+            bwd_plan = plan_text(bk, "grad_weight", out, inp, batch)
+            if k > 0:
+                bwd_plan += " + " + plan_text(bk, "grad_input", batch, inp, out)
+            rows.append((name, f"{batch}x{out}x{inp}", plan_text(fk, role, batch, out, inp), f"{fwd:7.2f}",
+                         f"{flops / fwd / 1e6:7.2f}", bwd_plan, f"{bwd:7.2f}", f"{bwd_flops / bwd / 1e6:7.2f}"))
+        # The whole backward, dW/db on the chain's stream or on a stream of their own.
+        dout = DeviceBuffer.from_numpy(rng.standard_normal((batch, 1 + actions)).astype(np.float32))
+        for weight_stream in (None, side):
+            exe, _ = graph_of(stream, work, lambda: mlp.backward(params, grads, fwd_result, dout, arena=work,
+                                                                 stream=stream, weight_stream=weight_stream))
+            backwards.append((name, "two streams" if weight_stream else "one stream", timed(exe)))
         step = RegressionStep(layout, batch, lr=1e-4, weight_decay=1e-2, max_norm=10.0)
         step.x.copy_from_numpy(rng.standard_normal((batch, obs)).astype(np.float32))
         step.target.copy_from_numpy(rng.standard_normal((batch, 1 + actions)).astype(np.float32))
         exe = step.capture(stream=stream)
-        us = time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
+        us = timed(exe)
         steps.append((name, us, len(step.graph.nodes()), "<= 15" if name == "small" else "<= 50"))
-    # The forward GEMM the goal names: 512 x 1024 x 1024, TF32.
+    # The products the goals name: 512 x 1024 x 1024 forward (TF32) and its backward (3xTF32).
+    layout = ParamLayout([(1024, 1024)])
+    mlp = MLP(layout)
     big = DeviceBuffer.from_numpy(rng.standard_normal((512, 1024)).astype(np.float32))
+    mask = DeviceBuffer.from_numpy(np.maximum(rng.standard_normal((512, 1024)), 0).astype(np.float32))
     w = DeviceBuffer.from_numpy((rng.standard_normal((1024, 1024)) / 32).astype(np.float32))
     b = DeviceBuffer.from_numpy(np.zeros(1024, np.float32))
-    yb = DeviceBuffer((512, 1024))
-    kern = MLP(ParamLayout([(1024, 1024)])).hidden_kernel
-    exe, _ = graph_of(stream, lambda: gemm(kern, big, 1024, w, 1024, yb, 1024, 512, 1024, 1024, stream, bias=b))
-    t = time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
+    yb, dxb, dwb = DeviceBuffer((512, 1024)), DeviceBuffer((512, 1024)), DeviceBuffer((1024, 1024))
+    arena = Arena(mlp.scratch_bytes(512), zeroed_bytes=mlp.zeroed_bytes(512) + 256)
+    fk, bk = mlp.forward_kernels, mlp.backward_kernels
+    exe, _ = graph_of(stream, arena, lambda: fk.launch("forward_relu", big, 1024, w, 1024, yb, 1024, 512, 1024, 1024,
+                                                       arena=arena, stream=stream, bias=b))
+    t_fwd = timed(exe)
+    exe, _ = graph_of(stream, arena, lambda: bk.launch("grad_weight", big, 1024, mask, 1024, dwb, 1024, 1024, 1024, 512,
+                                                       arena=arena, stream=stream, col_sum=b))
+    t_dw = timed(exe)
+    exe, _ = graph_of(stream, arena, lambda: bk.launch("grad_input", big, 1024, w, 1024, dxb, 1024, 512, 1024, 1024,
+                                                       arena=arena, stream=stream, mask=mask, ldm=1024))
+    t_dx = timed(exe)
+    flops = 2.0 * 512 * 1024 * 1024
 
-    print(f"\ndevice: {dev.name} ({dev.arch}, {dev.sm_count} SMs); us per replayed graph, median of {args.repeats}")
-    header = ("config", "GEMM MxNxK", "fwd TF32 us", "TFLOP/s", "bwd FP32 us", "TFLOP/s")
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(6)]
+    print(f"\ndevice: {dev.name} ({dev.arch}, {dev.sm_count} SMs); us per replayed graph, median of {args.repeats}; "
+          f"plan = tile/splits")
+    header = ("config", "GEMM MxNxK", "fwd plan", "fwd TF32 us", "TFLOP/s", "bwd plans", "bwd 3xTF32 us", "TFLOP/s")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     print(" | ".join(h.ljust(wd) for h, wd in zip(header, widths)))
     print("-+-".join("-" * wd for wd in widths))
     for r in rows:
         print(" | ".join(str(v).ljust(wd) for v, wd in zip(r, widths)))
-    print(f"\nforward TF32 GEMM 512x1024x1024: {t:.2f} us, {2 * 512 * 1024 * 1024 / t / 1e6:.1f} TFLOP/s "
-          f"(goal >= 150)")
+    print(f"\nforward TF32 GEMM 512x1024x1024 ({plan_text(fk, 'forward_relu', 512, 1024, 1024)}): {t_fwd:.2f} us, "
+          f"{flops / t_fwd / 1e6:.1f} TFLOP/s (goal >= 150)")
+    print(f"backward 3xTF32 512x1024x1024: dW+db ({plan_text(bk, 'grad_weight', 1024, 1024, 512)}) {t_dw:.2f} us "
+          f"{flops / t_dw / 1e6:.1f} TFLOP/s, dX ({plan_text(bk, 'grad_input', 512, 1024, 1024)}) {t_dx:.2f} us "
+          f"{flops / t_dx / 1e6:.1f} TFLOP/s; together {t_dw + t_dx:.2f} us, {143.0 / (t_dw + t_dx):.1f}x the FFMA "
+          f"kernels' 143 us (goal >= 3x)")
+    print("\nconfig | whole backward | us")
+    for name, how, us in backwards:
+        print(f"{name:<6} | {how:<14} | {us:.2f}")
     print("\nconfig | full step us | graph nodes | goal us")
     for name, us, nodes, goal in steps:
         print(f"{name:<6} | {us:12.2f} | {nodes:11d} | {goal}")

@@ -1,4 +1,4 @@
-"""A ReLU MLP over a flat parameter layout: forward on TF32 tensor cores, backward in FP32."""
+"""A ReLU MLP over a flat parameter layout: forward on TF32 tensor cores, backward in 3xTF32 (FP32 accuracy)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,13 +8,185 @@ from dataclasses import dataclass
 from ..driver import get_device
 from ..kernel import builtin_module
 from ..memory import Arena, DeviceBuffer
+from ..stream import fork, join
 from .layout import FlatBuffer, ParamLayout
 
-__all__ = ["MLP", "Forward", "gemm", "split_count"]
+__all__ = ["MLP", "Forward", "GemmKernel", "LinearKernels", "Plan", "Tile", "TILES", "FFMA_TILE", "gemm",
+           "choose_tile", "kernel_name", "plan", "split_count", "vector_width"]
 
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
-_TILE = 64
 _MAX_TILES = 4096  # output tiles a split-k product may have (one counter each)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A block tile of kernels/gemm.cu: its name in kernel names, its shape, and
+    how far its products split k (see :func:`split_count`)."""
+    name: str
+    bm: int
+    bn: int
+    bk: int
+    max_splits: int
+    min_split_tiles: int  # k tiles a split keeps at least
+    waves: int  # blocks per SM the split aims for
+
+
+TILE_64 = Tile("64x64", 64, 64, 32, 8, 4, 1)
+TILE_32 = Tile("32x32", 32, 32, 16, 8, 4, 2)
+TILES = (TILE_64, TILE_32)  # the tensor-core tiles, largest first
+FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
+
+_ROLES = ("forward", "forward_relu", "grad_input", "grad_weight")
+_PRECISIONS = {"forward": ("tf32", "f32"), "forward_relu": ("tf32", "f32"),
+               "grad_input": ("3xtf32", "f32"), "grad_weight": ("3xtf32", "f32")}
+
+
+def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16) -> str:
+    """The name in kernels/gemm.cu of ``role`` in ``precision`` with ``tile`` and ``vector``-byte copies."""
+    if role not in _ROLES:
+        raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+    if precision not in _PRECISIONS[role]:
+        raise ValueError(f"{role} runs in {' or '.join(_PRECISIONS[role])}, not {precision!r}")
+    if precision == "f32":
+        return f"linear_{role}_f32"
+    if tile not in TILES or vector not in (4, 16):
+        raise ValueError(f"no tensor-core kernel for tile {tile.name} with {vector}-byte copies")
+    return f"linear_{role}_{tile.name}_cp{vector}_{precision}"
+
+
+def split_count(m: int, n: int, k: int, sm_count: int, tile: Tile = FFMA_TILE) -> int:
+    """How many blocks share each output tile's k range: enough for ``tile.waves``
+    blocks per SM, at most ``tile.max_splits``, each with whole k tiles and at least
+    ``tile.min_split_tiles`` of them, none left empty. (Measured on the H200: more
+    splits buy parallelism for the small products, and cost a partial round trip
+    and the last block's tail.)"""
+    tiles = -(-m // tile.bm) * -(-n // tile.bn)
+    k_tiles = -(-k // tile.bk)
+    if tiles > _MAX_TILES:
+        return 1
+    want = max(1, min(tile.max_splits, k_tiles // tile.min_split_tiles, -(-tile.waves * sm_count // tiles)))
+    per = -(-k_tiles // want)
+    return -(-k_tiles // per)
+
+
+def choose_tile(m: int, n: int, k: int, sm_count: int, precision: str) -> Tile:
+    """64x64 tiles when they nearly fill the SMs by themselves (the 1024-wide
+    layers: fewer loads per multiply), 32x32 tiles for the rest, which need the
+    parallelism; FFMA kernels have their own."""
+    if precision == "f32":
+        return FFMA_TILE
+    if -(-m // TILE_64.bm) * -(-n // TILE_64.bn) * 4 >= 3 * sm_count:
+        return TILE_64
+    return TILE_32
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one product launches: its tile, its split and the scratch it takes."""
+    tile: Tile
+    splits: int
+    workspace_floats: int  # 0 when unsplit
+    counters: int  # zeroed uint32 tile counters; 0 when unsplit
+
+    def grid(self, m: int, n: int) -> tuple[int, int, int]:
+        return -(-n // self.tile.bn), -(-m // self.tile.bm), self.splits
+
+
+def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = False,
+         tile: Tile | None = None) -> Plan:
+    """The launch of an m x n x k product: the one rule behind every launch and
+    behind ``MLP.scratch_bytes`` / ``MLP.zeroed_bytes``. ``sums``: the product also
+    writes row sums of A (db). ``tile`` forces a tile (tests: every compiled variant)."""
+    if tile is None:
+        tile = choose_tile(m, n, k, sm_count, precision)
+    elif (tile is FFMA_TILE) != (precision == "f32"):
+        raise ValueError(f"tile {tile.name} has no {precision} kernels")
+    s = split_count(m, n, k, sm_count, tile)
+    if s == 1:
+        return Plan(tile, 1, 0, 0)
+    rows, cols = -(-m // tile.bm), -(-n // tile.bn)
+    if tile is FFMA_TILE:
+        floats = s * (m * n + m)  # [z][M][N] partials, then [z][M] row sums
+    else:  # per tile and split a BM x BN partial in fragment order, then [row][z][BM] row sums
+        floats = rows * cols * s * tile.bm * tile.bn + (rows * s * tile.bm if sums else 0)
+    return Plan(tile, s, floats, rows * cols)
+
+
+def _address(buf) -> int:
+    return buf if isinstance(buf, int) else buf.ptr
+
+
+def vector_width(a, lda: int, b, ldb: int) -> int:
+    """16 when both operands allow 16-byte copies (16-byte aligned, leading
+    dimensions multiples of 4 floats), else 4."""
+    ok = lda % 4 == 0 and ldb % 4 == 0 and _address(a) % 16 == 0 and _address(b) % 16 == 0
+    return 16 if ok else 4
+
+
+def _load_kernel(name: str):
+    return builtin_module("gemm.cu").kernel(name, _SIGNATURE, fixed_block=True)
+
+
+class GemmKernel:
+    """A kernel of kernels/gemm.cu with the tile its grid is cut in."""
+
+    def __init__(self, role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16):
+        self.role, self.precision, self.tile, self.vector = role, precision, tile, vector
+        self.name = kernel_name(role, precision, tile, vector)
+        self.kernel = _load_kernel(self.name)
+
+    def __repr__(self) -> str:
+        return f"<GemmKernel {self.name}>"
+
+
+def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
+         splits=1, workspace=0, counters=0, gate=0):
+    """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
+    (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile.
+    ``workspace`` and ``counters`` as :func:`plan` sizes them."""
+    tile = kernel.tile
+    kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block, a, lda, b, ldb, c, ldc,
+                         m, n, k, bias, mask, ldm, col_sum, workspace, counters, gate if gate is not None else 0,
+                         stream=stream)
+
+
+class LinearKernels:
+    """The kernels of one arithmetic for some roles, every tile and copy width, loaded
+    up front (never during a capture), and the launch of a product through them."""
+
+    def __init__(self, roles, precision: str, sm_count: int):
+        self.precision = precision
+        self.sm_count = sm_count
+        if precision == "f32":
+            variants = [(FFMA_TILE, 16)]
+        else:
+            variants = [(tile, vector) for tile in TILES for vector in (16, 4)]
+        self.kernels = {(role, tile, vector): GemmKernel(role, precision, tile, vector)
+                        for role in roles for tile, vector in variants}
+
+    def plan(self, role, m, n, k, *, tile=None) -> Plan:
+        """The launch of ``role``'s m x n x k product (grad-weight also sums db)."""
+        return plan(m, n, k, self.sm_count, precision=self.precision, sums=role == "grad_weight", tile=tile)
+
+    def launch(self, role, a, lda, b, ldb, c, ldc, m, n, k, *, arena: Arena, stream, gate=None, tile=None,
+               vector=None, **epilogue) -> GemmKernel:
+        """Plan the product, take its workspace and counters from ``arena``, launch it.
+
+        ``tile`` and ``vector`` force a variant (tests); a forced 16-byte copy the
+        operands do not allow is refused. Returns the kernel that ran."""
+        p = self.plan(role, m, n, k, tile=tile)
+        allowed = vector_width(a, lda, b, ldb) if self.precision != "f32" else 16
+        if vector is None:
+            vector = allowed
+        elif vector > allowed:
+            raise ValueError("16-byte copies need 16-byte aligned operands with leading dimensions "
+                             "that are multiples of 4")
+        kernel = self.kernels[(role, p.tile, vector if self.precision != "f32" else 16)]
+        workspace = arena.array(p.workspace_floats, np.float32) if p.splits > 1 else 0
+        counters = arena.zeroed(p.counters, np.uint32) if p.splits > 1 else 0
+        gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=p.splits, workspace=workspace,
+             counters=counters, gate=gate, **epilogue)
+        return kernel
 
 
 @dataclass(frozen=True)
@@ -32,31 +204,6 @@ class Forward:
         return self.activations[0].shape[0]
 
 
-def _kernel(name: str):
-    return builtin_module("gemm.cu").kernel(name, _SIGNATURE, fixed_block=True)
-
-
-def gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
-         splits=1, workspace=0, counters=0, gate=0):
-    """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
-    (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile."""
-    kernel.launch((-(-n // _TILE), -(-m // _TILE), splits), kernel.block, a, lda, b, ldb, c, ldc, m, n, k,
-                  bias, mask, ldm, col_sum, workspace, counters, gate if gate is not None else 0, stream=stream)
-
-
-def split_count(m: int, n: int, k: int, sm_count: int) -> int:
-    """How many blocks share each output tile's k range: enough blocks to cover the
-    SMs twice, at most 4 (the last block's tail grows with the count), whole 64-deep
-    k tiles each, none left empty."""
-    tiles = -(-m // _TILE) * -(-n // _TILE)
-    k_tiles = -(-k // _TILE)
-    if tiles > _MAX_TILES:
-        return 1
-    want = max(1, min(k_tiles, 4, -(-2 * sm_count // tiles)))
-    per = -(-k_tiles // want)
-    return -(-k_tiles // per)
-
-
 def _check_input(name: str, buf, shape) -> None:
     if not isinstance(buf, DeviceBuffer):
         raise TypeError(f"{name} must be a DeviceBuffer, got {type(buf).__name__}")
@@ -66,8 +213,15 @@ def _check_input(name: str, buf, shape) -> None:
         raise ValueError(f"{name} has shape {buf.shape}, expected {tuple(shape)}")
 
 
+def _rounded(floats: int) -> int:
+    return -(-floats * 4 // 256) * 256
+
+
 class MLP:
     """Linear, bias and ReLU after every layer but the last; the epilogues are fused.
+
+    ``tf32``: the forward on TF32 tensor cores (else FP32 FFMA). ``backward``:
+    ``"3xtf32"`` (tensor cores at FP32 accuracy) or ``"f32"`` (FFMA).
 
     Stateless between calls: ``forward`` returns a :class:`Forward` holding its
     activations (arena slices) and ``backward`` takes it, so two forwards of
@@ -78,15 +232,15 @@ class MLP:
     the ReLU of the layer's input in another.
     """
 
-    def __init__(self, layout: ParamLayout, *, tf32: bool = True):
+    def __init__(self, layout: ParamLayout, *, tf32: bool = True, backward: str = "3xtf32"):
+        if backward not in ("3xtf32", "f32"):
+            raise ValueError(f"backward must be '3xtf32' or 'f32', got {backward!r}")
         self.layout = layout
         self.tf32 = tf32
-        mode = "tf32" if tf32 else "f32"
-        self.hidden_kernel = _kernel(f"linear_forward_relu_{mode}")
-        self.output_kernel = _kernel(f"linear_forward_{mode}")
-        self.weight_grad_kernel = _kernel("linear_grad_weight_f32")
-        self.input_grad_kernel = _kernel("linear_grad_input_f32")
+        self.backward_precision = backward
         self._sm_count = get_device().sm_count
+        self.forward_kernels = LinearKernels(("forward", "forward_relu"), "tf32" if tf32 else "f32", self._sm_count)
+        self.backward_kernels = LinearKernels(("grad_input", "grad_weight"), backward, self._sm_count)
 
     @property
     def in_features(self) -> int:
@@ -96,42 +250,39 @@ class MLP:
     def out_features(self) -> int:
         return self.layout.layers[-1][0]
 
-    def _products(self, batch: int):
-        """(m, n, k) of every product of a forward and backward, in launch order."""
+    def _roles(self, batch: int):
+        """(role, m, n, k) of every product of a forward and backward, in launch order."""
         last = len(self.layout.layers) - 1
-        out = [(batch, o, i) for o, i in self.layout.layers]
+        out = [("forward" if k == last else "forward_relu", batch, o, i) for k, (o, i) in enumerate(self.layout.layers)]
         for k in range(last, -1, -1):
             o, i = self.layout.layers[k]
-            out.append((o, i, batch))
+            out.append(("grad_weight", o, i, batch))
             if k > 0:
-                out.append((batch, i, o))
+                out.append(("grad_input", batch, i, o))
         return out
+
+    def _products(self, batch: int):
+        """(m, n, k) of every product of a forward and backward, in launch order."""
+        return [(m, n, k) for _, m, n, k in self._roles(batch)]
+
+    def _plans(self, batch: int):
+        for role, m, n, k in self._roles(batch):
+            kernels = self.backward_kernels if role.startswith("grad") else self.forward_kernels
+            yield role, m, n, kernels.plan(role, m, n, k)
 
     def zeroed_bytes(self, batch: int) -> int:
         """``arena.zeroed`` bytes (tile counters) one forward and backward take."""
-        total = 0
-        for m, n, k in self._products(batch):
-            if split_count(m, n, k, self._sm_count) > 1:
-                total += -(-(-(-m // _TILE) * -(-n // _TILE)) * 4 // 256) * 256
-        return total
+        return sum(_rounded(p.counters) for _, _, _, p in self._plans(batch) if p.splits > 1)
 
     def scratch_bytes(self, batch: int) -> int:
-        """Arena bytes one forward and backward take at this batch size."""
-        rounded = lambda floats: -(-floats * 4 // 256) * 256
+        """Arena bytes one forward and backward take at this batch size, plus 1024."""
         total = 0
-        for m, n, k in self._products(batch):
-            s = split_count(m, n, k, self._sm_count)
-            total += rounded(m * n)  # the product's output (activations and their gradients)
-            if s > 1:
-                total += rounded(s * (m * n + m))
+        for role, m, n, p in self._plans(batch):
+            if role != "grad_weight":  # activations and their gradients; dW goes to grads
+                total += _rounded(m * n)
+            if p.splits > 1:
+                total += _rounded(p.workspace_floats)
         return total + 1024
-
-    def _gemm(self, kernel, a, lda, b, ldb, c, ldc, m, n, k, arena, stream, gate=None, **epilogue):
-        s = split_count(m, n, k, self._sm_count)
-        workspace = arena.array(s * (m * n + m), np.float32) if s > 1 else 0
-        counters = arena.zeroed(-(-m // _TILE) * -(-n // _TILE), np.uint32) if s > 1 else 0
-        gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=s, workspace=workspace,
-             counters=counters, gate=gate, **epilogue)
 
     def forward(self, params: FlatBuffer, x: DeviceBuffer, *, arena: Arena, stream, gate=None) -> Forward:
         """Every layer's output into arena slices; ``.output`` is [batch, out].
@@ -146,29 +297,38 @@ class MLP:
         last = len(self.layout.layers) - 1
         for k, (out, inp) in enumerate(self.layout.layers):
             y = arena.array((batch, out), np.float32)
-            kernel = self.output_kernel if k == last else self.hidden_kernel
-            self._gemm(kernel, acts[-1], inp, params.weight(k), inp, y, out, batch, out, inp, arena, stream,
-                       gate=gate, bias=params.bias(k))
+            self.forward_kernels.launch("forward" if k == last else "forward_relu", acts[-1], inp, params.weight(k),
+                                        inp, y, out, batch, out, inp, arena=arena, stream=stream, gate=gate,
+                                        bias=params.bias(k))
             acts.append(y)
         return Forward(tuple(acts))
 
     def backward(self, params: FlatBuffer, grads: FlatBuffer, forward: Forward, dout: DeviceBuffer, *,
-                 arena: Arena, stream, gate=None) -> None:
-        """Gradients of the loss whose derivative by ``forward.output`` is ``dout``, into ``grads``."""
+                 arena: Arena, stream, gate=None, weight_stream=None) -> None:
+        """Gradients of the loss whose derivative by ``forward.output`` is ``dout``, into ``grads``.
+
+        ``weight_stream``: when given, each layer's dW/db product runs there,
+        forked from ``stream`` once its dY is ready, so it overlaps the rest of
+        the dX chain; everything is joined back into ``stream`` before return."""
         if not isinstance(forward, Forward) or len(forward.activations) != len(self.layout.layers) + 1:
             raise TypeError("backward takes the Forward that this MLP's forward returned")
         if grads.layout != self.layout or params.layout != self.layout:
             raise ValueError("params and grads must be made for this MLP's layout")
         batch = forward.batch
         _check_input("dout", dout, (batch, self.out_features))
+        kernels = self.backward_kernels
         dy = dout
         for k in range(len(self.layout.layers) - 1, -1, -1):
             out, inp = self.layout.layers[k]
             x = forward.activations[k]
-            self._gemm(self.weight_grad_kernel, dy, out, x, inp, grads.weight(k), inp, out, inp, batch, arena,
-                       stream, gate=gate, col_sum=grads.bias(k))
+            if weight_stream is not None:
+                fork(stream, weight_stream)
+            kernels.launch("grad_weight", dy, out, x, inp, grads.weight(k), inp, out, inp, batch, arena=arena,
+                           stream=stream if weight_stream is None else weight_stream, gate=gate, col_sum=grads.bias(k))
             if k > 0:
                 dx = arena.array((batch, inp), np.float32)
-                self._gemm(self.input_grad_kernel, dy, out, params.weight(k), inp, dx, inp, batch, inp, out,
-                           arena, stream, gate=gate, mask=x, ldm=inp)
+                kernels.launch("grad_input", dy, out, params.weight(k), inp, dx, inp, batch, inp, out, arena=arena,
+                               stream=stream, gate=gate, mask=x, ldm=inp)
                 dy = dx
+        if weight_stream is not None:
+            join(stream, weight_stream)

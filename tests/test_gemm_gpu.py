@@ -1,0 +1,234 @@
+"""The linear-layer GEMMs of kernels/gemm.cu on the GPU against float64: every role, tile and copy width."""
+import numpy as np
+import pytest
+
+from drvtrain import Arena, DeviceBuffer, Stream, capture
+from drvtrain.nn import MLP, FlatBuffer, ParamLayout
+from drvtrain.nn.mlp import TILES, LinearKernels, plan
+from nn_reference import mlp_backward, mlp_forward, rel
+
+pytestmark = pytest.mark.gpu
+
+ROLES = ["forward", "forward_relu", "grad_input", "grad_weight"]
+# (M, N, K): not multiples of any tile; the output layer's narrow N; split-k with both tiles.
+SHAPES = [(77, 35, 45), (512, 19, 1024), (256, 3, 256), (512, 1024, 1024)]
+TF32_BOUND, X3_BOUND = 2e-3, 1e-5
+
+
+def padded_ld(extent, vector):
+    """A leading dimension that allows 16-byte copies (vector 16) or, mostly, does not."""
+    return -(-extent // 4) * 4 + 4 if vector == 16 else extent + 3
+
+
+def device_matrix(values, ld):
+    """values [rows, cols] stored row-major with leading dimension ld; the padding is NaN,
+    so a kernel that reads past a row's end shows it."""
+    rows, cols = values.shape
+    host = np.full((rows, ld), np.nan, np.float32)
+    host[:, :cols] = values
+    return DeviceBuffer.from_numpy(host)
+
+
+class Product:
+    """One role's operands on the device and its float64 reference."""
+
+    def __init__(self, role, m, n, k, vector, rng):
+        self.role, self.m, self.n, self.k = role, m, n, k
+        f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+        self.epilogue, self.ref_sums = {}, None
+        if role.startswith("forward"):  # Y = X W^T + b: X [M, K], W [N, K]
+            x, w, b = f32(m, k), f32(n, k), f32(n)
+            self.lda, self.ldb = padded_ld(k, vector), padded_ld(k, vector)
+            self.a, self.b = device_matrix(x, self.lda), device_matrix(w, self.ldb)
+            self.bias = DeviceBuffer.from_numpy(b)
+            self.epilogue["bias"] = self.bias
+            self.want = x.astype(np.float64) @ w.T.astype(np.float64) + b
+            if role == "forward_relu":
+                self.want = np.maximum(self.want, 0.0)
+        elif role == "grad_input":  # dX = (dY W) * (X > 0): dY [M, K], W [K, N], X [M, N]
+            dy, w, x = f32(m, k), f32(k, n), np.maximum(f32(m, n), 0.0)
+            self.lda, self.ldb = padded_ld(k, vector), padded_ld(n, vector)
+            self.a, self.b = device_matrix(dy, self.lda), device_matrix(w, self.ldb)
+            self.ldm = n + 1
+            self.mask = device_matrix(x, self.ldm)
+            self.epilogue.update(mask=self.mask, ldm=self.ldm)
+            self.want = (dy.astype(np.float64) @ w.astype(np.float64)) * (x > 0)
+        else:  # dW = dY^T X, db = column sums of dY: dY [K, M], X [K, N]
+            dy, x = f32(k, m), f32(k, n)
+            self.lda, self.ldb = padded_ld(m, vector), padded_ld(n, vector)
+            self.a, self.b = device_matrix(dy, self.lda), device_matrix(x, self.ldb)
+            self.col_sum = DeviceBuffer((m,), np.float32)
+            self.epilogue["col_sum"] = self.col_sum
+            self.want = dy.T.astype(np.float64) @ x.astype(np.float64)
+            self.ref_sums = dy.astype(np.float64).sum(axis=0)
+        self.ldc = n + 5
+        self.c = DeviceBuffer((m, self.ldc), np.float32)
+
+    def poison(self, stream):
+        self.c.poison(stream=stream)
+        if self.ref_sums is not None:
+            self.col_sum.poison(stream=stream)
+
+    def launch(self, kernels, arena, stream, tile, vector):
+        return kernels.launch(self.role, self.a, self.lda, self.b, self.ldb, self.c, self.ldc, self.m, self.n,
+                              self.k, arena=arena, stream=stream, tile=tile, vector=vector, **self.epilogue)
+
+    def outputs(self):
+        c = self.c.to_numpy()
+        sums = self.col_sum.to_numpy() if self.ref_sums is not None else None
+        return c, sums
+
+
+def kernels_for(role, device):
+    if role.startswith("forward"):
+        return LinearKernels(("forward", "forward_relu"), "tf32", device.sm_count)
+    return LinearKernels(("grad_input", "grad_weight"), "3xtf32", device.sm_count)
+
+
+def arena_for(kernels, role, m, n, k, tile):
+    p = kernels.plan(role, m, n, k, tile=tile)
+    return Arena(4 * p.workspace_floats + 1024, zeroed_bytes=4 * p.counters + 256), p
+
+
+@pytest.mark.parametrize("vector", [16, 4], ids=["cp16", "cp4"])
+@pytest.mark.parametrize("tile", TILES, ids=[t.name for t in TILES])
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("m, n, k", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+def test_product_matches_float64(device, stream, rng, role, tile, vector, m, n, k):
+    """Every compiled variant on shapes that are not tile multiples: TF32 forward to
+    2e-3, 3xTF32 backward (and db) to 1e-5, the output's padding untouched, no NaN."""
+    kernels = kernels_for(role, device)
+    prod = Product(role, m, n, k, vector, rng)
+    arena, p = arena_for(kernels, role, m, n, k, tile)
+    prod.poison(stream)
+    kernel = prod.launch(kernels, arena, stream, tile, vector)
+    assert kernel.name.endswith(f"_{tile.name}_cp{vector}_" + ("tf32" if role.startswith("forward") else "3xtf32"))
+    c, sums = prod.outputs()
+    got = c[:, :n]
+    assert not np.isnan(got).any(), f"{np.isnan(got).sum()} outputs unwritten ({p.splits} splits)"
+    assert (c[:, n:].view(np.uint32) == 0xFFFFFFFF).all(), "the output's padding was written"
+    bound = TF32_BOUND if role.startswith("forward") else X3_BOUND
+    err = rel(got, prod.want)
+    assert err < bound, f"{kernel.name} {m}x{n}x{k}, {p.splits} splits: rel {err:.3g} >= {bound:g}"
+    if prod.ref_sums is not None:
+        err = rel(sums, prod.ref_sums)
+        assert err < X3_BOUND, f"db of {kernel.name} {m}x{n}x{k}, {p.splits} splits: rel {err:.3g}"
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("m, n, k", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+def test_ffma_product_matches_float64(device, stream, rng, role, m, n, k):
+    """The FP32 FFMA kernels (MLP(tf32=False) forward, backward="f32") to 1e-5."""
+    kernels = LinearKernels((role,), "f32", device.sm_count)
+    prod = Product(role, m, n, k, 4, rng)
+    p = kernels.plan(role, m, n, k)
+    arena = Arena(4 * p.workspace_floats + 1024, zeroed_bytes=4 * p.counters + 256)
+    prod.poison(stream)
+    kernel = prod.launch(kernels, arena, stream, None, None)
+    assert kernel.name == f"linear_{role}_f32"
+    c, sums = prod.outputs()
+    assert (c[:, n:].view(np.uint32) == 0xFFFFFFFF).all(), "the output's padding was written"
+    err = rel(c[:, :n], prod.want)
+    assert err < 1e-5, f"{kernel.name} {m}x{n}x{k}, {p.splits} splits: rel {err:.3g}"
+    if prod.ref_sums is not None:
+        assert rel(sums, prod.ref_sums) < 1e-5
+
+
+def test_shapes_cover_split_and_unsplit_launches_of_every_tile(device):
+    for precision in ("tf32", "3xtf32"):
+        for tile in TILES:
+            splits = {plan(m, n, k, device.sm_count, precision=precision, tile=tile).splits for m, n, k in SHAPES}
+            assert 1 in splits and max(splits) > 1, (precision, tile.name, splits)
+
+
+@pytest.mark.parametrize("tile", TILES, ids=[t.name for t in TILES])
+@pytest.mark.parametrize("role", ROLES)
+def test_runs_are_bitwise_identical_and_graph_replay_matches_eager(device, stream, rng, role, tile):
+    m, n, k = 512, 19, 1024  # split k with either tile
+    kernels = kernels_for(role, device)
+    prod = Product(role, m, n, k, 16, rng)
+    arena, p = arena_for(kernels, role, m, n, k, tile)
+    assert p.splits > 1
+    runs = []
+    for _ in range(2):
+        arena.reset()
+        prod.poison(stream)
+        prod.launch(kernels, arena, stream, tile, None)
+        runs.append(prod.outputs())
+    arena.reset()
+    with capture(stream) as graph:
+        prod.launch(kernels, arena, stream, tile, None)
+    exe = graph.instantiate()
+    for _ in range(2):
+        prod.poison(stream)
+        exe.launch(stream)
+        runs.append(prod.outputs())
+    first_c, first_sums = runs[0]
+    assert not np.isnan(first_c[:, :n]).any()
+    for c, sums in runs[1:]:
+        assert c.tobytes() == first_c.tobytes()
+        if sums is not None:
+            assert sums.tobytes() == first_sums.tobytes()
+
+
+def test_gate_skips_every_write(device, stream, rng):
+    kernels = kernels_for("grad_weight", device)
+    prod = Product("grad_weight", 256, 3, 256, 16, rng)
+    arena, _ = arena_for(kernels, "grad_weight", 256, 3, 256, None)
+    gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
+    prod.poison(stream)
+    kernels.launch("grad_weight", prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, 256, 3, 256, arena=arena,
+                   stream=stream, gate=gate, **prod.epilogue)
+    c, sums = prod.outputs()
+    assert np.isnan(c).all() and np.isnan(sums).all()
+
+
+def test_forced_16_byte_copies_on_unaligned_operands_are_refused(device, stream, rng):
+    kernels = kernels_for("forward", device)
+    prod = Product("forward", 8, 8, 9, 4, rng)  # lda = 12: aligned rows; shift A by one float
+    arena = Arena(1 << 16)
+    shifted = prod.a.view(np.float32, (8 * 12 - 1,), 4)
+    with pytest.raises(ValueError, match="16-byte copies"):
+        kernels.launch("forward", shifted, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, 8, 8, 9, arena=arena,
+                       stream=stream, vector=16, bias=prod.bias)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_backward_on_a_weight_stream_matches_one_stream_bitwise(device, rng, graph):
+    """dW/db on their own stream, overlapping the dX chain: the same bits as on one
+    stream, and float64 to 1e-5 (3xTF32), for a net with 1024-wide layers."""
+    widths, batch = [128, 1024, 1024, 19], 512
+    layout = ParamLayout.from_widths(widths)
+    params = FlatBuffer(layout, layout.init_numpy(int(rng.integers(1 << 30))))
+    x = rng.standard_normal((batch, widths[0])).astype(np.float32)
+    dout = rng.standard_normal((batch, widths[-1])).astype(np.float32)
+    xd, dd = DeviceBuffer.from_numpy(x), DeviceBuffer.from_numpy(dout)
+    mlp = MLP(layout, tf32=False)
+    assert mlp.backward_precision == "3xtf32"
+    arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)
+    main, side = Stream(), Stream()
+    results = []
+    for weight_stream in (None, side):
+        grads = FlatBuffer(layout)
+        grads.buffer.poison(stream=main)
+
+        def enqueue():
+            arena.reset()
+            fwd = mlp.forward(params, xd, arena=arena, stream=main)
+            mlp.backward(params, grads, fwd, dd, arena=arena, stream=main, weight_stream=weight_stream)
+
+        if graph:
+            with capture(main) as g:
+                enqueue()
+            g.instantiate().launch(main)
+        else:
+            enqueue()
+        main.synchronize()
+        results.append(grads.buffer.to_numpy())
+    assert results[0].tobytes() == results[1].tobytes()
+    named = params.to_numpy()
+    want = mlp_backward(named, mlp_forward(named, x, len(layout.layers)), dout)
+    got = layout.unflatten(results[1])
+    for name, w in want.items():
+        err = rel(got[name], w)
+        assert err < X3_BOUND, f"{name}: rel {err:.3g}"
