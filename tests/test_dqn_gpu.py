@@ -1,4 +1,6 @@
 """The Double-DQN step on the GPU against the float64 reference of docs/step-spec.md."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -229,10 +231,14 @@ def test_eager_graph_and_inactive_arena_are_bitwise_identical(device, rng):
     eager, s1 = run_losses(cfg, data, 200, graph=False, arena_active=True)
     replay, s2 = run_losses(cfg, data, 200, graph=True, arena_active=True)
     inactive, s3 = run_losses(cfg, data, 200, graph=False, arena_active=False)
+    # Dependent launches only move when a kernel may start, never what it computes.
+    assert cfg.dependent_launch
+    ordinary, s4 = run_losses(dataclasses.replace(cfg, dependent_launch=False), data, 200, graph=True,
+                              arena_active=True)
     assert np.all(np.isfinite(eager))
-    assert eager.tobytes() == replay.tobytes() == inactive.tobytes()
+    assert eager.tobytes() == replay.tobytes() == inactive.tobytes() == ordinary.tobytes()
     for key in ("params", "target", "m", "v", "u"):
-        assert s1[key].tobytes() == s2[key].tobytes() == s3[key].tobytes(), key
+        assert s1[key].tobytes() == s2[key].tobytes() == s3[key].tobytes() == s4[key].tobytes(), key
 
 
 def test_nan_reward_skips_the_step_and_is_reported(device, rng):

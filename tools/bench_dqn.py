@@ -3,12 +3,12 @@
 
 For each configuration: microseconds per step (median over repeats of R
 back-to-back graph replays, device time over R), the graph's node count and
-longest dependent chain, with the target forward on its own stream and with
-everything on one stream, so the overlap is measured. With torch installed,
-the same step written plainly in PyTorch (tools/torch_dqn.py), eager and
-CUDA-graph captured. Goals: beat PyTorch's captured step on both
-configurations, by >= 3x on the small one; later <= 15 us (small) and
-<= 50 us (large).
+longest dependent chain, for the default step and for variants that switch one
+thing off: dependent launches, the fused narrow kernels (per-layer GEMMs with the
+two `s'` forwards on their own streams instead), and both with everything on
+one stream. With torch installed, the same step written plainly in PyTorch
+(tools/torch_dqn.py), eager and CUDA-graph captured. Goals: <= 15 us (small)
+and <= 50 us (large).
 """
 import sys
 
@@ -21,8 +21,8 @@ from drvtrain.timing import time_graph
 def measure(cfg, args):
     stream = Stream()
     print(f"  {cfg.obs_dim}-{'-'.join(map(str, cfg.hidden))}-{cfg.n_actions} batch {cfg.batch}, "
-          f"{'two streams' if cfg.dual_stream else 'one stream'}: filling {cfg.capacity} transitions ...",
-          flush=True)
+          f"fused={cfg.fused} dual_stream={cfg.dual_stream} dependent_launch={cfg.dependent_launch}: "
+          f"filling {cfg.capacity} transitions ...", flush=True)
     step = DQNStep(cfg)
     step.fill_random(1, stream=stream)
     exe = step.capture(stream=stream)
@@ -50,6 +50,14 @@ def torch_times(cfg, args):
     return eager, graphed
 
 
+VARIANTS = (
+    ("default", {}),
+    ("no dependent launch", {"dependent_launch": False}),
+    ("per-layer GEMMs, 2 streams", {"fused": False}),
+    ("per-layer GEMMs, 1 stream", {"fused": False, "dual_stream": False}),
+)
+
+
 def main(argv=None) -> int:
     parser = _common.tool_parser(__doc__)
     parser.add_argument("--replays", type=int, default=500, help="back-to-back replays per repeat (default 500)")
@@ -57,26 +65,31 @@ def main(argv=None) -> int:
     parser.add_argument("--config", choices=["small", "large", "both"], default="both",
                         help="configuration(s) to run (default both)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    parser.add_argument("--default-only", action="store_true", help="measure only the default step")
     args = parser.parse_args(argv)
     if args.replays < 500:
         parser.error("--replays must be at least 500")
-    rows = []
+    rows, torch_rows = [], []
     for name in (["small", "large"] if args.config == "both" else [args.config]):
         print(f"{name}:", flush=True)
-        dual = measure(getattr(DQNConfig, name)(dual_stream=True), args)
-        single = measure(getattr(DQNConfig, name)(dual_stream=False), args)
+        for label, overrides in VARIANTS[:1] if args.default_only else VARIANTS:
+            cfg = getattr(DQNConfig, name)(**overrides)
+            rows.append((name, label, *measure(cfg, args)))
         torch_us = None if args.no_torch else torch_times(getattr(DQNConfig, name)(), args)
-        rows.append((name, dual, single, torch_us))
+        if torch_us:
+            torch_rows.append((name, *torch_us))
     print("\nus per step (median of repeats of back-to-back graph replays), H2D/D2H-free, sync-free\n")
-    print("| config | drvtrain, 2 streams | drvtrain, 1 stream | nodes | longest chain | torch eager | "
-          "torch graph | speed-up vs torch graph | goal |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, (d_us, nodes, chain), (s_us, _, s_chain), torch_us in rows:
-        t_eager, t_graph = torch_us if torch_us else (float("nan"), float("nan"))
-        speedup = f"{t_graph / d_us:.1f}x" if torch_us else "n/a"
-        goal = "<= 15 us, >= 3x torch" if name == "small" else "<= 50 us, > 1x torch"
-        print(f"| {name} | {d_us:.2f} | {s_us:.2f} (chain {s_chain}) | {nodes} | {chain} | {t_eager:.1f} | "
-              f"{t_graph:.1f} | {speedup} | {goal} |")
+    print("| config | variant | us per step | nodes | longest chain | goal |")
+    print("|---|---|---|---|---|---|")
+    for name, label, us, nodes, chain in rows:
+        goal = "<= 15" if name == "small" else "<= 50"
+        print(f"| {name} | {label} | {us:.2f} | {nodes} | {chain} | {goal} |")
+    if torch_rows:
+        print("\n| config | torch eager us | torch graph us | default step speed-up vs torch graph |")
+        print("|---|---|---|---|")
+        for name, eager, graphed in torch_rows:
+            ours = next(us for n, label, us, _, _ in rows if n == name and label == "default")
+            print(f"| {name} | {eager:.1f} | {graphed:.1f} | {graphed / ours:.1f}x |")
     return 0
 
 

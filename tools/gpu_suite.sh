@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU verification in one go: doctor, the full test suite with no GPU
 # test allowed to skip, the graph dumps, the step audit, the overfit smoke,
-# every benchmark and, unless SANITIZE=0, compute-sanitizer memcheck over the
+# every benchmark, the per-kernel profile and, unless SANITIZE=0, compute-sanitizer memcheck over the
 # driver, engine and replay tests plus memcheck and racecheck over a few
 # captured DQN steps of both configurations. Logs go to the folder given as
 # the first argument (default ./gpu-logs). ONLY=a,b runs just those steps.
@@ -34,13 +34,15 @@ step train_cli python3 -m drvtrain train cartpole --seed 0 --out "$logs/run-cart
 for bench in tools/bench_*.py; do
   step "$(basename "$bench" .py)" python3 "$bench"
 done
+TAIL=${TAIL_PROFILE:-80} step profile_step python3 tools/profile_step.py
 if [ "${SANITIZE:-1}" = 1 ] && { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",sanitize,"* ]]; }; then
   # One sanitizer process per test file, side by side: the instrumentation costs
   # CPU time, and the files are independent. Tests that make failing driver
   # calls on purpose are deselected (every API error left is a real one), and
   # so are those that count free device memory, which the sanitizer moves.
   san_files="test_kernel_gpu test_memory_gpu test_graph_gpu test_nn_gpu test_sumtree_gpu test_replay_gpu
-             test_hardening_gpu test_dqn_gpu test_envs_gpu"
+             test_hardening_gpu test_dqn_gpu test_envs_gpu test_gemm_gpu test_narrow_gpu
+             test_launch_options_gpu"
   mkdir -p "$logs/sanitizer"
   pids=()
   for f in $san_files; do

@@ -10,6 +10,7 @@ from ..memory import Arena, DeviceBuffer
 from .layout import FlatBuffer, ParamLayout
 from .metrics import Metrics
 from .mlp import MLP
+from .narrow import NarrowMLP
 from .optim import AdamW
 
 __all__ = ["RegressionStep"]
@@ -26,12 +27,14 @@ class RegressionStep:
     def __init__(self, layout: ParamLayout, batch: int, *, lr: float = 1e-3, weight_decay: float = 0.0,
                  max_norm: float = 10.0, tf32: bool = True, seed: int = 0, arena_active: bool = True,
                  metrics_slots: int = 1024, params: np.ndarray | None = None,
-                 dependent_launch: bool = True):
+                 dependent_launch: bool = True, fused: bool = True):
         self.layout, self.batch = layout, int(batch)
         self.dependent_launch = bool(dependent_launch)
         self.params = FlatBuffer(layout, layout.init_numpy(seed) if params is None else params)
         self.grads = FlatBuffer(layout)
         self.mlp = MLP(layout, tf32=tf32)
+        # Narrow nets run fused: one forward kernel, two backward kernels (drvtrain.nn.narrow).
+        self.net = NarrowMLP(layout, tf32=tf32) if fused and NarrowMLP.supports(layout) else self.mlp
         self.x = DeviceBuffer((self.batch, layout.layers[0][1]), np.float32)
         self.target = DeviceBuffer((self.batch, layout.layers[-1][0]), np.float32)
         self.loss = DeviceBuffer(1, np.float32)
@@ -43,8 +46,10 @@ class RegressionStep:
         self.metrics = Metrics(metrics_slots)
         self.optimizer = AdamW(self.params, self.grads, lr=lr, weight_decay=weight_decay, max_norm=max_norm,
                                loss=self.loss, metrics=self.metrics)
-        self.arena = Arena(self.mlp.scratch_bytes(self.batch) + 4 * n + 256,  # + dout
-                           zeroed_bytes=self.mlp.zeroed_bytes(self.batch) + 256, active=arena_active)
+        fused_net = self.net is not self.mlp
+        scratch = self.net.scratch_bytes(self.batch, 1) if fused_net else self.mlp.scratch_bytes(self.batch)
+        self.arena = Arena(scratch + 4 * n + 256,  # + dout
+                           zeroed_bytes=self.net.zeroed_bytes(self.batch) + 256, active=arena_active)
 
     def enqueue(self, *, stream) -> None:
         """Queue one step on ``stream`` (eagerly, or into a capture); with
@@ -54,12 +59,12 @@ class RegressionStep:
 
     def _enqueue(self, stream) -> None:
         self.arena.reset()
-        fwd = self.mlp.forward(self.params, self.x, arena=self.arena, stream=stream)
+        fwd = self.net.forward(self.params, self.x, arena=self.arena, stream=stream)
         out = fwd.output
         dout = self.arena.array(out.shape, np.float32)
         self._mse.launch(self._loss_grid, self._mse.block, out, self.target, out.size, dout,
                          self._loss_partials, self._loss_counter, self.loss, stream=stream)
-        self.mlp.backward(self.params, self.grads, fwd, dout, arena=self.arena, stream=stream)
+        self.net.backward(self.params, self.grads, fwd, dout, arena=self.arena, stream=stream)
         self.optimizer.step(stream=stream)
 
     def capture(self, *, stream) -> GraphExec:

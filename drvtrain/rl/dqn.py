@@ -28,6 +28,7 @@ from ..memory import Arena, DeviceBuffer, MappedBuffer
 from ..nn.layout import FlatBuffer, ParamLayout
 from ..nn.metrics import Metrics
 from ..nn.mlp import MLP
+from ..nn.narrow import NarrowMLP
 from ..nn.optim import AdamW
 from ..stream import Stream, fork, join
 from .replay import ReplayBuffer
@@ -76,6 +77,9 @@ class DQNConfig:
     and ``target_period`` (hard copy every K optimizer steps) is set.
     ``spectral_c`` None turns the spectral projection off; ``spectral_layers``
     None means every hidden layer (every layer but the output layer).
+    ``fused``: when the net is narrow (every width <= 256, at most 4 weight
+    layers) the three forwards run in one kernel and the backward in two
+    (drvtrain.nn.narrow); ``dual_stream`` then has nothing to overlap.
     ``dependent_launch`` launches every kernel of the step as a programmatic
     dependent launch (compute capability 9.0+; ignored below): each kernel's
     launch overlaps the tail of the one before, and no result changes.
@@ -101,6 +105,7 @@ class DQNConfig:
     spectral_layers: tuple | None = None
     seed: int = 0
     dual_stream: bool = True
+    fused: bool = True
     dependent_launch: bool = True
 
     def __post_init__(self):
@@ -151,7 +156,7 @@ class DQNConfig:
         if self.spectral_layers is not None and len(set(self.spectral_layers)) != len(self.spectral_layers):
             raise ValueError(f"spectral_layers repeats a layer: {self.spectral_layers}")
         _positive_int("seed", self.seed, 0, 2**63 - 1)
-        for flag in ("tf32", "dual_stream", "dependent_launch"):
+        for flag in ("tf32", "dual_stream", "fused", "dependent_launch"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 
@@ -238,11 +243,16 @@ class DQNStep:
         self.skips = ErrorFlags(["skipped"])
         self._skipped_step = MappedBuffer(1, np.int64)
         self._skipped_step.view()[:] = 0
-        forward_bytes = self.online_mlp.scratch_bytes(b)
+        self.narrow = NarrowMLP(self.layout, tf32=cfg.tf32) if cfg.fused and NarrowMLP.supports(self.layout) \
+            else None
+        if self.narrow is not None:
+            net_bytes, zeroed = self.narrow.scratch_bytes(b, 3), self.narrow.zeroed_bytes(b)
+        else:
+            net_bytes, zeroed = 3 * self.online_mlp.scratch_bytes(b), 3 * self.online_mlp.zeroed_bytes(b)
         out_bytes = 4 * b * (1 + a)
-        self.arena = Arena(self.replay.scratch_bytes(b) + 3 * forward_bytes + 2 * out_bytes + 8 * b + 4096,
-                           zeroed_bytes=3 * self.online_mlp.zeroed_bytes(b) + 1024, active=arena_active)
-        self.streams = (Stream(), Stream()) if cfg.dual_stream else ()
+        self.arena = Arena(self.replay.scratch_bytes(b) + net_bytes + 2 * out_bytes + 8 * b + 4096,
+                           zeroed_bytes=zeroed + 1024, active=arena_active)
+        self.streams = (Stream(), Stream()) if cfg.dual_stream and self.narrow is None else ()
         self.last = _Captured()
         self.graph: Graph | None = None
 
@@ -298,19 +308,25 @@ class DQNStep:
         arena.reset()
         batch = self.replay.sample(b, stream=stream, beta=cfg.beta, arena=arena, uniforms=uniforms,
                                    beta_out=self._beta_used, gate=gate)
-        if self.streams:
-            next_stream, target_stream = self.streams
-            fork(stream, next_stream, target_stream)
-        else:
-            next_stream = target_stream = stream
         capturing = bool(active_captures())
-        f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream, gate=gate)
-        target_leaves = capture_frontier(target_stream) if capturing else []
-        f_next = mlp.forward(self.params, batch.next_obs, arena=arena, stream=next_stream, gate=gate)
-        f_online = mlp.forward(self.params, batch.obs, arena=arena, stream=stream, gate=gate)
-        online_leaves = capture_frontier(stream) if capturing else []
-        if self.streams:
-            join(stream, next_stream, target_stream)
+        if self.narrow is not None:  # all three passes in one launch
+            f_online, f_next, f_target = self.narrow.forward_many(
+                [self.params, self.params, self.target], [batch.obs, batch.next_obs, batch.next_obs],
+                arena=arena, stream=stream, gate=gate)
+            target_leaves = online_leaves = capture_frontier(stream) if capturing else []
+        else:
+            if self.streams:
+                next_stream, target_stream = self.streams
+                fork(stream, next_stream, target_stream)
+            else:
+                next_stream = target_stream = stream
+            f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream, gate=gate)
+            target_leaves = capture_frontier(target_stream) if capturing else []
+            f_next = mlp.forward(self.params, batch.next_obs, arena=arena, stream=next_stream, gate=gate)
+            f_online = mlp.forward(self.params, batch.obs, arena=arena, stream=stream, gate=gate)
+            online_leaves = capture_frontier(stream) if capturing else []
+            if self.streams:
+                join(stream, next_stream, target_stream)
         dout = arena.array((b, 1 + a), np.float32)
         priorities = arena.array(b, np.float32)
         a_star = arena.array(b, np.int32)
@@ -319,7 +335,11 @@ class DQNStep:
                                  cfg.gamma, cfg.huber_delta, dout, priorities, self._scalars,
                                  self._loss_partials, self._loss_counter, a_star, gate if gate is not None else 0,
                                  stream=stream)
-        mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate)
+        if self.narrow is not None:
+            self.narrow.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate)
+        else:
+            mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
+                         weight_stream=self.streams[0] if self.streams else None)
         self.optimizer.step(stream=stream, gate=gate)
         skip = self.optimizer.skip
         if self.n_spectral:
@@ -459,26 +479,41 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
     single = [k.function for k in kernels if k.grid == (1, 1, 1)]
     copies = counts.get("memset", 0) + counts.get("memcpy", 0)
     spectral = [k for k in kernels if k.function.startswith("spectral_")]
-    forwards = [k.function for k in kernels if k.function.startswith("linear_forward")]
-    backwards = [k.function for k in kernels if k.function.startswith("linear_grad")]
-    want_fwd = "_tf32" if step.config.tf32 else "_f32"
-    target = [graph.node_for(h) for h in step.last.extra.get("target_forward_nodes", [])]
-    online = [graph.node_for(h) for h in step.last.extra.get("online_forward_nodes", [])]
-    overlap = bool(target and online) and all(graph.can_run_concurrently(a, b) for a in target for b in online)
-    want_overlap = step.config.dual_stream
-    return [
+    forwards = [k for k in kernels if k.function.startswith(("linear_forward", "narrow_forward"))]
+    backwards = [k.function for k in kernels if k.function.startswith(("linear_grad", "narrow_backward",
+                                                                        "narrow_weight"))]
+    # Forward names end in _f32 for exact FP32, anything else is TF32. The backward
+    # must keep FP32 accuracy: FFMA (_f32) or split-operand tensor cores (_3xtf32,
+    # and the narrow kernels, which always split).
+    want_fwd = "TF32" if step.config.tf32 else "FP32"
+    fwd_ok = [k for k in forwards if ("FP32" if k.function.endswith("_f32") else "TF32") == want_fwd]
+    bwd_ok = [f for f in backwards if f.endswith(("_f32", "_3xtf32")) or f.startswith("narrow_")]
+    programmatic = len(graph.programmatic_edges())
+    want_programmatic = step.config.dependent_launch and get_device().compute_capability >= (9, 0)
+    rows = [
         Criterion("kernels with grid (1,1,1)", "0", str(len(single)), not single),
         Criterion("memset and memcpy nodes", "0", str(copies), copies == 0),
         Criterion("spectral projection kernel nodes", "<= 2", str(len(spectral)), len(spectral) <= 2),
-        Criterion(f"forward products on {want_fwd[1:].upper()} kernels", f"{len(forwards)}/{len(forwards)}",
-                  f"{sum(f.endswith(want_fwd) for f in forwards)}/{len(forwards)}",
-                  bool(forwards) and all(f.endswith(want_fwd) for f in forwards)),
-        Criterion("backward products on FP32 kernels", f"{len(backwards)}/{len(backwards)}",
-                  f"{sum(f.endswith('_f32') for f in backwards)}/{len(backwards)}",
-                  bool(backwards) and all(f.endswith("_f32") for f in backwards)),
-        Criterion("target forward concurrent with online forward", "yes" if want_overlap else "no (one stream)",
-                  "yes" if overlap else "no", overlap == want_overlap),
+        Criterion(f"forward products on {want_fwd} kernels", f"{len(forwards)}/{len(forwards)}",
+                  f"{len(fwd_ok)}/{len(forwards)}", bool(forwards) and len(fwd_ok) == len(forwards)),
+        Criterion("backward products at FP32 accuracy", f"{len(backwards)}/{len(backwards)}",
+                  f"{len(bwd_ok)}/{len(backwards)}", bool(backwards) and len(bwd_ok) == len(backwards)),
     ]
+    if step.narrow is not None:
+        fused = [k for k in forwards if k.grid[1] == 3]
+        rows.append(Criterion("three forwards in one fused launch", "1 node", f"{len(forwards)} node(s)",
+                              len(forwards) == 1 and len(fused) == 1))
+    else:
+        target = [graph.node_for(h) for h in step.last.extra.get("target_forward_nodes", [])]
+        online = [graph.node_for(h) for h in step.last.extra.get("online_forward_nodes", [])]
+        overlap = bool(target and online) and all(graph.can_run_concurrently(x, y) for x in target for y in online)
+        want_overlap = step.config.dual_stream
+        rows.append(Criterion("target forward concurrent with online forward",
+                              "yes" if want_overlap else "no (one stream)", "yes" if overlap else "no",
+                              overlap == want_overlap))
+    rows.append(Criterion("programmatic (dependent-launch) edges", ">= 1" if want_programmatic else "0",
+                          str(programmatic), programmatic >= 1 if want_programmatic else programmatic == 0))
+    return rows
 
 
 def audit_step(step: DQNStep, *, stream, iterations: int = 200) -> tuple[list[Criterion], CallCounts]:

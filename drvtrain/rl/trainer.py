@@ -137,8 +137,10 @@ class _Actor:
         self.episode_slots = episode_slots
         self.episodes = MappedBuffer((episode_slots, _EPISODE_FIELDS), np.float64)
         self.episodes.view()[:] = 0.0
-        mlp = learner.online_mlp
-        self.arena = Arena(mlp.scratch_bytes(n), zeroed_bytes=mlp.zeroed_bytes(n) + 256)
+        # The acting forward: the fused narrow kernel when the learner has one (one node).
+        self.net = learner.narrow if learner.narrow is not None else learner.online_mlp
+        scratch = learner.narrow.forward_bytes(n) if learner.narrow is not None else learner.online_mlp.scratch_bytes(n)
+        self.arena = Arena(scratch + 256, zeroed_bytes=learner.online_mlp.zeroed_bytes(n) + 256)
         self.kernel = self.env.module.kernel(
             f"{self.env.name}_act", "ptr ptr ptr ptr ptr i32 u64 ptr ptr f32 f32 i64 i32 i64 i64 ptr "
                                     "ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr i32 i32 ptr ptr i32", fixed_block=True)
@@ -151,7 +153,7 @@ class _Actor:
 
     def _enqueue(self, learner, stream, greedy, eps, schedule, gate, replay) -> None:
         self.arena.reset()
-        q = learner.online_mlp.forward(learner.params, self.env.obs, arena=self.arena, stream=stream).output
+        q = self.net.forward(learner.params, self.env.obs, arena=self.arena, stream=stream).output
         r = replay
         tree = r.tree if r is not None else None
         rows = ((r.obs, r.next_obs, r.action, r.reward, r.done, r.capacity, r.state, tree.nodes, tree.leaves,

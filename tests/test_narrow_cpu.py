@@ -1,0 +1,115 @@
+"""NarrowMLP without a GPU: which layouts it takes, its arena accounting, and its kernels'
+CUBIN (NVRTC needs no GPU)."""
+import struct
+
+import pytest
+
+from drvtrain.compiler import compile_file
+from drvtrain.nn import ParamLayout
+from drvtrain.nn.narrow import NarrowMLP
+
+KERNELS = ["narrow_forward", "narrow_forward_f32", "narrow_backward_data", "narrow_weight_grads"]
+
+
+@pytest.mark.parametrize("widths", [[4, 256, 256, 3], [4, 128, 128, 3], [128, 256, 19], [7, 33, 65, 19],
+                                    [256, 256, 256, 256, 256], [1, 1], [256, 1]])
+def test_supports_every_layout_of_at_most_4_layers_and_width_256(widths):
+    layout = ParamLayout.from_widths(widths)
+    assert NarrowMLP.supports(layout)
+    assert NarrowMLP(layout).widths == widths  # builds without a GPU: kernels load at the first launch
+
+
+@pytest.mark.parametrize("widths, message", [
+    ([4, 64, 64, 64, 64, 3], "5 weight layers, at most 4"),
+    ([257, 64, 3], "exceed 256"),
+    ([4, 257, 3], "exceed 256"),
+    ([4, 64, 1000], "exceed 256"),
+])
+def test_refuses_deeper_or_wider_layouts_with_the_reason(widths, message):
+    layout = ParamLayout.from_widths(widths)
+    assert not NarrowMLP.supports(layout)
+    with pytest.raises(ValueError, match=message):
+        NarrowMLP(layout)
+
+
+def test_refuses_what_is_not_a_layout():
+    assert not NarrowMLP.supports([(3, 4)])
+    with pytest.raises(ValueError, match="expected a ParamLayout"):
+        NarrowMLP([(3, 4)])
+
+
+@pytest.mark.parametrize("batch, splits", [(1, 1), (10, 1), (64, 1), (65, 2), (77, 2), (128, 2), (129, 3),
+                                           (192, 3), (193, 4), (256, 4), (1000, 4), (100000, 4)])
+def test_weight_gradient_splits(batch, splits):
+    assert NarrowMLP.splits(batch) == splits
+
+
+def test_every_split_gets_whole_chunks_and_none_is_empty():
+    for batch in range(1, 20000):
+        s = NarrowMLP.splits(batch)
+        chunks = -(-batch // 32)
+        per = -(-chunks // s)  # as kernels/narrow.cu divides them
+        assert 1 <= s <= 4 and (s - 1) * per < chunks <= s * per, batch
+
+
+def test_scratch_bytes_of_the_dqn_net():
+    net = NarrowMLP(ParamLayout.from_widths([4, 256, 256, 3]))
+    # batch 256: layer outputs 256*256, 256*256, 256*3 floats (768, a multiple of 64)
+    forward = 4 * (65536 + 65536 + 768)
+    assert net.forward_bytes(256) == forward
+    # dY_0, dY_1 like the outputs; dW tiles 4x1 + 4x4 + 1x4 = 24, split 4 ways, 4160 floats each
+    backward = 4 * (65536 + 65536) + 4 * 24 * 4 * 4160
+    assert net.backward_bytes(256) == backward
+    assert net.scratch_bytes(256) == 3 * forward + backward
+    assert net.scratch_bytes(256, passes=1) == forward + backward
+    assert net.zeroed_bytes(256) == 256  # 24 counters, rounded to 64
+    # batch 10: outputs rounded to 64 floats each, no split, so no workspace or counters
+    assert net.forward_bytes(10) == 4 * (2560 + 2560 + 64)
+    assert net.backward_bytes(10) == 4 * (2560 + 2560)
+    assert net.zeroed_bytes(10) == 0
+
+
+def test_scratch_bytes_of_one_layer_and_odd_widths():
+    one = NarrowMLP(ParamLayout.from_widths([9, 2]))
+    assert one.forward_bytes(33) == 4 * 128  # 66 floats, rounded to 64
+    assert one.backward_bytes(33) == 0  # dY_0 is dout, the batch is not split
+    odd = NarrowMLP(ParamLayout.from_widths([7, 33, 65, 19]))
+    assert odd.tiles == 1 + 2 + 2
+    assert odd.forward_bytes(77) == 4 * (2560 + 5056 + 1472)  # 2541, 5005, 1463 rounded to 64
+    assert odd.backward_bytes(77) == 4 * (2560 + 5056) + 4 * 5 * 2 * 4160
+    assert odd.zeroed_bytes(77) == 256
+
+
+def test_every_arena_block_is_a_multiple_of_256_bytes():
+    net = NarrowMLP(ParamLayout.from_widths([5, 64, 200, 256, 19]))
+    for batch in (1, 3, 77, 1000):
+        assert net.forward_bytes(batch) % 256 == 0 and net.backward_bytes(batch) % 256 == 0
+
+
+def cubin_arch(cubin: bytes) -> int:
+    """The SM version in a CUDA ELF's e_flags (90 for sm_90)."""
+    assert cubin[:4] == b"\x7fELF", "not an ELF image: NVRTC returned something other than CUBIN"
+    (flags,) = struct.unpack_from("<I", cubin, 48)
+    return (flags >> 8) & 0xFF
+
+
+def elf_sections(cubin: bytes) -> dict[str, int]:
+    """Section name -> size, from a 64-bit ELF's section headers."""
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
+    base = headers[names][4]
+    out = {}
+    for h in headers:
+        start = base + h[0]
+        out[cubin[start: cubin.index(b"\0", start)].decode()] = h[5]
+    return out
+
+
+def test_narrow_kernels_compile_to_cubin_within_48k_static_shared_memory(cache_dir):
+    prog = compile_file("narrow.cu", arch="sm_90")
+    assert cubin_arch(prog.cubin) == 90
+    sections = elf_sections(prog.cubin)
+    for name in KERNELS:
+        assert f".text.{name}" in sections, f"{name} missing from the CUBIN"
+        assert sections.get(f".nv.shared.{name}", 0) <= 48 * 1024, f"{name} needs more than 48 KiB"
