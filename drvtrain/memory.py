@@ -151,6 +151,9 @@ class DeviceBuffer:
         # Our streams are non-blocking, so a plain copy would not wait for them.
         check(cu.cuCtxSynchronize)
         check(cu.cuMemcpyHtoD, self.ptr, array.ctypes.data, self.nbytes)
+        # From pageable memory the call may return while its DMA is still in flight,
+        # and kernels on our non-blocking streams would not wait for it.
+        check(cu.cuCtxSynchronize)
 
     def to_numpy(self) -> np.ndarray:
         """Synchronous download into a new host array (tests and setup only)."""

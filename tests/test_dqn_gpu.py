@@ -130,7 +130,10 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     dict(ODD, tf32=False, spectral_c=None, huber_delta=0.3, max_norm=0.01),
     dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False),
     dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=4096, tf32=False),
-], ids=["odd-shapes", "one-action", "hard-copy-spectral-c", "no-spectral-clipped", "small", "large"])
+    dict(ODD, tf32=False, fused=True),
+    dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False, fused=True),
+], ids=["odd-shapes", "one-action", "hard-copy-spectral-c", "no-spectral-clipped", "small", "large",
+        "odd-shapes-fused", "small-fused"])
 def test_one_fp32_step_matches_float64(device, rng, overrides):
     one_step(DQNConfig(seed=int(rng.integers(1 << 30)), **overrides), rng)
 
@@ -316,6 +319,17 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream):
     failed = [r for r in rows if not r.passed]
     assert not failed, failed
     assert counts.per_iteration("cuGraphLaunch") == 1 and counts.per_iteration("cuEventRecord") == 1
+
+
+def test_audit_of_the_fused_step_passes(device, rng):
+    cfg = DQNConfig.small(capacity=8192, seed=int(rng.integers(1 << 30)), fused=True)
+    stream = Stream()
+    step = DQNStep(cfg)
+    assert step.narrow is not None
+    fill(step, rng, stream)
+    rows, _ = audit_step(step, stream=stream, iterations=50)
+    failed = [r for r in rows if not r.passed]
+    assert not failed, failed
 
 
 def test_save_and_load_restore_the_learner(device, rng, tmp_path):

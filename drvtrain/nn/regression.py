@@ -27,13 +27,14 @@ class RegressionStep:
     def __init__(self, layout: ParamLayout, batch: int, *, lr: float = 1e-3, weight_decay: float = 0.0,
                  max_norm: float = 10.0, tf32: bool = True, seed: int = 0, arena_active: bool = True,
                  metrics_slots: int = 1024, params: np.ndarray | None = None,
-                 dependent_launch: bool = True, fused: bool = True):
+                 dependent_launch: bool = True, fused: bool = False):
         self.layout, self.batch = layout, int(batch)
         self.dependent_launch = bool(dependent_launch)
         self.params = FlatBuffer(layout, layout.init_numpy(seed) if params is None else params)
         self.grads = FlatBuffer(layout)
         self.mlp = MLP(layout, tf32=tf32)
-        # Narrow nets run fused: one forward kernel, two backward kernels (drvtrain.nn.narrow).
+        # fused: a narrow net in one forward kernel and two backward kernels (drvtrain.nn.narrow);
+        # off by default, the per-layer GEMMs measure faster (docs/perf-notes.md).
         self.net = NarrowMLP(layout, tf32=tf32) if fused and NarrowMLP.supports(layout) else self.mlp
         self.x = DeviceBuffer((self.batch, layout.layers[0][1]), np.float32)
         self.target = DeviceBuffer((self.batch, layout.layers[-1][0]), np.float32)

@@ -79,7 +79,9 @@ class DQNConfig:
     None means every hidden layer (every layer but the output layer).
     ``fused``: when the net is narrow (every width <= 256, at most 4 weight
     layers) the three forwards run in one kernel and the backward in two
-    (drvtrain.nn.narrow); ``dual_stream`` then has nothing to overlap.
+    (drvtrain.nn.narrow); ``dual_stream`` then has nothing to overlap. Off by
+    default: on the H200 the per-layer GEMMs with the two ``s'`` forwards on
+    their own streams measure faster (docs/perf-notes.md).
     ``dependent_launch`` launches every kernel of the step as a programmatic
     dependent launch (compute capability 9.0+; ignored below): each kernel's
     launch overlaps the tail of the one before, and no result changes.
@@ -105,7 +107,7 @@ class DQNConfig:
     spectral_layers: tuple | None = None
     seed: int = 0
     dual_stream: bool = True
-    fused: bool = True
+    fused: bool = False
     dependent_launch: bool = True
 
     def __post_init__(self):
