@@ -95,6 +95,9 @@ class DeviceBuffer:
         buf = cls(shape, dtype)
         guard_sync("DeviceBuffer.zeros")
         check(cu.cuMemsetD8, buf.ptr, 0, buf.nbytes)
+        # A memset of device memory returns before it is done, and kernels on our
+        # non-blocking streams would not wait for it.
+        check(cu.cuCtxSynchronize)
         return buf
 
     @classmethod
