@@ -27,7 +27,7 @@ class RegressionStep:
     def __init__(self, layout: ParamLayout, batch: int, *, lr: float = 1e-3, weight_decay: float = 0.0,
                  max_norm: float = 10.0, tf32: bool = True, seed: int = 0, arena_active: bool = True,
                  metrics_slots: int = 1024, params: np.ndarray | None = None,
-                 dependent_launch: bool = True, fused: bool = False):
+                 dependent_launch: bool = False, fused: bool = False):
         self.layout, self.batch = layout, int(batch)
         self.dependent_launch = bool(dependent_launch)
         self.params = FlatBuffer(layout, layout.init_numpy(seed) if params is None else params)
@@ -54,7 +54,9 @@ class RegressionStep:
 
     def enqueue(self, *, stream) -> None:
         """Queue one step on ``stream`` (eagerly, or into a capture); with
-        ``dependent_launch`` (the default) every kernel is a dependent launch."""
+        ``dependent_launch`` every kernel is a dependent launch. Off by default:
+        on the H200 it made the 1024-wide step slower (152 against 129 us) and
+        the 256-wide one faster by only 3 us (docs/perf-notes.md)."""
         with dependent_launches(self.dependent_launch):
             self._enqueue(stream)
 
