@@ -338,3 +338,30 @@ def test_dot_dump_marks_programmatic_edges():
     marked = graph_module._mark_programmatic_edges(short, index, {(0, 1)})
     assert marked == ('"graph_1_node_0" -> "graph_1_node_1";\n'
                       '"graph_1_node_1" -> "graph_1_node_2" [style="dashed" label="programmatic"];\n')
+
+
+# ------------------------------------------------------------------ dependent_launches scope
+def _kinds(seen):
+    return [(entry[0], [a[:2] for a in entry[6]] if entry[0] == "ex" else None) for entry in seen]
+
+
+def test_dependent_launches_scope_makes_hopper_launches_dependent_and_restores(launches):
+    from drvtrain import dependent_launches
+    hopper, ampere = hopper_kernel(), hopper_kernel(cc=(8, 0))
+    args = (fake_buffer(4096), 1)
+    programmatic = (ATTR.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+    hopper.launch(4, 64, *args, stream=FakeStream())
+    with dependent_launches():
+        hopper.launch(4, 64, *args, stream=FakeStream())
+        ampere.launch(4, 64, *args, stream=FakeStream())  # below 9.0 the scope changes nothing
+        with dependent_launches(False):  # an inner "off" keeps the outer setting
+            hopper.launch(4, 64, *args, stream=FakeStream())
+    hopper.launch(4, 64, *args, stream=FakeStream())
+    with pytest.raises(RuntimeError):
+        with dependent_launches():
+            raise RuntimeError("inside")
+    hopper.launch(4, 64, *args, stream=FakeStream())
+    with dependent_launches(False):
+        hopper.launch(4, 64, *args, stream=FakeStream())
+    assert _kinds(launches) == [("plain", None), ("ex", [programmatic]), ("plain", None),
+                                ("ex", [programmatic]), ("plain", None), ("plain", None), ("plain", None)]
