@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import threading
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -388,9 +389,9 @@ class Kernel:
         (compute capability 9.0+); the grid must divide by it, and a cluster
         is at most 8 blocks (the portable size).
         """
-        if dependent or cluster is not None or (_dependent_scope[0] and self._dependent_capable):
+        if dependent or cluster is not None or (_scope.dependent and self._dependent_capable):
             self._launch_with_options(grid, block, args, stream, shared_mem,
-                                      dependent or (_dependent_scope[0] and self._dependent_capable), cluster)
+                                      dependent or (_scope.dependent and self._dependent_capable), cluster)
             return
         try:
             g, b = self._validated[(grid, block, shared_mem)]
@@ -432,7 +433,12 @@ class Kernel:
         return f"<Kernel {self.name}({', '.join(self.signature)})>"
 
 
-_dependent_scope = [False]
+class _Scope(threading.local):
+    # Per thread, like captures: another thread's launches are not made dependent.
+    dependent = False
+
+
+_scope = _Scope()
 
 
 @contextmanager
@@ -444,12 +450,12 @@ def dependent_launches(enabled: bool = True):
     training step wraps its enqueue in it, eagerly and under capture alike.
     ``enabled=False`` makes the block a no-op, so callers can pass a setting.
     Scopes nest; the outer setting is restored on exit."""
-    previous = _dependent_scope[0]
-    _dependent_scope[0] = bool(enabled) or previous
+    previous = _scope.dependent
+    _scope.dependent = bool(enabled) or previous
     try:
         yield
     finally:
-        _dependent_scope[0] = previous
+        _scope.dependent = previous
 
 
 def _keep_for_captures(captures, kernel, refs) -> None:

@@ -50,7 +50,8 @@ enum { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_RELU = 2, EPI_MASK = 3 };
 template <int EPI>
 __device__ __forceinline__ float epilogue_value(float v, float bias, float mask) {
     if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) v += bias;
-    if (EPI == EPI_BIAS_RELU) v = fmaxf(v, 0.0f);
+    // ReLU that keeps a NaN (fmaxf would return 0); + 0.0f turns -0 into +0, as fmaxf did.
+    if (EPI == EPI_BIAS_RELU) v = v < 0.0f ? 0.0f : v + 0.0f;
     // The layer input is relu(z), and relu(z) > 0 exactly when z > 0, so the mask
     // of the saved activation equals the mask of the pre-activation.
     if (EPI == EPI_MASK && !(mask > 0.0f)) v = 0.0f;
@@ -160,10 +161,16 @@ struct Loader {
 // of cvt.rna.tf32.f32 for every finite x, in one integer add instead of the four
 // instructions sm_90 spends on cvt.rna. 3xTF32: big = tf32(x), small = tf32(x - big),
 // x - big exact in FP32.
+// Infinities and NaNs (exponent all ones) pass unrounded, with small = 0: the add
+// would carry a NaN such as 0x7fffffff out of its exponent into -0, and a NaN
+// must reach the output so that the step's NaN guard sees it.
 template <int PREC>
 __device__ __forceinline__ void split(float x, unsigned int& big, unsigned int& small) {
-    big = __float_as_uint(x) + 0x1000u;
-    if (PREC == PREC_3XTF32) small = __float_as_uint(x - __uint_as_float(big & 0xffffe000u)) + 0x1000u;
+    const unsigned int u = __float_as_uint(x);
+    const bool finite = (u & 0x7f800000u) != 0x7f800000u;
+    big = finite ? u + 0x1000u : u;
+    if (PREC == PREC_3XTF32)
+        small = finite ? __float_as_uint(x - __uint_as_float(big & 0xffffe000u)) + 0x1000u : 0u;
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {

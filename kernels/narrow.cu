@@ -405,7 +405,7 @@ __device__ void forward_block(const float* params, const float* x, float* acts, 
                     float v = 0.0f;
                     if (col < N) {
                         v = acc[j][e] + bias[j][e & 1];
-                        if (hidden) v = fmaxf(v, 0.0f);
+                        if (hidden) v = v < 0.0f ? 0.0f : v + 0.0f;  // ReLU keeping NaN, as torch.relu
                         if (row0 + r < batch) y[(long long)(row0 + r) * N + col] = v;
                     }
                     act[r][col] = v;

@@ -115,6 +115,46 @@ def test_product_matches_float64(device, stream, rng, role, tile, vector, m, n, 
         assert err < X3_BOUND, f"db of {kernel.name} {m}x{n}x{k}, {p.splits} splits: rel {err:.3g}"
 
 
+def set_bits(buf, index, bits):
+    host = buf.to_numpy()
+    host.view(np.uint32)[index] = bits
+    buf.copy_from_numpy(host)
+
+
+@pytest.mark.parametrize("vector", [16, 4], ids=["cp16", "cp4"])
+@pytest.mark.parametrize("tile", TILES, ids=[t.name for t in TILES])
+@pytest.mark.parametrize("role", ROLES)
+def test_nan_operands_reach_the_output(device, stream, rng, role, tile, vector):
+    """A NaN in either operand makes exactly its output row (A) or column (B) NaN, as in
+    float64, whatever its bits: 0x7fffffff (what device code writes) would carry out of its
+    exponent if rounded to TF32 by an add, and 0xffffffff is the poison pattern. A hidden
+    layer's ReLU keeps the NaN. Everything else stays finite."""
+    m, n, k = 77, 35, 45
+    i0, j0, ka, kb = 5, 7, 3, 11
+    kernels = kernels_for(role, device)
+    prod = Product(role, m, n, k, vector, rng)
+    # (row, col) of A(i0, ka) and B(kb, j0) in each role's storage (see Product).
+    a_at, b_at = {"forward": ((i0, ka), (j0, kb)), "forward_relu": ((i0, ka), (j0, kb)),
+                  "grad_input": ((i0, ka), (kb, j0)), "grad_weight": ((ka, i0), (kb, j0))}[role]
+    set_bits(prod.a, a_at, 0x7FFFFFFF)
+    set_bits(prod.b, b_at, 0xFFFFFFFF)
+    arena, _ = arena_for(kernels, role, m, n, k, tile)
+    prod.poison(stream)
+    prod.launch(kernels, arena, stream, tile, vector)
+    c, sums = prod.outputs()
+    got = c[:, :n]
+    want_nan = np.zeros((m, n), bool)
+    want_nan[i0, :] = True
+    want_nan[:, j0] = True
+    if role == "grad_input":  # the ReLU mask zeroes what it masks, NaN or not
+        want_nan &= prod.mask.to_numpy()[:, :n] > 0
+    np.testing.assert_array_equal(np.isnan(got), want_nan)
+    if sums is not None:
+        want_sums = np.zeros(m, bool)
+        want_sums[i0] = True
+        np.testing.assert_array_equal(np.isnan(sums), want_sums)
+
+
 @pytest.mark.parametrize("role", ROLES)
 @pytest.mark.parametrize("m, n, k", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
 def test_ffma_product_matches_float64(device, stream, rng, role, m, n, k):

@@ -365,3 +365,16 @@ def test_dependent_launches_scope_makes_hopper_launches_dependent_and_restores(l
         hopper.launch(4, 64, *args, stream=FakeStream())
     assert _kinds(launches) == [("plain", None), ("ex", [programmatic]), ("plain", None),
                                 ("ex", [programmatic]), ("plain", None), ("plain", None), ("plain", None)]
+
+
+def test_dependent_launches_scope_belongs_to_its_thread(launches):
+    import threading
+    from drvtrain import dependent_launches
+    hopper = hopper_kernel()
+    args = (fake_buffer(4096), 1)
+    with dependent_launches():
+        worker = threading.Thread(target=lambda: hopper.launch(4, 64, *args, stream=FakeStream()))
+        worker.start()
+        worker.join()
+        hopper.launch(4, 64, *args, stream=FakeStream())
+    assert [entry[0] for entry in launches] == ["plain", "ex"]

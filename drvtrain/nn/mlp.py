@@ -293,6 +293,8 @@ class MLP:
             raise ValueError("params were made for another layout")
         batch = x.shape[0] if x.shape else 0
         _check_input("x", x, (batch, self.in_features))
+        if batch < 1:
+            raise ValueError("the batch must have at least one row")
         acts = [x]
         last = len(self.layout.layers) - 1
         for k, (out, inp) in enumerate(self.layout.layers):
