@@ -1,0 +1,48 @@
+"""tools/profile_step.py's reading of Nsight Compute's raw CSV (runs everywhere)."""
+import os
+
+import pytest
+
+TOOLS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+
+HEADER = ('"ID","Process ID","Kernel Name","gpu__time_duration.sum",'
+          '"sm__warps_active.avg.pct_of_peak_sustained_active","sm__throughput.avg.pct_of_peak_sustained_elapsed",'
+          '"gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed","launch__grid_size",'
+          '"launch__block_size"')
+
+
+@pytest.fixture
+def profile(monkeypatch):
+    monkeypatch.syspath_prepend(TOOLS_DIR)
+    import profile_step
+    return profile_step
+
+
+def csv_text(time_unit, rows):
+    lines = ["==PROF== Connected to process 1234", HEADER,
+             f'"","","","{time_unit}","%","%","%","",""']
+    lines += [",".join(f'"{v}"' for v in row) for row in rows]
+    return "\n".join(lines + ["==PROF== Disconnected from process 1234"])
+
+
+def test_rows_are_read_in_launch_order_with_units_and_limits(profile):
+    rows = profile.table(csv_text("nsecond", [
+        ("0", "1", "linear_forward_relu_64x64_cp16_tf32(const float *, int)", "25,440", "11.3", "31.1", "44.0",
+         "256", "128"),
+        ("1", "1", "adamw_step", "13630", "42.0", "36.4", "29.8", "528", "256"),
+        ("2", "1", "sumtree_update", "5150", "3.1", "0.1", "0.5", "4", "64"),
+    ]))
+    assert [r["kernel"] for r in rows] == ["linear_forward_relu_64x64_cp16_tf32", "adamw_step", "sumtree_update"]
+    assert [r["time"] for r in rows] == pytest.approx([25.44, 13.63, 5.15])
+    assert [r["limit"] for r in rows] == ["memory", "SM", "latency"]
+    assert (rows[0]["grid"], rows[0]["block"], rows[0]["occupancy"]) == ("256", "128", 11.3)
+
+
+def test_microsecond_durations_are_not_rescaled(profile):
+    (row,) = profile.table(csv_text("usecond", [("0", "1", "k", "7.5", "1", "50", "10", "1", "32")]))
+    assert row["time"] == pytest.approx(7.5) and row["limit"] == "SM"
+
+
+def test_output_without_kernels_gives_no_rows(profile):
+    assert profile.table("==PROF== Connected\nno kernels were profiled\n") == []
+    assert profile.table(csv_text("nsecond", [])) == []
