@@ -34,8 +34,8 @@ _cuLaunchKernelEx = cu.cuLaunchKernelEx
 PORTABLE_CLUSTER_SIZE = 8
 _OPTIONS_CC = (9, 0)  # programmatic dependent launch and clusters: Hopper and newer
 
-__all__ = ["dependent_launches", "Module", "Kernel", "ArgPack", "BoundLaunch", "load_module", "load_source", "parse_signature",
-           "builtin_module"]
+__all__ = ["dependent_launches", "Module", "Kernel", "ArgPack", "BoundLaunch", "load_module", "load_source",
+           "parse_signature", "builtin_module"]
 
 # Argument kinds: their struct format and size. Every argument gets an 8-byte
 # slot, so each is naturally aligned.
@@ -224,7 +224,7 @@ class Kernel:
         if compute_capability is None and module is not None:
             compute_capability = module.device.compute_capability
         self.compute_capability = tuple(compute_capability) if compute_capability else None
-        self._dependent_capable = bool(self.compute_capability) and self.compute_capability >= (9, 0)
+        self._dependent_capable = bool(self.compute_capability) and self.compute_capability >= _OPTIONS_CC
         self._dynamic_shared = dynamic_shared if dynamic_shared is not None else _DynamicShared()
 
     # -------------------------------------------------------------- validation
@@ -389,9 +389,9 @@ class Kernel:
         (compute capability 9.0+); the grid must divide by it, and a cluster
         is at most 8 blocks (the portable size).
         """
-        if dependent or cluster is not None or (_scope.dependent and self._dependent_capable):
-            self._launch_with_options(grid, block, args, stream, shared_mem,
-                                      dependent or (_scope.dependent and self._dependent_capable), cluster)
+        dependent = dependent or (_scope.dependent and self._dependent_capable)
+        if dependent or cluster is not None:
+            self._launch_with_options(grid, block, args, stream, shared_mem, dependent, cluster)
             return
         try:
             g, b = self._validated[(grid, block, shared_mem)]

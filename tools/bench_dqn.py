@@ -6,9 +6,9 @@ back-to-back graph replays, device time over R), the graph's node count and
 longest dependent chain, for the default step (per-layer GEMMs, the two `s'`
 forwards on their own streams, dependent launches) and for variants that change
 one thing: no dependent launches, the fused narrow kernels (small only: the
-large net is too wide for them), everything on one stream. With torch installed, the same step written plainly in PyTorch
-(tools/torch_dqn.py), eager and CUDA-graph captured. Goals: <= 15 us (small)
-and <= 50 us (large).
+large net is too wide for them), everything on one stream. With torch installed,
+the same step written plainly in PyTorch (tools/torch_dqn.py), eager and CUDA-graph
+captured. Goals: <= 15 us (small) and <= 50 us (large).
 """
 import sys
 

@@ -231,8 +231,8 @@ class DQNStep:
                                    seed=int(rng.integers(2**63)), max_batch=cfg.batch)
         b, a = cfg.batch, cfg.n_actions
         mod = builtin_module("dqn.cu")
-        self._loss_kernel = mod.kernel("dqn_loss", "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr",
-                                       fixed_block=True)
+        self._loss_kernel = mod.kernel(
+            "dqn_loss", "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr", fixed_block=True)
         self._loss_grid = -(-b // self._loss_kernel.block)
         self._loss_partials = DeviceBuffer(3 * self._loss_grid, np.float64)
         self._loss_counter = DeviceBuffer.zeros(1, np.uint32)

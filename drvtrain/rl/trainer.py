@@ -138,9 +138,10 @@ class _Actor:
         self.episodes = MappedBuffer((episode_slots, _EPISODE_FIELDS), np.float64)
         self.episodes.view()[:] = 0.0
         # The acting forward: the fused narrow kernel when the learner has one (one node).
-        self.net = learner.narrow if learner.narrow is not None else learner.online_mlp
-        scratch = learner.narrow.forward_bytes(n) if learner.narrow is not None else learner.online_mlp.scratch_bytes(n)
-        self.arena = Arena(scratch + 256, zeroed_bytes=learner.online_mlp.zeroed_bytes(n) + 256)
+        narrow, mlp = learner.narrow, learner.online_mlp
+        self.net = narrow if narrow is not None else mlp
+        scratch = narrow.forward_bytes(n) if narrow is not None else mlp.scratch_bytes(n)
+        self.arena = Arena(scratch + 256, zeroed_bytes=mlp.zeroed_bytes(n) + 256)
         self.kernel = self.env.module.kernel(
             f"{self.env.name}_act", "ptr ptr ptr ptr ptr i32 u64 ptr ptr f32 f32 i64 i32 i64 i64 ptr "
                                     "ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr i32 i32 ptr ptr i32", fixed_block=True)
