@@ -22,12 +22,16 @@
 //             that is added to the FP32 accumulator with an FADD once per k tile
 //             (the tensor cores do not round their own sums to nearest): FP32
 //             accuracy, about 2e-7 relative against float64 on random data.
-//   <tile>:   64x64: 128 threads, 4 warps of 32x32 outputs, k tiles of 32, 2 stages
-//                    (36 KB of shared memory at most);
+//   <tile>:   128x128: 256 threads, 8 warps of 64x32 outputs, k tiles of 32, 3 stages
+//                    (108 KB of dynamic shared memory);
+//             128x64: 128 threads, 4 warps of 64x32 outputs, k tiles of 32, 3 stages
+//                    (81 KB of dynamic shared memory);
+//             64x64: 128 threads, 4 warps of 32x32 outputs, k tiles of 32, 2 stages
+//                    (36 KB of static shared memory at most);
 //             32x32: 128 threads, 4 warps of 16x16 outputs, k tiles of 16, 4 stages
 //                    (20 KB), so several blocks share an SM on the small products.
-//             Static shared memory stays under 48 KB, which caps the 128-row tiles
-//             at 2 stages of 16: they measured slower than both on the H200.
+//             A ring above 48 KB is dynamic shared memory: the launch passes its
+//             bytes (Tile.shared_bytes in drvtrain.nn.mlp).
 //   <cp>:     cp16: 16-byte copies; needs lda, ldb multiples of 4 floats and A, B
 //             16-byte aligned (drvtrain.nn.mlp.vector_width decides).
 //             cp4: 4-byte copies, any stride and alignment.
@@ -74,8 +78,34 @@ struct Config {
     static_assert(THREADS >= BM, "one thread per row sums db");
 };
 
+using Tile128x128 = Config<128, 128, 2, 4, 32, 3>;
+using Tile128x64 = Config<128, 64, 2, 2, 32, 3>;
 using Tile64x64 = Config<64, 64, 2, 2, 32, 2>;
 using Tile32x32 = Config<32, 32, 2, 2, 16, 4>;
+
+// The ring of stages: static shared memory up to the 48 KB a static array may
+// take, dynamic above it (the launch passes the bytes: drvtrain.nn.mlp.Tile.shared_bytes
+// computes the same sum). A launch with too little dynamic memory traps at once
+// instead of reading past its allocation.
+template <int FLOATS, bool DYNAMIC>
+struct Ring;
+template <int FLOATS>
+struct Ring<FLOATS, false> {
+    __device__ static __forceinline__ float* get() {
+        __shared__ __align__(16) float ring[FLOATS];
+        return ring;
+    }
+};
+template <int FLOATS>
+struct Ring<FLOATS, true> {
+    __device__ static __forceinline__ float* get() {
+        extern __shared__ __align__(16) float ring_dynamic[];
+        unsigned int bytes;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+        if (bytes < FLOATS * 4u) __trap();
+        return ring_dynamic;
+    }
+};
 
 // One operand's tile in shared memory, in its global layout. Row strides make the
 // m16n8k8 fragment loads conflict-free: lane (g, t) = (lane / 4, lane % 4) reads
@@ -193,7 +223,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     using SA = Smem<BM, BK, A_KFAST>;
     using SB = Smem<BN, BK, B_KFAST>;
     constexpr int STAGE = SA::FLOATS + SB::FLOATS;
-    __shared__ __align__(16) float smem[STAGES * STAGE];
+    float* const smem = Ring<STAGES * STAGE, (STAGES * STAGE * 4 > 48 * 1024)>::get();
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wm = warp / CFG::WARPS_N, wn = warp % CFG::WARPS_N;
@@ -303,6 +333,9 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         }
     }
     cp_async_wait<0>();
+    // The next kernel's blocks may be placed from here on: earlier, they would sit
+    // on SMs this grid's later blocks still need (a dependent launch only).
+    dt_allow_dependents();
 
     if (splits > 1) {
         const unsigned int tile = blockIdx.y * gridDim.x + blockIdx.x;
@@ -546,6 +579,7 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
         }
         __syncthreads();
     }
+    dt_allow_dependents();  // after the main loop, as in the tensor-core kernels
     if (sums && threadIdx.x < BM) out.put_row_sum(i0 + threadIdx.x, row_sum);
 #pragma unroll
     for (int r = 0; r < 4; ++r)
@@ -567,7 +601,8 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 //   tensor cores: gridDim.x * gridDim.y * S * BM * BN (+ gridDim.y * S * BM with col_sum)
 //   FFMA:         S * (M * N + M)
 // Every kernel waits for the grid before it (programmatic dependent launch) before
-// touching memory, the gate word included.
+// touching memory, the gate word included, and lets the next grid's blocks be
+// placed only after its main loop.
 #define DT_GEMM_PARAMS                                                                                    \
     const float *A, int lda, const float *B, int ldb, float *C, int ldc, int M, int N, int K,             \
         const float *bias, const float *mask, int ldm, float *col_sum, float *workspace,                  \
@@ -575,7 +610,6 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 #define DT_GEMM_ARGS A, lda, B, ldb, C, ldc, M, N, K, bias, mask, ldm, col_sum, workspace, counters
 #define DT_GEMM_PROLOGUE        \
     dt_wait_prior_grid();       \
-    dt_allow_dependents();      \
     if (gate != nullptr && *gate) return;
 
 #define DT_TC_KERNEL(NAME, CFG, PREC, A_KFAST, B_KFAST, EPI, VEC)                                        \
@@ -589,6 +623,10 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
     DT_TC_KERNEL(linear_grad_input_##TILE##_##CP##_3xtf32, Tile##TILE, PREC_3XTF32, true, false, EPI_MASK, VEC) \
     DT_TC_KERNEL(linear_grad_weight_##TILE##_##CP##_3xtf32, Tile##TILE, PREC_3XTF32, false, false, EPI_NONE, VEC)
 
+DT_TC_ROLES(128x128, cp16, true)
+DT_TC_ROLES(128x128, cp4, false)
+DT_TC_ROLES(128x64, cp16, true)
+DT_TC_ROLES(128x64, cp4, false)
 DT_TC_ROLES(64x64, cp16, true)
 DT_TC_ROLES(64x64, cp4, false)
 DT_TC_ROLES(32x32, cp16, true)

@@ -16,10 +16,10 @@ import sys
 import numpy as np
 
 import _common
-from drvtrain import Arena, DeviceBuffer, Stream, capture, get_device
+from drvtrain import Arena, DeviceBuffer, Stream, capture, dependent_launches, get_device
 from drvtrain.nn import FlatBuffer, ParamLayout, RegressionStep
 from drvtrain.nn.narrow import NarrowMLP
-from drvtrain.nn.mlp import MLP
+from drvtrain.nn.mlp import MLP, TILES
 from drvtrain.timing import time_graph
 
 CONFIGS = {"small": (4, [256, 256], 2, 256), "large": (128, [1024, 1024], 18, 512)}
@@ -37,15 +37,79 @@ def plan_text(kernels, role, m, n, k) -> str:
     return f"{p.tile.name}/{p.splits}"
 
 
+# Products for --sweep: (role, M, N, K), the large net's then the small net's.
+SWEEP = (("forward_relu", 512, 1024, 1024), ("grad_input", 512, 1024, 1024), ("grad_weight", 1024, 1024, 512),
+         ("forward_relu", 512, 1024, 128), ("grad_weight", 1024, 128, 512),
+         ("forward_relu", 256, 256, 256), ("grad_input", 256, 256, 256), ("grad_weight", 256, 256, 256),
+         ("forward", 256, 3, 256), ("grad_weight", 3, 256, 256), ("forward_relu", 256, 256, 4))
+
+
+def sweep(stream, timed, rng, chain: int) -> None:
+    """Every tensor-core tile at every split count, for each product of SWEEP: a
+    graph of ``chain`` launches of the product back to back, ordinary and
+    dependent, in us per launch. The data behind ``choose_tile`` and ``split_count``."""
+    dev = get_device()
+    kernels = {"forward_relu": MLP(ParamLayout([(8, 8)])).forward_kernels,
+               "grad_input": MLP(ParamLayout([(8, 8)])).backward_kernels}
+    kernels["forward"] = kernels["forward_relu"]
+    kernels["grad_weight"] = kernels["grad_input"]
+    print(f"\nsweep: us per launch in a replayed chain of {chain}, median of repeats; * = the plan's choice")
+    print("| role | MxNxK | tile | splits | blocks | us | us dependent | TFLOP/s |\n|---|---|---|---|---|---|---|---|")
+    for role, m, n, k in SWEEP:
+        lk = kernels[role]
+        a_rows, a_cols = (k, m) if role == "grad_weight" else (m, k)
+        b_rows, b_cols = (k, n) if role in ("grad_weight", "grad_input") else (n, k)
+        a = DeviceBuffer.from_numpy(rng.standard_normal((a_rows, a_cols)).astype(np.float32))
+        b = DeviceBuffer.from_numpy(rng.standard_normal((b_rows, b_cols)).astype(np.float32))
+        c = DeviceBuffer((m, n))
+        extra = {"grad_input": {"mask": DeviceBuffer.from_numpy(rng.standard_normal((m, n)).astype(np.float32)),
+                                "ldm": n},
+                 "grad_weight": {"col_sum": DeviceBuffer((m,))}}.get(role)
+        if extra is None:
+            extra = {"bias": DeviceBuffer.from_numpy(rng.standard_normal(n).astype(np.float32))}
+        chosen = lk.plan(role, m, n, k)
+        for tile in TILES:
+            seen = set()
+            for want in (1, 2, 3, 4, 6, 8):
+                p = lk.plan(role, m, n, k, tile=tile, splits=want)
+                if p.splits in seen:
+                    continue
+                seen.add(p.splits)
+                arena = Arena(chain * (4 * p.workspace_floats + 1024), zeroed_bytes=chain * (4 * p.counters + 256))
+                times = []
+                for dependent in (False, True):
+                    def body():
+                        with dependent_launches(dependent):
+                            for _ in range(chain):
+                                lk.launch(role, a, a_cols, b, b_cols, c, n, m, n, k, arena=arena, stream=stream,
+                                          tile=tile, splits=want, **extra)
+                    exe, _ = graph_of(stream, arena, body)
+                    times.append(timed(exe) / chain)
+                    exe.close()
+                gx, gy, gz = p.grid(m, n)
+                mark = " *" if (p.tile, p.splits) == (chosen.tile, chosen.splits) else ""
+                print(f"| {role} | {m}x{n}x{k} | {tile.name} | {p.splits}{mark} | {gx * gy * gz} | {times[0]:.2f} | "
+                      f"{times[1]:.2f} | {2.0 * m * n * k / min(times) / 1e6:.1f} |")
+                arena.close()
+    print(f"({dev.sm_count} SMs; TFLOP/s from the faster column, counting one product, not the three of 3xTF32)")
+
+
 def main(argv=None) -> int:
     parser = _common.tool_parser(__doc__)
     parser.add_argument("--replays", type=int, default=200, help="graph replays per sample (default 200)")
     parser.add_argument("--repeats", type=int, default=5, help="samples; the median is reported (default 5)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="only time every tile and split count for the products of both nets, "
+                             "as chains of launches")
+    parser.add_argument("--chain", type=int, default=10, help="launches per graph in --sweep (default 10)")
     args = parser.parse_args(argv)
     dev = get_device()
     stream, side = Stream(), Stream()
     rng = np.random.default_rng(0)
     timed = lambda exe: time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
+    if args.sweep:
+        sweep(stream, timed, rng, args.chain)
+        return 0
     rows, backwards, steps = [], [], []
     for name, (obs, hidden, actions, batch) in CONFIGS.items():
         widths = [obs] + hidden + [1 + actions]

@@ -29,11 +29,28 @@ class Tile:
     max_splits: int
     min_split_tiles: int  # k tiles a split keeps at least
     waves: int  # blocks per SM the split aims for
+    stages: int = 1  # the depth of the shared-memory ring (tensor-core tiles)
+    per_sm: int = 8  # blocks of this tile that fit on one SM (registers, shared memory)
+
+    def shared_bytes(self, role: str) -> int:
+        """The dynamic shared memory a launch of ``role`` takes with this tile:
+        kernels/gemm.cu's ring of ``stages`` operand tiles when it exceeds the
+        48 KB of a static array, else 0. The rows of a k-fast operand tile are
+        padded by 4 floats, the depths of a row-fast one by 8."""
+        if self is FFMA_TILE:
+            return 0
+        a_kfast, b_kfast = role != "grad_weight", role in ("forward", "forward_relu")
+        floats = sum(rows * (self.bk + 4) if kfast else self.bk * (rows + 8)
+                     for rows, kfast in ((self.bm, a_kfast), (self.bn, b_kfast)))
+        total = 4 * self.stages * floats
+        return total if total > 48 * 1024 else 0
 
 
-TILE_64 = Tile("64x64", 64, 64, 32, 8, 4, 1)
-TILE_32 = Tile("32x32", 32, 32, 16, 8, 4, 2)
-TILES = (TILE_64, TILE_32)  # the tensor-core tiles, largest first
+TILE_128 = Tile("128x128", 128, 128, 32, 8, 4, 1, stages=3, per_sm=1)
+TILE_128x64 = Tile("128x64", 128, 64, 32, 8, 4, 1, stages=3, per_sm=2)
+TILE_64 = Tile("64x64", 64, 64, 32, 8, 4, 1, stages=2, per_sm=4)
+TILE_32 = Tile("32x32", 32, 32, 16, 8, 4, 2, stages=4, per_sm=8)
+TILES = (TILE_128, TILE_128x64, TILE_64, TILE_32)  # the tensor-core tiles, largest first
 FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
 
 _ROLES = ("forward", "forward_relu", "grad_input", "grad_weight")
@@ -54,27 +71,39 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
     return f"linear_{role}_{tile.name}_cp{vector}_{precision}"
 
 
-def split_count(m: int, n: int, k: int, sm_count: int, tile: Tile = FFMA_TILE) -> int:
+def split_count(m: int, n: int, k: int, sm_count: int, tile: Tile = FFMA_TILE, want: int | None = None) -> int:
     """How many blocks share each output tile's k range: enough for ``tile.waves``
-    blocks per SM, at most ``tile.max_splits``, each with whole k tiles and at least
+    blocks per SM but no more than fit at once (``tile.per_sm``), at most
+    ``tile.max_splits``, each with whole k tiles and at least
     ``tile.min_split_tiles`` of them, none left empty. (Measured on the H200: more
     splits buy parallelism for the small products, and cost a partial round trip
-    and the last block's tail.)"""
+    and the last block's tail.) ``want`` asks for a split count instead; the
+    result is the nearest that leaves no split empty."""
     tiles = -(-m // tile.bm) * -(-n // tile.bn)
     k_tiles = -(-k // tile.bk)
     if tiles > _MAX_TILES:
         return 1
-    want = max(1, min(tile.max_splits, k_tiles // tile.min_split_tiles, -(-tile.waves * sm_count // tiles)))
+    if want is None:
+        want = min(tile.max_splits, k_tiles // tile.min_split_tiles, -(-tile.waves * sm_count // tiles),
+                   tile.per_sm * sm_count // tiles)
+    want = max(1, min(want, k_tiles))
     per = -(-k_tiles // want)
     return -(-k_tiles // per)
 
 
+def _blocks(m: int, n: int, k: int, sm_count: int, tile: Tile) -> int:
+    return -(-m // tile.bm) * -(-n // tile.bn) * split_count(m, n, k, sm_count, tile)
+
+
 def choose_tile(m: int, n: int, k: int, sm_count: int, precision: str) -> Tile:
-    """64x64 tiles when they nearly fill the SMs by themselves (the 1024-wide
-    layers: fewer loads per multiply), 32x32 tiles for the rest, which need the
-    parallelism; FFMA kernels have their own."""
+    """The largest tile that still fills the SMs: 128x128 when its blocks, split
+    over k, cover 3/4 of them (the 1024-wide products: half the loads per
+    multiply of 64x64), 64x64 when its tiles alone nearly fill them, 32x32 for
+    the rest, which need the parallelism; FFMA kernels have their own."""
     if precision == "f32":
         return FFMA_TILE
+    if 4 * _blocks(m, n, k, sm_count, TILE_128) >= 3 * sm_count:
+        return TILE_128
     if -(-m // TILE_64.bm) * -(-n // TILE_64.bn) * 4 >= 3 * sm_count:
         return TILE_64
     return TILE_32
@@ -93,15 +122,16 @@ class Plan:
 
 
 def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = False,
-         tile: Tile | None = None) -> Plan:
+         tile: Tile | None = None, splits: int | None = None) -> Plan:
     """The launch of an m x n x k product: the one rule behind every launch and
     behind ``MLP.scratch_bytes`` / ``MLP.zeroed_bytes``. ``sums``: the product also
-    writes row sums of A (db). ``tile`` forces a tile (tests: every compiled variant)."""
+    writes row sums of A (db). ``tile`` forces a tile (tests: every compiled
+    variant), ``splits`` a split count (benchmarks: the plans around the rule's)."""
     if tile is None:
         tile = choose_tile(m, n, k, sm_count, precision)
     elif (tile is FFMA_TILE) != (precision == "f32"):
         raise ValueError(f"tile {tile.name} has no {precision} kernels")
-    s = split_count(m, n, k, sm_count, tile)
+    s = split_count(m, n, k, sm_count, tile, splits)
     if s == 1:
         return Plan(tile, 1, 0, 0)
     rows, cols = -(-m // tile.bm), -(-n // tile.bn)
@@ -134,6 +164,7 @@ class GemmKernel:
         self.role, self.precision, self.tile, self.vector = role, precision, tile, vector
         self.name = kernel_name(role, precision, tile, vector)
         self.kernel = _load_kernel(self.name)
+        self.shared_bytes = tile.shared_bytes(role)
 
     def __repr__(self) -> str:
         return f"<GemmKernel {self.name}>"
@@ -147,7 +178,7 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     tile = kernel.tile
     kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block, a, lda, b, ldb, c, ldc,
                          m, n, k, bias, mask, ldm, col_sum, workspace, counters, gate if gate is not None else 0,
-                         stream=stream)
+                         stream=stream, shared_mem=kernel.shared_bytes)
 
 
 class LinearKernels:
@@ -164,17 +195,19 @@ class LinearKernels:
         self.kernels = {(role, tile, vector): GemmKernel(role, precision, tile, vector)
                         for role in roles for tile, vector in variants}
 
-    def plan(self, role, m, n, k, *, tile=None) -> Plan:
+    def plan(self, role, m, n, k, *, tile=None, splits=None) -> Plan:
         """The launch of ``role``'s m x n x k product (grad-weight also sums db)."""
-        return plan(m, n, k, self.sm_count, precision=self.precision, sums=role == "grad_weight", tile=tile)
+        return plan(m, n, k, self.sm_count, precision=self.precision, sums=role == "grad_weight", tile=tile,
+                    splits=splits)
 
     def launch(self, role, a, lda, b, ldb, c, ldc, m, n, k, *, arena: Arena, stream, gate=None, tile=None,
-               vector=None, **epilogue) -> GemmKernel:
+               vector=None, splits=None, **epilogue) -> GemmKernel:
         """Plan the product, take its workspace and counters from ``arena``, launch it.
 
-        ``tile`` and ``vector`` force a variant (tests); a forced 16-byte copy the
-        operands do not allow is refused. Returns the kernel that ran."""
-        p = self.plan(role, m, n, k, tile=tile)
+        ``tile``, ``vector`` and ``splits`` force a variant (tests, benchmarks); a
+        forced 16-byte copy the operands do not allow is refused. Returns the
+        kernel that ran."""
+        p = self.plan(role, m, n, k, tile=tile, splits=splits)
         allowed = vector_width(a, lda, b, ldb) if self.precision != "f32" else 16
         if vector is None:
             vector = allowed

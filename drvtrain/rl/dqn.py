@@ -7,7 +7,8 @@ on ``s'`` run on two streams forked from it and joined before the loss; the
 fused loss (dueling combine, Double-DQN argmax and target, IS-weighted Huber,
 the output gradient, new priorities, metrics sums); the backward; the
 gradient-norm clip, which is also the NaN guard; AdamW; the spectral power
-iteration (two launches); the priority update; and one last pass that applies
+iteration (two launches) and beside it, on a second stream, the priority
+update; and one last pass that applies
 the spectral scales, updates the target network, counts the step and writes
 the metrics slot. No host branch anywhere: a captured step replays unchanged.
 """
@@ -344,6 +345,12 @@ class DQNStep:
                          weight_stream=self.streams[0] if self.streams else None)
         self.optimizer.step(stream=stream, gate=gate)
         skip = self.optimizer.skip
+        # The priority update needs only the loss's priorities and the NaN guard:
+        # with a second stream it runs beside the spectral launches, off the chain.
+        update_stream = self.streams[1] if self.streams else stream
+        if update_stream is not stream:
+            fork(stream, update_stream)
+        self.replay.update_priorities(batch.indices, priorities, stream=update_stream, skip=skip)
         if self.n_spectral:
             cb, rb = self._spectral_grids
             self._spectral_columns.launch(cb, self._spectral_columns.block, self.params, self._spectral_mats,
@@ -353,7 +360,8 @@ class DQNStep:
                                        self.n_spectral, self.u, self._v, float(cfg.spectral_c), self.sigma,
                                        self.spectral_scale, self._spectral_partials, self._spectral_counters,
                                        skip, stream=stream)
-        self.replay.update_priorities(batch.indices, priorities, stream=stream, skip=skip)
+        if update_stream is not stream:
+            join(stream, update_stream)
         tau, period = (float(cfg.tau), 0) if cfg.tau is not None else (0.0, int(cfg.target_period))
         self._finish.launch(self._finish_grid, self._finish.block, self.params, self.target, self.layout.size,
                             self._spectral_mats, self.n_spectral, self.spectral_scale, self.sigma, tau, period,
