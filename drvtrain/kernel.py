@@ -294,13 +294,31 @@ class Kernel:
               attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
         state.allowed = shared_mem
 
-    def _launch_config(self, grid, block, shared_mem, dependent, cluster) -> tuple:
+    def max_resident_blocks(self, block, shared_mem: int = 0) -> int:
+        """How many blocks of ``block`` threads (and ``shared_mem`` bytes of dynamic
+        shared memory) the whole device holds at once: the occupancy per SM times
+        the SMs. A cooperative launch may have at most this many."""
+        b = _dims(block, "block")
+        key = ("resident", b, shared_mem)
+        try:
+            return self._configs[key]
+        except KeyError:
+            pass
+        if self.function is None or self._module is None:
+            raise ValueError(f"{self.name}: occupancy needs a loaded kernel")
+        per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor, self.function, b[0] * b[1] * b[2],
+                       int(shared_mem))
+        blocks = int(per_sm) * self._module.device.sm_count
+        self._configs[key] = blocks
+        return blocks
+
+    def _launch_config(self, grid, block, shared_mem, dependent, cluster, cooperative=False) -> tuple:
         """``(grid, block, CUlaunchConfig)`` for a launch with options, checked and memoised.
 
         The config and its attributes are built once per shape; a launch only
         sets its stream.
         """
-        key = (grid, block, shared_mem, dependent, cluster)
+        key = (grid, block, shared_mem, dependent, cluster, cooperative)
         try:
             return self._configs[key]
         except (KeyError, TypeError):
@@ -314,6 +332,20 @@ class Kernel:
             a = cu.CUlaunchAttribute()
             a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             a.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(a)
+        if not isinstance(cooperative, (bool, np.bool_)):
+            raise TypeError(f"{self.name}: cooperative must be True or False, got {cooperative!r}")
+        if cooperative:
+            if cluster is not None:
+                raise ValueError(f"{self.name}: a launch is either cooperative or in clusters, not both")
+            blocks, resident = g[0] * g[1] * g[2], self.max_resident_blocks(b, shared_mem)
+            if blocks > resident:
+                raise ValueError(f"{self.name}: a cooperative launch of {blocks} blocks, but at most {resident} "
+                                 f"blocks of {b[0] * b[1] * b[2]} threads fit on the device at once "
+                                 f"(max_resident_blocks)")
+            a = cu.CUlaunchAttribute()
+            a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+            a.value.cooperative = 1
             attrs.append(a)
         if cluster is not None:
             c = self._check_cluster(cluster, g)
@@ -360,7 +392,7 @@ class Kernel:
 
     # -------------------------------------------------------------- launching
     def launch(self, grid, block, *args, stream, shared_mem: int = 0, dependent: bool = False,
-               cluster=None) -> None:
+               cluster=None, cooperative: bool = False) -> None:
         """Pack ``args`` into the kernel's reusable pack and launch on ``stream``.
 
         The hot path of every eager launch: a memoised shape check, and
@@ -388,10 +420,16 @@ class Kernel:
         ``cluster=(x, y, z)``: launch as thread block clusters of that shape
         (compute capability 9.0+); the grid must divide by it, and a cluster
         is at most 8 blocks (the portable size).
+
+        ``cooperative=True``: every block of the grid is resident at once, so
+        the kernel may wait for all of them (``dt_grid_barrier`` in common.cuh).
+        The grid may have at most ``max_resident_blocks(block, shared_mem)``
+        blocks; more is refused. It combines with ``dependent``, not with
+        ``cluster``.
         """
         dependent = dependent or (_scope.dependent and self._dependent_capable)
-        if dependent or cluster is not None:
-            self._launch_with_options(grid, block, args, stream, shared_mem, dependent, cluster)
+        if dependent or cluster is not None or cooperative:
+            self._launch_with_options(grid, block, args, stream, shared_mem, dependent, cluster, cooperative)
             return
         try:
             g, b = self._validated[(grid, block, shared_mem)]
@@ -403,23 +441,24 @@ class Kernel:
             pack.pack(args)
         _launch(self, g, b, shared_mem, stream, pack)
 
-    def _launch_with_options(self, grid, block, args, stream, shared_mem, dependent, cluster) -> None:
+    def _launch_with_options(self, grid, block, args, stream, shared_mem, dependent, cluster,
+                             cooperative=False) -> None:
         # Every option is checked before the pack is touched, so a refused
         # launch leaves the pack matching its references.
-        _, _, config = self._launch_config(grid, block, shared_mem, dependent, cluster)
+        _, _, config = self._launch_config(grid, block, shared_mem, dependent, cluster, cooperative)
         pack = self._pack
         if len(args) != len(pack.refs) or not all(map(_is, args, pack.refs)):
             pack.pack(args)
         _launch_ex(self, config, stream, pack)
 
     def bind(self, grid, block, *args, shared_mem: int = 0, dependent: bool = False,
-             cluster=None) -> "BoundLaunch":
+             cluster=None, cooperative: bool = False) -> "BoundLaunch":
         """A launch with its arguments packed once, for replaying many times.
 
         The options are those of :meth:`launch`.
         """
-        if dependent or cluster is not None:
-            g, b, config = self._launch_config(grid, block, shared_mem, dependent, cluster)
+        if dependent or cluster is not None or cooperative:
+            g, b, config = self._launch_config(grid, block, shared_mem, dependent, cluster, cooperative)
             pack = ArgPack(self.signature)
             pack.pack(args)
             cluster_dims = None if cluster is None else _dims(cluster, "cluster")

@@ -78,15 +78,26 @@ __device__ __forceinline__ double dt_block_sum(double v) {
 // fixed order into `total` and returns true; every other block returns false.
 // Bitwise reproducible for a fixed grid.
 template <int THREADS>
+__device__ __forceinline__ double dt_partials_sum(const double* partials, int count);
+
+template <int THREADS>
 __device__ __forceinline__ bool dt_grid_sum_last(double v, double* partials, unsigned int* counter,
                                                  double& total) {
     const double block = dt_block_sum<THREADS>(v);
     if (threadIdx.x == 0) partials[blockIdx.x] = block;
     if (!dt_last_block(counter, gridDim.x)) return false;
-    double s = 0.0;
-    for (int b = threadIdx.x; b < gridDim.x; b += THREADS) s += __ldcg(&partials[b]);
-    total = dt_block_sum<THREADS>(s);
+    total = dt_partials_sum<THREADS>(partials, gridDim.x);
     return true;
+}
+
+// The sum of partials[0 .. count) in dt_grid_sum_last's fixed order (thread t
+// adds t, t + THREADS, ..., then the block tree), read from L2: the same bits
+// in every block that calls it. Every thread of the block must call it.
+template <int THREADS>
+__device__ __forceinline__ double dt_partials_sum(const double* partials, int count) {
+    double s = 0.0;
+    for (int b = threadIdx.x; b < count; b += THREADS) s += __ldcg(&partials[b]);
+    return dt_block_sum<THREADS>(s);
 }
 
 // ---------------------------------------------------------------- error flags
@@ -122,4 +133,34 @@ __device__ __forceinline__ void dt_allow_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
+}
+
+// ---------------------------------------------------------------- grid barrier
+// Every block of the grid waits here until all blocks have arrived, and every
+// global write before it is visible to every thread after it. Only for a
+// cooperative launch (Kernel.launch(..., cooperative=True)), which guarantees
+// that all blocks are resident at once; otherwise the blocks that did not fit
+// would never arrive. Every thread of every block must call it the same number
+// of times.
+// `word`: one uint32 that starts at 0 when allocated and is never reset. Block 0
+// adds 2^31 - (G - 1), every other block 1: after a whole barrier the word has
+// grown by exactly 2^31, so its top bit flips once per barrier and the low bits
+// return to what they were. A block waits for the flip of the value it saw when
+// it arrived, so consecutive barriers, launches and graph replays need no reset.
+// Memory ordering as in dt_last_block: each thread fences its own writes before
+// the block barrier, thread 0 arrives with a device-scope atomic and spins
+// with acquire loads, and every thread fences again before going on.
+__device__ __forceinline__ void dt_grid_barrier(unsigned int* word) {
+    __threadfence();
+    __syncthreads();
+    if (dt_first_thread()) {
+        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
+        const unsigned int seen = atomicAdd(word, add);
+        unsigned int now;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(word) : "memory");
+        } while (((now ^ seen) & 0x80000000u) == 0u);
+    }
+    __syncthreads();
+    __threadfence();
 }

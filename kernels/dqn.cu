@@ -13,6 +13,7 @@
 // orders it.
 #include "common.cuh"
 #include "dqn.cuh"
+#include "spectral.cuh"
 
 namespace {
 
@@ -20,9 +21,6 @@ __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fffffff)
 
 // x != x is the NaN test (no fast-math, so it is not folded away).
 __device__ __forceinline__ bool is_nan(float x) { return x != x; }
-
-// max(n, 1e-12) that keeps a NaN norm NaN (fmax would return 1e-12).
-__device__ __forceinline__ double norm_floor(double n) { return n < 1e-12 ? 1e-12 : n; }
 
 }  // namespace
 
@@ -193,72 +191,12 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
 }
 
 // ============================================================== spectral projection
-// One power iteration per matrix W [rows, cols] of the table (dqn.cuh), with
-// the persistent u [rows] in u_all:
-//   x = W^T u;  v = x / max(||x||, 1e-12);  y = W v;  u_new = y / max(||y||, 1e-12)
-//   sigma = u_new . y  (computed as ||y||^2 / max(||y||, 1e-12), the same number)
-//   scale = c / sigma if sigma > c, else exactly 1 (min(1, c / sigma); a NaN sigma gives 1)
-// W is not changed here: the caller applies W *= scale[m] later.
-// Phase 1 (spectral_columns) writes x unnormalised into v_all and one partial
-// ||x||^2 per block; phase 2 (spectral_rows) forms ||x|| in every block from
-// those partials (same order, so the same bits in every block), normalises v
-// while staging it, computes y, and the last block of each matrix normalises u
-// and writes sigma and scale. Phase 1 therefore needs no last block.
-// Between the two launches v_all holds x, and during phase 2 u_all holds y.
-//
-// Scratch (the same `partials` buffer goes to both kernels):
-//   partials: GC + GR doubles, GC = spectral_columns' grid, GR = spectral_rows'
-//     grid. Phase 1 writes [0, GC); phase 2 reads them and writes [GC, GC + GR).
-//     Phase 2 finds GC from the table as max_m(first_block_cols + ceil(cols / 16)).
-//   v_all: sum(cols) floats (v_offset); no y scratch: y is staged in u_all.
-//   counters: n_mats uints, zero on entry and left zero; used by
-//     spectral_rows only (spectral_columns ignores its argument, which may be null).
-// skip: when non-null and *skip != 0 both kernels return at once, writing nothing.
-// Sizes: rows, cols >= 1, any size (the 1024-column bound of the v stage is
-//   handled by chunks). float4 loads when cols % 4 == 0 and W is 16-byte aligned.
-// Determinism: fixed per-thread loop orders, fixed shuffle/shared trees and
-//   partials added in block order; bitwise reproducible for a fixed table.
-constexpr int SPECTRAL_THREADS = 256;
-constexpr int SPECTRAL_WARPS = SPECTRAL_THREADS / 32;
-constexpr int SPECTRAL_QUADS = DT_SPECTRAL_COLS_PER_BLOCK / 4;            // float4 lanes across columns
-constexpr int SPECTRAL_ROW_LANES = SPECTRAL_THREADS / SPECTRAL_QUADS;     // lanes down the rows
-constexpr int SPECTRAL_ROWS_PER_WARP = DT_SPECTRAL_ROWS_PER_BLOCK / SPECTRAL_WARPS;
-constexpr int SPECTRAL_V_CHUNK = 1024;                                    // floats of v staged at a time
-static_assert(DT_SPECTRAL_COLS_PER_BLOCK % 4 == 0 && 32 % SPECTRAL_QUADS == 0, "quads tile a warp");
-static_assert(DT_SPECTRAL_ROWS_PER_BLOCK % SPECTRAL_WARPS == 0, "rows split evenly over warps");
-
-namespace {
-
-// The matrix whose block range in this grid holds blockIdx.x, or -1.
-__device__ __forceinline__ int spectral_find(const DtSpectralMatrix* mats, int n_mats, bool by_columns,
-                                             DtSpectralMatrix& mat, int& block) {
-    int found = -1;
-    for (int k = 0; k < n_mats; ++k) {
-        const DtSpectralMatrix e = mats[k];
-        const int first = by_columns ? e.first_block_cols : e.first_block_rows;
-        const int count = by_columns ? dt_spectral_column_blocks(e.cols) : dt_spectral_row_blocks(e.rows);
-        const int b = (int)blockIdx.x - first;
-        if (found < 0 && b >= 0 && b < count) {
-            found = k;
-            mat = e;
-            block = b;
-        }
-    }
-    return found;
-}
-
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
-}
-
-}  // namespace
-
-// spectral_columns: x = W^T u for DT_SPECTRAL_COLS_PER_BLOCK (16) columns per
-//   block, all rows. Thread t takes column quad t % 4 and rows t / 4, t / 4 + 64, ...
-//   so a warp reads 8 rows x 64 contiguous bytes. Writes v_all[v_offset + j] = x_j
-//   and partials[blockIdx.x] = sum of x_j^2 over the block's columns.
-// Launch: grid = sum_m ceil(cols_m / 16) (matrix m at first_block_cols), block
-//   SPECTRAL_THREADS (256).
+// The two phases of spectral.cuh, one phase block per block of the grid.
+// spectral_columns: grid = sum_m ceil(cols_m / 16), block SPECTRAL_THREADS (256);
+//   `counters` is unused and may be null.
+// spectral_rows: grid = sum_m ceil(rows_m / 16), block SPECTRAL_THREADS, after
+//   spectral_columns on the same stream.
+// skip: when non-null and *skip != 0 both return at once, writing nothing.
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_columns(
         const float* params, const DtSpectralMatrix* mats, int n_mats, const float* u_all, float* v_all,
         double* partials, unsigned int* counters, const int* skip) {
@@ -266,170 +204,14 @@ extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_columns(
     dt_allow_dependents();
     (void)counters;
     if (skip != nullptr && *skip != 0) return;
-    DtSpectralMatrix mat;
-    int block = 0;
-    if (spectral_find(mats, n_mats, true, mat, block) < 0) return;
-    __shared__ double warp_sums[SPECTRAL_WARPS][DT_SPECTRAL_COLS_PER_BLOCK];
-    __shared__ double squares[DT_SPECTRAL_COLS_PER_BLOCK];
-
-    const int rows = mat.rows, cols = mat.cols;
-    const float* W = params + mat.w_offset;
-    const float* u = u_all + mat.u_offset;
-    const int quad = threadIdx.x % SPECTRAL_QUADS;
-    const int lane_row = threadIdx.x / SPECTRAL_QUADS;
-    const int j0 = block * DT_SPECTRAL_COLS_PER_BLOCK + 4 * quad;
-    double acc[4] = {0.0, 0.0, 0.0, 0.0};
-    if (j0 < cols) {
-        if (cols % 4 == 0 && aligned16(W)) {
-#pragma unroll 8
-            for (int i = lane_row; i < rows; i += SPECTRAL_ROW_LANES) {
-                const float4 w = *reinterpret_cast<const float4*>(W + (long long)i * cols + j0);
-                const double ui = u[i];
-                acc[0] += (double)w.x * ui;
-                acc[1] += (double)w.y * ui;
-                acc[2] += (double)w.z * ui;
-                acc[3] += (double)w.w * ui;
-            }
-        } else {
-            const int n = min(4, cols - j0);
-            for (int i = lane_row; i < rows; i += SPECTRAL_ROW_LANES) {
-                const float* p = W + (long long)i * cols + j0;
-                const double ui = u[i];
-                for (int e = 0; e < n; ++e) acc[e] += (double)p[e] * ui;
-            }
-        }
-    }
-    // Sum over the row lanes: the 8 of a warp by a fixed butterfly, then the
-    // warps in order.
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-#pragma unroll
-        for (int off = SPECTRAL_QUADS; off < 32; off <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (lane < SPECTRAL_QUADS)
-        for (int e = 0; e < 4; ++e) warp_sums[warp][4 * lane + e] = acc[e];
-    __syncthreads();
-    if (threadIdx.x < DT_SPECTRAL_COLS_PER_BLOCK) {
-        double x = 0.0;
-        for (int w = 0; w < SPECTRAL_WARPS; ++w) x += warp_sums[w][threadIdx.x];
-        const int j = block * DT_SPECTRAL_COLS_PER_BLOCK + threadIdx.x;
-        if (j < cols) v_all[mat.v_offset + j] = (float)x;
-        squares[threadIdx.x] = j < cols ? x * x : 0.0;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double s = 0.0;
-        for (int c = 0; c < DT_SPECTRAL_COLS_PER_BLOCK; ++c) s += squares[c];
-        partials[blockIdx.x] = s;
-    }
+    dt_spectral_columns_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, partials);
 }
 
-// spectral_rows: y = W v for DT_SPECTRAL_ROWS_PER_BLOCK (16) rows per block;
-//   each warp takes rows warp, warp + 8 of the block and reads them along the
-//   columns (float4 per lane), with v normalised into shared memory in chunks of
-//   1024. Writes y_i into u_all[u_offset + i] and partials[GC + blockIdx.x] =
-//   sum of y_i^2 over the block's rows; the last block of matrix m (counters[m])
-//   overwrites u with u_new and writes sigma[m] and scale[m].
-// Launch: grid = sum_m ceil(rows_m / 16) (matrix m at first_block_rows), block
-//   SPECTRAL_THREADS (256). Runs after spectral_columns on the same stream.
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
         const float* params, const DtSpectralMatrix* mats, int n_mats, float* u_all, const float* v_all,
         float c, float* sigma, float* scale, double* partials, unsigned int* counters, const int* skip) {
     dt_wait_prior_grid();
     dt_allow_dependents();
     if (skip != nullptr && *skip != 0) return;
-    DtSpectralMatrix mat;
-    int block = 0;
-    const int m = spectral_find(mats, n_mats, false, mat, block);
-    if (m < 0) return;
-    int column_grid = 0;
-    for (int k = 0; k < n_mats; ++k) {
-        const DtSpectralMatrix e = mats[k];
-        column_grid = max(column_grid, e.first_block_cols + dt_spectral_column_blocks(e.cols));
-    }
-    __shared__ __align__(16) float v_stage[SPECTRAL_V_CHUNK];
-    __shared__ double row_squares[DT_SPECTRAL_ROWS_PER_BLOCK];
-
-    const int rows = mat.rows, cols = mat.cols;
-    const float* W = params + mat.w_offset;
-    float* u = u_all + mat.u_offset;
-    double* row_partials = partials + column_grid;
-
-    // ||x|| from phase 1's partials of this matrix, in block order.
-    double s = 0.0;
-    const int column_blocks = dt_spectral_column_blocks(cols);
-    for (int b = threadIdx.x; b < column_blocks; b += SPECTRAL_THREADS) s += partials[mat.first_block_cols + b];
-    const double x_norm = norm_floor(sqrt(dt_block_sum<SPECTRAL_THREADS>(s)));
-
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int row0 = block * DT_SPECTRAL_ROWS_PER_BLOCK + warp;
-    const bool vec = cols % 4 == 0 && aligned16(W);
-    double acc[SPECTRAL_ROWS_PER_WARP];
-#pragma unroll
-    for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) acc[r] = 0.0;
-    for (int c0 = 0; c0 < cols; c0 += SPECTRAL_V_CHUNK) {
-        const int len = min(SPECTRAL_V_CHUNK, cols - c0);
-        __syncthreads();
-        for (int e = threadIdx.x; e < len; e += SPECTRAL_THREADS)
-            v_stage[e] = (float)((double)v_all[mat.v_offset + c0 + e] / x_norm);
-        __syncthreads();
-        if (vec) {
-            const float4* v4 = reinterpret_cast<const float4*>(v_stage);
-#pragma unroll 4
-            for (int q = lane; q < len / 4; q += 32) {
-                const float4 v = v4[q];
-#pragma unroll
-                for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) {
-                    const int i = row0 + r * SPECTRAL_WARPS;
-                    if (i < rows) {
-                        const float4 w = reinterpret_cast<const float4*>(W + (long long)i * cols + c0)[q];
-                        acc[r] += (double)w.x * v.x;
-                        acc[r] += (double)w.y * v.y;
-                        acc[r] += (double)w.z * v.z;
-                        acc[r] += (double)w.w * v.w;
-                    }
-                }
-            }
-        } else {
-            for (int e = lane; e < len; e += 32) {
-                const float v = v_stage[e];
-#pragma unroll
-                for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) {
-                    const int i = row0 + r * SPECTRAL_WARPS;
-                    if (i < rows) acc[r] += (double)W[(long long)i * cols + c0 + e] * v;
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) {
-#pragma unroll
-        for (int off = 16; off >= 1; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-        const int i = row0 + r * SPECTRAL_WARPS;
-        if (lane == 0) {
-            if (i < rows) u[i] = (float)acc[r];
-            row_squares[warp + r * SPECTRAL_WARPS] = i < rows ? acc[r] * acc[r] : 0.0;
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double sq = 0.0;
-        for (int r = 0; r < DT_SPECTRAL_ROWS_PER_BLOCK; ++r) sq += row_squares[r];
-        row_partials[blockIdx.x] = sq;
-    }
-
-    const int row_blocks = dt_spectral_row_blocks(rows);
-    if (!dt_last_block(&counters[m], (unsigned int)row_blocks)) return;
-    s = 0.0;
-    for (int b = threadIdx.x; b < row_blocks; b += SPECTRAL_THREADS)
-        s += __ldcg(&row_partials[mat.first_block_rows + b]);
-    const double y_squared = dt_block_sum<SPECTRAL_THREADS>(s);
-    const double y_norm = norm_floor(sqrt(y_squared));
-    for (int i = threadIdx.x; i < rows; i += SPECTRAL_THREADS) u[i] = (float)((double)__ldcg(&u[i]) / y_norm);
-    if (threadIdx.x == 0) {
-        const double sig = y_squared / y_norm;
-        sigma[m] = (float)sig;
-        // W stays exactly as it was unless sigma > c (so a NaN sigma leaves it too).
-        scale[m] = sig > (double)c ? (float)((double)c / sig) : 1.0f;
-    }
+    dt_spectral_rows_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, c, sigma, scale, partials, counters);
 }

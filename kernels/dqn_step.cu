@@ -1,5 +1,7 @@
-// The last kernel of the Double-DQN step: the spectral scaling, the target
-// network update, the step counter and the metrics slot, in one pass.
+// The last kernels of the Double-DQN step. dqn_finish: the spectral scaling,
+// the target network update, the step counter and the metrics slot, in one
+// pass. dqn_tail (below): the gradient norm, the priority update, AdamW, the
+// spectral power iteration and that pass in one cooperative launch.
 //
 // dqn_finish, over the flat parameter buffer of n floats (n a multiple of 4):
 //   - unless the step was skipped (*skip != 0, the NaN guard):
@@ -23,20 +25,27 @@
 // is exact. Elementwise and deterministic.
 #include "common.cuh"
 #include "dqn.cuh"
+#include "optim.cuh"
+#include "spectral.cuh"
+#include "sumtree.cuh"
 
 constexpr int FINISH_THREADS = 256;
 constexpr int METRIC_FIELDS = 7;  // the step follows them as an int
 
-extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
-        float* params, float* target, long long n, const DtSpectralMatrix* mats, int n_mats,
-        const float* scale, const float* sigma, float tau, int period, const int* adam_t, const int* skip,
-        const float* scalars, const float* clip, const float* beta, long long* step_counter, float* ring,
-        int ring_slots, unsigned int* skip_counts, unsigned int* skip_published, long long* skipped_step) {
-    dt_wait_prior_grid();
-    dt_allow_dependents();
+namespace {
+
+// The finish pass over float4 elements first, first + stride, ...; `reporter`
+// is the one thread that counts the step and writes the metrics slot.
+__device__ __forceinline__ void finish_pass(long long first, long long stride, bool reporter, float* params,
+                                            float* target, long long n, const DtSpectralMatrix* mats, int n_mats,
+                                            const float* scale, const float* sigma, float tau, int period,
+                                            const int* adam_t, const int* skip, const float* scalars,
+                                            const float* clip, const float* beta, long long* step_counter,
+                                            float* ring, int ring_slots, unsigned int* skip_counts,
+                                            unsigned int* skip_published, long long* skipped_step) {
     if (*skip == 2) return;  // a training loop's step that was not due: nothing happened
     const bool skipped = *skip != 0;
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (reporter) {
         const long long step = *step_counter + 1;
         *step_counter = step;
         float sigma_max = 0.0f;
@@ -62,7 +71,7 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
     if (hard && !copy && n_mats == 0) return;
     float4* p4 = reinterpret_cast<float4*>(params);
     float4* t4 = reinterpret_cast<float4*>(target);
-    for (long long i = dt_thread_index(); i < n / 4; i += dt_grid_stride()) {
+    for (long long i = first; i < n / 4; i += stride) {
         float4 p = p4[i];
         const long long e = 4 * i;
         for (int m = 0; m < n_mats; ++m) {
@@ -88,4 +97,102 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
             t4[i] = t;
         }
     }
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
+        float* params, float* target, long long n, const DtSpectralMatrix* mats, int n_mats,
+        const float* scale, const float* sigma, float tau, int period, const int* adam_t, const int* skip,
+        const float* scalars, const float* clip, const float* beta, long long* step_counter, float* ring,
+        int ring_slots, unsigned int* skip_counts, unsigned int* skip_published, long long* skipped_step) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    finish_pass(dt_thread_index(), dt_grid_stride(), blockIdx.x == 0 && threadIdx.x == 0, params, target, n, mats,
+                n_mats, scale, sigma, tau, period, adam_t, skip, scalars, clip, beta, step_counter, ring, ring_slots,
+                skip_counts, skip_published, skipped_step);
+}
+
+// dqn_tail: everything of a step after the backward, in one cooperative launch:
+// the gradient norm (the NaN guard), the priority update, AdamW, both spectral
+// phases and the finish pass, with a grid barrier (common.cuh) wherever the
+// kernels they replace had a kernel boundary. Five launches become one node.
+//   gate non-null and non-zero (not due): *skip = 2 and nothing else.
+//   The norm: block b of the grid takes the norm's phase blocks b, b + G, ...
+//     of a grid of norm_blocks (grad_norm_clip's grid), each writing its
+//     partial; barrier; every block adds the partials in grad_norm_clip's order
+//     and so holds the same norm, scale and skip decision; block 0 publishes
+//     them (clip, skip, t) as grad_norm_clip's last block does.
+//   Not skipped: the priority update and AdamW over the grid (independent
+//     data, no barrier between them); barrier; spectral phase 1 over its phase
+//     blocks; barrier; phase 2; (no phases or barriers without a projected
+//     matrix).
+//   Barrier; the finish pass, which reads what block 0 published.
+// Every branch depends only on the gate, the norm (the same bits in every block)
+// and n_mats, so every block meets every barrier. Each phase runs the code of
+// the kernel it replaces over the same elements and phase blocks: the result is
+// the same, bit for bit, as grad_norm_clip, sumtree_update, adamw_step,
+// spectral_columns, spectral_rows and dqn_finish.
+// Launch: cooperative (every block resident), block FINISH_THREADS (256), any
+// grid G >= 1; norm_partials: norm_blocks doubles; `barrier` one uint32, zero
+// when allocated, never written by the host again.
+static_assert(FINISH_THREADS == SPECTRAL_THREADS, "one block shape for every phase");
+
+extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
+        // the norm and AdamW
+        float* params, const float* grads, float* m, float* v, long long n, int norm_blocks, double* norm_partials,
+        float max_norm, const float* loss, float lr, double beta1, double beta2, float eps, float weight_decay,
+        float* clip, int* adam_t, int* skip, const int* gate,
+        // the priority update
+        double* nodes, float* leaves, float* max_leaf, const int* indices, const float* priorities, float alpha,
+        int n_update, int capacity, int height, int internal, unsigned int* tree_err_counts,
+        unsigned int* tree_err_published,
+        // the spectral projection
+        const DtSpectralMatrix* mats, int n_mats, int column_blocks, int row_blocks, float* u_all, float* v_all,
+        float c, float* sigma, float* scale, double* spectral_partials, unsigned int* spectral_counters,
+        // the finish pass
+        float* target, float tau, int period, const float* scalars, const float* beta, long long* step_counter,
+        float* ring, int ring_slots, unsigned int* skip_counts, unsigned int* skip_published,
+        long long* skipped_step, unsigned int* barrier) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    if (gate != nullptr && *gate) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) *skip = 2;
+        return;
+    }
+    for (int b = blockIdx.x; b < norm_blocks; b += gridDim.x) {
+        const double acc = dt_sum_of_squares((long long)b * FINISH_THREADS + threadIdx.x,
+                                             (long long)norm_blocks * FINISH_THREADS, grads, n);
+        const double block = dt_block_sum<FINISH_THREADS>(acc);
+        if (threadIdx.x == 0) norm_partials[b] = block;
+    }
+    const int old_step = *adam_t;  // every block reads t before block 0 advances it
+    dt_grid_barrier(barrier);
+    const DtClip decision = dt_clip_decide(dt_partials_sum<FINISH_THREADS>(norm_partials, norm_blocks), max_norm,
+                                           loss, true);
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        dt_clip_publish(decision, old_step, clip, adam_t, loss, nullptr, 1, skip);
+    if (!decision.bad) {
+        dt_tree_update(dt_thread_index(), dt_grid_stride(), nodes, leaves, max_leaf, indices, priorities, alpha,
+                       n_update, capacity, height, internal, tree_err_counts, tree_err_published);
+        dt_adamw_elements(dt_thread_index(), dt_grid_stride(), params, grads, m, v, n, lr, beta1, beta2, eps,
+                          weight_decay, decision.scale, old_step + 1);
+        if (n_mats > 0) {
+            dt_grid_barrier(barrier);
+            for (int b = blockIdx.x; b < column_blocks; b += gridDim.x) {
+                dt_spectral_columns_block(b, params, mats, n_mats, u_all, v_all, spectral_partials);
+                __syncthreads();  // the body's shared arrays are free for the next phase block
+            }
+            dt_grid_barrier(barrier);
+            for (int b = blockIdx.x; b < row_blocks; b += gridDim.x) {
+                dt_spectral_rows_block(b, params, mats, n_mats, u_all, v_all, c, sigma, scale, spectral_partials,
+                                       spectral_counters);
+                __syncthreads();
+            }
+        }
+    }
+    dt_grid_barrier(barrier);
+    finish_pass(dt_thread_index(), dt_grid_stride(), blockIdx.x == 0 && threadIdx.x == 0, params, target, n, mats,
+                n_mats, scale, sigma, tau, period, adam_t, skip, scalars, clip, beta, step_counter, ring, ring_slots,
+                skip_counts, skip_published, skipped_step);
 }

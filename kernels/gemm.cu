@@ -203,6 +203,11 @@ __device__ __forceinline__ void split(float x, unsigned int& big, unsigned int& 
         small = finite ? __float_as_uint(x - __uint_as_float(big & 0xffffe000u)) + 0x1000u : 0u;
 }
 
+// Component c (0..3, a compile-time constant after unrolling) of a float4.
+__device__ __forceinline__ float component(const float4& v, int c) {
+    return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+}
+
 __device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
@@ -252,7 +257,16 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
 
     // Each thread's fragment elements sit at fixed offsets from one base per
     // operand: (row wm*WM + g, depth t) for A, (column wn*WN + g, depth t) for B.
-    const int a_base = SA::at(wm * CFG::WM + g, t), b_base = SB::at(wn * CFG::WN + g, t);
+    // PAIRED (both operands k-fast, the forward): the k index of an MMA slot is
+    // free as long as A and B agree, so thread t's slots t and t + 4 of the j-th
+    // MMA of a k tile take depths R t + 2 j and R t + 2 j + 1 (R = BK / 4): the
+    // thread owns R consecutive depths of each of its rows and reads them with
+    // R / 4 16-byte loads, not R 4-byte ones. Row-fast tiles keep depth t and t + 4
+    // (a 16-byte read along k would be strided there).
+    constexpr bool PAIRED = A_KFAST && B_KFAST;
+    constexpr int R = BK / 4;
+    const int a_base = SA::at(wm * CFG::WM + g, PAIRED ? R * t : t);
+    const int b_base = SB::at(wn * CFG::WN + g, PAIRED ? R * t : t);
 
     // Prologue: STAGES - 1 tiles in flight. Every thread commits one group per
     // tile slot, empty or not, so wait_group counts stay uniform.
@@ -296,19 +310,50 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
 #pragma unroll
                         for (int q = 0; q < 4; ++q) part[mi][ni][q] = 0.0f;
             }
-#pragma unroll
-            for (int kk = 0; kk < BK; kk += 8) {
-                unsigned int a[MI][4], as[MI][4], b[NI][2], bs[NI][2];
+            // PAIRED: this thread's R depths of each fragment row, for the whole k tile.
+            float4 ra[PAIRED ? MI : 1][2][R / 4], rb[PAIRED ? NI : 1][R / 4];
+            if (PAIRED) {
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                    for (int q = 0; q < 4; ++q)
-                        split<PREC>(As[a_base + SA::at(mi * 16 + (q & 1) * 8, kk + (q >> 1) * 4)], a[mi][q], as[mi][q]);
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int c = 0; c < R / 4; ++c)
+                            ra[mi][h][c] = *reinterpret_cast<const float4*>(&As[a_base + SA::at(mi * 16 + h * 8, 4 * c)]);
 #pragma unroll
                 for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-                    for (int q = 0; q < 2; ++q)
-                        split<PREC>(Bs[b_base + SB::at(ni * 8, kk + q * 4)], b[ni][q], bs[ni][q]);
+                    for (int c = 0; c < R / 4; ++c)
+                        rb[ni][c] = *reinterpret_cast<const float4*>(&Bs[b_base + SB::at(ni * 8, 4 * c)]);
+            }
+#pragma unroll
+            for (int kk = 0; kk < BK; kk += 8) {
+                unsigned int a[MI][4], as[MI][4], b[NI][2], bs[NI][2];
+                if (PAIRED) {
+                    const int j = kk / 8;  // depths R t + 2 j (slot t) and R t + 2 j + 1 (slot t + 4)
+#pragma unroll
+                    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                        for (int q = 0; q < 4; ++q)
+                            split<PREC>(component(ra[mi][q & 1][(2 * j) / 4], (2 * j) % 4 + (q >> 1)), a[mi][q], as[mi][q]);
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                        for (int q = 0; q < 2; ++q)
+                            split<PREC>(component(rb[ni][(2 * j) / 4], (2 * j) % 4 + q), b[ni][q], bs[ni][q]);
+                } else {
+#pragma unroll
+                    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                        for (int q = 0; q < 4; ++q)
+                            split<PREC>(As[a_base + SA::at(mi * 16 + (q & 1) * 8, kk + (q >> 1) * 4)], a[mi][q],
+                                        as[mi][q]);
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                        for (int q = 0; q < 2; ++q)
+                            split<PREC>(Bs[b_base + SB::at(ni * 8, kk + q * 4)], b[ni][q], bs[ni][q]);
+                }
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi)
 #pragma unroll

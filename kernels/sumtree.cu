@@ -21,39 +21,10 @@ extern "C" __global__ void sumtree_update(double* nodes, float* leaves, float* m
     dt_wait_prior_grid();
     dt_allow_dependents();
     // Nothing writes *skip here, so every thread sees the same value and the
-    // warp-wide shuffles below are never split.
+    // warp-wide shuffles of the update are never split.
     if (skip != nullptr && *skip != 0) return;
-    // Every lane of a warp runs the same iterations (the grid stride is a multiple
-    // of 32), so the root and the running maximum take one atomic per warp instead
-    // of one per index: those two addresses are where all updates collide.
-    const int lane = threadIdx.x & 31;
-    const long long rounded = ((long long)n + 31) & ~31ll;
-    for (long long t = dt_thread_index(); t < rounded; t += dt_grid_stride()) {
-        double diff = 0.0;
-        float p = 0.0f;
-        int i = 0;
-        if (t < n) {
-            i = indices[t];
-            const float pr = priorities[t];
-            if (i < 0 || i >= capacity) {
-                dt_raise(err_counts, err_published, DT_ERR_INDEX);
-            } else if (!(pr >= 0.0f) || isinf(pr)) {
-                dt_raise(err_counts, err_published, DT_ERR_PRIORITY);
-            } else {
-                p = alpha == 1.0f ? pr : powf(pr, alpha);
-                diff = (double)p - (double)atomicExch(&leaves[i], p);
-            }
-        }
-        if (diff != 0.0) dt_tree_add_below_root(nodes, capacity, height, internal, i, diff);
-        const double root_diff = dt_warp_sum(diff);
-        float largest = p;
-#pragma unroll
-        for (int d = 16; d >= 1; d >>= 1) largest = fmaxf(largest, __shfl_xor_sync(DT_FULL_MASK, largest, d));
-        if (lane == 0) {
-            if (root_diff != 0.0) atomicAdd(&nodes[0], root_diff);
-            atomicMax(reinterpret_cast<int*>(max_leaf), __float_as_int(largest));  // >= 0: int order is float order
-        }
-    }
+    dt_tree_update(dt_thread_index(), dt_grid_stride(), nodes, leaves, max_leaf, indices, priorities, alpha, n,
+                   capacity, height, internal, err_counts, err_published);
 }
 
 // sumtree_rebuild: recompute every internal node from the leaves with fixed-order

@@ -164,3 +164,44 @@ __device__ __forceinline__ double dt_tree_first_level(const double* nodes, const
     const int lane = threadIdx.x & 31;
     return height > 1 ? nodes[32 + lane] : (double)leaves[lane];
 }
+
+// The priority update of sumtree.cu's sumtree_update over indices t = first,
+// first + stride, ... below n (rounded up to a warp): both a multiple of 32, so
+// every lane of a warp runs the same iterations. Also a phase of dqn_step.cu's
+// cooperative tail.
+__device__ __forceinline__ void dt_tree_update(long long first, long long stride, double* nodes, float* leaves,
+                                               float* max_leaf, const int* indices, const float* priorities,
+                                               float alpha, int n, int capacity, int height, int internal,
+                                               unsigned int* err_counts, unsigned int* err_published) {
+    // Every lane of a warp runs the same iterations (the grid stride is a multiple
+    // of 32), so the root and the running maximum take one atomic per warp instead
+    // of one per index: those two addresses are where all updates collide.
+    const int lane = threadIdx.x & 31;
+    const long long rounded = ((long long)n + 31) & ~31ll;
+    for (long long t = first; t < rounded; t += stride) {
+        double diff = 0.0;
+        float p = 0.0f;
+        int i = 0;
+        if (t < n) {
+            i = indices[t];
+            const float pr = priorities[t];
+            if (i < 0 || i >= capacity) {
+                dt_raise(err_counts, err_published, DT_ERR_INDEX);
+            } else if (!(pr >= 0.0f) || isinf(pr)) {
+                dt_raise(err_counts, err_published, DT_ERR_PRIORITY);
+            } else {
+                p = alpha == 1.0f ? pr : powf(pr, alpha);
+                diff = (double)p - (double)atomicExch(&leaves[i], p);
+            }
+        }
+        if (diff != 0.0) dt_tree_add_below_root(nodes, capacity, height, internal, i, diff);
+        const double root_diff = dt_warp_sum(diff);
+        float largest = p;
+#pragma unroll
+        for (int d = 16; d >= 1; d >>= 1) largest = fmaxf(largest, __shfl_xor_sync(DT_FULL_MASK, largest, d));
+        if (lane == 0) {
+            if (root_diff != 0.0) atomicAdd(&nodes[0], root_diff);
+            atomicMax(reinterpret_cast<int*>(max_leaf), __float_as_int(largest));  // >= 0: int order is float order
+        }
+    }
+}

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from drvtrain import Stream
+from drvtrain.nn import ParamLayout
 from drvtrain.rl import DQNConfig, DQNStep, TrainingError
 from drvtrain.rl.dqn import audit_step
 from dqn_reference import dqn_loss, dqn_step, dueling_q
@@ -238,10 +239,45 @@ def test_eager_graph_and_inactive_arena_are_bitwise_identical(device, rng):
     assert cfg.dependent_launch
     ordinary, s4 = run_losses(dataclasses.replace(cfg, dependent_launch=False), data, 200, graph=True,
                               arena_active=True)
+    # The cooperative tail runs the very code of the four kernels it replaces.
+    assert cfg.fused_tail
+    separate, s5 = run_losses(dataclasses.replace(cfg, fused_tail=False), data, 200, graph=True,
+                              arena_active=True)
     assert np.all(np.isfinite(eager))
-    assert eager.tobytes() == replay.tobytes() == inactive.tobytes() == ordinary.tobytes()
+    assert eager.tobytes() == replay.tobytes() == inactive.tobytes() == ordinary.tobytes() == separate.tobytes()
     for key in ("params", "target", "m", "v", "u"):
-        assert s1[key].tobytes() == s2[key].tobytes() == s3[key].tobytes() == s4[key].tobytes(), key
+        assert s1[key].tobytes() == s2[key].tobytes() == s3[key].tobytes() == s4[key].tobytes() \
+            == s5[key].tobytes(), key
+
+
+def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_four_kernels(device, rng):
+    """Layers of 2200 rows and 2200 columns: both spectral phases have more blocks
+    than the cooperative tail's grid (at most one per SM), so its blocks loop over
+    phase blocks; the result is still the separate kernels' bit for bit, and sigma
+    is what numpy finds for the projected layers."""
+    cfg = DQNConfig(obs_dim=3, hidden=(2200, 40), n_actions=4, batch=64, capacity=1024, spectral_c=0.5,
+                    seed=int(rng.integers(1 << 30)))
+    c = cfg.capacity
+    data = dict(obs=rng.standard_normal((c, 3)).astype(np.float32), action=rng.integers(0, 4, c).astype(np.int32),
+                reward=rng.standard_normal(c).astype(np.float32),
+                next_obs=rng.standard_normal((c, 3)).astype(np.float32),
+                done=(rng.random(c) < 0.05).astype(np.float32),
+                priorities=rng.uniform(0.1, 1.1, c).astype(np.float32))
+    step = DQNStep(cfg)
+    cb, rb = step._spectral_grids
+    assert min(cb, rb) > step._tail_grid, (cb, rb, step._tail_grid)
+    step.close()
+    fused, s1 = run_losses(cfg, data, 30, graph=True, arena_active=True)
+    separate, s2 = run_losses(dataclasses.replace(cfg, fused_tail=False), data, 30, graph=True, arena_active=True)
+    assert np.all(np.isfinite(fused)) and fused.tobytes() == separate.tobytes()
+    for key in ("params", "target", "m", "v", "u"):
+        assert s1[key].tobytes() == s2[key].tobytes(), key
+    # After 30 projected steps each hidden layer's spectral norm is about c or less.
+    layout = ParamLayout.from_widths(cfg.widths)
+    for k in (0, 1):
+        rows, cols = layout.layers[k]
+        w = s1["params"][layout.weight(k).offset:layout.weight(k).offset + rows * cols].reshape(rows, cols)
+        assert np.linalg.norm(w.astype(np.float64), 2) < 0.5 * 1.02
 
 
 def test_nan_reward_skips_the_step_and_is_reported(device, rng):

@@ -118,6 +118,28 @@ def test_dependent_must_be_a_bool(no_driver):
         hopper_kernel().launch(4, 64, fake_buffer(4096), 1, stream=FakeStream(), dependent="yes")
 
 
+def test_cooperative_is_checked_before_any_driver_call(no_driver):
+    k = hopper_kernel()
+    with pytest.raises(TypeError, match="cooperative must be True or False"):
+        k.launch(4, 64, fake_buffer(4096), 1, stream=FakeStream(), cooperative=1)
+    with pytest.raises(ValueError, match="either cooperative or in clusters"):
+        k.launch(4, 64, fake_buffer(4096), 1, stream=FakeStream(), cooperative=True, cluster=2)
+    with pytest.raises(ValueError, match="occupancy needs a loaded kernel"):
+        k.bind(4, 64, fake_buffer(4096), 1, cooperative=True)
+
+
+def test_cooperative_launch_sets_the_attribute_within_the_resident_limit(monkeypatch, launches):
+    k = hopper_kernel(cc=(8, 0))  # cooperative launches need no Hopper
+    monkeypatch.setattr(Kernel, "max_resident_blocks", lambda self, block, shared_mem=0: 264)
+    k.launch(264, 64, fake_buffer(4096), 7, stream=FakeStream(3), cooperative=True)
+    kind, config, stream, grid, block, shared, attrs, args = launches[-1]
+    assert kind == "ex" and grid == (264, 1, 1) and stream == 3
+    assert [a[0] for a in attrs] == [ATTR.CU_LAUNCH_ATTRIBUTE_COOPERATIVE]
+    assert config.attrs[0].value.cooperative == 1
+    with pytest.raises(ValueError, match="cooperative launch of 265 blocks, but at most 264 blocks of 64 threads"):
+        k.launch(265, 64, fake_buffer(4096), 7, stream=FakeStream(3), cooperative=True)
+
+
 @pytest.mark.parametrize("shared, error, match", [
     (-1, ValueError, "shared_mem = -1 bytes is negative"),
     (-(2**20), ValueError, "negative"),

@@ -357,3 +357,91 @@ def test_dependent_launches_with_100_kib_shared_memory_in_a_graph(rng, stream, r
         got = inp.to_numpy()
         assert not np.isnan(got).any()
         np.testing.assert_array_equal(got, want)
+
+
+# ------------------------------------------------------------------ cooperative launches
+# `rounds` rounds of a ring rotation over the whole grid, one grid barrier
+# between rounds: each block takes its right neighbour's value of the last
+# round (block b + 1 mod G, written by another block) plus one. Without the
+# barrier a block reads its neighbour's value before or after the neighbour
+# updates it, and the result differs from the sequential reference. The values
+# stay small integers, so float32 is exact.
+BARRIER_SOURCE = r"""
+#include "common.cuh"
+extern "C" __global__ void __launch_bounds__(128) ring_rounds(float* a, float* b, int rounds,
+                                                              unsigned int* word) {
+    dt_wait_prior_grid();
+    const int g = gridDim.x, me = blockIdx.x;
+    for (int r = 0; r < rounds; ++r) {
+        const float* src = r % 2 == 0 ? a : b;
+        float* dst = r % 2 == 0 ? b : a;
+        if (threadIdx.x == 0) dst[me] = src[(me + 1) % g] + 1.0f;
+        dt_grid_barrier(word);
+    }
+}
+"""
+
+
+def ring_reference(x, rounds):
+    return np.roll(x.astype(np.float64), -rounds) + rounds
+
+
+@pytest.fixture
+def ring(device):
+    return load_source(BARRIER_SOURCE, "ring_rounds.cu").kernel("ring_rounds", "ptr, ptr, i32, ptr",
+                                                                fixed_block=True)
+
+
+@pytest.mark.parametrize("blocks", [2, 37, "resident"])
+def test_grid_barrier_in_a_cooperative_launch_matches_numpy(rng, stream, ring, device, blocks):
+    g = ring.max_resident_blocks(ring.block) if blocks == "resident" else blocks
+    assert ring.max_resident_blocks(ring.block) >= device.sm_count  # a 128-thread block fits on every SM
+    rounds = 6
+    x = rng.integers(-1000, 1000, g).astype(np.float32)
+    a, b = DeviceBuffer.from_numpy(x), DeviceBuffer((g,), np.float32)
+    b.poison(stream=stream)
+    word = DeviceBuffer.zeros(1, np.uint32)
+    ring.launch(g, ring.block, a, b, rounds, word, stream=stream, cooperative=True)
+    stream.synchronize()
+    np.testing.assert_array_equal(a.to_numpy(), ring_reference(x, rounds))
+    # 6 barriers flipped the top bit 6 times and left the low bits at 0.
+    assert int(word.to_numpy()[0]) == 0
+
+
+@pytest.mark.parametrize("dependent", [False, True])
+def test_cooperative_launches_replay_in_a_graph(rng, stream, ring, device, dependent):
+    """Three cooperative launches in one captured graph, replayed 5 times: the barrier
+    word is never reset, and an odd number of barriers per launch leaves its top bit
+    set between launches."""
+    g, rounds = 2 * device.sm_count, 3
+    x = rng.integers(-1000, 1000, g).astype(np.float32)
+    a, b = DeviceBuffer.from_numpy(x), DeviceBuffer((g,), np.float32)
+    word = DeviceBuffer.zeros(1, np.uint32)
+    with capture(stream) as graph:
+        for _ in range(3):
+            # `rounds` is odd, so a launch leaves its result in its second buffer:
+            # a pair of launches with the buffers swapped ends in a.
+            ring.launch(g, ring.block, a, b, rounds, word, stream=stream, cooperative=True, dependent=dependent)
+            ring.launch(g, ring.block, b, a, rounds, word, stream=stream, cooperative=True, dependent=dependent)
+    assert graph.node_counts() == {"kernel": 6}
+    if dependent:
+        assert len(graph.programmatic_edges()) == 5
+    exe = graph.instantiate()
+    want = x
+    for _ in range(5):
+        exe.launch(stream)
+        want = ring_reference(want, 6 * rounds)
+    stream.synchronize()
+    np.testing.assert_array_equal(a.to_numpy(), want)
+    assert int(word.to_numpy()[0]) == 0  # 90 barriers: an even number of flips
+    exe.close()
+
+
+def test_too_large_a_cooperative_grid_is_refused_before_launch(stream, ring):
+    top = ring.max_resident_blocks(ring.block)
+    word = DeviceBuffer.zeros(1, np.uint32)
+    a, b = DeviceBuffer((top + 1,), np.float32), DeviceBuffer((top + 1,), np.float32)
+    with pytest.raises(ValueError, match=f"cooperative launch of {top + 1} blocks, but at most {top}"):
+        ring.launch(top + 1, ring.block, a, b, 1, word, stream=stream, cooperative=True)
+    with pytest.raises(ValueError, match="either cooperative or in clusters"):
+        ring.launch(4, ring.block, a, b, 1, word, stream=stream, cooperative=True, cluster=2)

@@ -126,14 +126,12 @@ def test_splits_never_leave_a_block_empty(rng, tile):
 def test_plans_pick_the_big_tile_for_the_wide_layers_and_cover_the_sms():
     for precision in ("tf32", "3xtf32"):
         big = plan(512, 1024, 1024, 132, precision=precision)
-        # 32 tiles of 128x128, four splits: 128 blocks, one per SM (no second wave).
-        assert (big.tile.name, big.splits) == ("128x128", 4)
-        assert big.workspace_floats == 4 * 8 * 4 * 128 * 128 and big.counters == 4 * 8
-    dw = plan(1024, 1024, 512, 132, precision="3xtf32", sums=True)
-    assert (dw.tile.name, dw.splits) == ("128x128", 2)
-    assert dw.workspace_floats == 8 * 8 * 2 * 128 * 128 + 8 * 2 * 128
-    # K = 128 is one split of four k tiles: 32 blocks of 128x128 would leave 100 SMs idle.
-    assert plan(512, 1024, 128, 132, precision="tf32").tile.name == "64x64"
+        assert (big.tile.name, big.splits) == ("64x64", 2)
+        assert big.workspace_floats == 8 * 16 * 2 * 64 * 64 and big.counters == 8 * 16
+    assert plan(1024, 1024, 512, 132, precision="3xtf32", sums=True).splits == 1
+    # A forced 128x128 plan: 32 tiles, four splits (one block per SM, no second wave).
+    forced = plan(512, 1024, 1024, 132, precision="tf32", tile=TILES[0])
+    assert forced.splits == 4 and forced.workspace_floats == 4 * 8 * 4 * 128 * 128 and forced.counters == 32
     for m, n, k in [(256, 256, 256), (256, 3, 256), (512, 19, 1024), (19, 1024, 512), (1024, 128, 512)]:
         p = plan(m, n, k, 132, precision="3xtf32", sums=True)
         assert p.tile.name == "32x32" and p.splits > 1

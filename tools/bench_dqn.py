@@ -5,8 +5,9 @@ For each configuration: microseconds per step (median over repeats of R
 back-to-back graph replays, device time over R), the graph's node count and
 longest dependent chain, for the default step (per-layer GEMMs, the two `s'`
 forwards on their own streams, dependent launches) and for variants that change
-one thing: no dependent launches, the fused narrow kernels (small only: the
-large net is too wide for them), everything on one stream. With torch installed,
+one thing: no dependent launches, the optimizer tail as four kernels instead of
+one cooperative launch, the fused narrow kernels (small only: the large net is
+too wide for them), everything on one stream. With torch installed,
 the same step written plainly in PyTorch (tools/torch_dqn.py), eager and CUDA-graph
 captured. Goals: <= 15 us (small) and <= 50 us (large).
 """
@@ -23,7 +24,8 @@ from drvtrain.timing import time_graph
 def measure(cfg, args):
     stream = Stream()
     print(f"  {cfg.obs_dim}-{'-'.join(map(str, cfg.hidden))}-{cfg.n_actions} batch {cfg.batch}, "
-          f"fused={cfg.fused} dual_stream={cfg.dual_stream} dependent_launch={cfg.dependent_launch}: "
+          f"fused={cfg.fused} dual_stream={cfg.dual_stream} dependent_launch={cfg.dependent_launch} "
+          f"fused_tail={cfg.fused_tail}: "
           f"filling {cfg.capacity} transitions ...", flush=True)
     step = DQNStep(cfg)
     step.fill_random(1, stream=stream)
@@ -55,6 +57,7 @@ def torch_times(cfg, args):
 VARIANTS = (
     ("default", {}),
     ("no dependent launch", {"dependent_launch": False}),
+    ("tail as four kernels", {"fused_tail": False}),
     ("fused narrow kernels", {"fused": True}),
     ("one stream", {"dual_stream": False}),
 )

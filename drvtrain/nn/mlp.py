@@ -91,19 +91,14 @@ def split_count(m: int, n: int, k: int, sm_count: int, tile: Tile = FFMA_TILE, w
     return -(-k_tiles // per)
 
 
-def _blocks(m: int, n: int, k: int, sm_count: int, tile: Tile) -> int:
-    return -(-m // tile.bm) * -(-n // tile.bn) * split_count(m, n, k, sm_count, tile)
-
-
 def choose_tile(m: int, n: int, k: int, sm_count: int, precision: str) -> Tile:
-    """The largest tile that still fills the SMs: 128x128 when its blocks, split
-    over k, cover 3/4 of them (the 1024-wide products: half the loads per
-    multiply of 64x64), 64x64 when its tiles alone nearly fill them, 32x32 for
-    the rest, which need the parallelism; FFMA kernels have their own."""
+    """64x64 tiles when they nearly fill the SMs by themselves (the 1024-wide
+    layers: fewer loads per multiply), 32x32 tiles for the rest, which need the
+    parallelism; FFMA kernels have their own. The 128-row tiles measured no
+    faster than 64x64 on any product (``tools/bench_engine.py --sweep``), so the
+    rule never picks them; they stay for forced launches and measurements."""
     if precision == "f32":
         return FFMA_TILE
-    if 4 * _blocks(m, n, k, sm_count, TILE_128) >= 3 * sm_count:
-        return TILE_128
     if -(-m // TILE_64.bm) * -(-n // TILE_64.bn) * 4 >= 3 * sm_count:
         return TILE_64
     return TILE_32

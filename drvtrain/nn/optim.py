@@ -45,9 +45,11 @@ class AdamW:
         n = params.layout.size
         self.n = n
         # Fixed grids: the norm's reduction order, and so its bits, depend on them.
-        self._norm_grid = max(2, min(2 * get_device().sm_count, -(-n // 1024)))
+        # norm_grid and norm_partials are public for kernels that run the norm as
+        # a phase of their own (drvtrain.rl.dqn's cooperative tail).
+        self.norm_grid = max(2, min(2 * get_device().sm_count, -(-n // 1024)))
         self._adam_grid = max(2, min(4 * get_device().sm_count, -(-n // 1024)))
-        self._partials = DeviceBuffer(self._norm_grid, np.float64)
+        self.norm_partials = DeviceBuffer(self.norm_grid, np.float64)
         state = DeviceBuffer.from_numpy(np.zeros(5, np.int32))  # norm, scale, t, counter, skip
         self._state = state
         self.clip = state.view(np.float32, (2,), 0)
@@ -70,7 +72,7 @@ class AdamW:
             raise ValueError("a gated clip_grad_norm needs AdamW(..., nan_guard=True)")
         ring = self.metrics.ptr if self.metrics is not None else 0
         slots = self.metrics.slots if self.metrics is not None else 1
-        self._norm.launch(self._norm_grid, self._norm.block, self.grads, self.n, self._partials, self._counter,
+        self._norm.launch(self.norm_grid, self._norm.block, self.grads, self.n, self.norm_partials, self._counter,
                           self.max_norm, self.clip, self.t, self.loss if self.loss is not None else 0,
                           ring, slots, self.skip if self.skip is not None else 0,
                           gate if gate is not None else 0, stream=stream)
@@ -96,5 +98,5 @@ class AdamW:
         return float(s[:2].view(np.float32)[0]), float(s[:2].view(np.float32)[1]), int(s[2])
 
     def close(self) -> None:
-        for b in (self.m, self.v, self._partials, self._state):
+        for b in (self.m, self.v, self.norm_partials, self._state):
             b.close()

@@ -86,6 +86,10 @@ class DQNConfig:
     ``dependent_launch`` launches every kernel of the step as a programmatic
     dependent launch (compute capability 9.0+; ignored below): each kernel's
     launch overlaps the tail of the one before, and no result changes.
+    ``fused_tail`` runs AdamW, the spectral projection and the finish pass as
+    one cooperative kernel with grid barriers between them (``dqn_tail``)
+    instead of four kernels: three fewer nodes on the step's chain, the same
+    bits.
     """
     obs_dim: int
     n_actions: int
@@ -110,6 +114,7 @@ class DQNConfig:
     dual_stream: bool = True
     fused: bool = False
     dependent_launch: bool = True
+    fused_tail: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "hidden", tuple(self.hidden))
@@ -159,7 +164,7 @@ class DQNConfig:
         if self.spectral_layers is not None and len(set(self.spectral_layers)) != len(self.spectral_layers):
             raise ValueError(f"spectral_layers repeats a layer: {self.spectral_layers}")
         _positive_int("seed", self.seed, 0, 2**63 - 1)
-        for flag in ("tf32", "dual_stream", "fused", "dependent_launch"):
+        for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 
@@ -242,6 +247,20 @@ class DQNStep:
             "dqn_finish", "ptr ptr i64 ptr i32 ptr ptr f32 i32 ptr ptr ptr ptr ptr ptr ptr i32 ptr ptr ptr",
             fixed_block=True)
         self._finish_grid = max(2, min(4 * device.sm_count, -(-self.layout.size // (4 * self._finish.block))))
+        self._tail = None
+        if cfg.fused_tail:
+            self._tail = builtin_module("dqn_step.cu").kernel(
+                "dqn_tail", "ptr ptr ptr ptr i64 i32 ptr f32 ptr f32 f64 f64 f32 f32 ptr ptr ptr ptr "
+                "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr ptr "
+                "ptr i32 i32 i32 ptr ptr f32 ptr ptr ptr ptr "
+                "ptr f32 i32 ptr ptr ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
+            # One block per SM at most: a barrier costs more with more arrivals, and
+            # the phases with blocks of their own have about that many or fewer;
+            # the elementwise phases stride over the grid.
+            cb, rb = self._spectral_grids
+            want = max(cb, rb, self.optimizer.norm_grid, -(-self.layout.size // (16 * self._tail.block)))
+            self._tail_grid = max(2, min(device.sm_count, self._tail.max_resident_blocks(self._tail.block), want))
+            self._tail_barrier = DeviceBuffer.zeros(1, np.uint32)
         self._step_counter = DeviceBuffer.zeros(1, np.int64)
         self.skips = ErrorFlags(["skipped"])
         self._skipped_step = MappedBuffer(1, np.int64)
@@ -343,14 +362,41 @@ class DQNStep:
         else:
             mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
                          weight_stream=self.streams[0] if self.streams else None)
-        self.optimizer.step(stream=stream, gate=gate)
-        skip = self.optimizer.skip
         # The priority update needs only the loss's priorities and the NaN guard:
-        # with a second stream it runs beside the spectral launches, off the chain.
-        update_stream = self.streams[1] if self.streams else stream
-        if update_stream is not stream:
-            fork(stream, update_stream)
-        self.replay.update_priorities(batch.indices, priorities, stream=update_stream, skip=skip)
+        # with a second stream it runs beside the rest of the step, off the chain.
+        if self._tail is not None:
+            self._enqueue_tail(batch, priorities, stream, gate)
+        else:
+            self.optimizer.step(stream=stream, gate=gate)
+            update_stream = self.streams[1] if self.streams else stream
+            if update_stream is not stream:
+                fork(stream, update_stream)
+            self.replay.update_priorities(batch.indices, priorities, stream=update_stream, skip=self.optimizer.skip)
+            self._enqueue_spectral_and_finish(stream)
+            if update_stream is not stream:
+                join(stream, update_stream)
+        self.last = _Captured(batch, f_online.output, f_next.output, f_target.output, dout, priorities,
+                              {"target_forward_nodes": target_leaves, "online_forward_nodes": online_leaves,
+                               "a_star": a_star, "online_forward": f_online})
+
+    def _enqueue_tail(self, batch, priorities, stream, gate) -> None:
+        cfg, opt = self.config, self.optimizer
+        tau, period = (float(cfg.tau), 0) if cfg.tau is not None else (0.0, int(cfg.target_period))
+        cb, rb = self._spectral_grids
+        self._tail.launch(
+            self._tail_grid, self._tail.block,
+            self.params, self.grads, opt.m, opt.v, self.layout.size, opt.norm_grid, opt.norm_partials, opt.max_norm,
+            self.loss, opt.lr, opt.betas[0], opt.betas[1], opt.eps, opt.weight_decay, opt.clip, opt.t, opt.skip,
+            gate if gate is not None else 0,
+            *self.replay.tree.update_operands(batch.indices, priorities),
+            self._spectral_mats, self.n_spectral, cb, rb, self.u, self._v, float(cfg.spectral_c or 1.0), self.sigma,
+            self.spectral_scale, self._spectral_partials, self._spectral_counters,
+            self.target, tau, period, self._scalars, self._beta_used, self._step_counter, self.metrics.ptr,
+            self.metrics.slots, self.skips.counts, self.skips.published, self._skipped_step.ptr, self._tail_barrier,
+            stream=stream, cooperative=True)
+
+    def _enqueue_spectral_and_finish(self, stream) -> None:
+        cfg, skip = self.config, self.optimizer.skip
         if self.n_spectral:
             cb, rb = self._spectral_grids
             self._spectral_columns.launch(cb, self._spectral_columns.block, self.params, self._spectral_mats,
@@ -360,17 +406,12 @@ class DQNStep:
                                        self.n_spectral, self.u, self._v, float(cfg.spectral_c), self.sigma,
                                        self.spectral_scale, self._spectral_partials, self._spectral_counters,
                                        skip, stream=stream)
-        if update_stream is not stream:
-            join(stream, update_stream)
         tau, period = (float(cfg.tau), 0) if cfg.tau is not None else (0.0, int(cfg.target_period))
         self._finish.launch(self._finish_grid, self._finish.block, self.params, self.target, self.layout.size,
                             self._spectral_mats, self.n_spectral, self.spectral_scale, self.sigma, tau, period,
                             self.optimizer.t, skip, self._scalars, self.optimizer.clip, self._beta_used,
                             self._step_counter, self.metrics.ptr, self.metrics.slots, self.skips.counts,
                             self.skips.published, self._skipped_step.ptr, stream=stream)
-        self.last = _Captured(batch, f_online.output, f_next.output, f_target.output, dout, priorities,
-                              {"target_forward_nodes": target_leaves, "online_forward_nodes": online_leaves,
-                               "a_star": a_star, "online_forward": f_online})
 
     def capture(self, *, stream) -> GraphExec:
         """The whole step as one executable graph; replay it with ``launch(stream)``."""
@@ -521,6 +562,10 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
         rows.append(Criterion("target forward concurrent with online forward",
                               "yes" if want_overlap else "no (one stream)", "yes" if overlap else "no",
                               overlap == want_overlap))
+    if step.config.fused_tail:
+        tails = [k for k in kernels if k.function == "dqn_tail"]
+        rows.append(Criterion("norm, priority update, AdamW, projection, finish: one node", "1", str(len(tails)),
+                              len(tails) == 1 and not spectral))
     rows.append(Criterion("programmatic (dependent-launch) edges", ">= 1" if want_programmatic else "0",
                           str(programmatic), programmatic >= 1 if want_programmatic else programmatic == 0))
     return rows

@@ -192,6 +192,18 @@ class SumTree:
                             skip if skip is not None else 0, self.flags.counts, self.flags.published,
                             stream=stream)
 
+    def update_operands(self, indices: DeviceBuffer, priorities: DeviceBuffer) -> tuple:
+        """The arguments of an update of every element of ``indices`` (int32) and
+        ``priorities`` (float32), device buffers of one size, for kernels that run
+        the update as a phase of their own (``dt_tree_update`` in sumtree.cuh):
+        (nodes, leaves, max_leaf, indices, priorities, alpha, n, capacity, height,
+        internal, error counts, error published)."""
+        what = "a DeviceBuffer"
+        _device_array(indices, np.int32, "indices", None, what)
+        _device_array(priorities, np.float32, "priorities", indices.size, what)
+        return (self.nodes, self.leaves, self._max_leaf, indices, priorities, self.alpha, indices.size,
+                self.capacity, self.height, self.internal, self.flags.counts, self.flags.published)
+
     def _validate_host(self, indices, priorities) -> tuple[np.ndarray, np.ndarray]:
         indices, priorities = np.asarray(indices), np.asarray(priorities)
         if indices.ndim != 1 or priorities.shape != indices.shape:
