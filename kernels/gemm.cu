@@ -22,16 +22,13 @@
 //             that is added to the FP32 accumulator with an FADD once per k tile
 //             (the tensor cores do not round their own sums to nearest): FP32
 //             accuracy, about 2e-7 relative against float64 on random data.
-//   <tile>:   128x128: 256 threads, 8 warps of 64x32 outputs, k tiles of 32, 3 stages
-//                    (108 KB of dynamic shared memory);
-//             128x64: 128 threads, 4 warps of 64x32 outputs, k tiles of 32, 3 stages
-//                    (81 KB of dynamic shared memory);
-//             64x64: 128 threads, 4 warps of 32x32 outputs, k tiles of 32, 2 stages
-//                    (36 KB of static shared memory at most);
+//   <tile>:   64x64: 128 threads, 4 warps of 32x32 outputs, k tiles of 32, 2 stages
+//                    (36 KB of shared memory at most);
 //             32x32: 128 threads, 4 warps of 16x16 outputs, k tiles of 16, 4 stages
 //                    (20 KB), so several blocks share an SM on the small products.
-//             A ring above 48 KB is dynamic shared memory: the launch passes its
-//             bytes (Tile.shared_bytes in drvtrain.nn.mlp).
+//             128-row tiles (128x128 and 128x64, 3 stages in dynamic shared
+//             memory) measured no faster than 64x64 on any product of the nets
+//             (docs/perf-notes.md), so there are none.
 //   <cp>:     cp16: 16-byte copies; needs lda, ldb multiples of 4 floats and A, B
 //             16-byte aligned (drvtrain.nn.mlp.vector_width decides).
 //             cp4: 4-byte copies, any stride and alignment.
@@ -78,34 +75,8 @@ struct Config {
     static_assert(THREADS >= BM, "one thread per row sums db");
 };
 
-using Tile128x128 = Config<128, 128, 2, 4, 32, 3>;
-using Tile128x64 = Config<128, 64, 2, 2, 32, 3>;
 using Tile64x64 = Config<64, 64, 2, 2, 32, 2>;
 using Tile32x32 = Config<32, 32, 2, 2, 16, 4>;
-
-// The ring of stages: static shared memory up to the 48 KB a static array may
-// take, dynamic above it (the launch passes the bytes: drvtrain.nn.mlp.Tile.shared_bytes
-// computes the same sum). A launch with too little dynamic memory traps at once
-// instead of reading past its allocation.
-template <int FLOATS, bool DYNAMIC>
-struct Ring;
-template <int FLOATS>
-struct Ring<FLOATS, false> {
-    __device__ static __forceinline__ float* get() {
-        __shared__ __align__(16) float ring[FLOATS];
-        return ring;
-    }
-};
-template <int FLOATS>
-struct Ring<FLOATS, true> {
-    __device__ static __forceinline__ float* get() {
-        extern __shared__ __align__(16) float ring_dynamic[];
-        unsigned int bytes;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-        if (bytes < FLOATS * 4u) __trap();
-        return ring_dynamic;
-    }
-};
 
 // One operand's tile in shared memory, in its global layout. Row strides make the
 // m16n8k8 fragment loads conflict-free: lane (g, t) = (lane / 4, lane % 4) reads
@@ -203,11 +174,6 @@ __device__ __forceinline__ void split(float x, unsigned int& big, unsigned int& 
         small = finite ? __float_as_uint(x - __uint_as_float(big & 0xffffe000u)) + 0x1000u : 0u;
 }
 
-// Component c (0..3, a compile-time constant after unrolling) of a float4.
-__device__ __forceinline__ float component(const float4& v, int c) {
-    return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
-}
-
 __device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
@@ -228,7 +194,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     using SA = Smem<BM, BK, A_KFAST>;
     using SB = Smem<BN, BK, B_KFAST>;
     constexpr int STAGE = SA::FLOATS + SB::FLOATS;
-    float* const smem = Ring<STAGES * STAGE, (STAGES * STAGE * 4 > 48 * 1024)>::get();
+    __shared__ __align__(16) float smem[STAGES * STAGE];
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wm = warp / CFG::WARPS_N, wn = warp % CFG::WARPS_N;
@@ -257,16 +223,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
 
     // Each thread's fragment elements sit at fixed offsets from one base per
     // operand: (row wm*WM + g, depth t) for A, (column wn*WN + g, depth t) for B.
-    // PAIRED (both operands k-fast, the forward): the k index of an MMA slot is
-    // free as long as A and B agree, so thread t's slots t and t + 4 of the j-th
-    // MMA of a k tile take depths R t + 2 j and R t + 2 j + 1 (R = BK / 4): the
-    // thread owns R consecutive depths of each of its rows and reads them with
-    // R / 4 16-byte loads, not R 4-byte ones. Row-fast tiles keep depth t and t + 4
-    // (a 16-byte read along k would be strided there).
-    constexpr bool PAIRED = A_KFAST && B_KFAST;
-    constexpr int R = BK / 4;
-    const int a_base = SA::at(wm * CFG::WM + g, PAIRED ? R * t : t);
-    const int b_base = SB::at(wn * CFG::WN + g, PAIRED ? R * t : t);
+    const int a_base = SA::at(wm * CFG::WM + g, t), b_base = SB::at(wn * CFG::WN + g, t);
 
     // Prologue: STAGES - 1 tiles in flight. Every thread commits one group per
     // tile slot, empty or not, so wait_group counts stay uniform.
@@ -310,50 +267,20 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
 #pragma unroll
                         for (int q = 0; q < 4; ++q) part[mi][ni][q] = 0.0f;
             }
-            // PAIRED: this thread's R depths of each fragment row, for the whole k tile.
-            float4 ra[PAIRED ? MI : 1][2][R / 4], rb[PAIRED ? NI : 1][R / 4];
-            if (PAIRED) {
-#pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-#pragma unroll
-                        for (int c = 0; c < R / 4; ++c)
-                            ra[mi][h][c] = *reinterpret_cast<const float4*>(&As[a_base + SA::at(mi * 16 + h * 8, 4 * c)]);
-#pragma unroll
-                for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-                    for (int c = 0; c < R / 4; ++c)
-                        rb[ni][c] = *reinterpret_cast<const float4*>(&Bs[b_base + SB::at(ni * 8, 4 * c)]);
-            }
 #pragma unroll
             for (int kk = 0; kk < BK; kk += 8) {
                 unsigned int a[MI][4], as[MI][4], b[NI][2], bs[NI][2];
-                if (PAIRED) {
-                    const int j = kk / 8;  // depths R t + 2 j (slot t) and R t + 2 j + 1 (slot t + 4)
 #pragma unroll
-                    for (int mi = 0; mi < MI; ++mi)
+                for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                        for (int q = 0; q < 4; ++q)
-                            split<PREC>(component(ra[mi][q & 1][(2 * j) / 4], (2 * j) % 4 + (q >> 1)), a[mi][q], as[mi][q]);
+                    for (int q = 0; q < 4; ++q)
+                        split<PREC>(As[a_base + SA::at(mi * 16 + (q & 1) * 8, kk + (q >> 1) * 4)], a[mi][q],
+                                    as[mi][q]);
 #pragma unroll
-                    for (int ni = 0; ni < NI; ++ni)
+                for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-                        for (int q = 0; q < 2; ++q)
-                            split<PREC>(component(rb[ni][(2 * j) / 4], (2 * j) % 4 + q), b[ni][q], bs[ni][q]);
-                } else {
-#pragma unroll
-                    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                        for (int q = 0; q < 4; ++q)
-                            split<PREC>(As[a_base + SA::at(mi * 16 + (q & 1) * 8, kk + (q >> 1) * 4)], a[mi][q],
-                                        as[mi][q]);
-#pragma unroll
-                    for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-                        for (int q = 0; q < 2; ++q)
-                            split<PREC>(Bs[b_base + SB::at(ni * 8, kk + q * 4)], b[ni][q], bs[ni][q]);
-                }
+                    for (int q = 0; q < 2; ++q)
+                        split<PREC>(Bs[b_base + SB::at(ni * 8, kk + q * 4)], b[ni][q], bs[ni][q]);
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -668,10 +595,6 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
     DT_TC_KERNEL(linear_grad_input_##TILE##_##CP##_3xtf32, Tile##TILE, PREC_3XTF32, true, false, EPI_MASK, VEC) \
     DT_TC_KERNEL(linear_grad_weight_##TILE##_##CP##_3xtf32, Tile##TILE, PREC_3XTF32, false, false, EPI_NONE, VEC)
 
-DT_TC_ROLES(128x128, cp16, true)
-DT_TC_ROLES(128x128, cp4, false)
-DT_TC_ROLES(128x64, cp16, true)
-DT_TC_ROLES(128x64, cp4, false)
 DT_TC_ROLES(64x64, cp16, true)
 DT_TC_ROLES(64x64, cp4, false)
 DT_TC_ROLES(32x32, cp16, true)

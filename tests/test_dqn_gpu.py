@@ -239,24 +239,23 @@ def test_eager_graph_and_inactive_arena_are_bitwise_identical(device, rng):
     assert cfg.dependent_launch
     ordinary, s4 = run_losses(dataclasses.replace(cfg, dependent_launch=False), data, 200, graph=True,
                               arena_active=True)
-    # The cooperative tail runs the very code of the four kernels it replaces.
-    assert cfg.fused_tail
-    separate, s5 = run_losses(dataclasses.replace(cfg, fused_tail=False), data, 200, graph=True,
-                              arena_active=True)
+    # The cooperative tail runs the very code of the six kernels it replaces.
+    assert not cfg.fused_tail
+    tail, s5 = run_losses(dataclasses.replace(cfg, fused_tail=True), data, 200, graph=True, arena_active=True)
     assert np.all(np.isfinite(eager))
-    assert eager.tobytes() == replay.tobytes() == inactive.tobytes() == ordinary.tobytes() == separate.tobytes()
+    assert eager.tobytes() == replay.tobytes() == inactive.tobytes() == ordinary.tobytes() == tail.tobytes()
     for key in ("params", "target", "m", "v", "u"):
         assert s1[key].tobytes() == s2[key].tobytes() == s3[key].tobytes() == s4[key].tobytes() \
             == s5[key].tobytes(), key
 
 
-def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_four_kernels(device, rng):
+def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_six_kernels(device, rng):
     """Layers of 2200 rows and 2200 columns: both spectral phases have more blocks
     than the cooperative tail's grid (at most one per SM), so its blocks loop over
-    phase blocks; the result is still the separate kernels' bit for bit, and sigma
-    is what numpy finds for the projected layers."""
+    phase blocks; the result is still the separate kernels' bit for bit, and the
+    projected layers' spectral norms are bounded as numpy measures them."""
     cfg = DQNConfig(obs_dim=3, hidden=(2200, 40), n_actions=4, batch=64, capacity=1024, spectral_c=0.5,
-                    seed=int(rng.integers(1 << 30)))
+                    seed=int(rng.integers(1 << 30)), fused_tail=True)
     c = cfg.capacity
     data = dict(obs=rng.standard_normal((c, 3)).astype(np.float32), action=rng.integers(0, 4, c).astype(np.int32),
                 reward=rng.standard_normal(c).astype(np.float32),
@@ -355,6 +354,20 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream):
     failed = [r for r in rows if not r.passed]
     assert not failed, failed
     assert counts.per_iteration("cuGraphLaunch") == 1 and counts.per_iteration("cuEventRecord") == 1
+
+
+def test_audit_of_the_step_with_the_cooperative_tail_passes(device, rng):
+    cfg = DQNConfig.small(capacity=8192, seed=int(rng.integers(1 << 30)), fused_tail=True)
+    stream = Stream()
+    step = DQNStep(cfg)
+    fill(step, rng, stream)
+    rows, _ = audit_step(step, stream=stream, iterations=50)
+    failed = [r for r in rows if not r.passed]
+    assert not failed, failed
+    tail = [r for r in rows if r.name.startswith("norm, priority update")]
+    assert len(tail) == 1 and tail[0].measured == "1"
+    names = [k.function for k in step.graph.kernel_nodes()]
+    assert not {"grad_norm_clip", "adamw_step", "sumtree_update", "dqn_finish"} & set(names)
 
 
 def test_audit_of_the_fused_step_passes(device, rng):

@@ -126,13 +126,17 @@ def test_splits_never_leave_a_block_empty(rng, tile):
 def test_plans_pick_the_big_tile_for_the_wide_layers_and_cover_the_sms():
     for precision in ("tf32", "3xtf32"):
         big = plan(512, 1024, 1024, 132, precision=precision)
-        assert (big.tile.name, big.splits) == ("64x64", 2)
-        assert big.workspace_floats == 8 * 16 * 2 * 64 * 64 and big.counters == 8 * 16
-    assert plan(1024, 1024, 512, 132, precision="3xtf32", sums=True).splits == 1
-    # A forced 128x128 plan: 32 tiles, four splits (one block per SM, no second wave).
-    forced = plan(512, 1024, 1024, 132, precision="tf32", tile=TILES[0])
-    assert forced.splits == 4 and forced.workspace_floats == 4 * 8 * 4 * 128 * 128 and forced.counters == 32
-    for m, n, k in [(256, 256, 256), (256, 3, 256), (512, 19, 1024), (19, 1024, 512), (1024, 128, 512)]:
+        # 128 tiles, four splits: about four blocks per SM, the most that fit.
+        assert (big.tile.name, big.splits) == ("64x64", 4)
+        assert big.workspace_floats == 8 * 16 * 4 * 64 * 64 and big.counters == 8 * 16
+    dw = plan(1024, 1024, 512, 132, precision="3xtf32", sums=True)
+    assert (dw.tile.name, dw.splits) == ("64x64", 2)
+    assert dw.workspace_floats == 16 * 16 * 2 * 64 * 64 + 16 * 2 * 64
+    # 32 tiles of 64x64, split four ways, fill the SMs too.
+    assert (lambda p: (p.tile.name, p.splits))(plan(1024, 128, 512, 132, precision="3xtf32")) == ("64x64", 4)
+    # K = 128 is four k tiles, one split: the 128 tiles alone nearly fill the SMs.
+    assert (lambda p: (p.tile.name, p.splits))(plan(512, 1024, 128, 132, precision="tf32")) == ("64x64", 1)
+    for m, n, k in [(256, 256, 256), (256, 3, 256), (512, 19, 1024), (19, 1024, 512)]:
         p = plan(m, n, k, 132, precision="3xtf32", sums=True)
         assert p.tile.name == "32x32" and p.splits > 1
         rows, cols = -(-m // 32), -(-n // 32)
@@ -181,8 +185,8 @@ def _fake_kernels(monkeypatch, launches):
     monkeypatch.setattr(mlp_module, "join", lambda parent, *children: launches.append(("join", children)))
 
     def load(name):
-        def launch(grid, block, *args, stream, shared_mem):
-            launches.append((name, grid, args, stream, shared_mem))
+        def launch(grid, block, *args, stream):
+            launches.append((name, grid, args, stream))
         return SimpleNamespace(block=256, launch=launch)
 
     monkeypatch.setattr(mlp_module, "_load_kernel", load)
@@ -208,11 +212,8 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     assert rounded(arena.zeroed_offset) == model.zeroed_bytes(batch)
     kernels = [entry for entry in launches if entry[0] not in ("fork", "join")]
     assert len(kernels) == len(model._products(batch))
-    for (name, grid, args, stream, shared_mem), (m, n, k) in zip(kernels, model._products(batch)):
+    for (name, grid, args, stream), (m, n, k) in zip(kernels, model._products(batch)):
         assert args[6:9] == (m, n, k)
-        role = next(r for r in ("forward_relu", "forward", "grad_input", "grad_weight") if f"_{r}_" in name)
-        tile = next((t for t in TILES if f"_{t.name}_" in name), FFMA_TILE)
-        assert shared_mem == tile.shared_bytes(role), name
         workspace, counters, col_sum = args[13], args[14], args[12]
         splits = grid[2]
         if splits == 1:
@@ -232,21 +233,6 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     assert launches[-1][0] == "join"
 
 
-def test_shared_bytes_are_the_kernels_rings():
-    """kernels/gemm.cu's ring: stages x (A tile + B tile), a k-fast tile's rows padded
-    by 4 floats, a row-fast tile's depths by 8; dynamic only above 48 KB."""
-    t128, t128x64, t64, t32 = TILES
-    assert t128.shared_bytes("forward") == 4 * 3 * (128 * 36 + 128 * 36) == 110592
-    assert t128.shared_bytes("grad_input") == 4 * 3 * (128 * 36 + 32 * 136)
-    assert t128.shared_bytes("grad_weight") == 4 * 3 * (32 * 136 + 32 * 136)
-    assert t128x64.shared_bytes("forward_relu") == 4 * 3 * (128 * 36 + 64 * 36)
-    assert t128x64.shared_bytes("grad_weight") == 4 * 3 * (32 * 136 + 32 * 72)
-    for role in ("forward", "forward_relu", "grad_input", "grad_weight"):
-        assert t64.shared_bytes(role) == t32.shared_bytes(role) == FFMA_TILE.shared_bytes(role) == 0
-        # Within what an H100/H200 block may opt into (227 KB).
-        assert max(t.shared_bytes(role) for t in TILES) <= 227 * 1024
-
-
 def test_a_requested_split_count_never_leaves_a_split_empty():
     for want in range(1, 12):
         for k in (1, 31, 32, 33, 100, 512, 1024):
@@ -257,9 +243,8 @@ def test_a_requested_split_count_never_leaves_a_split_empty():
 
 
 def test_kernel_names_follow_the_roles_and_precisions():
-    assert kernel_name("forward_relu", "tf32", TILES[0], 16) == "linear_forward_relu_128x128_cp16_tf32"
-    assert kernel_name("forward_relu", "tf32", TILES[2], 16) == "linear_forward_relu_64x64_cp16_tf32"
-    assert kernel_name("grad_weight", "3xtf32", TILES[3], 4) == "linear_grad_weight_32x32_cp4_3xtf32"
+    assert kernel_name("forward_relu", "tf32", TILES[0], 16) == "linear_forward_relu_64x64_cp16_tf32"
+    assert kernel_name("grad_weight", "3xtf32", TILES[1], 4) == "linear_grad_weight_32x32_cp4_3xtf32"
     assert kernel_name("grad_input", "f32") == "linear_grad_input_f32"
     with pytest.raises(ValueError, match="runs in"):
         kernel_name("forward", "3xtf32", TILES[0])

@@ -29,28 +29,12 @@ class Tile:
     max_splits: int
     min_split_tiles: int  # k tiles a split keeps at least
     waves: int  # blocks per SM the split aims for
-    stages: int = 1  # the depth of the shared-memory ring (tensor-core tiles)
-    per_sm: int = 8  # blocks of this tile that fit on one SM (registers, shared memory)
-
-    def shared_bytes(self, role: str) -> int:
-        """The dynamic shared memory a launch of ``role`` takes with this tile:
-        kernels/gemm.cu's ring of ``stages`` operand tiles when it exceeds the
-        48 KB of a static array, else 0. The rows of a k-fast operand tile are
-        padded by 4 floats, the depths of a row-fast one by 8."""
-        if self is FFMA_TILE:
-            return 0
-        a_kfast, b_kfast = role != "grad_weight", role in ("forward", "forward_relu")
-        floats = sum(rows * (self.bk + 4) if kfast else self.bk * (rows + 8)
-                     for rows, kfast in ((self.bm, a_kfast), (self.bn, b_kfast)))
-        total = 4 * self.stages * floats
-        return total if total > 48 * 1024 else 0
+    per_sm: int = 8  # blocks of this tile that fit on one SM at once (registers, shared memory)
 
 
-TILE_128 = Tile("128x128", 128, 128, 32, 8, 4, 1, stages=3, per_sm=1)
-TILE_128x64 = Tile("128x64", 128, 64, 32, 8, 4, 1, stages=3, per_sm=2)
-TILE_64 = Tile("64x64", 64, 64, 32, 8, 4, 1, stages=2, per_sm=4)
-TILE_32 = Tile("32x32", 32, 32, 16, 8, 4, 2, stages=4, per_sm=8)
-TILES = (TILE_128, TILE_128x64, TILE_64, TILE_32)  # the tensor-core tiles, largest first
+TILE_64 = Tile("64x64", 64, 64, 32, 8, 4, 4, per_sm=4)
+TILE_32 = Tile("32x32", 32, 32, 16, 8, 4, 2, per_sm=8)
+TILES = (TILE_64, TILE_32)  # the tensor-core tiles, largest first
 FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
 
 _ROLES = ("forward", "forward_relu", "grad_input", "grad_weight")
@@ -92,14 +76,13 @@ def split_count(m: int, n: int, k: int, sm_count: int, tile: Tile = FFMA_TILE, w
 
 
 def choose_tile(m: int, n: int, k: int, sm_count: int, precision: str) -> Tile:
-    """64x64 tiles when they nearly fill the SMs by themselves (the 1024-wide
-    layers: fewer loads per multiply), 32x32 tiles for the rest, which need the
-    parallelism; FFMA kernels have their own. The 128-row tiles measured no
-    faster than 64x64 on any product (``tools/bench_engine.py --sweep``), so the
-    rule never picks them; they stay for forced launches and measurements."""
+    """64x64 tiles when their blocks, split over k, nearly fill the SMs (the
+    1024-wide products: fewer loads per multiply), 32x32 tiles for the rest,
+    which need the parallelism; FFMA kernels have their own."""
     if precision == "f32":
         return FFMA_TILE
-    if -(-m // TILE_64.bm) * -(-n // TILE_64.bn) * 4 >= 3 * sm_count:
+    tiles = -(-m // TILE_64.bm) * -(-n // TILE_64.bn)
+    if 4 * tiles * split_count(m, n, k, sm_count, TILE_64) >= 3 * sm_count:
         return TILE_64
     return TILE_32
 
@@ -159,7 +142,6 @@ class GemmKernel:
         self.role, self.precision, self.tile, self.vector = role, precision, tile, vector
         self.name = kernel_name(role, precision, tile, vector)
         self.kernel = _load_kernel(self.name)
-        self.shared_bytes = tile.shared_bytes(role)
 
     def __repr__(self) -> str:
         return f"<GemmKernel {self.name}>"
@@ -173,7 +155,7 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     tile = kernel.tile
     kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block, a, lda, b, ldb, c, ldc,
                          m, n, k, bias, mask, ldm, col_sum, workspace, counters, gate if gate is not None else 0,
-                         stream=stream, shared_mem=kernel.shared_bytes)
+                         stream=stream)
 
 
 class LinearKernels:

@@ -86,10 +86,11 @@ class DQNConfig:
     ``dependent_launch`` launches every kernel of the step as a programmatic
     dependent launch (compute capability 9.0+; ignored below): each kernel's
     launch overlaps the tail of the one before, and no result changes.
-    ``fused_tail`` runs AdamW, the spectral projection and the finish pass as
-    one cooperative kernel with grid barriers between them (``dqn_tail``)
-    instead of four kernels: three fewer nodes on the step's chain, the same
-    bits.
+    ``fused_tail`` runs everything after the backward (the norm, the priority
+    update, AdamW, the spectral projection, the finish pass) as one cooperative
+    kernel with grid barriers between the phases (``dqn_tail``) instead of six
+    launches: the same bits, five fewer nodes on the step's chain. Off by
+    default: on the H200 it measured no faster (docs/perf-notes.md).
     """
     obs_dim: int
     n_actions: int
@@ -114,7 +115,7 @@ class DQNConfig:
     dual_stream: bool = True
     fused: bool = False
     dependent_launch: bool = True
-    fused_tail: bool = True
+    fused_tail: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "hidden", tuple(self.hidden))
