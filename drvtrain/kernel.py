@@ -570,7 +570,8 @@ class Module:
 
     def __init__(self, program: CompiledProgram, device=None):
         self.device = device or get_device()
-        if program.arch != self.device.arch:
+        # sm_90a (arch-specific features such as wgmma) runs on exactly sm_90.
+        if program.arch not in (self.device.arch, self.device.arch + "a"):
             raise ValueError(f"{program.name} was compiled for {program.arch}, the device is {self.device.arch}")
         self.program = program
         self.handle = check(cu.cuModuleLoadData, program.cubin)
@@ -659,35 +660,41 @@ def _check_param_sizes(kernel: Kernel, function) -> None:
 
 
 def load_module(path, *, include_dirs=(), options=DEFAULT_OPTIONS, name_expressions=(),
-                cache=None, device=None) -> Module:
+                cache=None, device=None, arch_specific: bool = False) -> Module:
     """Compile (through the cache) and load a ``.cu`` file for the current device.
 
     A bare file name such as ``"elementwise.cu"`` means drvtrain's own kernels/.
+    ``arch_specific``: compile for the device's arch-specific target (``sm_90a``
+    on an sm_90 device), whose features (wgmma, ...) run on that architecture
+    only.
     """
     device = device or get_device()
-    program = compile_file(path, arch=device.arch, include_dirs=include_dirs, options=options,
-                           name_expressions=name_expressions, cache=cache)
+    program = compile_file(path, arch=device.arch + ("a" if arch_specific else ""), include_dirs=include_dirs,
+                           options=options, name_expressions=name_expressions, cache=cache)
     return Module(program, device)
 
 
 def load_source(source: str, name: str = "source.cu", *, include_dirs=(), options=DEFAULT_OPTIONS,
-                name_expressions=(), cache=None, device=None) -> Module:
-    """Compile (through the cache) and load a CUDA C++ source string."""
+                name_expressions=(), cache=None, device=None, arch_specific: bool = False) -> Module:
+    """Compile (through the cache) and load a CUDA C++ source string
+    (``arch_specific``: see :func:`load_module`)."""
     device = device or get_device()
-    program = compile_source(source, name, arch=device.arch, include_dirs=include_dirs,
-                             options=options, name_expressions=name_expressions, cache=cache)
+    program = compile_source(source, name, arch=device.arch + ("a" if arch_specific else ""),
+                             include_dirs=include_dirs, options=options, name_expressions=name_expressions,
+                             cache=cache)
     return Module(program, device)
 
 
 _module_cache: dict[tuple, Module] = {}
 
 
-def builtin_module(filename: str) -> Module:
-    """drvtrain's own kernel file, compiled and loaded once per process and device."""
+def builtin_module(filename: str, *, arch_specific: bool = False) -> Module:
+    """drvtrain's own kernel file, compiled and loaded once per process and device
+    (``arch_specific``: see :func:`load_module`)."""
     device = get_device()
-    key = (device.ordinal, filename)
+    key = (device.ordinal, filename, arch_specific)
     mod = _module_cache.get(key)
     if mod is None:
-        mod = _module_cache[key] = load_module(filename, device=device)
+        mod = _module_cache[key] = load_module(filename, device=device, arch_specific=arch_specific)
     return mod
 

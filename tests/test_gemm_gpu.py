@@ -4,7 +4,7 @@ import pytest
 
 from drvtrain import Arena, DeviceBuffer, Stream, capture
 from drvtrain.nn import MLP, FlatBuffer, ParamLayout
-from drvtrain.nn.mlp import TILES, LinearKernels, plan
+from drvtrain.nn.mlp import TILES, WGMMA_TILE, LinearKernels, plan, wgmma_available
 from nn_reference import mlp_backward, rel
 
 pytestmark = pytest.mark.gpu
@@ -79,10 +79,23 @@ class Product:
         return c, sums
 
 
+# gemm.cu's mma.sync tiles for every role, gemm_sm90a.cu's wgmma tile for the forward.
+ALL_TILES = TILES + (WGMMA_TILE,)
+
+
 def kernels_for(role, device):
     if role.startswith("forward"):
-        return LinearKernels(("forward", "forward_relu"), "tf32", device.sm_count)
+        return LinearKernels(("forward", "forward_relu"), "tf32", device.sm_count, wgmma=wgmma_available(device))
     return LinearKernels(("grad_input", "grad_weight"), "3xtf32", device.sm_count)
+
+
+def skip_unless_compiled(device, tile, role, vector=16):
+    if tile is not WGMMA_TILE:
+        return
+    if not role.startswith("forward") or vector != 16:
+        pytest.skip("the wgmma tile runs only the TF32 forward with 16-byte copies")
+    if not wgmma_available(device):
+        pytest.skip(f"wgmma needs compute capability 9.0; this device is {device.arch}")
 
 
 def arena_for(kernels, role, m, n, k, tile):
@@ -91,18 +104,23 @@ def arena_for(kernels, role, m, n, k, tile):
 
 
 @pytest.mark.parametrize("vector", [16, 4], ids=["cp16", "cp4"])
-@pytest.mark.parametrize("tile", TILES, ids=[t.name for t in TILES])
+@pytest.mark.parametrize("tile", ALL_TILES, ids=[t.name for t in ALL_TILES])
 @pytest.mark.parametrize("role", ROLES)
 @pytest.mark.parametrize("m, n, k", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
 def test_product_matches_float64(device, stream, rng, role, tile, vector, m, n, k):
     """Every compiled variant on shapes that are not tile multiples: TF32 forward to
-    2e-3, 3xTF32 backward (and db) to 1e-5, the output's padding untouched, no NaN."""
+    2e-3, 3xTF32 backward (and db) to 1e-5, the output's padding untouched, no NaN.
+    The mma.sync tiles run the forward on the H200 too: they are the wgmma
+    tile's fallback."""
+    skip_unless_compiled(device, tile, role, vector)
     kernels = kernels_for(role, device)
     prod = Product(role, m, n, k, vector, rng)
     arena, p = arena_for(kernels, role, m, n, k, tile)
     prod.poison(stream)
     kernel = prod.launch(kernels, arena, stream, tile, vector)
-    assert kernel.name.endswith(f"_{tile.name}_cp{vector}_" + ("tf32" if role.startswith("forward") else "3xtf32"))
+    want_name = f"_{tile.name}_tf32" if tile is WGMMA_TILE else \
+        f"_{tile.name}_cp{vector}_" + ("tf32" if role.startswith("forward") else "3xtf32")
+    assert kernel.name.endswith(want_name), kernel.name
     c, sums = prod.outputs()
     got = c[:, :n]
     assert not np.isnan(got).any(), f"{np.isnan(got).sum()} outputs unwritten ({p.splits} splits)"
@@ -122,13 +140,14 @@ def set_bits(buf, index, bits):
 
 
 @pytest.mark.parametrize("vector", [16, 4], ids=["cp16", "cp4"])
-@pytest.mark.parametrize("tile", TILES, ids=[t.name for t in TILES])
+@pytest.mark.parametrize("tile", ALL_TILES, ids=[t.name for t in ALL_TILES])
 @pytest.mark.parametrize("role", ROLES)
 def test_nan_operands_reach_the_output(device, stream, rng, role, tile, vector):
     """A NaN in either operand makes exactly its output row (A) or column (B) NaN, as in
     float64, whatever its bits: 0x7fffffff (what device code writes) would carry out of its
     exponent if rounded to TF32 by an add, and 0xffffffff is the poison pattern. A hidden
     layer's ReLU keeps the NaN. Everything else stays finite."""
+    skip_unless_compiled(device, tile, role, vector)
     m, n, k = 77, 35, 45
     i0, j0, ka, kb = 5, 7, 3, 11
     kernels = kernels_for(role, device)
@@ -175,16 +194,17 @@ def test_ffma_product_matches_float64(device, stream, rng, role, m, n, k):
 
 
 def test_shapes_cover_split_and_unsplit_launches_of_every_tile(device):
-    for precision in ("tf32", "3xtf32"):
-        for tile in TILES:
+    for precision, tiles in (("tf32", ALL_TILES), ("3xtf32", TILES)):
+        for tile in tiles:
             splits = {plan(m, n, k, device.sm_count, precision=precision, tile=tile).splits for m, n, k in SHAPES}
             assert 1 in splits and max(splits) > 1, (precision, tile.name, splits)
 
 
-@pytest.mark.parametrize("tile", TILES, ids=[t.name for t in TILES])
+@pytest.mark.parametrize("tile", ALL_TILES, ids=[t.name for t in ALL_TILES])
 @pytest.mark.parametrize("role", ROLES)
 def test_runs_are_bitwise_identical_and_graph_replay_matches_eager(device, stream, rng, role, tile):
-    m, n, k = 512, 19, 1024  # split k with either tile
+    skip_unless_compiled(device, tile, role)
+    m, n, k = 512, 19, 1024  # split k with every tile
     kernels = kernels_for(role, device)
     prod = Product(role, m, n, k, 16, rng)
     arena, p = arena_for(kernels, role, m, n, k, tile)

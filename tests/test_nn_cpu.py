@@ -179,25 +179,28 @@ class _FakeFlat:
         return self._view(self.layout.bias(k))
 
 
-def _fake_kernels(monkeypatch, launches):
-    monkeypatch.setattr(mlp_module, "get_device", lambda: SimpleNamespace(sm_count=132))
+def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
+    monkeypatch.setattr(mlp_module, "get_device", lambda: SimpleNamespace(sm_count=132, compute_capability=cc))
     monkeypatch.setattr(mlp_module, "fork", lambda parent, *children: launches.append(("fork", children)))
     monkeypatch.setattr(mlp_module, "join", lambda parent, *children: launches.append(("join", children)))
 
     def load(name):
-        def launch(grid, block, *args, stream):
-            launches.append((name, grid, args, stream))
+        def launch(grid, block, *args, stream, shared_mem):
+            launches.append((name, grid, args, stream, shared_mem))
         return SimpleNamespace(block=256, launch=launch)
 
     monkeypatch.setattr(mlp_module, "_load_kernel", load)
 
 
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90-wgmma"])
 @pytest.mark.parametrize("tf32, backward", [(True, "3xtf32"), (False, "f32"), (False, "3xtf32")])
 @pytest.mark.parametrize("widths, batch", [([4, 256, 256, 3], 256), ([128, 1024, 1024, 19], 512),
                                            ([129, 1000, 4], 7), ([33, 65, 7], 1000)])
-def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths, batch, tf32, backward):
+def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths, batch, tf32, backward, cc):
+    """Exactly, unless a forward runs on the wgmma tile: then the accounting leaves
+    room for gemm.cu's fallback too (an input that turns out misaligned)."""
     launches = []
-    _fake_kernels(monkeypatch, launches)
+    _fake_kernels(monkeypatch, launches, cc)
     layout = ParamLayout.from_widths(widths)
     model = mlp_module.MLP(layout, tf32=tf32, backward=backward)
     arena = _FakeArena()
@@ -208,12 +211,19 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     fwd = model.forward(params, x, arena=arena, stream=main)
     model.backward(params, grads, fwd, dout, arena=arena, stream=main, weight_stream=side)
     rounded = lambda nbytes: -(-nbytes // 256) * 256
-    assert rounded(arena.offset) + 1024 == model.scratch_bytes(batch)
-    assert rounded(arena.zeroed_offset) == model.zeroed_bytes(batch)
     kernels = [entry for entry in launches if entry[0] not in ("fork", "join")]
+    on_wgmma = [entry[0] for entry in kernels if "_wgmma_" in entry[0]]
+    assert bool(on_wgmma) == (cc == (9, 0) and tf32 and widths[1] == 1024)  # the 1024-wide layer only
+    if on_wgmma:
+        assert rounded(arena.offset) + 1024 <= model.scratch_bytes(batch)
+        assert rounded(arena.zeroed_offset) <= model.zeroed_bytes(batch)
+    else:
+        assert rounded(arena.offset) + 1024 == model.scratch_bytes(batch)
+        assert rounded(arena.zeroed_offset) == model.zeroed_bytes(batch)
     assert len(kernels) == len(model._products(batch))
-    for (name, grid, args, stream), (m, n, k) in zip(kernels, model._products(batch)):
+    for (name, grid, args, stream, shared_mem), (m, n, k) in zip(kernels, model._products(batch)):
         assert args[6:9] == (m, n, k)
+        assert shared_mem == (128 * 1024 if "_wgmma_" in name else 0), name
         workspace, counters, col_sum = args[13], args[14], args[12]
         splits = grid[2]
         if splits == 1:
@@ -222,6 +232,9 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         if name.endswith("_f32"):  # the kernel header's contract: S * (M * N + M)
             need = splits * (m * n + m)
             bm = bn = 64
+        elif "_wgmma_" in name:  # 128 x 128 tiles, no db
+            bm = bn = 128
+            need = grid[0] * grid[1] * splits * bm * bn
         else:  # grid.x * grid.y * S * BM * BN (+ grid.y * S * BM with db)
             bm, bn = (int(v) for v in name.split("_")[-3].split("x"))
             need = grid[0] * grid[1] * splits * bm * bn + (grid[1] * splits * bm if col_sum else 0)
@@ -240,6 +253,34 @@ def test_a_requested_split_count_never_leaves_a_split_empty():
             k_tiles = -(-k // 32)
             per = -(-k_tiles // s)
             assert 1 <= s <= min(want, k_tiles) and (s - 1) * per < k_tiles
+
+
+def test_the_wgmma_tile_is_chosen_for_the_wide_tf32_forward_only():
+    from drvtrain.nn.mlp import WGMMA_TILE, choose_tile
+    for role_precision in ("tf32",):
+        wide = plan(512, 1024, 1024, 132, precision=role_precision, wgmma=True)
+        # 32 tiles of 128x128, four splits: one block per SM, the most that fit.
+        assert (wide.tile, wide.splits) == (WGMMA_TILE, 4)
+        assert wide.workspace_floats == 32 * 4 * 128 * 128 and wide.counters == 32
+    assert choose_tile(512, 1024, 1024, 132, "tf32", wgmma=False).name == "64x64"
+    assert choose_tile(512, 1024, 1024, 132, "3xtf32", wgmma=True).name == "64x64"  # no wgmma backward
+    assert choose_tile(512, 1024, 128, 132, "tf32", wgmma=True).name == "64x64"  # 32 blocks would idle 100 SMs
+    assert choose_tile(256, 256, 256, 132, "tf32", wgmma=True).name == "32x32"
+    assert kernel_name("forward_relu", "tf32", WGMMA_TILE, 16) == "linear_forward_relu_wgmma_tf32"
+    for role, vector in (("grad_input", 16), ("forward", 4)):
+        with pytest.raises(ValueError, match="wgmma tile runs the TF32 forward with 16-byte copies only"):
+            kernel_name(role, "tf32" if role == "forward" else "3xtf32", WGMMA_TILE, vector)
+    with pytest.raises(ValueError, match="tile wgmma has no 3xtf32 kernels"):
+        plan(512, 1024, 1024, 132, precision="3xtf32", tile=WGMMA_TILE)
+
+
+def test_gemm_sm90a_cu_compiles_the_wgmma_kernels_for_sm_90a_and_traps_elsewhere():
+    from drvtrain.compiler import compile_file
+    names = [b"linear_forward_wgmma_tf32\0", b"linear_forward_relu_wgmma_tf32\0"]
+    special = compile_file("gemm_sm90a.cu", arch="sm_90a")
+    assert special.arch == "sm_90a" and all(n in special.cubin for n in names)
+    generic = compile_file("gemm_sm90a.cu", arch="sm_90")  # the kernels exist and trap
+    assert all(n in generic.cubin for n in names) and len(generic.cubin) < len(special.cubin) // 4
 
 
 def test_kernel_names_follow_the_roles_and_precisions():

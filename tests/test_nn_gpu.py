@@ -44,6 +44,31 @@ def test_forward_matches_float64(device, stream, rng, batch, widths, tf32, bound
     assert rel(out, ref[-1]) < bound
 
 
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma.sync"])
+def test_wide_forward_on_wgmma_and_on_the_forced_fallback_match_float64(device, stream, rng, wgmma):
+    """The large net's 1024-wide layer runs on gemm_sm90a.cu's wgmma tile on
+    compute capability 9.0; MLP(wgmma=False) forces gemm.cu's mma.sync kernels.
+    Both agree with float64 to TF32 accuracy."""
+    from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
+    if wgmma and not wgmma_available(device):
+        pytest.skip(f"wgmma needs compute capability 9.0; this device is {device.arch}")
+    batch, widths = 512, [128, 1024, 1024, 19]
+    layout = make_layout(widths)
+    params = random_params(layout, rng)
+    x = DeviceBuffer.from_numpy(rng.standard_normal((batch, widths[0])).astype(np.float32))
+    mlp = MLP(layout, wgmma=wgmma)
+    assert (mlp.forward_kernels.plan("forward_relu", batch, 1024, 1024).tile is WGMMA_TILE) == wgmma
+    arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)
+    arena.alloc(arena.capacity - 256).poison(stream=stream)
+    arena.reset()
+    fwd = mlp.forward(params, x, arena=arena, stream=stream)
+    ref = mlp_forward(params.to_numpy(), x.to_numpy(), len(layout.layers))
+    for got, want in zip(fwd.activations[1:], ref[1:]):
+        got = got.to_numpy()
+        assert not np.isnan(got).any()
+        assert rel(got, want) < 3e-3
+
+
 @pytest.mark.parametrize("batch, widths", SHAPES)
 def test_gradients_match_float64(device, stream, rng, batch, widths):
     layout = make_layout(widths)

@@ -19,7 +19,7 @@ import _common
 from drvtrain import Arena, DeviceBuffer, Stream, capture, dependent_launches, get_device
 from drvtrain.nn import FlatBuffer, ParamLayout, RegressionStep
 from drvtrain.nn.narrow import NarrowMLP
-from drvtrain.nn.mlp import MLP, TILES
+from drvtrain.nn.mlp import MLP, TILES, WGMMA_TILE
 from drvtrain.timing import time_graph
 
 CONFIGS = {"small": (4, [256, 256], 2, 256), "large": (128, [1024, 1024], 18, 512)}
@@ -32,8 +32,8 @@ def graph_of(stream, arena, body):
     return g.instantiate(), g
 
 
-def plan_text(kernels, role, m, n, k) -> str:
-    p = kernels.plan(role, m, n, k)
+def plan_text(kernels, role, m, n, k, tile=None) -> str:
+    p = kernels.plan(role, m, n, k, tile=tile)
     return f"{p.tile.name}/{p.splits}"
 
 
@@ -45,7 +45,8 @@ SWEEP = (("forward_relu", 512, 1024, 1024), ("grad_input", 512, 1024, 1024), ("g
 
 
 def sweep(stream, timed, rng, chain: int) -> None:
-    """Every tensor-core tile at every split count, for each product of SWEEP: a
+    """Every tensor-core tile (the wgmma tile too, for the forward on compute
+    capability 9.0) at every split count, for each product of SWEEP: a
     graph of ``chain`` launches of the product back to back, ordinary and
     dependent, in us per launch. The data behind ``choose_tile`` and ``split_count``."""
     dev = get_device()
@@ -68,7 +69,7 @@ def sweep(stream, timed, rng, chain: int) -> None:
         if extra is None:
             extra = {"bias": DeviceBuffer.from_numpy(rng.standard_normal(n).astype(np.float32))}
         chosen = lk.plan(role, m, n, k)
-        for tile in TILES:
+        for tile in TILES + ((WGMMA_TILE,) if lk.wgmma and role.startswith("forward") else ()):
             seen = set()
             for want in (1, 2, 3, 4, 6, 8):
                 p = lk.plan(role, m, n, k, tile=tile, splits=want)
@@ -181,6 +182,10 @@ def main(argv=None) -> int:
     exe, _ = graph_of(stream, arena, lambda: fk.launch("forward_relu", big, 1024, w, 1024, yb, 1024, 512, 1024, 1024,
                                                        arena=arena, stream=stream, bias=b))
     t_fwd = timed(exe)
+    # The same forward forced onto gemm.cu's mma.sync kernels (the fallback off compute capability 9.0).
+    exe, _ = graph_of(stream, arena, lambda: fk.launch("forward_relu", big, 1024, w, 1024, yb, 1024, 512, 1024, 1024,
+                                                       arena=arena, stream=stream, bias=b, tile=TILES[0]))
+    t_fwd_mma = timed(exe)
     exe, _ = graph_of(stream, arena, lambda: bk.launch("grad_weight", big, 1024, mask, 1024, dwb, 1024, 1024, 1024, 512,
                                                        arena=arena, stream=stream, col_sum=b))
     t_dw = timed(exe)
@@ -198,7 +203,9 @@ def main(argv=None) -> int:
     for r in rows:
         print(" | ".join(str(v).ljust(wd) for v, wd in zip(r, widths)))
     print(f"\nforward TF32 GEMM 512x1024x1024 ({plan_text(fk, 'forward_relu', 512, 1024, 1024)}): {t_fwd:.2f} us, "
-          f"{flops / t_fwd / 1e6:.1f} TFLOP/s (goal >= 150)")
+          f"{flops / t_fwd / 1e6:.1f} TFLOP/s (goal >= 150); on mma.sync "
+          f"({plan_text(fk, 'forward_relu', 512, 1024, 1024, TILES[0])}): {t_fwd_mma:.2f} us, "
+          f"{flops / t_fwd_mma / 1e6:.1f} TFLOP/s")
     print(f"backward 3xTF32 512x1024x1024: dW+db ({plan_text(bk, 'grad_weight', 1024, 1024, 512)}) {t_dw:.2f} us "
           f"{flops / t_dw / 1e6:.1f} TFLOP/s, dX ({plan_text(bk, 'grad_input', 512, 1024, 1024)}) {t_dx:.2f} us "
           f"{flops / t_dx / 1e6:.1f} TFLOP/s; together {t_dw + t_dx:.2f} us, {143.0 / (t_dw + t_dx):.1f}x the FFMA "

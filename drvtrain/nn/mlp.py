@@ -11,7 +11,8 @@ from ..memory import Arena, DeviceBuffer
 from ..stream import fork, join
 from .layout import FlatBuffer, ParamLayout
 
-__all__ = ["MLP", "Forward", "GemmKernel", "LinearKernels", "Plan", "Tile", "TILES", "FFMA_TILE", "gemm",
+__all__ = ["MLP", "Forward", "GemmKernel", "LinearKernels", "Plan", "Tile", "TILES", "FFMA_TILE", "WGMMA_TILE",
+           "wgmma_available", "gemm",
            "choose_tile", "kernel_name", "plan", "split_count", "vector_width"]
 
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
@@ -34,8 +35,13 @@ class Tile:
 
 TILE_64 = Tile("64x64", 64, 64, 32, 8, 4, 4, per_sm=4)
 TILE_32 = Tile("32x32", 32, 32, 16, 8, 4, 2, per_sm=8)
-TILES = (TILE_64, TILE_32)  # the tensor-core tiles, largest first
+TILES = (TILE_64, TILE_32)  # gemm.cu's mma.sync tiles (every role), largest first
 FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
+# kernels/gemm_sm90a.cu: the TF32 forward on wgmma, compute capability 9.0 only,
+# 16-byte copies only; 128 KB of dynamic shared memory, one block per SM.
+WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1)
+WGMMA_SHARED_BYTES = 4 * 32 * 256 * 4  # 4 stages of two 128 x 32 float tiles
+_WGMMA_CC = (9, 0)
 
 _ROLES = ("forward", "forward_relu", "grad_input", "grad_weight")
 _PRECISIONS = {"forward": ("tf32", "f32"), "forward_relu": ("tf32", "f32"),
@@ -50,6 +56,11 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
         raise ValueError(f"{role} runs in {' or '.join(_PRECISIONS[role])}, not {precision!r}")
     if precision == "f32":
         return f"linear_{role}_f32"
+    if tile is WGMMA_TILE:
+        if role not in ("forward", "forward_relu") or vector != 16:
+            raise ValueError(f"the wgmma tile runs the TF32 forward with 16-byte copies only, not {role} "
+                             f"with {vector}-byte copies")
+        return f"linear_{role}_wgmma_tf32"
     if tile not in TILES or vector not in (4, 16):
         raise ValueError(f"no tensor-core kernel for tile {tile.name} with {vector}-byte copies")
     return f"linear_{role}_{tile.name}_cp{vector}_{precision}"
@@ -75,12 +86,18 @@ def split_count(m: int, n: int, k: int, sm_count: int, tile: Tile = FFMA_TILE, w
     return -(-k_tiles // per)
 
 
-def choose_tile(m: int, n: int, k: int, sm_count: int, precision: str) -> Tile:
-    """64x64 tiles when their blocks, split over k, nearly fill the SMs (the
-    1024-wide products: fewer loads per multiply), 32x32 tiles for the rest,
-    which need the parallelism; FFMA kernels have their own."""
+def choose_tile(m: int, n: int, k: int, sm_count: int, precision: str, wgmma: bool = False) -> Tile:
+    """With ``wgmma`` (a TF32 forward on compute capability 9.0 with 16-byte
+    copies) the 128x128 wgmma tile when its blocks, split over k, nearly fill
+    the SMs; else 64x64 tiles when theirs do (the 1024-wide products: fewer
+    loads per multiply), 32x32 tiles for the rest, which need the parallelism;
+    FFMA kernels have their own."""
     if precision == "f32":
         return FFMA_TILE
+    if wgmma and precision == "tf32":
+        tiles = -(-m // WGMMA_TILE.bm) * -(-n // WGMMA_TILE.bn)
+        if 4 * tiles * split_count(m, n, k, sm_count, WGMMA_TILE) >= 3 * sm_count:
+            return WGMMA_TILE
     tiles = -(-m // TILE_64.bm) * -(-n // TILE_64.bn)
     if 4 * tiles * split_count(m, n, k, sm_count, TILE_64) >= 3 * sm_count:
         return TILE_64
@@ -100,14 +117,15 @@ class Plan:
 
 
 def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = False,
-         tile: Tile | None = None, splits: int | None = None) -> Plan:
+         tile: Tile | None = None, splits: int | None = None, wgmma: bool = False) -> Plan:
     """The launch of an m x n x k product: the one rule behind every launch and
     behind ``MLP.scratch_bytes`` / ``MLP.zeroed_bytes``. ``sums``: the product also
     writes row sums of A (db). ``tile`` forces a tile (tests: every compiled
-    variant), ``splits`` a split count (benchmarks: the plans around the rule's)."""
+    variant), ``splits`` a split count (benchmarks: the plans around the rule's).
+    ``wgmma``: the wgmma tile may be chosen (see :func:`choose_tile`)."""
     if tile is None:
-        tile = choose_tile(m, n, k, sm_count, precision)
-    elif (tile is FFMA_TILE) != (precision == "f32"):
+        tile = choose_tile(m, n, k, sm_count, precision, wgmma)
+    elif (tile is FFMA_TILE) != (precision == "f32") or (tile is WGMMA_TILE and precision != "tf32"):
         raise ValueError(f"tile {tile.name} has no {precision} kernels")
     s = split_count(m, n, k, sm_count, tile, splits)
     if s == 1:
@@ -132,16 +150,25 @@ def vector_width(a, lda: int, b, ldb: int) -> int:
 
 
 def _load_kernel(name: str):
+    if "_wgmma_" in name:
+        return builtin_module("gemm_sm90a.cu", arch_specific=True).kernel(name, _SIGNATURE, fixed_block=True)
     return builtin_module("gemm.cu").kernel(name, _SIGNATURE, fixed_block=True)
 
 
+def wgmma_available(device=None) -> bool:
+    """Whether this device runs kernels/gemm_sm90a.cu (compute capability 9.0)."""
+    device = device or get_device()
+    return tuple(getattr(device, "compute_capability", ())) == _WGMMA_CC
+
+
 class GemmKernel:
-    """A kernel of kernels/gemm.cu with the tile its grid is cut in."""
+    """A kernel of kernels/gemm.cu (or gemm_sm90a.cu) with the tile its grid is cut in."""
 
     def __init__(self, role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16):
         self.role, self.precision, self.tile, self.vector = role, precision, tile, vector
         self.name = kernel_name(role, precision, tile, vector)
         self.kernel = _load_kernel(self.name)
+        self.shared_bytes = WGMMA_SHARED_BYTES if tile is WGMMA_TILE else 0
 
     def __repr__(self) -> str:
         return f"<GemmKernel {self.name}>"
@@ -155,14 +182,18 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     tile = kernel.tile
     kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block, a, lda, b, ldb, c, ldc,
                          m, n, k, bias, mask, ldm, col_sum, workspace, counters, gate if gate is not None else 0,
-                         stream=stream)
+                         stream=stream, shared_mem=kernel.shared_bytes)
 
 
 class LinearKernels:
     """The kernels of one arithmetic for some roles, every tile and copy width, loaded
-    up front (never during a capture), and the launch of a product through them."""
+    up front (never during a capture), and the launch of a product through them.
 
-    def __init__(self, roles, precision: str, sm_count: int):
+    ``wgmma``: the TF32 forward may run on kernels/gemm_sm90a.cu's wgmma tile
+    (only where :func:`wgmma_available`; other devices, other roles and operands
+    that do not allow 16-byte copies use gemm.cu's mma.sync kernels)."""
+
+    def __init__(self, roles, precision: str, sm_count: int, *, wgmma: bool = False):
         self.precision = precision
         self.sm_count = sm_count
         if precision == "f32":
@@ -171,11 +202,16 @@ class LinearKernels:
             variants = [(tile, vector) for tile in TILES for vector in (16, 4)]
         self.kernels = {(role, tile, vector): GemmKernel(role, precision, tile, vector)
                         for role in roles for tile, vector in variants}
+        wgmma_roles = [r for r in roles if r in ("forward", "forward_relu")] if precision == "tf32" else []
+        self.wgmma = bool(wgmma and wgmma_roles)
+        for role in wgmma_roles if self.wgmma else ():
+            self.kernels[(role, WGMMA_TILE, 16)] = GemmKernel(role, precision, WGMMA_TILE, 16)
 
-    def plan(self, role, m, n, k, *, tile=None, splits=None) -> Plan:
-        """The launch of ``role``'s m x n x k product (grad-weight also sums db)."""
+    def plan(self, role, m, n, k, *, tile=None, splits=None, vector=16) -> Plan:
+        """The launch of ``role``'s m x n x k product (grad-weight also sums db) with
+        ``vector``-byte copies (the wgmma tile needs 16)."""
         return plan(m, n, k, self.sm_count, precision=self.precision, sums=role == "grad_weight", tile=tile,
-                    splits=splits)
+                    splits=splits, wgmma=self.wgmma and vector == 16 and role in ("forward", "forward_relu"))
 
     def launch(self, role, a, lda, b, ldb, c, ldc, m, n, k, *, arena: Arena, stream, gate=None, tile=None,
                vector=None, splits=None, **epilogue) -> GemmKernel:
@@ -184,13 +220,16 @@ class LinearKernels:
         ``tile``, ``vector`` and ``splits`` force a variant (tests, benchmarks); a
         forced 16-byte copy the operands do not allow is refused. Returns the
         kernel that ran."""
-        p = self.plan(role, m, n, k, tile=tile, splits=splits)
         allowed = vector_width(a, lda, b, ldb) if self.precision != "f32" else 16
         if vector is None:
             vector = allowed
         elif vector > allowed:
             raise ValueError("16-byte copies need 16-byte aligned operands with leading dimensions "
                              "that are multiples of 4")
+        if tile is WGMMA_TILE and (role, tile, vector) not in self.kernels:
+            raise ValueError(f"no wgmma kernel for {role} with {vector}-byte copies here (wgmma: "
+                             f"{self.wgmma}; it needs compute capability 9.0, a TF32 forward and 16-byte copies)")
+        p = self.plan(role, m, n, k, tile=tile, splits=splits, vector=vector)
         kernel = self.kernels[(role, p.tile, vector if self.precision != "f32" else 16)]
         workspace = arena.array(p.workspace_floats, np.float32) if p.splits > 1 else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.splits > 1 else 0
@@ -242,14 +281,16 @@ class MLP:
     the ReLU of the layer's input in another.
     """
 
-    def __init__(self, layout: ParamLayout, *, tf32: bool = True, backward: str = "3xtf32"):
+    def __init__(self, layout: ParamLayout, *, tf32: bool = True, backward: str = "3xtf32", wgmma: bool = True):
         if backward not in ("3xtf32", "f32"):
             raise ValueError(f"backward must be '3xtf32' or 'f32', got {backward!r}")
         self.layout = layout
         self.tf32 = tf32
         self.backward_precision = backward
-        self._sm_count = get_device().sm_count
-        self.forward_kernels = LinearKernels(("forward", "forward_relu"), "tf32" if tf32 else "f32", self._sm_count)
+        device = get_device()
+        self._sm_count = device.sm_count
+        self.forward_kernels = LinearKernels(("forward", "forward_relu"), "tf32" if tf32 else "f32", self._sm_count,
+                                             wgmma=wgmma and tf32 and wgmma_available(device))
         self.backward_kernels = LinearKernels(("grad_input", "grad_weight"), backward, self._sm_count)
 
     @property
@@ -278,7 +319,11 @@ class MLP:
     def _plans(self, batch: int):
         for role, m, n, k in self._roles(batch):
             kernels = self.backward_kernels if role.startswith("grad") else self.forward_kernels
-            yield role, m, n, kernels.plan(role, m, n, k)
+            p = kernels.plan(role, m, n, k)
+            if p.tile is WGMMA_TILE:  # a misaligned input falls back to gemm.cu: room for either
+                q = kernels.plan(role, m, n, k, vector=4)
+                p = Plan(p.tile, p.splits, max(p.workspace_floats, q.workspace_floats), max(p.counters, q.counters))
+            yield role, m, n, p
 
     def zeroed_bytes(self, batch: int) -> int:
         """``arena.zeroed`` bytes (tile counters) one forward and backward take."""

@@ -1,0 +1,266 @@
+// The linear layer's forward on Hopper's warpgroup MMA (wgmma), for sm_90a only
+// (built for any other target, the kernels trap at once):
+//
+//   linear_forward[_relu]_wgmma_tf32   Y = X W^T + b (+ ReLU), X [M, K] and W [N, K] k-fast
+//
+// the same contract as gemm.cu's linear_forward[_relu]_<tile>_cp16_tf32 (its
+// header: arguments, split-k workspace and counters, the gate, dependent launch),
+// with a 128x128 block tile. drvtrain.nn.mlp chooses it for the wide forward
+// products on compute capability 9.0 and falls back to gemm.cu's mma.sync
+// kernels everywhere else (and when forced).
+//
+// Block: 256 threads, two warpgroups; warpgroup w owns output rows 64w .. 64w+63
+// of the tile and all 128 columns: one wgmma.m64n128k8 per 8 deep, operands
+// read from shared memory through matrix descriptors, FP32 accumulators in
+// registers (64 per thread).
+// Pipeline: STAGES k tiles of 32 in flight, copied by cp.async in 16-byte
+// pieces (lda, ldb multiples of 4 floats, X and W 16-byte aligned: the host
+// checks). Each thread rounds the pieces it copied to TF32 (to nearest, as
+// gemm.cu's split: the tensor cores would truncate), then the block syncs and
+// the async proxy is fenced before the MMAs read the tile.
+// Shared layout of one operand tile, 128 rows x 32 deep: "core matrices" of 8
+// rows x 4 floats (128 contiguous bytes), core matrix (row group rg, depth
+// chunk c) at (rg * 8 + c) * 128 bytes: the no-swizzle K-major layout, leading
+// (depth) byte offset 128, stride (row group) byte offset 1024. A piece q =
+// 0 .. 1023 of the tile (row 8 (q / 64) + q % 8, chunk (q / 8) % 8) lands at
+// byte 16 q, so a warp's 32 copies fill 512 contiguous bytes and read 64
+// contiguous bytes of each of 8 rows.
+// Determinism: every output is one thread's accumulation in a fixed k order
+// (the tensor core's own, fixed per shape) plus a fixed z order over the splits.
+#include "common.cuh"
+
+// Built for any other target than sm_90a (a compile-everything check, say) the
+// wgmma instructions do not exist: the kernels trap, and the host never loads
+// that build.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DT_WGMMA 1
+#endif
+
+#if DT_WGMMA
+namespace {
+
+constexpr int BM = 128, BN = 128, BK = 32, STAGES = 4, THREADS = 256;
+constexpr int TILE_FLOATS = 128 * BK;                 // one operand's k tile
+constexpr int STAGE_FLOATS = 2 * TILE_FLOATS;         // A then B
+constexpr int PIECES = TILE_FLOATS / 4;               // 16-byte pieces per operand tile
+constexpr int PER_THREAD = PIECES / THREADS;          // 4
+constexpr int ACC = BN / 2;                           // accumulators per thread: 64 x 128 / 128
+constexpr unsigned int SHARED_BYTES = STAGES * STAGE_FLOATS * 4;  // 128 KB, dynamic
+
+enum { EPI_BIAS = 1, EPI_BIAS_RELU = 2 };
+
+__device__ __forceinline__ void cp_async16(unsigned int dst, const float* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+// A matrix descriptor for the no-swizzle K-major layout above, at shared byte
+// address `addr`: start >> 4 in bits 0-13, leading byte offset >> 4 in 16-29,
+// stride byte offset >> 4 in 32-45, layout type 0 (no swizzle) in 62-63.
+__device__ __forceinline__ unsigned long long descriptor(unsigned int addr) {
+    return (unsigned long long)((addr >> 4) & 0x3fff) | ((unsigned long long)(128 >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32);
+}
+
+// TF32 round to nearest of a float's bits (gemm.cu's split): non-finite values pass.
+__device__ __forceinline__ float round_tf32(float x) {
+    const unsigned int u = __float_as_uint(x);
+    return (u & 0x7f800000u) == 0x7f800000u ? x : __uint_as_float((u + 0x1000u) & 0xffffe000u);
+}
+
+__device__ __forceinline__ void wgmma_m64n128k8(float (&d)[ACC], unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"  // scale-d: accumulate into d
+        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+          "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+          "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
+          "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
+          "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b));
+}
+
+// The 16-byte pieces of one operand's k tile this thread copies: piece
+// q = tid + 256 i (i < 4) is row 8 (q / 64) + q % 8, depth 4 ((q / 8) % 8).
+struct Pieces {
+    const float* src[PER_THREAD];  // this thread's first piece of the next tile, per i
+    int row_ok, k0;                // bit i: row of piece i inside the matrix
+    int depth[PER_THREAD];         // depth of piece i within a k tile
+
+    __device__ __forceinline__ Pieces(const float* base, int ld, int row0, int rows, int k_begin) : k0(k_begin) {
+        row_ok = 0;
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int q = threadIdx.x + THREADS * i;
+            const int r = row0 + 8 * (q / 64) + q % 8;
+            depth[i] = 4 * ((q / 8) % 8);
+            row_ok |= (r < rows) << i;
+            src[i] = base + (long long)(r < rows ? r : 0) * ld + depth[i];
+        }
+    }
+
+    // Queue the copies of the k tile starting at depth k into the tile at shared
+    // byte address `tile`; depths at or past k_end are zero-filled.
+    __device__ __forceinline__ void load(unsigned int tile, int k, int k_end) const {
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int d = k + depth[i];
+            const int bytes = (row_ok >> i & 1) ? 4 * max(0, min(4, k_end - d)) : 0;
+            cp_async16(tile + 16u * (threadIdx.x + THREADS * i), bytes ? src[i] + (k - k0) : src[0] - depth[0],
+                       bytes);
+        }
+    }
+};
+
+template <int EPI>
+__device__ __forceinline__ void forward(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
+                                        int N, int K, const float* bias, float* workspace, unsigned int* counters) {
+    extern __shared__ __align__(128) float smem[];
+    unsigned int bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    if (bytes < SHARED_BYTES) __trap();  // launched without the ring's shared memory
+
+    const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, warp = (tid % 128) / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
+    const int splits = gridDim.z, z = blockIdx.z;
+    const int k_tiles = (K + BK - 1) / BK, per = (k_tiles + splits - 1) / splits;
+    const int kb = min(K, z * per * BK), ke = min(K, kb + per * BK);
+    const int tiles = (ke - kb + BK - 1) / BK;
+    const unsigned int smem0 = (unsigned int)__cvta_generic_to_shared(smem);
+
+    const Pieces pa(A, lda, i0, M, kb), pb(B, ldb, j0, N, kb);
+    float acc[ACC];
+#pragma unroll
+    for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < tiles) {
+            pa.load(smem0 + s * STAGE_FLOATS * 4, kb + s * BK, ke);
+            pb.load(smem0 + (s * STAGE_FLOATS + TILE_FLOATS) * 4, kb + s * BK, ke);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    }
+    for (int kt = 0; kt < tiles; ++kt) {
+        const int slot = kt % STAGES;
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+        // Round this thread's own pieces of tile kt (its copies have landed).
+        float4* stage = reinterpret_cast<float4*>(smem + slot * STAGE_FLOATS);
+#pragma unroll
+        for (int i = 0; i < 2 * PER_THREAD; ++i) {
+            float4* p = stage + (i / PER_THREAD) * PIECES + tid + THREADS * (i % PER_THREAD);
+            float4 v = *p;
+            v.x = round_tf32(v.x), v.y = round_tf32(v.y), v.z = round_tf32(v.z), v.w = round_tf32(v.w);
+            *p = v;
+        }
+        // Generic-proxy writes (the copies, the rounding) before async-proxy reads (wgmma).
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();  // tile kt is complete; every warpgroup is done with tile kt - 1
+        const int next = kt + STAGES - 1;
+        if (next < tiles) {
+            const int ns = next % STAGES;
+            pa.load(smem0 + ns * STAGE_FLOATS * 4, kb + next * BK, ke);
+            pb.load(smem0 + (ns * STAGE_FLOATS + TILE_FLOATS) * 4, kb + next * BK, ke);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+        const unsigned int a_tile = smem0 + slot * STAGE_FLOATS * 4 + wg * 8 * 1024;  // this warpgroup's 64 rows
+        const unsigned int b_tile = smem0 + (slot * STAGE_FLOATS + TILE_FLOATS) * 4;
+#pragma unroll
+        for (int q = 0; q < ACC; ++q) asm volatile("" : "+f"(acc[q])::"memory");
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < BK / 8; ++kk)  // 8 deep = two depth chunks of 128 bytes
+            wgmma_m64n128k8(acc, descriptor(a_tile + kk * 256), descriptor(b_tile + kk * 256));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        // No use of an accumulator may move above the wait.
+#pragma unroll
+        for (int q = 0; q < ACC; ++q) asm volatile("" : "+f"(acc[q])::"memory");
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    dt_allow_dependents();
+
+    // Accumulator q = 4 j + 2 h + e: row 16 warp + g + 8 h of this warpgroup's 64,
+    // column 8 j + 2 t + e.
+    if (splits > 1) {
+        const unsigned int tile = blockIdx.y * gridDim.x + blockIdx.x;
+        float4* parts = reinterpret_cast<float4*>(workspace) + (size_t)tile * splits * (BM * BN / 4);
+#pragma unroll
+        for (int j = 0; j < ACC / 4; ++j)
+            parts[(size_t)z * (BM * BN / 4) + j * THREADS + tid] =
+                make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+        if (!dt_last_block(&counters[tile], splits)) return;
+        float4 v[ACC / 4];
+#pragma unroll
+        for (int j = 0; j < ACC / 4; ++j) v[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int s = 0; s < splits; ++s) {
+#pragma unroll
+            for (int j = 0; j < ACC / 4; ++j) {
+                const float4 p = s == z ? make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
+                                        : __ldcg(&parts[(size_t)s * (BM * BN / 4) + j * THREADS + tid]);
+                v[j].x += p.x, v[j].y += p.y, v[j].z += p.z, v[j].w += p.w;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < ACC / 4; ++j)
+            acc[4 * j] = v[j].x, acc[4 * j + 1] = v[j].y, acc[4 * j + 2] = v[j].z, acc[4 * j + 3] = v[j].w;
+    }
+    const int r0 = i0 + 64 * wg + 16 * warp + g;
+    float bv[ACC / 4][2];
+#pragma unroll
+    for (int j = 0; j < ACC / 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int c = j0 + 8 * j + 2 * t + e;
+            bv[j][e] = c < N ? bias[c] : 0.0f;
+        }
+#pragma unroll
+    for (int j = 0; j < ACC / 4; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int r = r0 + 8 * h, c = j0 + 8 * j + 2 * t + e;
+                float y = acc[4 * j + 2 * h + e] + bv[j][e];
+                if (EPI == EPI_BIAS_RELU) y = y < 0.0f ? 0.0f : y + 0.0f;  // keeps a NaN, as gemm.cu
+                if (r < M && c < N) C[(size_t)r * ldc + c] = y;
+            }
+}
+
+}  // namespace
+#endif
+
+// gemm.cu's signature, so the host launches every forward alike; mask, ldm and
+// col_sum are unused (0). workspace: gridDim.x * gridDim.y * S * 128 * 128 floats
+// when S > 1. Dynamic shared memory: 128 KB (SHARED_BYTES).
+#define DT_WGMMA_FORWARD(NAME, EPI)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                              \
+            const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \
+            const float* bias, const float* mask, int ldm, float* col_sum, float* workspace,                 \
+            unsigned int* counters, const int* gate) {                                                      \
+        dt_wait_prior_grid();                                                                                \
+        if (gate != nullptr && *gate) return;                                                                \
+        (void)mask, (void)ldm, (void)col_sum;                                                                \
+        DT_WGMMA_BODY(EPI);                                                                                  \
+    }
+
+#if DT_WGMMA
+#define DT_WGMMA_BODY(EPI) forward<EPI>(A, lda, B, ldb, C, ldc, M, N, K, bias, workspace, counters)
+#else
+#define DT_WGMMA_BODY(EPI) __trap()
+#endif
+
+DT_WGMMA_FORWARD(linear_forward_wgmma_tf32, EPI_BIAS)
+DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
