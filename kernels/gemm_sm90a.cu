@@ -10,21 +10,20 @@
 // kernels everywhere else (and when forced).
 //
 // Block: 256 threads, two warpgroups; warpgroup w owns output rows 64w .. 64w+63
-// of the tile and all 128 columns: one wgmma.m64n128k8 per 8 deep, operands
+// of the tile and all 128 columns: one wgmma.m64n128k8 per 8 deep, both operands
 // read from shared memory through matrix descriptors, FP32 accumulators in
 // registers (64 per thread).
-// Pipeline: STAGES k tiles of 32 in flight, copied by cp.async in 16-byte
-// pieces (lda, ldb multiples of 4 floats, X and W 16-byte aligned: the host
-// checks). Each thread rounds the pieces it copied to TF32 (to nearest, as
-// gemm.cu's split: the tensor cores would truncate), then the block syncs and
-// the async proxy is fenced before the MMAs read the tile.
-// Shared layout of one operand tile, 128 rows x 32 deep: "core matrices" of 8
-// rows x 4 floats (128 contiguous bytes), core matrix (row group rg, depth
-// chunk c) at (rg * 8 + c) * 128 bytes: the no-swizzle K-major layout, leading
-// (depth) byte offset 128, stride (row group) byte offset 1024. A piece q =
-// 0 .. 1023 of the tile (row 8 (q / 64) + q % 8, chunk (q / 8) % 8) lands at
-// byte 16 q, so a warp's 32 copies fill 512 contiguous bytes and read 64
-// contiguous bytes of each of 8 rows.
+// Precision: the tensor cores read FP32 operands and truncate them to TF32 (about
+// 8e-4 relative on random data, against 3e-4 for gemm.cu, which rounds to
+// nearest; rounding in shared memory measured 3.5 us slower on 512x1024x1024).
+// Non-finite operands stay non-finite.
+// Pipeline: 4 stages of 32-deep k tiles, copied by cp.async in 16-byte pieces
+// (lda, ldb multiples of 4 floats, X and W 16-byte aligned: the host checks) two
+// tiles ahead, while one tile's MMAs are in flight and the next tile's are issued.
+// Shared layout of one operand tile, 128 rows x 32 deep: 128-byte rows, the
+// 16-byte chunk c of row r at 128 r + 16 (c ^ r % 8) (the 128-byte swizzle, in
+// 1024-byte atoms of 8 rows): a warp's copies and the MMAs' reads are free of
+// bank conflicts. (The unswizzled layout measured 26 us against 17.)
 // Determinism: every output is one thread's accumulation in a fixed k order
 // (the tensor core's own, fixed per shape) plus a fixed z order over the splits.
 #include "common.cuh"
@@ -42,10 +41,11 @@ namespace {
 constexpr int BM = 128, BN = 128, BK = 32, STAGES = 4, THREADS = 256;
 constexpr int TILE_FLOATS = 128 * BK;                 // one operand's k tile
 constexpr int STAGE_FLOATS = 2 * TILE_FLOATS;         // A then B
-constexpr int PIECES = TILE_FLOATS / 4;               // 16-byte pieces per operand tile
-constexpr int PER_THREAD = PIECES / THREADS;          // 4
+constexpr int PER_THREAD = TILE_FLOATS / 4 / THREADS; // 16-byte pieces per thread and operand tile: 4
 constexpr int ACC = BN / 2;                           // accumulators per thread: 64 x 128 / 128
-constexpr unsigned int SHARED_BYTES = STAGES * STAGE_FLOATS * 4;  // 128 KB, dynamic
+constexpr int LEAD = STAGES - 2;                      // k tiles copied ahead; one more is in the MMAs
+// 128 KB of stages, plus 1 KB to align them to the 1024-byte swizzle atom.
+constexpr unsigned int SHARED_BYTES = STAGES * STAGE_FLOATS * 4 + 1024;
 
 enum { EPI_BIAS = 1, EPI_BIAS_RELU = 2 };
 
@@ -53,18 +53,12 @@ __device__ __forceinline__ void cp_async16(unsigned int dst, const float* src, i
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
 
-// A matrix descriptor for the no-swizzle K-major layout above, at shared byte
-// address `addr`: start >> 4 in bits 0-13, leading byte offset >> 4 in 16-29,
-// stride byte offset >> 4 in 32-45, layout type 0 (no swizzle) in 62-63.
+// A matrix descriptor at shared byte address `addr` for the 128-byte swizzled
+// K-major layout: start >> 4 in bits 0-13, leading byte offset (unused by this
+// layout, 1 by convention) in 16-29, stride byte offset >> 4 in 32-45 (8-row
+// atoms 1024 bytes apart), layout type 1 (128-byte swizzle) in 62-63.
 __device__ __forceinline__ unsigned long long descriptor(unsigned int addr) {
-    return (unsigned long long)((addr >> 4) & 0x3fff) | ((unsigned long long)(128 >> 4) << 16) |
-           ((unsigned long long)(1024 >> 4) << 32);
-}
-
-// TF32 round to nearest of a float's bits (gemm.cu's split): non-finite values pass.
-__device__ __forceinline__ float round_tf32(float x) {
-    const unsigned int u = __float_as_uint(x);
-    return (u & 0x7f800000u) == 0x7f800000u ? x : __uint_as_float((u + 0x1000u) & 0xffffe000u);
+    return ((addr >> 4) & 0x3fffull) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 
 __device__ __forceinline__ void wgmma_m64n128k8(float (&d)[ACC], unsigned long long a, unsigned long long b) {
@@ -91,22 +85,26 @@ __device__ __forceinline__ void wgmma_m64n128k8(float (&d)[ACC], unsigned long l
         : "l"(a), "l"(b));
 }
 
-// The 16-byte pieces of one operand's k tile this thread copies: piece
-// q = tid + 256 i (i < 4) is row 8 (q / 64) + q % 8, depth 4 ((q / 8) % 8).
+// The 16-byte pieces of one operand's k tile this thread copies: piece q = tid +
+// 256 i (i < 4) is row q / 8, depth chunk q % 8, at byte 128 row + 16 (chunk ^
+// row % 8) of the tile: a warp reads four whole 128-byte rows.
 struct Pieces {
-    const float* src[PER_THREAD];  // this thread's first piece of the next tile, per i
-    int row_ok, k0;                // bit i: row of piece i inside the matrix
-    int depth[PER_THREAD];         // depth of piece i within a k tile
+    const float* base;             // a valid address for the zero-filling copies
+    const float* src[PER_THREAD];  // piece i of this thread in the split's first k tile
+    unsigned int dst[PER_THREAD];  // its byte offset within a tile
+    int depth[PER_THREAD];         // its depth within a k tile
+    int row_ok, k0;                // bit i: the row of piece i is inside the matrix
 
-    __device__ __forceinline__ Pieces(const float* base, int ld, int row0, int rows, int k_begin) : k0(k_begin) {
+    __device__ __forceinline__ Pieces(const float* base_, int ld, int row0, int rows, int k_begin)
+        : base(base_), k0(k_begin) {
         row_ok = 0;
 #pragma unroll
         for (int i = 0; i < PER_THREAD; ++i) {
-            const int q = threadIdx.x + THREADS * i;
-            const int r = row0 + 8 * (q / 64) + q % 8;
-            depth[i] = 4 * ((q / 8) % 8);
+            const int q = threadIdx.x + THREADS * i, row = q / 8, chunk = q % 8, r = row0 + row;
+            dst[i] = 128u * row + 16u * (chunk ^ (row & 7));
+            depth[i] = 4 * chunk;
             row_ok |= (r < rows) << i;
-            src[i] = base + (long long)(r < rows ? r : 0) * ld + depth[i];
+            src[i] = base_ + (long long)(r < rows ? r : 0) * ld + k_begin + depth[i];
         }
     }
 
@@ -117,19 +115,28 @@ struct Pieces {
         for (int i = 0; i < PER_THREAD; ++i) {
             const int d = k + depth[i];
             const int bytes = (row_ok >> i & 1) ? 4 * max(0, min(4, k_end - d)) : 0;
-            cp_async16(tile + 16u * (threadIdx.x + THREADS * i), bytes ? src[i] + (k - k0) : src[0] - depth[0],
-                       bytes);
+            cp_async16(tile + dst[i], bytes ? src[i] + (k - k0) : base, bytes);
         }
     }
 };
 
+// Keeps the compiler from moving any use of the accumulators across the
+// asynchronous MMAs' issue and wait (no instruction is emitted).
+__device__ __forceinline__ void fence_accumulators(float (&acc)[ACC]) {
+#pragma unroll
+    for (int q = 0; q < ACC; ++q) asm volatile("" : "+f"(acc[q])::"memory");
+}
+
 template <int EPI>
 __device__ __forceinline__ void forward(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
                                         int N, int K, const float* bias, float* workspace, unsigned int* counters) {
-    extern __shared__ __align__(128) float smem[];
+    extern __shared__ __align__(128) char smem_raw[];
     unsigned int bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
     if (bytes < SHARED_BYTES) __trap();  // launched without the ring's shared memory
+    // The stages start on a 1024-byte boundary (the swizzle atom).
+    const unsigned int raw0 = (unsigned int)__cvta_generic_to_shared(smem_raw);
+    const unsigned int smem0 = (raw0 + 1023u) & ~1023u;
 
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, warp = (tid % 128) / 32;
     const int g = lane / 4, t = lane % 4;
@@ -138,15 +145,16 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
     const int k_tiles = (K + BK - 1) / BK, per = (k_tiles + splits - 1) / splits;
     const int kb = min(K, z * per * BK), ke = min(K, kb + per * BK);
     const int tiles = (ke - kb + BK - 1) / BK;
-    const unsigned int smem0 = (unsigned int)__cvta_generic_to_shared(smem);
 
     const Pieces pa(A, lda, i0, M, kb), pb(B, ldb, j0, N, kb);
     float acc[ACC];
 #pragma unroll
     for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
 
+    // Every thread commits one copy group per k tile slot, empty or not, so the
+    // wait counts stay uniform.
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < LEAD; ++s) {
         if (s < tiles) {
             pa.load(smem0 + s * STAGE_FLOATS * 4, kb + s * BK, ke);
             pb.load(smem0 + (s * STAGE_FLOATS + TILE_FLOATS) * 4, kb + s * BK, ke);
@@ -155,40 +163,33 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
     }
     for (int kt = 0; kt < tiles; ++kt) {
         const int slot = kt % STAGES;
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
-        // Round this thread's own pieces of tile kt (its copies have landed).
-        float4* stage = reinterpret_cast<float4*>(smem + slot * STAGE_FLOATS);
-#pragma unroll
-        for (int i = 0; i < 2 * PER_THREAD; ++i) {
-            float4* p = stage + (i / PER_THREAD) * PIECES + tid + THREADS * (i % PER_THREAD);
-            float4 v = *p;
-            v.x = round_tf32(v.x), v.y = round_tf32(v.y), v.z = round_tf32(v.z), v.w = round_tf32(v.w);
-            *p = v;
-        }
-        // Generic-proxy writes (the copies, the rounding) before async-proxy reads (wgmma).
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(LEAD - 1));  // this thread's copies of tile kt
+        // The copies (generic proxy) before the MMAs' reads (async proxy).
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();  // tile kt is complete; every warpgroup is done with tile kt - 1
-        const int next = kt + STAGES - 1;
+        // Tile kt is complete, and both warpgroups' MMAs of tile kt - 2, whose slot
+        // the next copies overwrite, are done (the wait at the end of the last
+        // iteration left only tile kt - 1's in flight).
+        __syncthreads();
+        const int next = kt + LEAD;
         if (next < tiles) {
             const int ns = next % STAGES;
             pa.load(smem0 + ns * STAGE_FLOATS * 4, kb + next * BK, ke);
             pb.load(smem0 + (ns * STAGE_FLOATS + TILE_FLOATS) * 4, kb + next * BK, ke);
         }
         asm volatile("cp.async.commit_group;\n" ::);
-        const unsigned int a_tile = smem0 + slot * STAGE_FLOATS * 4 + wg * 8 * 1024;  // this warpgroup's 64 rows
+        const unsigned int a_tile = smem0 + slot * STAGE_FLOATS * 4 + wg * 64 * 128;  // this warpgroup's 64 rows
         const unsigned int b_tile = smem0 + (slot * STAGE_FLOATS + TILE_FLOATS) * 4;
-#pragma unroll
-        for (int q = 0; q < ACC; ++q) asm volatile("" : "+f"(acc[q])::"memory");
+        fence_accumulators(acc);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-        for (int kk = 0; kk < BK / 8; ++kk)  // 8 deep = two depth chunks of 128 bytes
-            wgmma_m64n128k8(acc, descriptor(a_tile + kk * 256), descriptor(b_tile + kk * 256));
+        for (int kk = 0; kk < BK / 8; ++kk)  // 8 deep: 32 bytes further along each row
+            wgmma_m64n128k8(acc, descriptor(a_tile + kk * 32), descriptor(b_tile + kk * 32));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        // No use of an accumulator may move above the wait.
-#pragma unroll
-        for (int q = 0; q < ACC; ++q) asm volatile("" : "+f"(acc[q])::"memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // tile kt's MMAs may still run
+        fence_accumulators(acc);
     }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    fence_accumulators(acc);
     asm volatile("cp.async.wait_group 0;\n" ::);
     dt_allow_dependents();
 
@@ -244,9 +245,9 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
 
 // gemm.cu's signature, so the host launches every forward alike; mask, ldm and
 // col_sum are unused (0). workspace: gridDim.x * gridDim.y * S * 128 * 128 floats
-// when S > 1. Dynamic shared memory: 128 KB (SHARED_BYTES).
+// when S > 1. Dynamic shared memory: SHARED_BYTES (129 KB).
 #define DT_WGMMA_FORWARD(NAME, EPI)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) NAME(                                              \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                  \
             const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \
             const float* bias, const float* mask, int ldm, float* col_sum, float* workspace,                 \
             unsigned int* counters, const int* gate) {                                                      \

@@ -40,7 +40,7 @@ FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
 # kernels/gemm_sm90a.cu: the TF32 forward on wgmma, compute capability 9.0 only,
 # 16-byte copies only; 128 KB of dynamic shared memory, one block per SM.
 WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1)
-WGMMA_SHARED_BYTES = 4 * 32 * 256 * 4  # 4 stages of two 128 x 32 float tiles
+WGMMA_SHARED_BYTES = 4 * 2 * 128 * 32 * 4 + 1024  # 4 stages of two 128 x 32 float tiles, 1 KB to align them
 _WGMMA_CC = (9, 0)
 
 _ROLES = ("forward", "forward_relu", "grad_input", "grad_weight")
