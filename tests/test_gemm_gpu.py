@@ -79,8 +79,12 @@ class Product:
         return c, sums
 
 
-# gemm.cu's mma.sync tiles for every role, gemm_sm90a.cu's wgmma tile for the forward.
+# gemm.cu's mma.sync tiles for every role and copy width, gemm_sm90a.cu's wgmma
+# tile for the forward with 16-byte copies.
 ALL_TILES = TILES + (WGMMA_TILE,)
+VARIANTS = [pytest.param(role, tile, vector, id=f"{role}-{tile.name}-cp{vector}")
+            for role in ROLES for tile in ALL_TILES
+            for vector in (16, 4) if tile is not WGMMA_TILE or (role.startswith("forward") and vector == 16)]
 
 
 def kernels_for(role, device):
@@ -89,12 +93,8 @@ def kernels_for(role, device):
     return LinearKernels(("grad_input", "grad_weight"), "3xtf32", device.sm_count)
 
 
-def skip_unless_compiled(device, tile, role, vector=16):
-    if tile is not WGMMA_TILE:
-        return
-    if not role.startswith("forward") or vector != 16:
-        pytest.skip("the wgmma tile runs only the TF32 forward with 16-byte copies")
-    if not wgmma_available(device):
+def skip_unless_compiled(device, tile):
+    if tile is WGMMA_TILE and not wgmma_available(device):
         pytest.skip(f"wgmma needs compute capability 9.0; this device is {device.arch}")
 
 
@@ -103,16 +103,14 @@ def arena_for(kernels, role, m, n, k, tile):
     return Arena(4 * p.workspace_floats + 1024, zeroed_bytes=4 * p.counters + 256), p
 
 
-@pytest.mark.parametrize("vector", [16, 4], ids=["cp16", "cp4"])
-@pytest.mark.parametrize("tile", ALL_TILES, ids=[t.name for t in ALL_TILES])
-@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("role, tile, vector", VARIANTS)
 @pytest.mark.parametrize("m, n, k", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
 def test_product_matches_float64(device, stream, rng, role, tile, vector, m, n, k):
     """Every compiled variant on shapes that are not tile multiples: TF32 forward to
     2e-3, 3xTF32 backward (and db) to 1e-5, the output's padding untouched, no NaN.
     The mma.sync tiles run the forward on the H200 too: they are the wgmma
     tile's fallback."""
-    skip_unless_compiled(device, tile, role, vector)
+    skip_unless_compiled(device, tile)
     kernels = kernels_for(role, device)
     prod = Product(role, m, n, k, vector, rng)
     arena, p = arena_for(kernels, role, m, n, k, tile)
@@ -139,15 +137,13 @@ def set_bits(buf, index, bits):
     buf.copy_from_numpy(host)
 
 
-@pytest.mark.parametrize("vector", [16, 4], ids=["cp16", "cp4"])
-@pytest.mark.parametrize("tile", ALL_TILES, ids=[t.name for t in ALL_TILES])
-@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("role, tile, vector", VARIANTS)
 def test_nan_operands_reach_the_output(device, stream, rng, role, tile, vector):
     """A NaN in either operand makes exactly its output row (A) or column (B) NaN, as in
     float64, whatever its bits: 0x7fffffff (what device code writes) would carry out of its
     exponent if rounded to TF32 by an add, and 0xffffffff is the poison pattern. A hidden
     layer's ReLU keeps the NaN. Everything else stays finite."""
-    skip_unless_compiled(device, tile, role, vector)
+    skip_unless_compiled(device, tile)
     m, n, k = 77, 35, 45
     i0, j0, ka, kb = 5, 7, 3, 11
     kernels = kernels_for(role, device)
@@ -200,10 +196,9 @@ def test_shapes_cover_split_and_unsplit_launches_of_every_tile(device):
             assert 1 in splits and max(splits) > 1, (precision, tile.name, splits)
 
 
-@pytest.mark.parametrize("tile", ALL_TILES, ids=[t.name for t in ALL_TILES])
-@pytest.mark.parametrize("role", ROLES)
-def test_runs_are_bitwise_identical_and_graph_replay_matches_eager(device, stream, rng, role, tile):
-    skip_unless_compiled(device, tile, role)
+@pytest.mark.parametrize("role, tile, vector", [v for v in VARIANTS if v.values[2] == 16])
+def test_runs_are_bitwise_identical_and_graph_replay_matches_eager(device, stream, rng, role, tile, vector):
+    skip_unless_compiled(device, tile)
     m, n, k = 512, 19, 1024  # split k with every tile
     kernels = kernels_for(role, device)
     prod = Product(role, m, n, k, 16, rng)
