@@ -124,12 +124,11 @@ struct Loader {
     const float* ptr;  // this thread's first element of the next tile
     long long ld;
     int outer, outer_end, inner, inner_end;
-    int line, along;   // this thread's first line of a tile, and its position along it
     unsigned int dst;  // byte offset of this thread's first element within a tile
 
     __device__ __forceinline__ Loader(const float* base_, int ld_, int row0, int rows, int k0, int k_end)
         : base(base_), ld(ld_) {
-        along = (threadIdx.x % PER_LINE) * W, line = threadIdx.x / PER_LINE;
+        const int along = (threadIdx.x % PER_LINE) * W, line = threadIdx.x / PER_LINE;
         if (KFAST) {
             outer = row0 + line, outer_end = rows, inner = k0 + along, inner_end = k_end;
         } else {
@@ -156,30 +155,6 @@ struct Loader {
             ptr += BK * ld;
         }
     }
-
-    // After this thread's copies into `tile` have landed: set bit r of `bad` (in
-    // shared memory) for every tile row r (an output row of A, column of B) of
-    // which this thread copied an infinity or a NaN.
-    __device__ __forceinline__ void mark_non_finite(const float* tile, unsigned int* bad) const {
-#pragma unroll
-        for (int c = 0; c < ROUNDS; ++c) {
-            const float* p = tile + dst / 4 + c * STEP * S::STRIDE;
-            float v[W];
-            if constexpr (W == 4) {
-                const float4 q = *reinterpret_cast<const float4*>(p);
-                v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-            } else {
-                v[0] = p[0];
-            }
-#pragma unroll
-            for (int e = 0; e < W; ++e) {
-                if ((__float_as_uint(v[e]) & 0x7f800000u) == 0x7f800000u) {
-                    const int r = KFAST ? line + c * STEP : along + e;
-                    atomicOr(&bad[r / 32], 1u << (r % 32));
-                }
-            }
-        }
-    }
 };
 
 // TF32 operands. The tensor cores ignore the low 13 bits of a TF32 operand, so
@@ -187,15 +162,16 @@ struct Loader {
 // of cvt.rna.tf32.f32 for every finite x, in one integer add instead of the four
 // instructions sm_90 spends on cvt.rna. 3xTF32: big = tf32(x), small = tf32(x - big),
 // x - big exact in FP32.
-// Not for infinities and NaNs: the add can carry a NaN such as 0x7fffffff out of
-// its exponent into a finite number. The kernel therefore marks, as the copies
-// land, every row of A and column of B that holds a non-finite operand, and
-// writes NaN to those outputs instead of the sums (a selection per operand in the
-// inner loop measured 20% slower on the 3xTF32 products).
+// Infinities and NaNs (exponent all ones) pass unrounded, with small = 0: the add
+// would carry a NaN such as 0x7fffffff out of its exponent into -0, and a NaN
+// must reach the output so that the step's NaN guard sees it.
 template <int PREC>
 __device__ __forceinline__ void split(float x, unsigned int& big, unsigned int& small) {
-    big = __float_as_uint(x) + 0x1000u;
-    if (PREC == PREC_3XTF32) small = __float_as_uint(x - __uint_as_float(big & 0xffffe000u)) + 0x1000u;
+    const unsigned int u = __float_as_uint(x);
+    const bool finite = (u & 0x7f800000u) != 0x7f800000u;
+    big = finite ? u + 0x1000u : u;
+    if (PREC == PREC_3XTF32)
+        small = finite ? __float_as_uint(x - __uint_as_float(big & 0xffffe000u)) + 0x1000u : 0u;
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
@@ -244,11 +220,6 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.0f;
     float row_sum = 0.0f;
-    // Rows of A and columns of B (tile-local bits) that hold a non-finite operand.
-    __shared__ unsigned int bad_rows[(BM + 31) / 32], bad_cols[(BN + 31) / 32];
-    if (tid < (BM + 31) / 32) bad_rows[tid] = 0u;
-    if (tid < (BN + 31) / 32) bad_cols[tid] = 0u;
-    __syncthreads();
 
     // Each thread's fragment elements sit at fixed offsets from one base per
     // operand: (row wm*WM + g, depth t) for A, (column wn*WN + g, depth t) for B.
@@ -267,8 +238,6 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     int read_slot = 0, write_slot = STAGES - 1;
     for (int kt = 0; kt < tiles; ++kt) {
         cp_async_wait<STAGES - 2>();
-        la.mark_non_finite(smem + read_slot * STAGE, bad_rows);  // this thread's copies of tile kt
-        lb.mark_non_finite(smem + read_slot * STAGE + SA::FLOATS, bad_cols);
         // Tile kt has landed for every thread, and every warp is done with tile
         // kt - 1, whose slot the next copies overwrite.
         __syncthreads();
@@ -339,20 +308,6 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // The next kernel's blocks may be placed from here on: earlier, they would sit
     // on SMs this grid's later blocks still need (a dependent launch only).
     dt_allow_dependents();
-    // An output whose row of A or column of B held an infinity or a NaN is NaN (the
-    // last k tile's marks are visible: the loop's last barrier came after them).
-    if (active) {
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const int r = wm * CFG::WM + mi * 16 + g + (q >> 1) * 8, c = wn * CFG::WN + ni * 8 + 2 * t + (q & 1);
-                    if ((bad_rows[r / 32] >> (r % 32) | bad_cols[c / 32] >> (c % 32)) & 1u)
-                        acc[mi][ni][q] = __uint_as_float(0x7fffffffu);
-                }
-    }
 
     if (splits > 1) {
         const unsigned int tile = blockIdx.y * gridDim.x + blockIdx.x;
