@@ -206,6 +206,16 @@ def test_fifty_fp32_steps_follow_the_reference_trajectory(device, rng):
     assert_state_close(step, state, 1e-4)
 
 
+def random_transitions(rng, cfg) -> dict:
+    """A full replay's worth of transitions for ``cfg`` (3-dimensional observations, 4 actions)."""
+    c = cfg.capacity
+    return dict(obs=rng.standard_normal((c, 3)).astype(np.float32), action=rng.integers(0, 4, c).astype(np.int32),
+                reward=rng.standard_normal(c).astype(np.float32),
+                next_obs=rng.standard_normal((c, 3)).astype(np.float32),
+                done=(rng.random(c) < 0.05).astype(np.float32),
+                priorities=rng.uniform(0.1, 1.1, c).astype(np.float32))
+
+
 def run_losses(cfg, data, steps, *, graph, arena_active):
     stream = Stream()
     step = DQNStep(cfg, arena_active=arena_active)
@@ -225,12 +235,7 @@ def run_losses(cfg, data, steps, *, graph, arena_active):
 
 def test_eager_graph_and_inactive_arena_are_bitwise_identical(device, rng):
     cfg = DQNConfig(seed=int(rng.integers(1 << 30)), **ODD)
-    c = cfg.capacity
-    data = dict(obs=rng.standard_normal((c, 3)).astype(np.float32), action=rng.integers(0, 4, c).astype(np.int32),
-                reward=rng.standard_normal(c).astype(np.float32),
-                next_obs=rng.standard_normal((c, 3)).astype(np.float32),
-                done=(rng.random(c) < 0.05).astype(np.float32),
-                priorities=rng.uniform(0.1, 1.1, c).astype(np.float32))
+    data = random_transitions(rng, cfg)
     eager, s1 = run_losses(cfg, data, 200, graph=False, arena_active=True)
     replay, s2 = run_losses(cfg, data, 200, graph=True, arena_active=True)
     inactive, s3 = run_losses(cfg, data, 200, graph=False, arena_active=False)
@@ -255,12 +260,7 @@ def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_six_kernels(de
     maths the float64 reference tests check)."""
     cfg = DQNConfig(obs_dim=3, hidden=(2200, 40), n_actions=4, batch=64, capacity=1024, spectral_c=0.5,
                     seed=int(rng.integers(1 << 30)), fused_tail=True)
-    c = cfg.capacity
-    data = dict(obs=rng.standard_normal((c, 3)).astype(np.float32), action=rng.integers(0, 4, c).astype(np.int32),
-                reward=rng.standard_normal(c).astype(np.float32),
-                next_obs=rng.standard_normal((c, 3)).astype(np.float32),
-                done=(rng.random(c) < 0.05).astype(np.float32),
-                priorities=rng.uniform(0.1, 1.1, c).astype(np.float32))
+    data = random_transitions(rng, cfg)
     step = DQNStep(cfg)
     cb, rb = step._spectral_grids
     assert min(cb, rb) > step._tail_grid, (cb, rb, step._tail_grid)
@@ -336,10 +336,12 @@ def test_spectral_projection_bounds_sigma(device, rng):
     assert np.all(step.sigma.to_numpy() > 0)
 
 
+@pytest.mark.parametrize("fused_tail", [False, True], ids=["six-tail-kernels", "cooperative-tail"])
 @pytest.mark.parametrize("config", ["small", "large"])
 @pytest.mark.parametrize("dual_stream", [True, False])
-def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream):
-    cfg = getattr(DQNConfig, config)(capacity=8192, seed=int(rng.integers(1 << 30)), dual_stream=dual_stream)
+def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fused_tail):
+    cfg = getattr(DQNConfig, config)(capacity=8192, seed=int(rng.integers(1 << 30)), dual_stream=dual_stream,
+                                     fused_tail=fused_tail)
     stream = Stream()
     step = DQNStep(cfg)
     fill(step, rng, stream)
@@ -347,20 +349,13 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream):
     failed = [r for r in rows if not r.passed]
     assert not failed, failed
     assert counts.per_iteration("cuGraphLaunch") == 1 and counts.per_iteration("cuEventRecord") == 1
-
-
-def test_audit_of_the_step_with_the_cooperative_tail_passes(device, rng):
-    cfg = DQNConfig.small(capacity=8192, seed=int(rng.integers(1 << 30)), fused_tail=True)
-    stream = Stream()
-    step = DQNStep(cfg)
-    fill(step, rng, stream)
-    rows, _ = audit_step(step, stream=stream, iterations=50)
-    failed = [r for r in rows if not r.passed]
-    assert not failed, failed
-    tail = [r for r in rows if r.name.startswith("norm, priority update")]
-    assert len(tail) == 1 and tail[0].measured == "1"
-    names = [k.function for k in step.graph.kernel_nodes()]
-    assert not {"grad_norm_clip", "adamw_step", "sumtree_update", "dqn_finish"} & set(names)
+    names = {k.function for k in step.graph.kernel_nodes()}
+    separate = {"grad_norm_clip", "adamw_step", "sumtree_update", "dqn_finish"}
+    if fused_tail:  # one cooperative node instead of the six
+        assert [r.measured for r in rows if r.name.startswith("norm, priority update")] == ["1"]
+        assert "dqn_tail" in names and not separate & names
+    else:
+        assert "dqn_tail" not in names and separate <= names
 
 
 def test_audit_of_the_fused_step_passes(device, rng):
