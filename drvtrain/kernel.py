@@ -306,6 +306,8 @@ class Kernel:
             pass
         if self.function is None or self._module is None:
             raise ValueError(f"{self.name}: occupancy needs a loaded kernel")
+        if shared_mem:
+            self._allow_dynamic_shared(int(shared_mem))  # else the occupancy of that much is 0
         per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor, self.function, b[0] * b[1] * b[2],
                        int(shared_mem))
         blocks = int(per_sm) * self._module.device.sm_count
@@ -659,6 +661,12 @@ def _check_param_sizes(kernel: Kernel, function) -> None:
     kernel.signature_checked = True
 
 
+def _check_arch_specific(device, arch_specific: bool) -> None:
+    if arch_specific and tuple(device.compute_capability) < (9, 0):
+        raise ValueError(f"arch-specific targets (sm_90a and later) need compute capability 9.0 or newer; "
+                         f"this device is {device.arch}")
+
+
 def load_module(path, *, include_dirs=(), options=DEFAULT_OPTIONS, name_expressions=(),
                 cache=None, device=None, arch_specific: bool = False) -> Module:
     """Compile (through the cache) and load a ``.cu`` file for the current device.
@@ -669,6 +677,7 @@ def load_module(path, *, include_dirs=(), options=DEFAULT_OPTIONS, name_expressi
     only.
     """
     device = device or get_device()
+    _check_arch_specific(device, arch_specific)
     program = compile_file(path, arch=device.arch + ("a" if arch_specific else ""), include_dirs=include_dirs,
                            options=options, name_expressions=name_expressions, cache=cache)
     return Module(program, device)
@@ -679,6 +688,7 @@ def load_source(source: str, name: str = "source.cu", *, include_dirs=(), option
     """Compile (through the cache) and load a CUDA C++ source string
     (``arch_specific``: see :func:`load_module`)."""
     device = device or get_device()
+    _check_arch_specific(device, arch_specific)
     program = compile_source(source, name, arch=device.arch + ("a" if arch_specific else ""),
                              include_dirs=include_dirs, options=options, name_expressions=name_expressions,
                              cache=cache)

@@ -141,7 +141,7 @@ __device__ __forceinline__ void dt_allow_dependents() {
 // cooperative launch (Kernel.launch(..., cooperative=True)), which guarantees
 // that all blocks are resident at once; otherwise the blocks that did not fit
 // would never arrive. Every thread of every block must call it the same number
-// of times.
+// of times. One-dimensional grids only (block 0 is blockIdx.x == 0 of gridDim.x).
 // `word`: one uint32 that starts at 0 when allocated and is never reset. Block 0
 // adds 2^31 - (G - 1), every other block 1: after a whole barrier the word has
 // grown by exactly 2^31, so its top bit flips once per barrier and the low bits

@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
 // dqn_tail: everything of a step after the backward, in one cooperative launch:
 // the gradient norm (the NaN guard), the priority update, AdamW, both spectral
 // phases and the finish pass, with a grid barrier (common.cuh) wherever the
-// kernels they replace had a kernel boundary. Five launches become one node.
+// kernels they replace had a kernel boundary. Six launches become one node.
 //   gate non-null and non-zero (not due): *skip = 2 and nothing else.
 //   The norm: block b of the grid takes the norm's phase blocks b, b + G, ...
 //     of a grid of norm_blocks (grad_norm_clip's grid), each writing its

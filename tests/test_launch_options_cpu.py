@@ -400,3 +400,13 @@ def test_dependent_launches_scope_belongs_to_its_thread(launches):
         worker.join()
         hopper.launch(4, 64, *args, stream=FakeStream())
     assert [entry[0] for entry in launches] == ["plain", "ex"]
+
+
+def test_arch_specific_builds_need_compute_capability_9(no_driver):
+    from types import SimpleNamespace
+    from drvtrain.kernel import load_module, load_source
+    older = SimpleNamespace(arch="sm_86", compute_capability=(8, 6))
+    with pytest.raises(ValueError, match="need compute capability 9.0 or newer; this device is sm_86"):
+        load_source('extern "C" __global__ void k() {}', device=older, arch_specific=True)
+    with pytest.raises(ValueError, match="need compute capability 9.0"):
+        load_module("gemm_sm90a.cu", device=older, arch_specific=True)

@@ -38,7 +38,7 @@ TILE_32 = Tile("32x32", 32, 32, 16, 8, 4, 2, per_sm=8)
 TILES = (TILE_64, TILE_32)  # gemm.cu's mma.sync tiles (every role), largest first
 FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
 # kernels/gemm_sm90a.cu: the TF32 forward on wgmma, compute capability 9.0 only,
-# 16-byte copies only; 128 KB of dynamic shared memory, one block per SM.
+# 16-byte copies only; 129 KB of dynamic shared memory, one block per SM.
 WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1)
 WGMMA_SHARED_BYTES = 4 * 2 * 128 * 32 * 4 + 1024  # 4 stages of two 128 x 32 float tiles, 1 KB to align them
 _WGMMA_CC = (9, 0)
@@ -322,7 +322,8 @@ class MLP:
             p = kernels.plan(role, m, n, k)
             if p.tile is WGMMA_TILE:  # a misaligned input falls back to gemm.cu: room for either
                 q = kernels.plan(role, m, n, k, vector=4)
-                p = Plan(p.tile, p.splits, max(p.workspace_floats, q.workspace_floats), max(p.counters, q.counters))
+                p = Plan(p.tile, max(p.splits, q.splits), max(p.workspace_floats, q.workspace_floats),
+                         max(p.counters, q.counters))
             yield role, m, n, p
 
     def zeroed_bytes(self, batch: int) -> int:
