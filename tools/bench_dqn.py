@@ -5,9 +5,9 @@ For each configuration: microseconds per step (median over repeats of R
 back-to-back graph replays, device time over R), the graph's node count and
 longest dependent chain, for the default step (per-layer GEMMs, the two `s'`
 forwards on their own streams, dependent launches) and for variants that change
-one thing: no dependent launches, the optimizer tail as four kernels instead of
-one cooperative launch, the fused narrow kernels (small only: the large net is
-too wide for them), everything on one stream. With torch installed,
+one thing: no dependent launches, everything after the backward as one
+cooperative launch (DQNConfig(fused_tail=True)), the fused narrow kernels (small
+only: the large net is too wide for them), everything on one stream. With torch installed,
 the same step written plainly in PyTorch (tools/torch_dqn.py), eager and CUDA-graph
 captured. Goals: <= 15 us (small) and <= 50 us (large).
 """
@@ -57,7 +57,7 @@ def torch_times(cfg, args):
 VARIANTS = (
     ("default", {}),
     ("no dependent launch", {"dependent_launch": False}),
-    ("tail as four kernels", {"fused_tail": False}),
+    ("cooperative tail", {"fused_tail": True}),
     ("fused narrow kernels", {"fused": True}),
     ("one stream", {"dual_stream": False}),
 )
