@@ -43,6 +43,7 @@
 // fixed z order over the splits; db is summed in FP32 by the blocks of grid column
 // 0, in a fixed order. No atomics on data: bitwise reproducible for a fixed launch.
 #include "common.cuh"
+#include "tf32.cuh"
 
 namespace {
 
@@ -157,21 +158,10 @@ struct Loader {
     }
 };
 
-// TF32 operands. The tensor cores ignore the low 13 bits of a TF32 operand, so
-// adding half their unit first rounds to nearest, ties away from zero: the bits
-// of cvt.rna.tf32.f32 for every finite x, in one integer add instead of the four
-// instructions sm_90 spends on cvt.rna. 3xTF32: big = tf32(x), small = tf32(x - big),
-// x - big exact in FP32.
-// Infinities and NaNs (exponent all ones) pass unrounded, with small = 0: the add
-// would carry a NaN such as 0x7fffffff out of its exponent into -0, and a NaN
-// must reach the output so that the step's NaN guard sees it.
+// TF32 operands: round to nearest in one add, non-finite values unrounded (tf32.cuh).
 template <int PREC>
 __device__ __forceinline__ void split(float x, unsigned int& big, unsigned int& small) {
-    const unsigned int u = __float_as_uint(x);
-    const bool finite = (u & 0x7f800000u) != 0x7f800000u;
-    big = finite ? u + 0x1000u : u;
-    if (PREC == PREC_3XTF32)
-        small = finite ? __float_as_uint(x - __uint_as_float(big & 0xffffe000u)) + 0x1000u : 0u;
+    dt_tf32_split<PREC == PREC_3XTF32>(x, big, small);
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {

@@ -27,6 +27,7 @@
 // Determinism: every output is one thread's accumulation in a fixed k order
 // (the tensor core's own, fixed per shape) plus a fixed z order over the splits.
 #include "common.cuh"
+#include "tf32.cuh"
 
 // Built for any other target than sm_90a (a compile-everything check, say) the
 // wgmma instructions do not exist: the kernels trap, and the host never loads
@@ -47,7 +48,7 @@ constexpr int LEAD = STAGES - 2;                      // k tiles copied ahead; o
 // 128 KB of stages, plus 1 KB to align them to the 1024-byte swizzle atom.
 constexpr unsigned int SHARED_BYTES = STAGES * STAGE_FLOATS * 4 + 1024;
 
-enum { EPI_BIAS = 1, EPI_BIAS_RELU = 2 };
+enum { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_RELU = 2, EPI_MASK = 3 };
 
 __device__ __forceinline__ void cp_async16(unsigned int dst, const float* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
@@ -61,11 +62,13 @@ __device__ __forceinline__ unsigned long long descriptor(unsigned int addr) {
     return ((addr >> 4) & 0x3fffull) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// d (+)= A B for one 64 x 128 x 8 step; ACCUMULATE = 0 overwrites d (scale-d).
+template <int ACCUMULATE = 1>
 __device__ __forceinline__ void wgmma_m64n128k8(float (&d)[ACC], unsigned long long a, unsigned long long b) {
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
-        "setp.ne.b32 p, 1, 0;\n"  // scale-d: accumulate into d
+        "setp.ne.b32 p, %66, 0;\n"  // scale-d
         "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
@@ -82,7 +85,7 @@ __device__ __forceinline__ void wgmma_m64n128k8(float (&d)[ACC], unsigned long l
           "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
           "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
           "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(a), "l"(b));
+        : "l"(a), "l"(b), "n"(ACCUMULATE));
 }
 
 // The 16-byte pieces of one operand's k tile this thread copies: piece q = tid +
@@ -127,6 +130,94 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[ACC]) {
     for (int q = 0; q < ACC; ++q) asm volatile("" : "+f"(acc[q])::"memory");
 }
 
+// Accumulator q = 4 j + 2 h + e of a thread: row 64 wg + 16 warp + g + 8 h of the
+// block tile (wg the warpgroup, warp its warp within it, g = lane / 4), column
+// 8 j + 2 t + e (t = lane % 4).
+
+// Split-k (gridDim.z = S > 1): every block writes its partial tile to `workspace`
+// in accumulator order (coalesced), and `sums` blocks their row sums (thread tid <
+// 128 holds row tid) after all partials, [tile row][z][128]; the last block of
+// the tile to arrive (dt_last_block) adds the S partials in z order into `acc`
+// and `row_sum` and returns true. Every other block returns false and must exit.
+__device__ __forceinline__ bool reduce_splits(float (&acc)[ACC], float* workspace, unsigned int* counters, bool sums,
+                                              float& row_sum) {
+    const int tid = threadIdx.x, splits = gridDim.z, z = blockIdx.z;
+    const unsigned int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    float4* parts = reinterpret_cast<float4*>(workspace) + (size_t)tile * splits * (BM * BN / 4);
+    float* row_parts =
+        workspace + (size_t)gridDim.x * gridDim.y * splits * BM * BN + (size_t)blockIdx.y * splits * BM;
+#pragma unroll
+    for (int j = 0; j < ACC / 4; ++j)
+        parts[(size_t)z * (BM * BN / 4) + j * THREADS + tid] =
+            make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+    if (sums && tid < BM) row_parts[z * BM + tid] = row_sum;
+    if (!dt_last_block(&counters[tile], splits)) return false;
+    // Every z's loads go out together: the tail costs `splits` round trips.
+    float4 v[ACC / 4];
+#pragma unroll
+    for (int j = 0; j < ACC / 4; ++j) v[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s = 0; s < splits; ++s) {
+#pragma unroll
+        for (int j = 0; j < ACC / 4; ++j) {
+            const float4 p = s == z ? make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
+                                    : __ldcg(&parts[(size_t)s * (BM * BN / 4) + j * THREADS + tid]);
+            v[j].x += p.x, v[j].y += p.y, v[j].z += p.z, v[j].w += p.w;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < ACC / 4; ++j)
+        acc[4 * j] = v[j].x, acc[4 * j + 1] = v[j].y, acc[4 * j + 2] = v[j].z, acc[4 * j + 3] = v[j].w;
+    if (sums && tid < BM) {
+        float r = 0.0f;
+        for (int s = 0; s < splits; ++s) r += s == z ? row_sum : __ldcg(&row_parts[s * BM + tid]);
+        row_sum = r;
+    }
+    return true;
+}
+
+// The block's outputs through the epilogue into C (row-major, ldc): + bias (+ ReLU,
+// keeping a NaN, as gemm.cu), or times the ReLU mask (mask row-major, ldm), or as is.
+template <int EPI>
+__device__ __forceinline__ void store_tile(const float (&acc)[ACC], float* C, int ldc, int M, int N,
+                                           const float* bias, const float* mask, int ldm) {
+    const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, warp = (tid % 128) / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int r0 = blockIdx.y * BM + 64 * wg + 16 * warp + g, j0 = blockIdx.x * BN;
+    float bv[ACC / 4][2];
+#pragma unroll
+    for (int j = 0; j < ACC / 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int c = j0 + 8 * j + 2 * t + e;
+            bv[j][e] = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) && c < N ? bias[c] : 0.0f;
+        }
+    float mv[EPI == EPI_MASK ? ACC : 1];
+    if (EPI == EPI_MASK) {  // every mask load out before the first store
+#pragma unroll
+        for (int j = 0; j < ACC / 4; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int r = r0 + 8 * h, c = j0 + 8 * j + 2 * t + e;
+                    mv[4 * j + 2 * h + e] = r < M && c < N ? mask[(size_t)r * ldm + c] : 0.0f;
+                }
+    }
+#pragma unroll
+    for (int j = 0; j < ACC / 4; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int r = r0 + 8 * h, c = j0 + 8 * j + 2 * t + e;
+                float y = acc[4 * j + 2 * h + e];
+                if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) y += bv[j][e];
+                if (EPI == EPI_BIAS_RELU) y = y < 0.0f ? 0.0f : y + 0.0f;
+                if (EPI == EPI_MASK && !(mv[EPI == EPI_MASK ? 4 * j + 2 * h + e : 0] > 0.0f)) y = 0.0f;
+                if (r < M && c < N) C[(size_t)r * ldc + c] = y;
+            }
+}
+
 template <int EPI>
 __device__ __forceinline__ void forward(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
                                         int N, int K, const float* bias, float* workspace, unsigned int* counters) {
@@ -138,8 +229,7 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
     const unsigned int raw0 = (unsigned int)__cvta_generic_to_shared(smem_raw);
     const unsigned int smem0 = (raw0 + 1023u) & ~1023u;
 
-    const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, warp = (tid % 128) / 32;
-    const int g = lane / 4, t = lane % 4;
+    const int tid = threadIdx.x, wg = tid / 128;
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const int splits = gridDim.z, z = blockIdx.z;
     const int k_tiles = (K + BK - 1) / BK, per = (k_tiles + splits - 1) / splits;
@@ -193,51 +283,206 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
     asm volatile("cp.async.wait_group 0;\n" ::);
     dt_allow_dependents();
 
-    // Accumulator q = 4 j + 2 h + e: row 16 warp + g + 8 h of this warpgroup's 64,
-    // column 8 j + 2 t + e.
-    if (splits > 1) {
-        const unsigned int tile = blockIdx.y * gridDim.x + blockIdx.x;
-        float4* parts = reinterpret_cast<float4*>(workspace) + (size_t)tile * splits * (BM * BN / 4);
-#pragma unroll
-        for (int j = 0; j < ACC / 4; ++j)
-            parts[(size_t)z * (BM * BN / 4) + j * THREADS + tid] =
-                make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
-        if (!dt_last_block(&counters[tile], splits)) return;
-        float4 v[ACC / 4];
-#pragma unroll
-        for (int j = 0; j < ACC / 4; ++j) v[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int s = 0; s < splits; ++s) {
-#pragma unroll
-            for (int j = 0; j < ACC / 4; ++j) {
-                const float4 p = s == z ? make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
-                                        : __ldcg(&parts[(size_t)s * (BM * BN / 4) + j * THREADS + tid]);
-                v[j].x += p.x, v[j].y += p.y, v[j].z += p.z, v[j].w += p.w;
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < ACC / 4; ++j)
-            acc[4 * j] = v[j].x, acc[4 * j + 1] = v[j].y, acc[4 * j + 2] = v[j].z, acc[4 * j + 3] = v[j].w;
+    float no_sums = 0.0f;
+    if (splits > 1 && !reduce_splits(acc, workspace, counters, false, no_sums)) return;
+    store_tile<EPI>(acc, C, ldc, M, N, bias, nullptr, 0);
+}
+
+// ---------------------------------------------------------------- 3xTF32 backward
+// One operand's 128 x 32 k tile on its way from global memory through registers
+// into shared memory, as the big and small TF32 parts of 3xTF32 (tf32.cuh), each in
+// the swizzled K-major layout the MMAs read (above), whatever the global layout:
+//   k-fast (X(r, k) = X[r ld + k]): 4 pieces of 4 depths of one row; piece q =
+//     tid + 256 i is row q / 8, chunk q % 8 (a warp reads 4 whole 128-byte rows);
+//   row-fast (X(r, k) = X[r + k ld]): a 4 x 4 block, rows 4 rg .. 4 rg + 3 at depths
+//     4 kg .. 4 kg + 3 (four 16-byte loads), transposed in registers into one
+//     chunk per row; rg = 8 (warp % 4) + lane % 8 and kg = 4 (warp / 4) + lane / 8,
+//     so a warp's loads are 128-byte lines and its stores fall on all 8 chunk
+//     positions of the swizzle (4 wavefronts, the least for 512 bytes).
+// Elements outside the matrix (row >= rows, depth >= k_end) load as 0. Whole
+// 16-byte loads need ld a multiple of 4 floats and X 16-byte aligned (the host
+// checks); a piece that crosses an edge loads element by element.
+template <bool KFAST>
+struct Operand {
+    float v[16];
+    const float* base;
+    long long ld;
+    int row0, rows, k_end;
+
+    __device__ __forceinline__ Operand(const float* base_, int ld_, int row0_, int rows_, int k_end_)
+        : base(base_), ld(ld_), row0(row0_), rows(rows_), k_end(k_end_) {}
+
+    // The `valid` (<= 4, may be <= 0) consecutive floats at `offset`, zeros after them.
+    __device__ __forceinline__ float4 piece(long long offset, int valid) const {
+        if (valid >= 4) return __ldcg(reinterpret_cast<const float4*>(base + offset));
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (valid > 0) x.x = __ldcg(base + offset);
+        if (valid > 1) x.y = __ldcg(base + offset + 1);
+        if (valid > 2) x.z = __ldcg(base + offset + 2);
+        return x;
     }
-    const int r0 = i0 + 64 * wg + 16 * warp + g;
-    float bv[ACC / 4][2];
+
+    // Loads the k tile starting at depth k into v.
+    __device__ __forceinline__ void load(int k) {
+        const int tid = threadIdx.x;
+        if (KFAST) {
 #pragma unroll
-    for (int j = 0; j < ACC / 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int c = j0 + 8 * j + 2 * t + e;
-            bv[j][e] = c < N ? bias[c] : 0.0f;
-        }
-#pragma unroll
-    for (int j = 0; j < ACC / 4; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int r = r0 + 8 * h, c = j0 + 8 * j + 2 * t + e;
-                float y = acc[4 * j + 2 * h + e] + bv[j][e];
-                if (EPI == EPI_BIAS_RELU) y = y < 0.0f ? 0.0f : y + 0.0f;  // keeps a NaN, as gemm.cu
-                if (r < M && c < N) C[(size_t)r * ldc + c] = y;
+            for (int i = 0; i < 4; ++i) {
+                const int q = tid + THREADS * i, r = row0 + q / 8, d = k + 4 * (q % 8);
+                const int valid = r < rows ? min(4, k_end - d) : 0;
+                const float4 x = piece(valid > 0 ? (long long)r * ld + d : 0, valid);
+                v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
             }
+        } else {
+            const int warp = tid / 32, lane = tid % 32;
+            const int r = row0 + 4 * (8 * (warp % 4) + lane % 8), d0 = k + 4 * (4 * (warp / 4) + lane / 8);
+            const int valid_rows = min(4, rows - r);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int valid = d0 + e < k_end ? valid_rows : 0;
+                const float4 x = piece(valid > 0 ? (long long)(d0 + e) * ld + r : 0, valid);
+                v[4 * e] = x.x, v[4 * e + 1] = x.y, v[4 * e + 2] = x.z, v[4 * e + 3] = x.w;
+            }
+        }
+    }
+
+    // Splits v and stores the parts into the tiles at shared byte addresses big, small.
+    __device__ __forceinline__ void store(unsigned int big, unsigned int small) const {
+        const int tid = threadIdx.x;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int row, chunk;
+            float x[4];
+            if (KFAST) {
+                const int q = tid + THREADS * i;
+                row = q / 8, chunk = q % 8;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) x[e] = v[4 * i + e];
+            } else {
+                const int warp = tid / 32, lane = tid % 32;
+                row = 4 * (8 * (warp % 4) + lane % 8) + i, chunk = 4 * (warp / 4) + lane / 8;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) x[e] = v[4 * e + i];
+            }
+            unsigned int b[4], s[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dt_tf32_split<true>(x[e], b[e], s[e]);
+            const unsigned int at = 128u * row + 16u * (chunk ^ (row & 7));
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(big + at), "r"(b[0]), "r"(b[1]),
+                         "r"(b[2]), "r"(b[3]) : "memory");
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(small + at), "r"(s[0]), "r"(s[1]),
+                         "r"(s[2]), "r"(s[3]) : "memory");
+        }
+    }
+
+    // Row-fast only: adds this thread's depths of its 4 rows to sums, in depth order.
+    __device__ __forceinline__ void add_rows(float (&sums)[4]) const {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) sums[c] += v[4 * e + c];
+    }
+};
+
+// C = A B in 3xTF32 with the epilogue EPI: A(i, k) and B(k, j) in the layouts
+// A_KFAST, B_KFAST name (gemm.cu's header). Shared memory: two sets of four
+// 16 KB tiles (A big, A small, B big, B small), one holding k tile kt for the
+// MMAs while the threads fill the other with k tile kt + 1 from registers
+// loaded one tile before: the copies overlap the MMAs, and the next loads the
+// wait for them. Each k tile's 12 MMAs (small A big B, big A small B, big A big
+// B per 8 deep) sum into a fresh fragment (scale-d 0 first) that is added to
+// the FP32 accumulators once the group is done: the tensor cores do not round
+// their running sums to nearest, so the error would otherwise grow with k.
+// `sums` (grad-weight, grid column 0): row sums of A (db) as well.
+template <bool A_KFAST, bool B_KFAST, int EPI>
+__device__ __forceinline__ void backward(const float* A, int lda, const float* B, int ldb, float* C, int ldc,
+                                         int M, int N, int K, const float* mask, int ldm, float* col_sum,
+                                         float* workspace, unsigned int* counters) {
+    extern __shared__ __align__(128) char smem_raw[];
+    unsigned int bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    if (bytes < SHARED_BYTES) __trap();
+    const unsigned int raw0 = (unsigned int)__cvta_generic_to_shared(smem_raw);
+    const unsigned int smem0 = (raw0 + 1023u) & ~1023u;
+    constexpr unsigned int TILE_BYTES = TILE_FLOATS * 4, SET_BYTES = 4 * TILE_BYTES;
+    static_assert(2 * SET_BYTES + 1024 <= SHARED_BYTES, "two sets of four tiles");
+
+    const int tid = threadIdx.x, wg = tid / 128;
+    const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
+    const int splits = gridDim.z, z = blockIdx.z;
+    const int k_tiles = (K + BK - 1) / BK, per = (k_tiles + splits - 1) / splits;
+    const int kb = min(K, z * per * BK), ke = min(K, kb + per * BK);
+    const int tiles = (ke - kb + BK - 1) / BK;
+    const bool sums = EPI == EPI_NONE && col_sum != nullptr && blockIdx.x == 0;
+
+    Operand<A_KFAST> oa(A, lda, i0, M, ke);
+    Operand<B_KFAST> ob(B, ldb, j0, N, ke);
+    float acc[ACC], part[ACC], rows[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
+
+    if (tiles > 0) {
+        oa.load(kb);
+        ob.load(kb);
+        oa.store(smem0, smem0 + TILE_BYTES);
+        ob.store(smem0 + 2 * TILE_BYTES, smem0 + 3 * TILE_BYTES);
+        if (!A_KFAST && sums) oa.add_rows(rows);
+        if (tiles > 1) {
+            oa.load(kb + BK);
+            ob.load(kb + BK);
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
+        __syncthreads();
+    }
+    for (int kt = 0; kt < tiles; ++kt) {
+        const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
+        const unsigned int a_big = set + wg * 64 * 128, a_small = a_big + TILE_BYTES;  // this warpgroup's 64 rows
+        const unsigned int b_big = set + 2 * TILE_BYTES, b_small = set + 3 * TILE_BYTES;
+        fence_accumulators(part);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < BK / 8; ++kk) {  // small terms first: they are the ones rounding would lose
+            if (kk == 0) wgmma_m64n128k8<0>(part, descriptor(a_small), descriptor(b_big));
+            else wgmma_m64n128k8(part, descriptor(a_small + kk * 32), descriptor(b_big + kk * 32));
+            wgmma_m64n128k8(part, descriptor(a_big + kk * 32), descriptor(b_small + kk * 32));
+            wgmma_m64n128k8(part, descriptor(a_big + kk * 32), descriptor(b_big + kk * 32));
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        if (kt + 1 < tiles) {  // the other set: its MMAs (tile kt - 1) are done in both warpgroups
+            const unsigned int next = smem0 + ((kt + 1) & 1) * SET_BYTES;
+            oa.store(next, next + TILE_BYTES);
+            ob.store(next + 2 * TILE_BYTES, next + 3 * TILE_BYTES);
+            if (!A_KFAST && sums) oa.add_rows(rows);
+            if (kt + 2 < tiles) {
+                oa.load(kb + (kt + 2) * BK);
+                ob.load(kb + (kt + 2) * BK);
+            }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_accumulators(part);
+#pragma unroll
+        for (int q = 0; q < ACC; ++q) acc[q] += part[q];
+        // Set kt + 1 is complete, and set kt is free: every warpgroup's MMAs of tile kt are done.
+        __syncthreads();
+    }
+    dt_allow_dependents();
+
+    // db: the 8 threads of each row (one per kg) add their sums in kg order.
+    float row_sum = 0.0f;
+    if (!A_KFAST && sums) {
+        float* red = reinterpret_cast<float*>(smem_raw + (smem0 - raw0));
+        const int warp = tid / 32, lane = tid % 32;
+        const int rg = 8 * (warp % 4) + lane % 8, kg = 4 * (warp / 4) + lane / 8;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) red[kg * BM + 4 * rg + c] = rows[c];
+        __syncthreads();
+        if (tid < BM)
+            for (int g = 0; g < 8; ++g) row_sum += red[g * BM + tid];
+    }
+    if (splits > 1 && !reduce_splits(acc, workspace, counters, sums, row_sum)) return;
+    if (sums && tid < BM && i0 + tid < M) col_sum[i0 + tid] = row_sum;
+    store_tile<EPI>(acc, C, ldc, M, N, nullptr, mask, ldm);
 }
 
 }  // namespace
@@ -265,3 +510,29 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
 
 DT_WGMMA_FORWARD(linear_forward_wgmma_tf32, EPI_BIAS)
 DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
+
+// The backward products in 3xTF32, gemm.cu's signature and contract again (bias
+// unused): dX = (dY W) * (X > 0) with A = dY k-fast, B = W row-fast, and dW = dY^T X
+// with db = sum_m dY into col_sum (grid column 0), A = dY row-fast, B = X row-fast.
+// workspace with S > 1: gridDim.x * gridDim.y * S * 128 * 128 floats, then
+// gridDim.y * S * 128 for the row sums. Dynamic shared memory: SHARED_BYTES.
+#define DT_WGMMA_BACKWARD(NAME, A_KFAST, B_KFAST, EPI)                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                               \
+            const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \
+            const float* bias, const float* mask, int ldm, float* col_sum, float* workspace,                 \
+            unsigned int* counters, const int* gate) {                                                      \
+        dt_wait_prior_grid();                                                                                \
+        if (gate != nullptr && *gate) return;                                                                \
+        (void)bias;                                                                                          \
+        DT_WGMMA_BACKWARD_BODY(A_KFAST, B_KFAST, EPI);                                                       \
+    }
+
+#if DT_WGMMA
+#define DT_WGMMA_BACKWARD_BODY(A_KFAST, B_KFAST, EPI) \
+    backward<A_KFAST, B_KFAST, EPI>(A, lda, B, ldb, C, ldc, M, N, K, mask, ldm, col_sum, workspace, counters)
+#else
+#define DT_WGMMA_BACKWARD_BODY(A_KFAST, B_KFAST, EPI) __trap()
+#endif
+
+DT_WGMMA_BACKWARD(linear_grad_input_wgmma_3xtf32, true, false, EPI_MASK)
+DT_WGMMA_BACKWARD(linear_grad_weight_wgmma_3xtf32, false, false, EPI_NONE)

@@ -1,4 +1,5 @@
-"""The linear-layer GEMMs of kernels/gemm.cu on the GPU against float64: every role, tile and copy width."""
+"""The linear-layer GEMMs of kernels/gemm.cu and gemm_sm90a.cu on the GPU against float64: every role, tile
+and copy width."""
 import numpy as np
 import pytest
 
@@ -80,17 +81,17 @@ class Product:
 
 
 # gemm.cu's mma.sync tiles for every role and copy width, gemm_sm90a.cu's wgmma
-# tile for the forward with 16-byte copies.
+# tile for every role with 16-byte copies.
 ALL_TILES = TILES + (WGMMA_TILE,)
 VARIANTS = [pytest.param(role, tile, vector, id=f"{role}-{tile.name}-cp{vector}")
             for role in ROLES for tile in ALL_TILES
-            for vector in (16, 4) if tile is not WGMMA_TILE or (role.startswith("forward") and vector == 16)]
+            for vector in (16, 4) if tile is not WGMMA_TILE or vector == 16]
 
 
 def kernels_for(role, device):
     if role.startswith("forward"):
         return LinearKernels(("forward", "forward_relu"), "tf32", device.sm_count, wgmma=wgmma_available(device))
-    return LinearKernels(("grad_input", "grad_weight"), "3xtf32", device.sm_count)
+    return LinearKernels(("grad_input", "grad_weight"), "3xtf32", device.sm_count, wgmma=wgmma_available(device))
 
 
 def skip_unless_compiled(device, tile):
@@ -108,16 +109,15 @@ def arena_for(kernels, role, m, n, k, tile):
 def test_product_matches_float64(device, stream, rng, role, tile, vector, m, n, k):
     """Every compiled variant on shapes that are not tile multiples: TF32 forward to
     2e-3, 3xTF32 backward (and db) to 1e-5, the output's padding untouched, no NaN.
-    The mma.sync tiles run the forward on the H200 too: they are the wgmma
-    tile's fallback."""
+    The mma.sync tiles run on the H200 too: they are the wgmma tile's fallback."""
     skip_unless_compiled(device, tile)
     kernels = kernels_for(role, device)
     prod = Product(role, m, n, k, vector, rng)
     arena, p = arena_for(kernels, role, m, n, k, tile)
     prod.poison(stream)
     kernel = prod.launch(kernels, arena, stream, tile, vector)
-    want_name = f"_{tile.name}_tf32" if tile is WGMMA_TILE else \
-        f"_{tile.name}_cp{vector}_" + ("tf32" if role.startswith("forward") else "3xtf32")
+    precision = "tf32" if role.startswith("forward") else "3xtf32"
+    want_name = f"_{tile.name}_{precision}" if tile is WGMMA_TILE else f"_{tile.name}_cp{vector}_{precision}"
     assert kernel.name.endswith(want_name), kernel.name
     c, sums = prod.outputs()
     got = c[:, :n]
@@ -190,7 +190,7 @@ def test_ffma_product_matches_float64(device, stream, rng, role, m, n, k):
 
 
 def test_shapes_cover_split_and_unsplit_launches_of_every_tile(device):
-    for precision, tiles in (("tf32", ALL_TILES), ("3xtf32", TILES)):
+    for precision, tiles in (("tf32", ALL_TILES), ("3xtf32", ALL_TILES)):
         for tile in tiles:
             splits = {plan(m, n, k, device.sm_count, precision=precision, tile=tile).splits for m, n, k in SHAPES}
             assert 1 in splits and max(splits) > 1, (precision, tile.name, splits)

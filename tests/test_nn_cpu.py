@@ -197,8 +197,8 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
 @pytest.mark.parametrize("widths, batch", [([4, 256, 256, 3], 256), ([128, 1024, 1024, 19], 512),
                                            ([129, 1000, 4], 7), ([33, 65, 7], 1000), ([258, 64, 5], 16384)])
 def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths, batch, tf32, backward, cc):
-    """Exactly, unless a forward runs on the wgmma tile: then the accounting leaves
-    room for gemm.cu's fallback too (an input that turns out misaligned)."""
+    """Exactly, unless a product runs on the wgmma tile: then the accounting leaves
+    room for gemm.cu's fallback too (an operand that turns out misaligned)."""
     launches = []
     _fake_kernels(monkeypatch, launches, cc)
     layout = ParamLayout.from_widths(widths)
@@ -213,8 +213,12 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     rounded = lambda nbytes: -(-nbytes // 256) * 256
     kernels = [entry for entry in launches if entry[0] not in ("fork", "join")]
     on_wgmma = [entry[0] for entry in kernels if "_wgmma_" in entry[0]]
-    if not (cc == (9, 0) and tf32):
+    if cc != (9, 0):
         assert not on_wgmma
+    for name in on_wgmma:  # the TF32 forward and the 3xTF32 backward have wgmma kernels, FFMA has none
+        assert (tf32 if "_forward_" in name else backward == "3xtf32"), name
+    if cc == (9, 0) and backward == "3xtf32" and widths[1] == 1024:
+        assert {"linear_grad_input_wgmma_3xtf32", "linear_grad_weight_wgmma_3xtf32"} <= set(on_wgmma)
     if cc == (9, 0) and tf32 and widths[0] == 258:
         # 16384 x 64 x 258 plans wgmma unsplit, but rows of 258 floats forbid 16-byte
         # copies: it runs on gemm.cu's 2-way split, which the accounting made room for.
@@ -240,11 +244,8 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         if name.endswith("_f32"):  # the kernel header's contract: S * (M * N + M)
             need = splits * (m * n + m)
             bm = bn = 64
-        elif "_wgmma_" in name:  # 128 x 128 tiles, no db
-            bm = bn = 128
-            need = grid[0] * grid[1] * splits * bm * bn
         else:  # grid.x * grid.y * S * BM * BN (+ grid.y * S * BM with db)
-            bm, bn = (int(v) for v in name.split("_")[-3].split("x"))
+            bm, bn = (128, 128) if "_wgmma_" in name else (int(v) for v in name.split("_")[-3].split("x"))
             need = grid[0] * grid[1] * splits * bm * bn + (grid[1] * splits * bm if col_sum else 0)
         assert grid[:2] == (-(-n // bn), -(-m // bm))
         assert workspace.size == need, name
@@ -263,28 +264,36 @@ def test_a_requested_split_count_never_leaves_a_split_empty():
             assert 1 <= s <= min(want, k_tiles) and (s - 1) * per < k_tiles
 
 
-def test_the_wgmma_tile_is_chosen_for_the_wide_tf32_forward_only():
+def test_the_wgmma_tile_is_chosen_for_the_wide_tensor_core_products_only():
     from drvtrain.nn.mlp import WGMMA_TILE, choose_tile
-    for role_precision in ("tf32",):
-        wide = plan(512, 1024, 1024, 132, precision=role_precision, wgmma=True)
+    for precision, sums in (("tf32", False), ("3xtf32", False), ("3xtf32", True)):
+        wide = plan(512, 1024, 1024, 132, precision=precision, sums=sums, wgmma=True)
         # 32 tiles of 128x128, four splits: one block per SM, the most that fit.
         assert (wide.tile, wide.splits) == (WGMMA_TILE, 4)
-        assert wide.workspace_floats == 32 * 4 * 128 * 128 and wide.counters == 32
+        assert wide.workspace_floats == 32 * 4 * 128 * 128 + (4 * 4 * 128 if sums else 0) and wide.counters == 32
+    # The large net's dW: 64 tiles, two splits.
+    assert plan(1024, 1024, 512, 132, precision="3xtf32", sums=True, wgmma=True).splits == 2
+    assert choose_tile(1024, 1024, 512, 132, "3xtf32", wgmma=True) is WGMMA_TILE
     assert choose_tile(512, 1024, 1024, 132, "tf32", wgmma=False).name == "64x64"
-    assert choose_tile(512, 1024, 1024, 132, "3xtf32", wgmma=True).name == "64x64"  # no wgmma backward
+    assert choose_tile(512, 1024, 1024, 132, "3xtf32", wgmma=False).name == "64x64"
     assert choose_tile(512, 1024, 128, 132, "tf32", wgmma=True).name == "64x64"  # 32 blocks would idle 100 SMs
+    assert choose_tile(1024, 128, 512, 132, "3xtf32", wgmma=True).name == "64x64"
     assert choose_tile(256, 256, 256, 132, "tf32", wgmma=True).name == "32x32"
+    assert choose_tile(512, 1024, 1024, 132, "f32", wgmma=True).name == "f32"
     assert kernel_name("forward_relu", "tf32", WGMMA_TILE, 16) == "linear_forward_relu_wgmma_tf32"
-    for role, vector in (("grad_input", 16), ("forward", 4)):
-        with pytest.raises(ValueError, match="wgmma tile runs the TF32 forward with 16-byte copies only"):
-            kernel_name(role, "tf32" if role == "forward" else "3xtf32", WGMMA_TILE, vector)
-    with pytest.raises(ValueError, match="tile wgmma has no 3xtf32 kernels"):
-        plan(512, 1024, 1024, 132, precision="3xtf32", tile=WGMMA_TILE)
+    assert kernel_name("grad_input", "3xtf32", WGMMA_TILE, 16) == "linear_grad_input_wgmma_3xtf32"
+    assert kernel_name("grad_weight", "3xtf32", WGMMA_TILE, 16) == "linear_grad_weight_wgmma_3xtf32"
+    for role in ("grad_input", "forward"):
+        with pytest.raises(ValueError, match="wgmma tile runs with 16-byte copies only"):
+            kernel_name(role, "tf32" if role == "forward" else "3xtf32", WGMMA_TILE, 4)
+    with pytest.raises(ValueError, match="tile wgmma has no f32 kernels"):
+        plan(512, 1024, 1024, 132, precision="f32", tile=WGMMA_TILE)
 
 
 def test_gemm_sm90a_cu_compiles_the_wgmma_kernels_for_sm_90a_and_traps_elsewhere():
     from drvtrain.compiler import compile_file
-    names = [b"linear_forward_wgmma_tf32\0", b"linear_forward_relu_wgmma_tf32\0"]
+    names = [b"linear_forward_wgmma_tf32\0", b"linear_forward_relu_wgmma_tf32\0",
+             b"linear_grad_input_wgmma_3xtf32\0", b"linear_grad_weight_wgmma_3xtf32\0"]
     special = compile_file("gemm_sm90a.cu", arch="sm_90a")
     assert special.arch == "sm_90a" and all(n in special.cubin for n in names)
     generic = compile_file("gemm_sm90a.cu", arch="sm_90")  # the kernels exist and trap

@@ -37,10 +37,12 @@ TILE_64 = Tile("64x64", 64, 64, 32, 8, 4, 4, per_sm=4)
 TILE_32 = Tile("32x32", 32, 32, 16, 8, 4, 2, per_sm=8)
 TILES = (TILE_64, TILE_32)  # gemm.cu's mma.sync tiles (every role), largest first
 FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
-# kernels/gemm_sm90a.cu: the TF32 forward on wgmma, compute capability 9.0 only,
-# 16-byte copies only; 129 KB of dynamic shared memory, one block per SM.
+# kernels/gemm_sm90a.cu: every role on wgmma (the forward in TF32, the backward in
+# 3xTF32), compute capability 9.0 only, 16-byte copies only; 129 KB of dynamic
+# shared memory, one block per SM.
 WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1)
-WGMMA_SHARED_BYTES = 4 * 2 * 128 * 32 * 4 + 1024  # 4 stages of two 128 x 32 float tiles, 1 KB to align them
+WGMMA_SHARED_BYTES = 8 * 128 * 32 * 4 + 1024  # 8 tiles of 128 x 32 floats (forward: 4 stages of A and B;
+# backward: 2 sets of A and B, big and small), 1 KB to align them
 _WGMMA_CC = (9, 0)
 
 _ROLES = ("forward", "forward_relu", "grad_input", "grad_weight")
@@ -57,10 +59,9 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
     if precision == "f32":
         return f"linear_{role}_f32"
     if tile is WGMMA_TILE:
-        if role not in ("forward", "forward_relu") or vector != 16:
-            raise ValueError(f"the wgmma tile runs the TF32 forward with 16-byte copies only, not {role} "
-                             f"with {vector}-byte copies")
-        return f"linear_{role}_wgmma_tf32"
+        if vector != 16:
+            raise ValueError(f"the wgmma tile runs with 16-byte copies only, not {vector}-byte copies")
+        return f"linear_{role}_wgmma_{precision}"
     if tile not in TILES or vector not in (4, 16):
         raise ValueError(f"no tensor-core kernel for tile {tile.name} with {vector}-byte copies")
     return f"linear_{role}_{tile.name}_cp{vector}_{precision}"
@@ -87,14 +88,14 @@ def split_count(m: int, n: int, k: int, sm_count: int, tile: Tile = FFMA_TILE, w
 
 
 def choose_tile(m: int, n: int, k: int, sm_count: int, precision: str, wgmma: bool = False) -> Tile:
-    """With ``wgmma`` (a TF32 forward on compute capability 9.0 with 16-byte
-    copies) the 128x128 wgmma tile when its blocks, split over k, nearly fill
+    """With ``wgmma`` (compute capability 9.0, 16-byte copies, tensor-core
+    precision) the 128x128 wgmma tile when its blocks, split over k, nearly fill
     the SMs; else 64x64 tiles when theirs do (the 1024-wide products: fewer
     loads per multiply), 32x32 tiles for the rest, which need the parallelism;
     FFMA kernels have their own."""
     if precision == "f32":
         return FFMA_TILE
-    if wgmma and precision == "tf32":
+    if wgmma:
         tiles = -(-m // WGMMA_TILE.bm) * -(-n // WGMMA_TILE.bn)
         if 4 * tiles * split_count(m, n, k, sm_count, WGMMA_TILE) >= 3 * sm_count:
             return WGMMA_TILE
@@ -125,7 +126,7 @@ def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = 
     ``wgmma``: the wgmma tile may be chosen (see :func:`choose_tile`)."""
     if tile is None:
         tile = choose_tile(m, n, k, sm_count, precision, wgmma)
-    elif (tile is FFMA_TILE) != (precision == "f32") or (tile is WGMMA_TILE and precision != "tf32"):
+    elif (tile is FFMA_TILE) != (precision == "f32"):
         raise ValueError(f"tile {tile.name} has no {precision} kernels")
     s = split_count(m, n, k, sm_count, tile, splits)
     if s == 1:
@@ -189,9 +190,9 @@ class LinearKernels:
     """The kernels of one arithmetic for some roles, every tile and copy width, loaded
     up front (never during a capture), and the launch of a product through them.
 
-    ``wgmma``: the TF32 forward may run on kernels/gemm_sm90a.cu's wgmma tile
-    (only where :func:`wgmma_available`; other devices, other roles and operands
-    that do not allow 16-byte copies use gemm.cu's mma.sync kernels)."""
+    ``wgmma``: the products may run on kernels/gemm_sm90a.cu's wgmma tile (only
+    where :func:`wgmma_available`; other devices, FFMA precision and operands that
+    do not allow 16-byte copies use gemm.cu's kernels)."""
 
     def __init__(self, roles, precision: str, sm_count: int, *, wgmma: bool = False):
         self.precision = precision
@@ -202,16 +203,15 @@ class LinearKernels:
             variants = [(tile, vector) for tile in TILES for vector in (16, 4)]
         self.kernels = {(role, tile, vector): GemmKernel(role, precision, tile, vector)
                         for role in roles for tile, vector in variants}
-        wgmma_roles = [r for r in roles if r in ("forward", "forward_relu")] if precision == "tf32" else []
-        self.wgmma = bool(wgmma and wgmma_roles)
-        for role in wgmma_roles if self.wgmma else ():
+        self.wgmma = bool(wgmma and precision != "f32")
+        for role in roles if self.wgmma else ():
             self.kernels[(role, WGMMA_TILE, 16)] = GemmKernel(role, precision, WGMMA_TILE, 16)
 
     def plan(self, role, m, n, k, *, tile=None, splits=None, vector=16) -> Plan:
         """The launch of ``role``'s m x n x k product (grad-weight also sums db) with
         ``vector``-byte copies (the wgmma tile needs 16)."""
         return plan(m, n, k, self.sm_count, precision=self.precision, sums=role == "grad_weight", tile=tile,
-                    splits=splits, wgmma=self.wgmma and vector == 16 and role in ("forward", "forward_relu"))
+                    splits=splits, wgmma=self.wgmma and vector == 16)
 
     def launch(self, role, a, lda, b, ldb, c, ldc, m, n, k, *, arena: Arena, stream, gate=None, tile=None,
                vector=None, splits=None, **epilogue) -> GemmKernel:
@@ -228,7 +228,7 @@ class LinearKernels:
                              "that are multiples of 4")
         if tile is WGMMA_TILE and (role, tile, vector) not in self.kernels:
             raise ValueError(f"no wgmma kernel for {role} with {vector}-byte copies here (wgmma: "
-                             f"{self.wgmma}; it needs compute capability 9.0, a TF32 forward and 16-byte copies)")
+                             f"{self.wgmma}; it needs compute capability 9.0, tensor cores and 16-byte copies)")
         p = self.plan(role, m, n, k, tile=tile, splits=splits, vector=vector)
         kernel = self.kernels[(role, p.tile, vector if self.precision != "f32" else 16)]
         workspace = arena.array(p.workspace_floats, np.float32) if p.splits > 1 else 0
@@ -271,6 +271,8 @@ class MLP:
 
     ``tf32``: the forward on TF32 tensor cores (else FP32 FFMA). ``backward``:
     ``"3xtf32"`` (tensor cores at FP32 accuracy) or ``"f32"`` (FFMA).
+    ``wgmma``: on compute capability 9.0 the wide tensor-core products run on
+    kernels/gemm_sm90a.cu (wgmma); ``False`` forces gemm.cu's mma.sync kernels.
 
     Stateless between calls: ``forward`` returns a :class:`Forward` holding its
     activations (arena slices) and ``backward`` takes it, so two forwards of
@@ -291,7 +293,8 @@ class MLP:
         self._sm_count = device.sm_count
         self.forward_kernels = LinearKernels(("forward", "forward_relu"), "tf32" if tf32 else "f32", self._sm_count,
                                              wgmma=wgmma and tf32 and wgmma_available(device))
-        self.backward_kernels = LinearKernels(("grad_input", "grad_weight"), backward, self._sm_count)
+        self.backward_kernels = LinearKernels(("grad_input", "grad_weight"), backward, self._sm_count,
+                                              wgmma=wgmma and backward == "3xtf32" and wgmma_available(device))
 
     @property
     def in_features(self) -> int:
