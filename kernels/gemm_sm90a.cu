@@ -289,110 +289,139 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
 }
 
 // ---------------------------------------------------------------- 3xTF32 backward
-// One operand's 128 x 32 k tile on its way from global memory through registers
-// into shared memory, as the big and small TF32 parts of 3xTF32 (tf32.cuh), each in
-// the swizzled K-major layout the MMAs read (above), whatever the global layout:
-//   k-fast (X(r, k) = X[r ld + k]): 4 pieces of 4 depths of one row; piece q =
-//     tid + 256 i is row q / 8, chunk q % 8 (a warp reads 4 whole 128-byte rows);
-//   row-fast (X(r, k) = X[r + k ld]): a 4 x 4 block, rows 4 rg .. 4 rg + 3 at depths
-//     4 kg .. 4 kg + 3 (four 16-byte loads), transposed in registers into one
-//     chunk per row; rg = 8 (warp % 4) + lane % 8 and kg = 4 (warp / 4) + lane / 8,
-//     so a warp's loads are 128-byte lines and its stores fall on all 8 chunk
-//     positions of the swizzle (4 wavefronts, the least for 512 bytes).
-// Elements outside the matrix (row >= rows, depth >= k_end) load as 0. Whole
-// 16-byte loads need ld a multiple of 4 floats and X 16-byte aligned (the host
-// checks); a piece that crosses an edge loads element by element.
-template <bool KFAST>
-struct Operand {
-    float v[16];
+// TF32 wgmma reads K-major operands only, and the backward's operands are not all
+// K-major (dX reads W, dW reads dY and X with the reduction dimension strided).
+// So each k tile travels in two steps: cp.async copies it as it lies into a raw
+// stage (three stages, two tiles ahead), and then the threads split it into big
+// and small TF32 parts (tf32.cuh), transposing where needed, into the swizzled
+// K-major tiles the MMAs read (above).
+//
+// Raw stage of a k-fast operand (X(r, k) = X[r ld + k]): the MMA layout itself,
+// copied by Pieces. Raw stage of a row-fast operand (X(r, k) = X[r + k ld]): 32
+// lines of 128 rows (512 bytes) per depth, the 16-byte chunk c of line d at
+// 512 d + 16 (c ^ 2 (d / 4 % 4)), so that the conversion's reads below are free
+// of bank conflicts.
+struct RowPieces {
     const float* base;
+    const float* src[PER_THREAD];  // piece i of this thread in the split's first k tile
+    unsigned int dst[PER_THREAD];  // its byte offset within a raw tile
+    int line[PER_THREAD];          // its depth within a k tile
+    int valid[PER_THREAD];         // bytes of it inside the matrix's rows
     long long ld;
-    int row0, rows, k_end;
 
-    __device__ __forceinline__ Operand(const float* base_, int ld_, int row0_, int rows_, int k_end_)
-        : base(base_), ld(ld_), row0(row0_), rows(rows_), k_end(k_end_) {}
-
-    // The `valid` (<= 4, may be <= 0) consecutive floats at `offset`, zeros after them.
-    __device__ __forceinline__ float4 piece(long long offset, int valid) const {
-        if (valid >= 4) return __ldcg(reinterpret_cast<const float4*>(base + offset));
-        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (valid > 0) x.x = __ldcg(base + offset);
-        if (valid > 1) x.y = __ldcg(base + offset + 1);
-        if (valid > 2) x.z = __ldcg(base + offset + 2);
-        return x;
-    }
-
-    // Loads the k tile starting at depth k into v.
-    __device__ __forceinline__ void load(int k) {
-        const int tid = threadIdx.x;
-        if (KFAST) {
+    __device__ __forceinline__ RowPieces(const float* base_, long long ld_, int row0, int rows, int k_begin)
+        : base(base_), ld(ld_) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int q = tid + THREADS * i, r = row0 + q / 8, d = k + 4 * (q % 8);
-                const int valid = r < rows ? min(4, k_end - d) : 0;
-                const float4 x = piece(valid > 0 ? (long long)r * ld + d : 0, valid);
-                v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
-            }
-        } else {
-            const int warp = tid / 32, lane = tid % 32;
-            const int r = row0 + 4 * (8 * (warp % 4) + lane % 8), d0 = k + 4 * (4 * (warp / 4) + lane / 8);
-            const int valid_rows = min(4, rows - r);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int valid = d0 + e < k_end ? valid_rows : 0;
-                const float4 x = piece(valid > 0 ? (long long)(d0 + e) * ld + r : 0, valid);
-                v[4 * e] = x.x, v[4 * e + 1] = x.y, v[4 * e + 2] = x.z, v[4 * e + 3] = x.w;
-            }
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int q = threadIdx.x + THREADS * i, d = q / 32, c = q % 32, r = row0 + 4 * c;
+            line[i] = d;
+            dst[i] = 512u * d + 16u * (c ^ (2 * (d / 4 % 4)));
+            valid[i] = 4 * max(0, min(4, rows - r));
+            src[i] = base_ + (long long)(k_begin + d) * ld + (valid[i] ? r : 0);
         }
     }
 
-    // Splits v and stores the parts into the tiles at shared byte addresses big, small.
-    __device__ __forceinline__ void store(unsigned int big, unsigned int small) const {
-        const int tid = threadIdx.x;
+    // Queue the copies of the k tile starting at depth k (tiles after the split's
+    // first are BK lines further on); depths at or past k_end are zero-filled.
+    __device__ __forceinline__ void load(unsigned int tile, int k, int k_begin, int k_end) const {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            int row, chunk;
-            float x[4];
-            if (KFAST) {
-                const int q = tid + THREADS * i;
-                row = q / 8, chunk = q % 8;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) x[e] = v[4 * i + e];
-            } else {
-                const int warp = tid / 32, lane = tid % 32;
-                row = 4 * (8 * (warp % 4) + lane % 8) + i, chunk = 4 * (warp / 4) + lane / 8;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) x[e] = v[4 * e + i];
-            }
-            unsigned int b[4], s[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dt_tf32_split<true>(x[e], b[e], s[e]);
-            const unsigned int at = 128u * row + 16u * (chunk ^ (row & 7));
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(big + at), "r"(b[0]), "r"(b[1]),
-                         "r"(b[2]), "r"(b[3]) : "memory");
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(small + at), "r"(s[0]), "r"(s[1]),
-                         "r"(s[2]), "r"(s[3]) : "memory");
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int bytes = k + line[i] < k_end ? valid[i] : 0;
+            cp_async16(tile + dst[i], bytes ? src[i] + (long long)(k - k_begin) * ld : base, bytes);
         }
-    }
-
-    // Row-fast only: adds this thread's depths of its 4 rows to sums, in depth order.
-    __device__ __forceinline__ void add_rows(float (&sums)[4]) const {
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) sums[c] += v[4 * e + c];
     }
 };
 
+template <bool KFAST>
+struct Copies;
+template <>
+struct Copies<true> : Pieces {
+    __device__ __forceinline__ Copies(const float* base, int ld, int row0, int rows, int k_begin)
+        : Pieces(base, ld, row0, rows, k_begin) {}
+    __device__ __forceinline__ void load(unsigned int tile, int k, int, int k_end) const {
+        Pieces::load(tile, k, k_end);
+    }
+};
+template <>
+struct Copies<false> : RowPieces {
+    __device__ __forceinline__ Copies(const float* base, int ld, int row0, int rows, int k_begin)
+        : RowPieces(base, ld, row0, rows, k_begin) {}
+};
+
+__device__ __forceinline__ float4 lds4(unsigned int addr) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+    return v;
+}
+
+// Splits 4 depths of one row and stores the parts at byte `at` of the big and small tiles.
+__device__ __forceinline__ void store_split(unsigned int big, unsigned int small, unsigned int at, float x0, float x1,
+                                            float x2, float x3) {
+    unsigned int b0, b1, b2, b3, s0, s1, s2, s3;
+    dt_tf32_split<true>(x0, b0, s0);
+    dt_tf32_split<true>(x1, b1, s1);
+    dt_tf32_split<true>(x2, b2, s2);
+    dt_tf32_split<true>(x3, b3, s3);
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(big + at), "r"(b0), "r"(b1), "r"(b2), "r"(b3)
+                 : "memory");
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(small + at), "r"(s0), "r"(s1), "r"(s2), "r"(s3)
+                 : "memory");
+}
+
+// One operand's raw k tile at `raw` into its big and small MMA tiles.
+//   k-fast: piece q = tid + 256 i (row q / 8, chunk q % 8) at the same offset in all three.
+//   row-fast: a 4 x 4 block, rows 4 rg .. 4 rg + 3 at depths 4 kg .. 4 kg + 3, read
+//     as four 16-byte chunks and written transposed as one chunk per row, with
+//     rg = 8 (warp % 4) + lane / 4 and kg = 4 (warp / 4) + lane % 4: every 8
+//     consecutive lanes (one wavefront of a 16-byte access) touch 8 different
+//     chunk positions, in the raw reads and in the swizzled stores. `rows`
+//     (row-fast only) gets this thread's depths of its 4 rows added, in order.
+template <bool KFAST>
+__device__ __forceinline__ void convert(unsigned int raw, unsigned int big, unsigned int small, bool sum_rows,
+                                        float (&rows)[4]) {
+    const int tid = threadIdx.x;
+    if (KFAST) {
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int q = tid + THREADS * i, row = q / 8, chunk = q % 8;
+            const unsigned int at = 128u * row + 16u * (chunk ^ (row & 7));
+            const float4 x = lds4(raw + at);
+            store_split(big, small, at, x.x, x.y, x.z, x.w);
+        }
+    } else {
+        const int warp = tid / 32, lane = tid % 32;
+        const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
+        float4 x[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int d = 4 * kg + e;
+            x[e] = lds4(raw + 512u * d + 16u * (rg ^ (2 * (kg % 4))));
+        }
+        if (sum_rows) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) rows[0] += x[e].x, rows[1] += x[e].y, rows[2] += x[e].z, rows[3] += x[e].w;
+        }
+        const int r0 = 4 * rg;
+        store_split(big, small, 128u * r0 + 16u * (kg ^ (r0 & 7)), x[0].x, x[1].x, x[2].x, x[3].x);
+        store_split(big, small, 128u * (r0 + 1) + 16u * (kg ^ ((r0 + 1) & 7)), x[0].y, x[1].y, x[2].y, x[3].y);
+        store_split(big, small, 128u * (r0 + 2) + 16u * (kg ^ ((r0 + 2) & 7)), x[0].z, x[1].z, x[2].z, x[3].z);
+        store_split(big, small, 128u * (r0 + 3) + 16u * (kg ^ ((r0 + 3) & 7)), x[0].w, x[1].w, x[2].w, x[3].w);
+    }
+}
+
+// Shared memory of the backward: two sets of four MMA tiles (A big, A small, B
+// big, B small; 64 KB each), then three raw stages of A and B (32 KB each).
+constexpr unsigned int TILE_BYTES = TILE_FLOATS * 4, SET_BYTES = 4 * TILE_BYTES, RAW_BYTES = 2 * TILE_BYTES;
+constexpr int RAW_STAGES = 3;
+constexpr unsigned int BACKWARD_SHARED_BYTES = 2 * SET_BYTES + RAW_STAGES * RAW_BYTES + 1024;
+
 // C = A B in 3xTF32 with the epilogue EPI: A(i, k) and B(k, j) in the layouts
-// A_KFAST, B_KFAST name (gemm.cu's header). Shared memory: two sets of four
-// 16 KB tiles (A big, A small, B big, B small), one holding k tile kt for the
-// MMAs while the threads fill the other with k tile kt + 1 from registers
-// loaded one tile before: the copies overlap the MMAs, and the next loads the
-// wait for them. Each k tile's 12 MMAs (small A big B, big A small B, big A big
-// B per 8 deep) sum into a fresh fragment (scale-d 0 first) that is added to
-// the FP32 accumulators once the group is done: the tensor cores do not round
-// their running sums to nearest, so the error would otherwise grow with k.
+// A_KFAST, B_KFAST name (gemm.cu's header). The threads convert k tile kt + 1
+// into one set while the MMAs of tile kt read the other, and the copies run two
+// tiles ahead. Each k tile's 12 MMAs per warpgroup (small A big B, big A small
+// B, big A big B per 8 deep) sum into a fresh fragment (scale-d 0 first) that is
+// added to the FP32 accumulators once the group is done: the tensor cores do not
+// round their running sums to nearest, so the error would otherwise grow with k.
 // `sums` (grad-weight, grid column 0): row sums of A (db) as well.
 template <bool A_KFAST, bool B_KFAST, int EPI>
 __device__ __forceinline__ void backward(const float* A, int lda, const float* B, int ldb, float* C, int ldc,
@@ -401,11 +430,9 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
     extern __shared__ __align__(128) char smem_raw[];
     unsigned int bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-    if (bytes < SHARED_BYTES) __trap();
+    if (bytes < BACKWARD_SHARED_BYTES) __trap();
     const unsigned int raw0 = (unsigned int)__cvta_generic_to_shared(smem_raw);
-    const unsigned int smem0 = (raw0 + 1023u) & ~1023u;
-    constexpr unsigned int TILE_BYTES = TILE_FLOATS * 4, SET_BYTES = 4 * TILE_BYTES;
-    static_assert(2 * SET_BYTES + 1024 <= SHARED_BYTES, "two sets of four tiles");
+    const unsigned int smem0 = (raw0 + 1023u) & ~1023u, stage0 = smem0 + 2 * SET_BYTES;
 
     const int tid = threadIdx.x, wg = tid / 128;
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
@@ -415,22 +442,27 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
     const int tiles = (ke - kb + BK - 1) / BK;
     const bool sums = EPI == EPI_NONE && col_sum != nullptr && blockIdx.x == 0;
 
-    Operand<A_KFAST> oa(A, lda, i0, M, ke);
-    Operand<B_KFAST> ob(B, ldb, j0, N, ke);
+    const Copies<A_KFAST> ca(A, lda, i0, M, kb);
+    const Copies<B_KFAST> cb(B, ldb, j0, N, kb);
     float acc[ACC], part[ACC], rows[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
 
-    if (tiles > 0) {
-        oa.load(kb);
-        ob.load(kb);
-        oa.store(smem0, smem0 + TILE_BYTES);
-        ob.store(smem0 + 2 * TILE_BYTES, smem0 + 3 * TILE_BYTES);
-        if (!A_KFAST && sums) oa.add_rows(rows);
-        if (tiles > 1) {
-            oa.load(kb + BK);
-            ob.load(kb + BK);
+    // Every thread commits one copy group per k tile slot, empty or not, so the
+    // wait counts stay uniform.
+#pragma unroll
+    for (int s = 0; s < RAW_STAGES; ++s) {
+        if (s < tiles) {
+            ca.load(stage0 + s * RAW_BYTES, kb + s * BK, kb, ke);
+            cb.load(stage0 + s * RAW_BYTES + TILE_BYTES, kb + s * BK, kb, ke);
         }
+        asm volatile("cp.async.commit_group;\n" ::);
+    }
+    if (tiles > 0) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(RAW_STAGES - 1));
+        __syncthreads();
+        convert<A_KFAST>(stage0, smem0, smem0 + TILE_BYTES, !A_KFAST && sums, rows);
+        convert<B_KFAST>(stage0 + TILE_BYTES, smem0 + 2 * TILE_BYTES, smem0 + 3 * TILE_BYTES, false, rows);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
         __syncthreads();
     }
@@ -448,15 +480,22 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
             wgmma_m64n128k8(part, descriptor(a_big + kk * 32), descriptor(b_big + kk * 32));
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        if (kt + 1 < tiles) {  // the other set: its MMAs (tile kt - 1) are done in both warpgroups
+        // Raw tile kt's stage was converted before the last barrier: refill it.
+        if (kt + RAW_STAGES < tiles) {
+            const unsigned int stage = stage0 + (kt % RAW_STAGES) * RAW_BYTES;
+            ca.load(stage, kb + (kt + RAW_STAGES) * BK, kb, ke);
+            cb.load(stage + TILE_BYTES, kb + (kt + RAW_STAGES) * BK, kb, ke);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+        if (kt + 1 < tiles) {
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(RAW_STAGES - 1));  // this thread's copies of tile kt + 1
+            // Every thread's copies of tile kt + 1 have landed, and every warpgroup's
+            // MMAs of tile kt - 1, which read the set about to be written, are done.
+            __syncthreads();
+            const unsigned int stage = stage0 + ((kt + 1) % RAW_STAGES) * RAW_BYTES;
             const unsigned int next = smem0 + ((kt + 1) & 1) * SET_BYTES;
-            oa.store(next, next + TILE_BYTES);
-            ob.store(next + 2 * TILE_BYTES, next + 3 * TILE_BYTES);
-            if (!A_KFAST && sums) oa.add_rows(rows);
-            if (kt + 2 < tiles) {
-                oa.load(kb + (kt + 2) * BK);
-                ob.load(kb + (kt + 2) * BK);
-            }
+            convert<A_KFAST>(stage, next, next + TILE_BYTES, !A_KFAST && sums, rows);
+            convert<B_KFAST>(stage + TILE_BYTES, next + 2 * TILE_BYTES, next + 3 * TILE_BYTES, false, rows);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -466,6 +505,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         // Set kt + 1 is complete, and set kt is free: every warpgroup's MMAs of tile kt are done.
         __syncthreads();
     }
+    asm volatile("cp.async.wait_group 0;\n" ::);
     dt_allow_dependents();
 
     // db: the 8 threads of each row (one per kg) add their sums in kg order.
@@ -473,7 +513,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
     if (!A_KFAST && sums) {
         float* red = reinterpret_cast<float*>(smem_raw + (smem0 - raw0));
         const int warp = tid / 32, lane = tid % 32;
-        const int rg = 8 * (warp % 4) + lane % 8, kg = 4 * (warp / 4) + lane / 8;
+        const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
 #pragma unroll
         for (int c = 0; c < 4; ++c) red[kg * BM + 4 * rg + c] = rows[c];
         __syncthreads();
@@ -515,7 +555,8 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
 // unused): dX = (dY W) * (X > 0) with A = dY k-fast, B = W row-fast, and dW = dY^T X
 // with db = sum_m dY into col_sum (grid column 0), A = dY row-fast, B = X row-fast.
 // workspace with S > 1: gridDim.x * gridDim.y * S * 128 * 128 floats, then
-// gridDim.y * S * 128 for the row sums. Dynamic shared memory: SHARED_BYTES.
+// gridDim.y * S * 128 for the row sums. Dynamic shared memory: BACKWARD_SHARED_BYTES
+// (225 KB).
 #define DT_WGMMA_BACKWARD(NAME, A_KFAST, B_KFAST, EPI)                                                       \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                               \
             const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \

@@ -38,11 +38,13 @@ TILE_32 = Tile("32x32", 32, 32, 16, 8, 4, 2, per_sm=8)
 TILES = (TILE_64, TILE_32)  # gemm.cu's mma.sync tiles (every role), largest first
 FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
 # kernels/gemm_sm90a.cu: every role on wgmma (the forward in TF32, the backward in
-# 3xTF32), compute capability 9.0 only, 16-byte copies only; 129 KB of dynamic
-# shared memory, one block per SM.
+# 3xTF32), compute capability 9.0 only, 16-byte copies only; one block per SM.
 WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1)
-WGMMA_SHARED_BYTES = 8 * 128 * 32 * 4 + 1024  # 8 tiles of 128 x 32 floats (forward: 4 stages of A and B;
-# backward: 2 sets of A and B, big and small), 1 KB to align them
+# Dynamic shared memory: the forward's 4 stages of two 128 x 32 float tiles; the
+# backward's 2 sets of four (A and B, big and small) and 3 raw stages of two; 1 KB
+# to align them.
+WGMMA_SHARED_BYTES = 4 * 2 * 128 * 32 * 4 + 1024
+WGMMA_BACKWARD_SHARED_BYTES = (2 * 4 + 3 * 2) * 128 * 32 * 4 + 1024
 _WGMMA_CC = (9, 0)
 
 _ROLES = ("forward", "forward_relu", "grad_input", "grad_weight")
@@ -169,7 +171,10 @@ class GemmKernel:
         self.role, self.precision, self.tile, self.vector = role, precision, tile, vector
         self.name = kernel_name(role, precision, tile, vector)
         self.kernel = _load_kernel(self.name)
-        self.shared_bytes = WGMMA_SHARED_BYTES if tile is WGMMA_TILE else 0
+        if tile is not WGMMA_TILE:
+            self.shared_bytes = 0
+        else:
+            self.shared_bytes = WGMMA_SHARED_BYTES if role.startswith("forward") else WGMMA_BACKWARD_SHARED_BYTES
 
     def __repr__(self) -> str:
         return f"<GemmKernel {self.name}>"
