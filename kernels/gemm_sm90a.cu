@@ -113,9 +113,12 @@ struct Pieces {
 
     // Queue the copies of the k tile starting at depth k into the tile at shared
     // byte address `tile`; depths at or past k_end are zero-filled.
-    __device__ __forceinline__ void load(unsigned int tile, int k, int k_end) const {
+    // Pieces first .. first + count - 1 only, with `count` given.
+    __device__ __forceinline__ void load(unsigned int tile, int k, int k_end, int first = 0,
+                                         int count = PER_THREAD) const {
 #pragma unroll
         for (int i = 0; i < PER_THREAD; ++i) {
+            if (i < first || i >= first + count) continue;
             const int d = k + depth[i];
             const int bytes = (row_ok >> i & 1) ? 4 * max(0, min(4, k_end - d)) : 0;
             cp_async16(tile + dst[i], bytes ? src[i] + (k - k0) : base, bytes);
@@ -323,9 +326,11 @@ struct RowPieces {
 
     // Queue the copies of the k tile starting at depth k (tiles after the split's
     // first are BK lines further on); depths at or past k_end are zero-filled.
-    __device__ __forceinline__ void load(unsigned int tile, int k, int k_begin, int k_end) const {
+    __device__ __forceinline__ void load(unsigned int tile, int k, int k_begin, int k_end, int first = 0,
+                                         int count = PER_THREAD) const {
 #pragma unroll
         for (int i = 0; i < PER_THREAD; ++i) {
+            if (i < first || i >= first + count) continue;
             const int bytes = k + line[i] < k_end ? valid[i] : 0;
             cp_async16(tile + dst[i], bytes ? src[i] + (long long)(k - k_begin) * ld : base, bytes);
         }
@@ -338,8 +343,9 @@ template <>
 struct Copies<true> : Pieces {
     __device__ __forceinline__ Copies(const float* base, int ld, int row0, int rows, int k_begin)
         : Pieces(base, ld, row0, rows, k_begin) {}
-    __device__ __forceinline__ void load(unsigned int tile, int k, int, int k_end) const {
-        Pieces::load(tile, k, k_end);
+    __device__ __forceinline__ void load(unsigned int tile, int k, int, int k_end, int first = 0,
+                                         int count = PER_THREAD) const {
+        Pieces::load(tile, k, k_end, first, count);
     }
 };
 template <>
@@ -368,46 +374,56 @@ __device__ __forceinline__ void store_split(unsigned int big, unsigned int small
                  : "memory");
 }
 
-// One operand's raw k tile at `raw` into its big and small MMA tiles.
-//   k-fast: piece q = tid + 256 i (row q / 8, chunk q % 8) at the same offset in all three.
+// One operand's raw k tile into its big and small MMA tiles, in four quarters
+// (step<0> .. step<3>), so that the MMAs' issue can be interleaved with it.
+//   k-fast: quarter Q is piece Q of the thread (row q / 8, chunk q % 8 with q =
+//     tid + 256 Q), at the same offset in all three tiles.
 //   row-fast: a 4 x 4 block, rows 4 rg .. 4 rg + 3 at depths 4 kg .. 4 kg + 3, read
-//     as four 16-byte chunks and written transposed as one chunk per row, with
-//     rg = 8 (warp % 4) + lane / 4 and kg = 4 (warp / 4) + lane % 4: every 8
-//     consecutive lanes (one wavefront of a 16-byte access) touch 8 different
-//     chunk positions, in the raw reads and in the swizzled stores. `rows`
-//     (row-fast only) gets this thread's depths of its 4 rows added, in order.
+//     as four 16-byte chunks (quarters 0 and 1) and written transposed as one
+//     chunk per row (quarters 2 and 3), with rg = 8 (warp % 4) + lane / 4 and
+//     kg = 4 (warp / 4) + lane % 4: every 8 consecutive lanes (one wavefront of a
+//     16-byte access) touch 8 different chunk positions, in the raw reads and in
+//     the swizzled stores. `rows` gets this thread's depths of its 4 rows added,
+//     in order (db).
 template <bool KFAST>
-__device__ __forceinline__ void convert(unsigned int raw, unsigned int big, unsigned int small, bool sum_rows,
-                                        float (&rows)[4]) {
-    const int tid = threadIdx.x;
-    if (KFAST) {
-#pragma unroll
-        for (int i = 0; i < PER_THREAD; ++i) {
-            const int q = tid + THREADS * i, row = q / 8, chunk = q % 8;
+struct Converter {
+    float4 x[4];
+
+    template <int Q>
+    __device__ __forceinline__ void step(unsigned int raw, unsigned int big, unsigned int small, bool sum_rows,
+                                         float (&rows)[4]) {
+        const int tid = threadIdx.x;
+        if (KFAST) {
+            const int q = tid + THREADS * Q, row = q / 8, chunk = q % 8;
             const unsigned int at = 128u * row + 16u * (chunk ^ (row & 7));
-            const float4 x = lds4(raw + at);
-            store_split(big, small, at, x.x, x.y, x.z, x.w);
+            const float4 v = lds4(raw + at);
+            store_split(big, small, at, v.x, v.y, v.z, v.w);
+            return;
         }
-    } else {
         const int warp = tid / 32, lane = tid % 32;
         const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
-        float4 x[4];
+        if (Q < 2) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int d = 4 * kg + e;
-            x[e] = lds4(raw + 512u * d + 16u * (rg ^ (2 * (kg % 4))));
-        }
-        if (sum_rows) {
+            for (int e = 2 * Q; e < 2 * Q + 2; ++e) x[e] = lds4(raw + 512u * (4 * kg + e) + 16u * (rg ^ (2 * (kg % 4))));
+            if (Q == 1 && sum_rows) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) rows[0] += x[e].x, rows[1] += x[e].y, rows[2] += x[e].z, rows[3] += x[e].w;
+                for (int e = 0; e < 4; ++e)
+                    rows[0] += x[e].x, rows[1] += x[e].y, rows[2] += x[e].z, rows[3] += x[e].w;
+            }
+            return;
         }
-        const int r0 = 4 * rg;
-        store_split(big, small, 128u * r0 + 16u * (kg ^ (r0 & 7)), x[0].x, x[1].x, x[2].x, x[3].x);
-        store_split(big, small, 128u * (r0 + 1) + 16u * (kg ^ ((r0 + 1) & 7)), x[0].y, x[1].y, x[2].y, x[3].y);
-        store_split(big, small, 128u * (r0 + 2) + 16u * (kg ^ ((r0 + 2) & 7)), x[0].z, x[1].z, x[2].z, x[3].z);
-        store_split(big, small, 128u * (r0 + 3) + 16u * (kg ^ ((r0 + 3) & 7)), x[0].w, x[1].w, x[2].w, x[3].w);
+        const int r0 = 4 * rg + 2 * (Q - 2);
+        const unsigned int at0 = 128u * r0 + 16u * (kg ^ (r0 & 7));
+        const unsigned int at1 = 128u * (r0 + 1) + 16u * (kg ^ ((r0 + 1) & 7));
+        if (Q == 2) {
+            store_split(big, small, at0, x[0].x, x[1].x, x[2].x, x[3].x);
+            store_split(big, small, at1, x[0].y, x[1].y, x[2].y, x[3].y);
+        } else {
+            store_split(big, small, at0, x[0].z, x[1].z, x[2].z, x[3].z);
+            store_split(big, small, at1, x[0].w, x[1].w, x[2].w, x[3].w);
+        }
     }
-}
+};
 
 // Shared memory of the backward: two sets of four MMA tiles (A big, A small, B
 // big, B small; 64 KB each), then three raw stages of A and B (32 KB each).
@@ -417,8 +433,8 @@ constexpr unsigned int BACKWARD_SHARED_BYTES = 2 * SET_BYTES + RAW_STAGES * RAW_
 
 // C = A B in 3xTF32 with the epilogue EPI: A(i, k) and B(k, j) in the layouts
 // A_KFAST, B_KFAST name (gemm.cu's header). The threads convert k tile kt + 1
-// into one set while the MMAs of tile kt read the other, and the copies run two
-// tiles ahead. Each k tile's 12 MMAs per warpgroup (small A big B, big A small
+// into one set while the MMAs of tile kt read the other, and the copies run
+// three tiles ahead of the MMAs. Each k tile's 12 MMAs per warpgroup (small A big B, big A small
 // B, big A big B per 8 deep) sum into a fresh fragment (scale-d 0 first) that is
 // added to the FP32 accumulators once the group is done: the tensor cores do not
 // round their running sums to nearest, so the error would otherwise grow with k.
@@ -444,9 +460,12 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
 
     const Copies<A_KFAST> ca(A, lda, i0, M, kb);
     const Copies<B_KFAST> cb(B, ldb, j0, N, kb);
+    Converter<A_KFAST> va;
+    Converter<B_KFAST> vb;
     float acc[ACC], part[ACC], rows[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
+    const bool sum_rows = !A_KFAST && sums;
 
     // Every thread commits one copy group per k tile slot, empty or not, so the
     // wait counts stay uniform.
@@ -458,51 +477,73 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         }
         asm volatile("cp.async.commit_group;\n" ::);
     }
-    if (tiles > 0) {
+    if (tiles > 0) {  // tile 0 into set 0
         asm volatile("cp.async.wait_group %0;\n" ::"n"(RAW_STAGES - 1));
         __syncthreads();
-        convert<A_KFAST>(stage0, smem0, smem0 + TILE_BYTES, !A_KFAST && sums, rows);
-        convert<B_KFAST>(stage0 + TILE_BYTES, smem0 + 2 * TILE_BYTES, smem0 + 3 * TILE_BYTES, false, rows);
+        const unsigned int a_raw = stage0, b_raw = stage0 + TILE_BYTES;
+        const unsigned int a_big = smem0, a_small = a_big + TILE_BYTES;
+        const unsigned int b_big = smem0 + 2 * TILE_BYTES, b_small = b_big + TILE_BYTES;
+        va.template step<0>(a_raw, a_big, a_small, sum_rows, rows);
+        vb.template step<0>(b_raw, b_big, b_small, false, rows);
+        va.template step<1>(a_raw, a_big, a_small, sum_rows, rows);
+        vb.template step<1>(b_raw, b_big, b_small, false, rows);
+        va.template step<2>(a_raw, a_big, a_small, sum_rows, rows);
+        vb.template step<2>(b_raw, b_big, b_small, false, rows);
+        va.template step<3>(a_raw, a_big, a_small, sum_rows, rows);
+        vb.template step<3>(b_raw, b_big, b_small, false, rows);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(RAW_STAGES - 2));  // and tile 1 landed
         __syncthreads();
     }
+    // Iteration kt issues the MMAs of tile kt, and between each 8-deep step's three
+    // MMAs (whose issue stalls while the tensor cores are busy) converts a quarter
+    // of raw tile kt + 1 into the other set and queues a quarter of the copies of
+    // tile kt + 3 into the raw stage tile kt left. One barrier per tile.
     for (int kt = 0; kt < tiles; ++kt) {
         const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
         const unsigned int a_big = set + wg * 64 * 128, a_small = a_big + TILE_BYTES;  // this warpgroup's 64 rows
         const unsigned int b_big = set + 2 * TILE_BYTES, b_small = set + 3 * TILE_BYTES;
+        const bool convert = kt + 1 < tiles, copy = kt + RAW_STAGES < tiles;
+        const unsigned int a_raw = stage0 + ((kt + 1) % RAW_STAGES) * RAW_BYTES, b_raw = a_raw + TILE_BYTES;
+        const unsigned int next = smem0 + ((kt + 1) & 1) * SET_BYTES;
+        const unsigned int na_big = next, na_small = next + TILE_BYTES;
+        const unsigned int nb_big = next + 2 * TILE_BYTES, nb_small = next + 3 * TILE_BYTES;
+        const unsigned int refill = stage0 + (kt % RAW_STAGES) * RAW_BYTES;
+        const int k_copy = kb + (kt + RAW_STAGES) * BK;
         fence_accumulators(part);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < BK / 8; ++kk) {  // small terms first: they are the ones rounding would lose
-            if (kk == 0) wgmma_m64n128k8<0>(part, descriptor(a_small), descriptor(b_big));
-            else wgmma_m64n128k8(part, descriptor(a_small + kk * 32), descriptor(b_big + kk * 32));
-            wgmma_m64n128k8(part, descriptor(a_big + kk * 32), descriptor(b_small + kk * 32));
-            wgmma_m64n128k8(part, descriptor(a_big + kk * 32), descriptor(b_big + kk * 32));
-        }
+#define DT_BACKWARD_STEP(KK)                                                                            \
+    {                                                                                                   \
+        if (KK == 0) wgmma_m64n128k8<0>(part, descriptor(a_small), descriptor(b_big));                  \
+        else wgmma_m64n128k8(part, descriptor(a_small + KK * 32), descriptor(b_big + KK * 32));          \
+        wgmma_m64n128k8(part, descriptor(a_big + KK * 32), descriptor(b_small + KK * 32));               \
+        wgmma_m64n128k8(part, descriptor(a_big + KK * 32), descriptor(b_big + KK * 32));                 \
+        if (copy) {                                                                                     \
+            ca.load(refill, k_copy, kb, ke, KK, 1);                                                     \
+            cb.load(refill + TILE_BYTES, k_copy, kb, ke, KK, 1);                                        \
+        }                                                                                               \
+        if (convert) {                                                                                  \
+            va.template step<KK>(a_raw, na_big, na_small, sum_rows, rows);                              \
+            vb.template step<KK>(b_raw, nb_big, nb_small, false, rows);                                 \
+        }                                                                                               \
+    }
+        // Per 8 deep, small terms first: they are the ones rounding would lose.
+        DT_BACKWARD_STEP(0)
+        DT_BACKWARD_STEP(1)
+        DT_BACKWARD_STEP(2)
+        DT_BACKWARD_STEP(3)
+#undef DT_BACKWARD_STEP
+        static_assert(BK / 8 == 4 && PER_THREAD == 4, "four steps, one copy piece and one conversion quarter each");
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        // Raw tile kt's stage was converted before the last barrier: refill it.
-        if (kt + RAW_STAGES < tiles) {
-            const unsigned int stage = stage0 + (kt % RAW_STAGES) * RAW_BYTES;
-            ca.load(stage, kb + (kt + RAW_STAGES) * BK, kb, ke);
-            cb.load(stage + TILE_BYTES, kb + (kt + RAW_STAGES) * BK, kb, ke);
-        }
         asm volatile("cp.async.commit_group;\n" ::);
-        if (kt + 1 < tiles) {
-            asm volatile("cp.async.wait_group %0;\n" ::"n"(RAW_STAGES - 1));  // this thread's copies of tile kt + 1
-            // Every thread's copies of tile kt + 1 have landed, and every warpgroup's
-            // MMAs of tile kt - 1, which read the set about to be written, are done.
-            __syncthreads();
-            const unsigned int stage = stage0 + ((kt + 1) % RAW_STAGES) * RAW_BYTES;
-            const unsigned int next = smem0 + ((kt + 1) & 1) * SET_BYTES;
-            convert<A_KFAST>(stage, next, next + TILE_BYTES, !A_KFAST && sums, rows);
-            convert<B_KFAST>(stage + TILE_BYTES, next + 2 * TILE_BYTES, next + 3 * TILE_BYTES, false, rows);
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        }
+        if (convert) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         fence_accumulators(part);
 #pragma unroll
         for (int q = 0; q < ACC; ++q) acc[q] += part[q];
-        // Set kt + 1 is complete, and set kt is free: every warpgroup's MMAs of tile kt are done.
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(RAW_STAGES - 2));  // this thread's copies of tile kt + 2
+        // Set kt + 1 is complete, set kt is free (every warpgroup's MMAs of tile kt
+        // are done), and raw tile kt + 2 has landed.
         __syncthreads();
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
