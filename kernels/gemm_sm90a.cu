@@ -179,46 +179,68 @@ __device__ __forceinline__ bool reduce_splits(float (&acc)[ACC], float* workspac
 }
 
 // The block's outputs through the epilogue into C (row-major, ldc): + bias (+ ReLU,
-// keeping a NaN, as gemm.cu), or times the ReLU mask (mask row-major, ldm), or as is.
+// keeping a NaN, as gemm.cu), or times the ReLU mask (mask row-major, ldm), or as
+// is. The accumulators go through shared memory (`stage`, 1024-byte aligned, free
+// once every warpgroup's MMAs are done: the caller's last barrier saw to that)
+// so that a warp writes whole rows of the tile: 16-byte accesses to C and the
+// mask where their strides and addresses allow, else 4-byte ones, coalesced
+// either way. (Written from the accumulators' fragment layout, a warp's stores
+// touched 8 rows at stride 2 floats: the 1-split grad-input epilogue took longer
+// than 5 of its 32 k tiles.)
+constexpr int STAGE_LD = BN + 8;  // floats per staged row: the fragment writes are free of bank conflicts
+
+__device__ __forceinline__ bool aligned16(const void* p, int ld) {
+    return ld % 4 == 0 && (reinterpret_cast<unsigned long long>(p) & 15u) == 0;
+}
+
 template <int EPI>
-__device__ __forceinline__ void store_tile(const float (&acc)[ACC], float* C, int ldc, int M, int N,
+__device__ __forceinline__ void store_tile(const float (&acc)[ACC], float* stage, float* C, int ldc, int M, int N,
                                            const float* bias, const float* mask, int ldm) {
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, warp = (tid % 128) / 32;
     const int g = lane / 4, t = lane % 4;
-    const int r0 = blockIdx.y * BM + 64 * wg + 16 * warp + g, j0 = blockIdx.x * BN;
-    float bv[ACC / 4][2];
-#pragma unroll
-    for (int j = 0; j < ACC / 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int c = j0 + 8 * j + 2 * t + e;
-            bv[j][e] = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) && c < N ? bias[c] : 0.0f;
-        }
-    float mv[EPI == EPI_MASK ? ACC : 1];
-    if (EPI == EPI_MASK) {  // every mask load out before the first store
+    const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
+    __syncthreads();  // a caller's earlier use of the stage (db sums) is over
+    {
+        float* row0 = stage + (64 * wg + 16 * warp + g) * STAGE_LD + 2 * t;
 #pragma unroll
         for (int j = 0; j < ACC / 4; ++j)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int r = r0 + 8 * h, c = j0 + 8 * j + 2 * t + e;
-                    mv[4 * j + 2 * h + e] = r < M && c < N ? mask[(size_t)r * ldm + c] : 0.0f;
-                }
+                *reinterpret_cast<float2*>(row0 + 8 * h * STAGE_LD + 8 * j) =
+                    make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
     }
+    __syncthreads();
+    const bool vec = aligned16(C, ldc) && (EPI != EPI_MASK || aligned16(mask, ldm));
+    constexpr int PER_ROW = BN / 4;  // 16-byte pieces per row: a warp takes one row
+#pragma unroll 4
+    for (int it = 0; it < BM * PER_ROW / THREADS; ++it) {
+        const int idx = tid + THREADS * it, row = idx / PER_ROW, c4 = idx % PER_ROW;
+        const int r = i0 + row, c = j0 + 4 * c4;
+        if (r >= M || c >= N) continue;
+        float y[4];
+        *reinterpret_cast<float4*>(y) = *reinterpret_cast<const float4*>(stage + row * STAGE_LD + 4 * c4);
+        const bool whole = vec && c + 3 < N;
+        float mv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (EPI == EPI_MASK) {
+            if (whole) *reinterpret_cast<float4*>(mv) = *reinterpret_cast<const float4*>(mask + (size_t)r * ldm + c);
+            else
 #pragma unroll
-    for (int j = 0; j < ACC / 4; ++j)
+                for (int e = 0; e < 4; ++e) mv[e] = c + e < N ? mask[(size_t)r * ldm + c + e] : 0.0f;
+        }
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int e = 0; e < 4; ++e) {
+            if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) y[e] += c + e < N ? bias[c + e] : 0.0f;
+            if (EPI == EPI_BIAS_RELU) y[e] = y[e] < 0.0f ? 0.0f : y[e] + 0.0f;
+            if (EPI == EPI_MASK && !(mv[e] > 0.0f)) y[e] = 0.0f;
+        }
+        if (whole) {
+            *reinterpret_cast<float4*>(C + (size_t)r * ldc + c) = *reinterpret_cast<const float4*>(y);
+        } else {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int r = r0 + 8 * h, c = j0 + 8 * j + 2 * t + e;
-                float y = acc[4 * j + 2 * h + e];
-                if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) y += bv[j][e];
-                if (EPI == EPI_BIAS_RELU) y = y < 0.0f ? 0.0f : y + 0.0f;
-                if (EPI == EPI_MASK && !(mv[EPI == EPI_MASK ? 4 * j + 2 * h + e : 0] > 0.0f)) y = 0.0f;
-                if (r < M && c < N) C[(size_t)r * ldc + c] = y;
-            }
+            for (int e = 0; e < 4; ++e)
+                if (c + e < N) C[(size_t)r * ldc + c + e] = y[e];
+        }
+    }
 }
 
 template <int EPI>
@@ -288,7 +310,7 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
 
     float no_sums = 0.0f;
     if (splits > 1 && !reduce_splits(acc, workspace, counters, false, no_sums)) return;
-    store_tile<EPI>(acc, C, ldc, M, N, bias, nullptr, 0);
+    store_tile<EPI>(acc, reinterpret_cast<float*>(smem_raw + (smem0 - raw0)), C, ldc, M, N, bias, nullptr, 0);
 }
 
 // ---------------------------------------------------------------- 3xTF32 backward
@@ -563,7 +585,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
     }
     if (splits > 1 && !reduce_splits(acc, workspace, counters, sums, row_sum)) return;
     if (sums && tid < BM && i0 + tid < M) col_sum[i0 + tid] = row_sum;
-    store_tile<EPI>(acc, C, ldc, M, N, nullptr, mask, ldm);
+    store_tile<EPI>(acc, reinterpret_cast<float*>(smem_raw + (smem0 - raw0)), C, ldc, M, N, nullptr, mask, ldm);
 }
 
 }  // namespace
