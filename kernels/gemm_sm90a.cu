@@ -211,29 +211,43 @@ __device__ __forceinline__ void store_tile(const float (&acc)[ACC], float* stage
     }
     __syncthreads();
     const bool vec = aligned16(C, ldc) && (EPI != EPI_MASK || aligned16(mask, ldm));
-    constexpr int PER_ROW = BN / 4;  // 16-byte pieces per row: a warp takes one row
-#pragma unroll 4
-    for (int it = 0; it < BM * PER_ROW / THREADS; ++it) {
-        const int idx = tid + THREADS * it, row = idx / PER_ROW, c4 = idx % PER_ROW;
-        const int r = i0 + row, c = j0 + 4 * c4;
-        if (r >= M || c >= N) continue;
-        float y[4];
-        *reinterpret_cast<float4*>(y) = *reinterpret_cast<const float4*>(stage + row * STAGE_LD + 4 * c4);
-        const bool whole = vec && c + 3 < N;
-        float mv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (EPI == EPI_MASK) {
-            if (whole) *reinterpret_cast<float4*>(mv) = *reinterpret_cast<const float4*>(mask + (size_t)r * ldm + c);
-            else
+    constexpr int PER_ROW = BN / 4;              // 16-byte pieces per row: a warp takes one row
+    constexpr int ROUNDS = BM * PER_ROW / THREADS;  // 16 pieces per thread
+    const int c4 = tid % PER_ROW, c = j0 + 4 * c4;  // the same columns in every round
+    // Every mask load of the thread goes out before the first store (one round
+    // trip, not 16); the bias is the same 4 values in every round.
+    float4 mv[EPI == EPI_MASK ? ROUNDS : 1];
+    float bv[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) mv[e] = c + e < N ? mask[(size_t)r * ldm + c + e] : 0.0f;
+    for (int e = 0; e < 4; ++e) bv[e] = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) && c + e < N ? bias[c + e] : 0.0f;
+    if (EPI == EPI_MASK) {
+#pragma unroll
+        for (int it = 0; it < ROUNDS; ++it) {
+            const int r = i0 + (tid + THREADS * it) / PER_ROW;
+            float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (r < M && c < N) {
+                if (vec && c + 3 < N) *reinterpret_cast<float4*>(m) = *reinterpret_cast<const float4*>(mask + (size_t)r * ldm + c);
+                else
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) m[e] = c + e < N ? mask[(size_t)r * ldm + c + e] : 0.0f;
+            }
+            mv[EPI == EPI_MASK ? it : 0] = *reinterpret_cast<const float4*>(m);
         }
+    }
+#pragma unroll
+    for (int it = 0; it < ROUNDS; ++it) {
+        const int row = (tid + THREADS * it) / PER_ROW, r = i0 + row;
+        if (r >= M || c >= N) continue;
+        float y[4], m[4];
+        *reinterpret_cast<float4*>(y) = *reinterpret_cast<const float4*>(stage + row * STAGE_LD + 4 * c4);
+        *reinterpret_cast<float4*>(m) = mv[EPI == EPI_MASK ? it : 0];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) y[e] += c + e < N ? bias[c + e] : 0.0f;
+            if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) y[e] += bv[e];
             if (EPI == EPI_BIAS_RELU) y[e] = y[e] < 0.0f ? 0.0f : y[e] + 0.0f;
-            if (EPI == EPI_MASK && !(mv[e] > 0.0f)) y[e] = 0.0f;
+            if (EPI == EPI_MASK && !(m[e] > 0.0f)) y[e] = 0.0f;
         }
-        if (whole) {
+        if (vec && c + 3 < N) {
             *reinterpret_cast<float4*>(C + (size_t)r * ldc + c) = *reinterpret_cast<const float4*>(y);
         } else {
 #pragma unroll
