@@ -178,54 +178,56 @@ __device__ __forceinline__ bool reduce_splits(float (&acc)[ACC], float* workspac
     return true;
 }
 
-// The block's outputs through the epilogue into C (row-major, ldc): + bias (+ ReLU,
-// keeping a NaN, as gemm.cu), or times the ReLU mask (mask row-major, ldm), or as
-// is. The accumulators go through shared memory (`stage`, 1024-byte aligned, free
-// once every warpgroup's MMAs are done: the caller's last barrier saw to that)
-// so that a warp writes whole rows of the tile: 16-byte accesses to C and the
-// mask where their strides and addresses allow, else 4-byte ones, coalesced
+// ---------------------------------------------------------------- epilogue
+// The block's outputs go through shared memory (`stage`, 1024-byte aligned; the
+// caller's MMAs are done in its own warpgroup, and a barrier here waits for the
+// other) so that a warp writes whole rows of the tile: 16-byte accesses to C and
+// the mask where their strides and addresses allow, else 4-byte ones, coalesced
 // either way. (Written from the accumulators' fragment layout, a warp's stores
 // touched 8 rows at stride 2 floats: the 1-split grad-input epilogue took longer
-// than 5 of its 32 k tiles.)
+// than 5 of its 32 k tiles.) Epilogues: + bias (+ ReLU, keeping a NaN, as
+// gemm.cu), or times the ReLU mask (row-major, ldm), or none.
 constexpr int STAGE_LD = BN + 8;  // floats per staged row: the fragment writes are free of bank conflicts
+constexpr int PER_ROW = BN / 4;   // 16-byte pieces per row: a warp takes one row
+constexpr int MAX_ROUNDS = BM * PER_ROW / THREADS;
 
 __device__ __forceinline__ bool aligned16(const void* p, int ld) {
     return ld % 4 == 0 && (reinterpret_cast<unsigned long long>(p) & 15u) == 0;
 }
 
-template <int EPI>
-__device__ __forceinline__ void store_tile(const float (&acc)[ACC], float* stage, float* C, int ldc, int M, int N,
-                                           const float* bias, const float* mask, int ldm) {
+// Accumulator q = 4 j + 2 h + e to stage row 64 wg + 16 warp + g + 8 h, column 8 j + 2 t + e.
+__device__ __forceinline__ void stage_tile(const float (&acc)[ACC], float* stage) {
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, warp = (tid % 128) / 32;
-    const int g = lane / 4, t = lane % 4;
-    const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
-    __syncthreads();  // a caller's earlier use of the stage (db sums) is over
-    {
-        float* row0 = stage + (64 * wg + 16 * warp + g) * STAGE_LD + 2 * t;
+    float* row0 = stage + (64 * wg + 16 * warp + lane / 4) * STAGE_LD + 2 * (lane % 4);
 #pragma unroll
-        for (int j = 0; j < ACC / 4; ++j)
+    for (int j = 0; j < ACC / 4; ++j)
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                *reinterpret_cast<float2*>(row0 + 8 * h * STAGE_LD + 8 * j) =
-                    make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-    }
-    __syncthreads();
+        for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<float2*>(row0 + 8 * h * STAGE_LD + 8 * j) =
+                make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+}
+
+// Rows [row_begin, row_end) of the tile through the epilogue into C; value(row, c4)
+// gives the 4 sums at columns 4 c4 .. 4 c4 + 3 of a staged row.
+template <int EPI, class Value>
+__device__ __forceinline__ void store_rows(int row_begin, int row_end, const Value& value, float* C, int ldc, int M,
+                                           int N, const float* bias, const float* mask, int ldm) {
+    const int tid = threadIdx.x, i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const bool vec = aligned16(C, ldc) && (EPI != EPI_MASK || aligned16(mask, ldm));
-    constexpr int PER_ROW = BN / 4;              // 16-byte pieces per row: a warp takes one row
-    constexpr int ROUNDS = BM * PER_ROW / THREADS;  // 16 pieces per thread
     const int c4 = tid % PER_ROW, c = j0 + 4 * c4;  // the same columns in every round
+    const int rounds = ((row_end - row_begin) * PER_ROW + THREADS - 1) / THREADS;
     // Every mask load of the thread goes out before the first store (one round
-    // trip, not 16); the bias is the same 4 values in every round.
-    float4 mv[EPI == EPI_MASK ? ROUNDS : 1];
+    // trip, not one per round); the bias is the same 4 values in every round.
+    float4 mv[EPI == EPI_MASK ? MAX_ROUNDS : 1];
     float bv[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) bv[e] = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) && c + e < N ? bias[c + e] : 0.0f;
     if (EPI == EPI_MASK) {
 #pragma unroll
-        for (int it = 0; it < ROUNDS; ++it) {
-            const int r = i0 + (tid + THREADS * it) / PER_ROW;
+        for (int it = 0; it < MAX_ROUNDS; ++it) {
+            const int row = row_begin + (tid + THREADS * it) / PER_ROW, r = i0 + row;
             float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (r < M && c < N) {
+            if (it < rounds && row < row_end && r < M && c < N) {
                 if (vec && c + 3 < N) *reinterpret_cast<float4*>(m) = *reinterpret_cast<const float4*>(mask + (size_t)r * ldm + c);
                 else
 #pragma unroll
@@ -235,11 +237,11 @@ __device__ __forceinline__ void store_tile(const float (&acc)[ACC], float* stage
         }
     }
 #pragma unroll
-    for (int it = 0; it < ROUNDS; ++it) {
-        const int row = (tid + THREADS * it) / PER_ROW, r = i0 + row;
-        if (r >= M || c >= N) continue;
+    for (int it = 0; it < MAX_ROUNDS; ++it) {
+        const int row = row_begin + (tid + THREADS * it) / PER_ROW, r = i0 + row;
+        if (it >= rounds || row >= row_end || r >= M || c >= N) continue;
         float y[4], m[4];
-        *reinterpret_cast<float4*>(y) = *reinterpret_cast<const float4*>(stage + row * STAGE_LD + 4 * c4);
+        *reinterpret_cast<float4*>(y) = value(row, c4);
         *reinterpret_cast<float4*>(m) = mv[EPI == EPI_MASK ? it : 0];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -255,6 +257,98 @@ __device__ __forceinline__ void store_tile(const float (&acc)[ACC], float* stage
                 if (c + e < N) C[(size_t)r * ldc + c + e] = y[e];
         }
     }
+}
+
+__device__ __forceinline__ unsigned int cluster_blocks() {
+    unsigned int n;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+
+__device__ __forceinline__ void cluster_barrier() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// The shared::cluster address of shared::cta address `addr` in the block of rank `rank`.
+__device__ __forceinline__ unsigned int cluster_address(unsigned int addr, unsigned int rank) {
+    unsigned int out;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
+    return out;
+}
+
+__device__ __forceinline__ float4 cluster_load4(unsigned int addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ float cluster_load(unsigned int addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+// The end of every kernel here: the S = gridDim.z splits of the tile summed in z
+// order, then the epilogue into C, and with `sums` (thread tid < 128 holding row
+// tid's sum) the row sums into col_sum. `stage` at shared::cta address
+// `stage_addr` holds the 128 x STAGE_LD staged tile and then 128 row sums.
+//  - Launched in clusters of the S blocks of a tile ((1, 1, S), the host's
+//    default for S > 1): each block stages its partial tile in its own shared
+//    memory, and after a cluster barrier block z sums rows z R .. z R + R - 1
+//    (R = ceil(128 / S)) of all S partials over distributed shared memory and
+//    stores them. No partials in global memory, no counters, and the tail is
+//    spread over the S blocks.
+//  - Otherwise (S > 1 without clusters, or S == 1): through `workspace` and
+//    `counters` (reduce_splits), the last block to arrive storing the tile.
+// Both add the same values in the same order: the same bits.
+template <int EPI>
+__device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bool sums, float* stage,
+                                            unsigned int stage_addr, float* C, int ldc, int M, int N,
+                                            const float* bias, const float* mask, int ldm, float* col_sum,
+                                            float* workspace, unsigned int* counters) {
+    const int tid = threadIdx.x, splits = gridDim.z, z = blockIdx.z, i0 = blockIdx.y * BM;
+    if (splits > 1 && cluster_blocks() == (unsigned int)splits) {
+        __syncthreads();  // the other warpgroup's MMAs and any earlier use of the stage are over
+        stage_tile(acc, stage);
+        if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
+        cluster_barrier();  // every block's partial is staged
+        const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows), row_end = min(BM, row_begin + rows);
+        unsigned int base[8];  // MAX splits: WGMMA_TILE.max_splits on the host
+#pragma unroll
+        for (int s = 0; s < 8; ++s) base[s] = s < splits ? cluster_address(stage_addr, s) : 0u;
+        const auto sum = [&](int row, int c4) {
+            float4 p[8];
+            const unsigned int at = 4u * (row * STAGE_LD + 4 * c4);
+#pragma unroll
+            for (int s = 0; s < 8; ++s)
+                if (s < splits) p[s] = cluster_load4(base[s] + at);
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int s = 0; s < 8; ++s)
+                if (s < splits) v.x += p[s].x, v.y += p[s].y, v.z += p[s].z, v.w += p[s].w;
+            return v;
+        };
+        store_rows<EPI>(row_begin, row_end, sum, C, ldc, M, N, bias, mask, ldm);
+        if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
+            float v = 0.0f;
+#pragma unroll
+            for (int s = 0; s < 8; ++s)
+                if (s < splits) v += cluster_load(base[s] + 4u * (BM * STAGE_LD + tid));
+            col_sum[i0 + tid] = v;
+        }
+        cluster_barrier();  // no block leaves while another still reads its shared memory
+        return;
+    }
+    float r = row_sum;
+    if (splits > 1 && !reduce_splits(acc, workspace, counters, sums, r)) return;
+    if (sums && tid < BM && i0 + tid < M) col_sum[i0 + tid] = r;
+    __syncthreads();
+    stage_tile(acc, stage);
+    __syncthreads();
+    const auto staged = [&](int row, int c4) { return *reinterpret_cast<const float4*>(stage + row * STAGE_LD + 4 * c4); };
+    store_rows<EPI>(0, BM, staged, C, ldc, M, N, bias, mask, ldm);
 }
 
 template <int EPI>
@@ -322,9 +416,8 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
     asm volatile("cp.async.wait_group 0;\n" ::);
     dt_allow_dependents();
 
-    float no_sums = 0.0f;
-    if (splits > 1 && !reduce_splits(acc, workspace, counters, false, no_sums)) return;
-    store_tile<EPI>(acc, reinterpret_cast<float*>(smem_raw + (smem0 - raw0)), C, ldc, M, N, bias, nullptr, 0);
+    finish_tile<EPI>(acc, 0.0f, false, reinterpret_cast<float*>(smem_raw + (smem0 - raw0)), smem0, C, ldc, M, N, bias,
+                     nullptr, 0, nullptr, workspace, counters);
 }
 
 // ---------------------------------------------------------------- 3xTF32 backward
@@ -597,17 +690,18 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         if (tid < BM)
             for (int g = 0; g < 8; ++g) row_sum += red[g * BM + tid];
     }
-    if (splits > 1 && !reduce_splits(acc, workspace, counters, sums, row_sum)) return;
-    if (sums && tid < BM && i0 + tid < M) col_sum[i0 + tid] = row_sum;
-    store_tile<EPI>(acc, reinterpret_cast<float*>(smem_raw + (smem0 - raw0)), C, ldc, M, N, nullptr, mask, ldm);
+    finish_tile<EPI>(acc, row_sum, sums, reinterpret_cast<float*>(smem_raw + (smem0 - raw0)), smem0, C, ldc, M, N,
+                     nullptr, mask, ldm, col_sum, workspace, counters);
 }
 
 }  // namespace
 #endif
 
 // gemm.cu's signature, so the host launches every forward alike; mask, ldm and
-// col_sum are unused (0). workspace: gridDim.x * gridDim.y * S * 128 * 128 floats
-// when S > 1. Dynamic shared memory: SHARED_BYTES (129 KB).
+// col_sum are unused (0). With S > 1 splits, launched in clusters (1, 1, S) the
+// kernels need no workspace or counters (finish_tile); launched without,
+// workspace holds gridDim.x * gridDim.y * S * 128 * 128 floats and counters one
+// zeroed uint per tile. Dynamic shared memory: SHARED_BYTES (129 KB).
 #define DT_WGMMA_FORWARD(NAME, EPI)                                                                          \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                  \
             const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \
@@ -631,8 +725,8 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
 // The backward products in 3xTF32, gemm.cu's signature and contract again (bias
 // unused): dX = (dY W) * (X > 0) with A = dY k-fast, B = W row-fast, and dW = dY^T X
 // with db = sum_m dY into col_sum (grid column 0), A = dY row-fast, B = X row-fast.
-// workspace with S > 1: gridDim.x * gridDim.y * S * 128 * 128 floats, then
-// gridDim.y * S * 128 for the row sums. Dynamic shared memory: BACKWARD_SHARED_BYTES
+// Split as the forward; a launch without clusters needs gridDim.y * S * 128 more
+// workspace floats for the row sums. Dynamic shared memory: BACKWARD_SHARED_BYTES
 // (225 KB).
 #define DT_WGMMA_BACKWARD(NAME, A_KFAST, B_KFAST, EPI)                                                       \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                               \

@@ -226,6 +226,44 @@ def test_runs_are_bitwise_identical_and_graph_replay_matches_eager(device, strea
             assert sums.tobytes() == first_sums.tobytes()
 
 
+@pytest.mark.parametrize("splits", [3, 8])
+@pytest.mark.parametrize("role", ROLES)
+def test_wgmma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same_bits(device, stream, rng, role,
+                                                                                       splits):
+    """The wgmma kernels launch a tile's splits as one cluster that sums them in
+    distributed shared memory (the default, no workspace); launched without a
+    cluster they take gemm.cu's workspace and counters instead. Both add the same
+    partials in the same z order: the same bits, and float64 agrees. With 3 splits
+    the cluster's blocks store 43, 43 and 42 rows of each tile."""
+    from drvtrain.nn.mlp import gemm
+    skip_unless_compiled(device, WGMMA_TILE)
+    m, n, k = 300, 260, 1024
+    kernels = kernels_for(role, device)
+    prod = Product(role, m, n, k, 16, rng)
+    p = kernels.plan(role, m, n, k, tile=WGMMA_TILE, splits=splits)
+    assert p.splits == splits and p.workspace_floats == 0 and p.counters == 0
+    arena = Arena(1024)
+    prod.poison(stream)
+    kernels.launch(role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=arena, stream=stream,
+                   tile=WGMMA_TILE, vector=16, splits=splits, **prod.epilogue)
+    clustered = prod.outputs()
+    rows, cols = -(-m // 128), -(-n // 128)
+    floats = rows * cols * p.splits * 128 * 128 + rows * p.splits * 128
+    work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
+    prod.poison(stream)
+    gemm(kernels.kernels[(role, WGMMA_TILE, 16)], prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k,
+         stream, splits=p.splits, workspace=work.array(floats, np.float32), counters=work.zeroed(rows * cols, np.uint32),
+         cluster=False, **prod.epilogue)
+    through_memory = prod.outputs()
+    assert not np.isnan(clustered[0][:, :n]).any()
+    assert clustered[0].tobytes() == through_memory[0].tobytes()
+    if prod.ref_sums is not None:
+        assert clustered[1].tobytes() == through_memory[1].tobytes()
+        assert rel(clustered[1], prod.ref_sums) < X3_BOUND
+    bound = TF32_BOUND if role.startswith("forward") else X3_BOUND
+    assert rel(clustered[0][:, :n], prod.want) < bound
+
+
 def test_gate_skips_every_write(device, stream, rng):
     kernels = kernels_for("grad_weight", device)
     prod = Product("grad_weight", 256, 3, 256, 16, rng)

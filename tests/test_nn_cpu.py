@@ -185,8 +185,8 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
     monkeypatch.setattr(mlp_module, "join", lambda parent, *children: launches.append(("join", children)))
 
     def load(name):
-        def launch(grid, block, *args, stream, shared_mem):
-            launches.append((name, grid, args, stream, shared_mem))
+        def launch(grid, block, *args, stream, shared_mem, cluster=None):
+            launches.append((name, grid, args, stream, shared_mem, cluster))
         return SimpleNamespace(block=256, launch=launch)
 
     monkeypatch.setattr(mlp_module, "_load_kernel", load)
@@ -233,20 +233,24 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         assert rounded(arena.offset) + 1024 == model.scratch_bytes(batch)
         assert rounded(arena.zeroed_offset) == model.zeroed_bytes(batch)
     assert len(kernels) == len(model._products(batch))
-    for (name, grid, args, stream, shared_mem), (m, n, k) in zip(kernels, model._products(batch)):
+    for (name, grid, args, stream, shared_mem, cluster), (m, n, k) in zip(kernels, model._products(batch)):
         assert args[6:9] == (m, n, k)
         want_shared = (129 if "_forward_" in name else 225) * 1024 if "_wgmma_" in name else 0
         assert shared_mem == want_shared, name
         workspace, counters, col_sum = args[13], args[14], args[12]
         splits = grid[2]
-        if splits == 1:
+        # The wgmma kernels launch a tile's splits as one cluster and sum them in shared memory.
+        assert cluster == ((1, 1, splits) if "_wgmma_" in name and splits > 1 else None), name
+        if splits == 1 or "_wgmma_" in name:
             assert workspace == 0 and counters == 0
+            if "_wgmma_" in name:
+                assert grid[:2] == (-(-n // 128), -(-m // 128))
             continue
         if name.endswith("_f32"):  # the kernel header's contract: S * (M * N + M)
             need = splits * (m * n + m)
             bm = bn = 64
         else:  # grid.x * grid.y * S * BM * BN (+ grid.y * S * BM with db)
-            bm, bn = (128, 128) if "_wgmma_" in name else (int(v) for v in name.split("_")[-3].split("x"))
+            bm, bn = (int(v) for v in name.split("_")[-3].split("x"))
             need = grid[0] * grid[1] * splits * bm * bn + (grid[1] * splits * bm if col_sum else 0)
         assert grid[:2] == (-(-n // bn), -(-m // bm))
         assert workspace.size == need, name
@@ -271,7 +275,7 @@ def test_the_wgmma_tile_is_chosen_for_the_wide_tensor_core_products_only():
         wide = plan(512, 1024, 1024, 132, precision=precision, sums=sums, wgmma=True)
         # 32 tiles of 128x128, four splits: one block per SM, the most that fit.
         assert (wide.tile, wide.splits) == (WGMMA_TILE, 4)
-        assert wide.workspace_floats == 32 * 4 * 128 * 128 + (4 * 4 * 128 if sums else 0) and wide.counters == 32
+        assert wide.workspace_floats == 0 and wide.counters == 0  # the splits meet in a cluster
     # The large net's dW: 64 tiles, two splits.
     assert plan(1024, 1024, 512, 132, precision="3xtf32", sums=True, wgmma=True).splits == 2
     assert choose_tile(1024, 1024, 512, 132, "3xtf32", wgmma=True) is WGMMA_TILE

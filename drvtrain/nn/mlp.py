@@ -133,6 +133,8 @@ def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = 
     s = split_count(m, n, k, sm_count, tile, splits)
     if s == 1:
         return Plan(tile, 1, 0, 0)
+    if tile is WGMMA_TILE:  # the splits of a tile launch as one cluster and reduce in shared memory
+        return Plan(tile, s, 0, 0)
     rows, cols = -(-m // tile.bm), -(-n // tile.bn)
     if tile is FFMA_TILE:
         floats = s * (m * n + m)  # [z][M][N] partials, then [z][M] row sums
@@ -181,14 +183,24 @@ class GemmKernel:
 
 
 def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
-         splits=1, workspace=0, counters=0, gate=0):
+         splits=1, workspace=0, counters=0, gate=0, cluster=None):
     """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
     (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile.
-    ``workspace`` and ``counters`` as :func:`plan` sizes them."""
+    ``workspace`` and ``counters`` as :func:`plan` sizes them.
+
+    ``cluster``: the wgmma kernels launch the splits of a tile as one thread block
+    cluster, which sums them in distributed shared memory (no workspace or
+    counters; the default for them). ``cluster=False`` takes the workspace path
+    instead, which then needs gemm.cu's workspace and counters for a 128x128 tile."""
     tile = kernel.tile
+    if cluster is None:
+        cluster = tile is WGMMA_TILE
+    elif cluster and tile is not WGMMA_TILE:
+        raise ValueError(f"{kernel.name} does not reduce its splits in a cluster")
+    dims = (1, 1, splits) if cluster and splits > 1 else None
     kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block, a, lda, b, ldb, c, ldc,
                          m, n, k, bias, mask, ldm, col_sum, workspace, counters, gate if gate is not None else 0,
-                         stream=stream, shared_mem=kernel.shared_bytes)
+                         stream=stream, shared_mem=kernel.shared_bytes, cluster=dims)
 
 
 class LinearKernels:
@@ -236,8 +248,8 @@ class LinearKernels:
                              f"{self.wgmma}; it needs compute capability 9.0, tensor cores and 16-byte copies)")
         p = self.plan(role, m, n, k, tile=tile, splits=splits, vector=vector)
         kernel = self.kernels[(role, p.tile, vector if self.precision != "f32" else 16)]
-        workspace = arena.array(p.workspace_floats, np.float32) if p.splits > 1 else 0
-        counters = arena.zeroed(p.counters, np.uint32) if p.splits > 1 else 0
+        workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
+        counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=p.splits, workspace=workspace,
              counters=counters, gate=gate, **epilogue)
         return kernel
@@ -336,7 +348,7 @@ class MLP:
 
     def zeroed_bytes(self, batch: int) -> int:
         """``arena.zeroed`` bytes (tile counters) one forward and backward take."""
-        return sum(_rounded(p.counters) for _, _, _, p in self._plans(batch) if p.splits > 1)
+        return sum(_rounded(p.counters) for _, _, _, p in self._plans(batch) if p.counters)
 
     def scratch_bytes(self, batch: int) -> int:
         """Arena bytes one forward and backward take at this batch size, plus 1024."""
@@ -344,7 +356,7 @@ class MLP:
         for role, m, n, p in self._plans(batch):
             if role != "grad_weight":  # activations and their gradients; dW goes to grads
                 total += _rounded(m * n)
-            if p.splits > 1:
+            if p.workspace_floats:
                 total += _rounded(p.workspace_floats)
         return total + 1024
 
