@@ -314,6 +314,26 @@ class Kernel:
         self._configs[key] = blocks
         return blocks
 
+    def max_active_clusters(self, cluster, block, shared_mem: int = 0) -> int:
+        """How many clusters of shape ``cluster`` (blocks of ``block`` threads and
+        ``shared_mem`` bytes of dynamic shared memory) the device runs at once
+        (``cuOccupancyMaxActiveClusters``). A cluster's blocks share one GPC, so
+        this can be less than ``max_resident_blocks`` divided by the cluster's
+        size: a grid of more clusters than this runs in more than one wave."""
+        b = _dims(block, "block")
+        c = _dims(cluster, "cluster")
+        key = ("clusters", c, b, shared_mem)
+        try:
+            return self._configs[key]
+        except KeyError:
+            pass
+        if self.function is None or self._module is None:
+            raise ValueError(f"{self.name}: occupancy needs a loaded kernel")
+        _, _, config = self._launch_config(c, b, shared_mem, False, c)
+        count = int(check(cu.cuOccupancyMaxActiveClusters, self.function, config))
+        self._configs[key] = count
+        return count
+
     def _launch_config(self, grid, block, shared_mem, dependent, cluster, cooperative=False) -> tuple:
         """``(grid, block, CUlaunchConfig)`` for a launch with options, checked and memoised.
 

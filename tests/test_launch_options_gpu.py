@@ -259,6 +259,26 @@ def test_cluster_bound_launch_replays_in_a_graph(rng, stream):
     np.testing.assert_array_equal(ranks.to_numpy(), b % 4)
 
 
+def test_max_active_clusters_counts_co_resident_clusters(rng, stream, reverse_module, device):
+    """With 150 KiB of shared memory a block has an SM to itself, so at most
+    sm_count / c clusters of c fit, fewer where a GPC's SMs do not divide by c;
+    a grid of that many clusters runs, and reverses its tiles."""
+    kern = reverse_module.kernel("reverse_tiles", REVERSE_SIG)
+    shared = 150 * 1024
+    assert kern.max_resident_blocks(BLOCK, shared) == device.sm_count
+    fits = {c: kern.max_active_clusters((c, 1, 1), BLOCK, shared) for c in (1, 2, 4, 8)}
+    assert fits[1] == device.sm_count
+    for c in (2, 4, 8):
+        assert 1 <= fits[c] and fits[c] * c <= fits[c // 2] * (c // 2) <= device.sm_count, fits
+    tile = shared // 4
+    blocks = fits[4] * 4
+    x = rng.standard_normal(blocks * tile).astype(np.float32)
+    src, out = DeviceBuffer.from_numpy(x), DeviceBuffer(x.size)
+    out.poison(stream=stream)
+    kern.launch(blocks, BLOCK, out, src, 1.0, 0.0, tile, stream=stream, shared_mem=shared, cluster=(4, 1, 1))
+    np.testing.assert_array_equal(out.to_numpy(), reverse_reference(x, tile, 1.0, 0.0))
+
+
 def test_bad_cluster_is_refused_before_launch(stream):
     kern = load_source(CLUSTER_SOURCE, "cluster.cu").kernel("cluster_exchange", "ptr, ptr, ptr, ptr")
     buf = DeviceBuffer(64)

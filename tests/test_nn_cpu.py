@@ -187,7 +187,8 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
     def load(name):
         def launch(grid, block, *args, stream, shared_mem, cluster=None):
             launches.append((name, grid, args, stream, shared_mem, cluster))
-        return SimpleNamespace(block=256, launch=launch)
+        # 8 GPCs of 16 SMs, one block per SM: 64 clusters of 2, 32 of 4, 16 of 8.
+        return SimpleNamespace(block=256, launch=launch, max_active_clusters=lambda c, b, shared: 8 * (16 // c[2]))
 
     monkeypatch.setattr(mlp_module, "_load_kernel", load)
 
@@ -239,18 +240,19 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         assert shared_mem == want_shared, name
         workspace, counters, col_sum = args[13], args[14], args[12]
         splits = grid[2]
-        # The wgmma kernels launch a tile's splits as one cluster and sum them in shared memory.
-        assert cluster == ((1, 1, splits) if "_wgmma_" in name and splits > 1 else None), name
-        if splits == 1 or "_wgmma_" in name:
+        # A wgmma product whose clusters all fit at once launches each tile's splits as
+        # one cluster that sums them in shared memory, with no workspace.
+        if cluster is not None:
+            assert "_wgmma_" in name and splits > 1 and cluster == (1, 1, splits), name
+            assert grid[:2] == (-(-n // 128), -(-m // 128)) and grid[0] * grid[1] <= 8 * (16 // splits)
+        if splits == 1 or cluster is not None:
             assert workspace == 0 and counters == 0
-            if "_wgmma_" in name:
-                assert grid[:2] == (-(-n // 128), -(-m // 128))
             continue
         if name.endswith("_f32"):  # the kernel header's contract: S * (M * N + M)
             need = splits * (m * n + m)
             bm = bn = 64
         else:  # grid.x * grid.y * S * BM * BN (+ grid.y * S * BM with db)
-            bm, bn = (int(v) for v in name.split("_")[-3].split("x"))
+            bm, bn = (128, 128) if "_wgmma_" in name else (int(v) for v in name.split("_")[-3].split("x"))
             need = grid[0] * grid[1] * splits * bm * bn + (grid[1] * splits * bm if col_sum else 0)
         assert grid[:2] == (-(-n // bn), -(-m // bm))
         assert workspace.size == need, name
@@ -274,8 +276,13 @@ def test_the_wgmma_tile_is_chosen_for_the_wide_tensor_core_products_only():
     for precision, sums in (("tf32", False), ("3xtf32", False), ("3xtf32", True)):
         wide = plan(512, 1024, 1024, 132, precision=precision, sums=sums, wgmma=True)
         # 32 tiles of 128x128, four splits: one block per SM, the most that fit.
-        assert (wide.tile, wide.splits) == (WGMMA_TILE, 4)
-        assert wide.workspace_floats == 0 and wide.counters == 0  # the splits meet in a cluster
+        assert (wide.tile, wide.splits, wide.cluster) == (WGMMA_TILE, 4, False)
+        assert wide.workspace_floats == 32 * 4 * 128 * 128 + (4 * 4 * 128 if sums else 0) and wide.counters == 32
+        # With room for all 32 clusters of 4 at once, the splits meet in a cluster instead.
+        for room, clustered in ((32, True), (31, False)):
+            p = plan(512, 1024, 1024, 132, precision=precision, sums=sums, wgmma=True,
+                     max_clusters=lambda s: room if s == 4 else 0)
+            assert p.cluster == clustered and (p.workspace_floats == 0) == clustered
     # The large net's dW: 64 tiles, two splits.
     assert plan(1024, 1024, 512, 132, precision="3xtf32", sums=True, wgmma=True).splits == 2
     assert choose_tile(1024, 1024, 512, 132, "3xtf32", wgmma=True) is WGMMA_TILE

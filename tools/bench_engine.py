@@ -33,8 +33,9 @@ def graph_of(stream, arena, body):
 
 
 def plan_text(kernels, role, m, n, k, tile=None) -> str:
+    """tile/splits, and "c" when the splits meet in a cluster."""
     p = kernels.plan(role, m, n, k, tile=tile)
-    return f"{p.tile.name}/{p.splits}"
+    return f"{p.tile.name}/{p.splits}{'c' if p.cluster else ''}"
 
 
 # Products for --sweep: (role, M, N, K), the large net's then the small net's.

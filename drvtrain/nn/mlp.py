@@ -112,20 +112,28 @@ class Plan:
     """How one product launches: its tile, its split and the scratch it takes."""
     tile: Tile
     splits: int
-    workspace_floats: int  # 0 when unsplit
-    counters: int  # zeroed uint32 tile counters; 0 when unsplit
+    workspace_floats: int  # 0 when unsplit or clustered
+    counters: int  # zeroed uint32 tile counters; 0 when unsplit or clustered
+    cluster: bool = False  # the splits of a tile launch as one cluster (wgmma tile)
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
         return -(-n // self.tile.bn), -(-m // self.tile.bm), self.splits
 
 
 def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = False,
-         tile: Tile | None = None, splits: int | None = None, wgmma: bool = False) -> Plan:
+         tile: Tile | None = None, splits: int | None = None, wgmma: bool = False,
+         max_clusters=None) -> Plan:
     """The launch of an m x n x k product: the one rule behind every launch and
     behind ``MLP.scratch_bytes`` / ``MLP.zeroed_bytes``. ``sums``: the product also
     writes row sums of A (db). ``tile`` forces a tile (tests: every compiled
     variant), ``splits`` a split count (benchmarks: the plans around the rule's).
-    ``wgmma``: the wgmma tile may be chosen (see :func:`choose_tile`)."""
+    ``wgmma``: the wgmma tile may be chosen (see :func:`choose_tile`).
+
+    A split wgmma product launches each tile's S splits as one cluster, summed
+    in distributed shared memory with no workspace, when ``max_clusters(S)``
+    (the device's count of co-resident clusters of S such blocks) holds every
+    tile at once; else through a workspace as gemm.cu does (a second wave of
+    clusters would cost more than the workspace: measured on the H200)."""
     if tile is None:
         tile = choose_tile(m, n, k, sm_count, precision, wgmma)
     elif (tile is FFMA_TILE) != (precision == "f32"):
@@ -133,9 +141,9 @@ def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = 
     s = split_count(m, n, k, sm_count, tile, splits)
     if s == 1:
         return Plan(tile, 1, 0, 0)
-    if tile is WGMMA_TILE:  # the splits of a tile launch as one cluster and reduce in shared memory
-        return Plan(tile, s, 0, 0)
     rows, cols = -(-m // tile.bm), -(-n // tile.bn)
+    if tile is WGMMA_TILE and max_clusters is not None and rows * cols <= max_clusters(s):
+        return Plan(tile, s, 0, 0, cluster=True)
     if tile is FFMA_TILE:
         floats = s * (m * n + m)  # [z][M][N] partials, then [z][M] row sums
     else:  # per tile and split a BM x BN partial in fragment order, then [row][z][BM] row sums
@@ -183,19 +191,16 @@ class GemmKernel:
 
 
 def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
-         splits=1, workspace=0, counters=0, gate=0, cluster=None):
+         splits=1, workspace=0, counters=0, gate=0, cluster=False):
     """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
     (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile.
     ``workspace`` and ``counters`` as :func:`plan` sizes them.
 
-    ``cluster``: the wgmma kernels launch the splits of a tile as one thread block
-    cluster, which sums them in distributed shared memory (no workspace or
-    counters; the default for them). ``cluster=False`` takes the workspace path
-    instead, which then needs gemm.cu's workspace and counters for a 128x128 tile."""
+    ``cluster`` (wgmma kernels only): launch the splits of a tile as one thread
+    block cluster, which sums them in distributed shared memory and needs no
+    workspace or counters (:attr:`Plan.cluster` says when)."""
     tile = kernel.tile
-    if cluster is None:
-        cluster = tile is WGMMA_TILE
-    elif cluster and tile is not WGMMA_TILE:
+    if cluster and tile is not WGMMA_TILE:
         raise ValueError(f"{kernel.name} does not reduce its splits in a cluster")
     dims = (1, 1, splits) if cluster and splits > 1 else None
     kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block, a, lda, b, ldb, c, ldc,
@@ -227,8 +232,12 @@ class LinearKernels:
     def plan(self, role, m, n, k, *, tile=None, splits=None, vector=16) -> Plan:
         """The launch of ``role``'s m x n x k product (grad-weight also sums db) with
         ``vector``-byte copies (the wgmma tile needs 16)."""
+        wgmma = self.kernels.get((role, WGMMA_TILE, 16))
+        limit = None
+        if wgmma is not None:
+            limit = lambda s: wgmma.kernel.max_active_clusters((1, 1, s), wgmma.kernel.block, wgmma.shared_bytes)
         return plan(m, n, k, self.sm_count, precision=self.precision, sums=role == "grad_weight", tile=tile,
-                    splits=splits, wgmma=self.wgmma and vector == 16)
+                    splits=splits, wgmma=self.wgmma and vector == 16, max_clusters=limit)
 
     def launch(self, role, a, lda, b, ldb, c, ldc, m, n, k, *, arena: Arena, stream, gate=None, tile=None,
                vector=None, splits=None, **epilogue) -> GemmKernel:
@@ -251,7 +260,7 @@ class LinearKernels:
         workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=p.splits, workspace=workspace,
-             counters=counters, gate=gate, **epilogue)
+             counters=counters, gate=gate, cluster=p.cluster, **epilogue)
         return kernel
 
 
@@ -343,7 +352,7 @@ class MLP:
             if p.tile is WGMMA_TILE:  # a misaligned input falls back to gemm.cu: room for either
                 q = kernels.plan(role, m, n, k, vector=4)
                 p = Plan(p.tile, max(p.splits, q.splits), max(p.workspace_floats, q.workspace_floats),
-                         max(p.counters, q.counters))
+                         max(p.counters, q.counters), p.cluster)
             yield role, m, n, p
 
     def zeroed_bytes(self, batch: int) -> int:
