@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     flops = 2.0 * 512 * 1024 * 1024
 
     print(f"\ndevice: {dev.name} ({dev.arch}, {dev.sm_count} SMs); us per replayed graph, median of {args.repeats}; "
-          f"plan = tile/splits")
+          f"plan = tile/splits, c: the splits meet in a cluster")
     header = ("config", "GEMM MxNxK", "fwd plan", "fwd TF32 us", "TFLOP/s", "bwd plans", "bwd 3xTF32 us", "TFLOP/s")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     print(" | ".join(h.ljust(wd) for h, wd in zip(header, widths)))
