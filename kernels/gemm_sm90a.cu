@@ -423,59 +423,65 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
 // ---------------------------------------------------------------- 3xTF32 backward
 // TF32 wgmma reads K-major operands only, and the backward's operands are not all
 // K-major (dX reads W, dW reads dY and X with the reduction dimension strided).
-// So each k tile is copied as it lies (cp.async, four raw stages, three tiles
-// ahead), and then:
-//   A goes from its raw stage straight into registers, split into big and small
-//     TF32 parts (tf32.cuh): wgmma takes A from registers (one 16 x 8 fragment
-//     per warp and 8-deep step), which saves the shared-memory traffic of A's
-//     split copy and of the MMAs' reads of it;
-//   B is split by the threads into big and small tiles in the swizzled K-major
-//     layout the MMAs read from shared memory, transposed where it is row-fast.
-// The shared-memory pipe, which the MMAs' operand reads and the copies and
-// conversions share, is this kernel's limit (docs/perf-notes.md).
+// So each k tile travels in two steps: cp.async copies it as it lies into a raw
+// stage (three stages, two tiles ahead), and then the threads split it into big
+// and small TF32 parts (tf32.cuh), transposing where needed, into the swizzled
+// K-major tiles the MMAs read (above).
 //
-// Raw stage of a k-fast operand (X(r, k) = X[r ld + k]): the MMA layout (128-byte
-// rows, chunk c of row r at 16 (c ^ r % 8)). Raw stage of a row-fast operand
-// (X(r, k) = X[r + k ld]): 32 lines of 128 rows (512 bytes) per depth, the 16-byte
-// chunk c of line d at 512 d + 16 (c ^ swizzle(d)): for B, 2 (d / 4 % 4), so that
-// the conversion's 4 x 4 reads below are free of bank conflicts; for A,
-// 2 (d % 4), so that the fragment reads are.
-template <bool KFAST, bool FOR_A>
-struct Copier {
+// Raw stage of a k-fast operand (X(r, k) = X[r ld + k]): the MMA layout itself,
+// copied by Pieces. Raw stage of a row-fast operand (X(r, k) = X[r + k ld]): 32
+// lines of 128 rows (512 bytes) per depth, the 16-byte chunk c of line d at
+// 512 d + 16 (c ^ 2 (d / 4 % 4)), so that the conversion's reads below are free
+// of bank conflicts.
+struct RowPieces {
     const float* base;
-    int ld, row0, rows, k_end;
+    const float* src[PER_THREAD];  // piece i of this thread in the split's first k tile
+    unsigned int dst[PER_THREAD];  // its byte offset within a raw tile
+    int line[PER_THREAD];          // its depth within a k tile
+    int valid[PER_THREAD];         // bytes of it inside the matrix's rows
+    long long ld;
 
-    __device__ __forceinline__ static int swizzle(int d) { return FOR_A ? 2 * (d % 4) : 2 * (d / 4 % 4); }
-
-    // Queue piece i of this thread of the k tile starting at depth k into the raw
-    // tile at shared byte address `tile`; elements outside the matrix are zero-filled.
-    // k-fast: piece q = tid + 256 i is row q / 8, depths 4 (q % 8) .. + 3 (a warp
-    // reads 4 whole 128-byte rows); row-fast: line q / 32, rows 4 (q % 32) .. + 3.
-    __device__ __forceinline__ void load(unsigned int tile, int k, int i) const {
-        const int q = threadIdx.x + THREADS * i;
-        int bytes;
-        unsigned int dst;
-        long long offset;
-        if (KFAST) {
-            const int row = q / 8, chunk = q % 8, r = row0 + row, d = k + 4 * chunk;
-            bytes = r < rows ? 4 * max(0, min(4, k_end - d)) : 0;
-            dst = 128u * row + 16u * (chunk ^ (row & 7));
-            offset = (long long)r * ld + d;
-        } else {
-            const int d = q / 32, c = q % 32, r = row0 + 4 * c;
-            bytes = k + d < k_end ? 4 * max(0, min(4, rows - r)) : 0;
-            dst = 512u * d + 16u * (c ^ swizzle(d));
-            offset = (long long)(k + d) * ld + r;
+    __device__ __forceinline__ RowPieces(const float* base_, long long ld_, int row0, int rows, int k_begin)
+        : base(base_), ld(ld_) {
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int q = threadIdx.x + THREADS * i, d = q / 32, c = q % 32, r = row0 + 4 * c;
+            line[i] = d;
+            dst[i] = 512u * d + 16u * (c ^ (2 * (d / 4 % 4)));
+            valid[i] = 4 * max(0, min(4, rows - r));
+            src[i] = base_ + (long long)(k_begin + d) * ld + (valid[i] ? r : 0);
         }
-        cp_async16(tile + dst, bytes ? base + offset : base, bytes);
+    }
+
+    // Queue the copies of the k tile starting at depth k (tiles after the split's
+    // first are BK lines further on); depths at or past k_end are zero-filled.
+    __device__ __forceinline__ void load(unsigned int tile, int k, int k_begin, int k_end, int first = 0,
+                                         int count = PER_THREAD) const {
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            if (i < first || i >= first + count) continue;
+            const int bytes = k + line[i] < k_end ? valid[i] : 0;
+            cp_async16(tile + dst[i], bytes ? src[i] + (long long)(k - k_begin) * ld : base, bytes);
+        }
     }
 };
 
-__device__ __forceinline__ float lds(unsigned int addr) {
-    float v;
-    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
-    return v;
-}
+template <bool KFAST>
+struct Copies;
+template <>
+struct Copies<true> : Pieces {
+    __device__ __forceinline__ Copies(const float* base, int ld, int row0, int rows, int k_begin)
+        : Pieces(base, ld, row0, rows, k_begin) {}
+    __device__ __forceinline__ void load(unsigned int tile, int k, int, int k_end, int first = 0,
+                                         int count = PER_THREAD) const {
+        Pieces::load(tile, k, k_end, first, count);
+    }
+};
+template <>
+struct Copies<false> : RowPieces {
+    __device__ __forceinline__ Copies(const float* base, int ld, int row0, int rows, int k_begin)
+        : RowPieces(base, ld, row0, rows, k_begin) {}
+};
 
 __device__ __forceinline__ float4 lds4(unsigned int addr) {
     float4 v;
@@ -497,8 +503,8 @@ __device__ __forceinline__ void store_split(unsigned int big, unsigned int small
                  : "memory");
 }
 
-// B's raw k tile into its big and small MMA tiles, in four quarters (step<0> ..
-// step<3>), so that the MMAs' issue can be interleaved with it.
+// One operand's raw k tile into its big and small MMA tiles, in four quarters
+// (step<0> .. step<3>), so that the MMAs' issue can be interleaved with it.
 //   k-fast: quarter Q is piece Q of the thread (row q / 8, chunk q % 8 with q =
 //     tid + 256 Q), at the same offset in all three tiles.
 //   row-fast: a 4 x 4 block, rows 4 rg .. 4 rg + 3 at depths 4 kg .. 4 kg + 3, read
@@ -506,13 +512,15 @@ __device__ __forceinline__ void store_split(unsigned int big, unsigned int small
 //     chunk per row (quarters 2 and 3), with rg = 8 (warp % 4) + lane / 4 and
 //     kg = 4 (warp / 4) + lane % 4: every 8 consecutive lanes (one wavefront of a
 //     16-byte access) touch 8 different chunk positions, in the raw reads and in
-//     the swizzled stores.
+//     the swizzled stores. `rows` gets this thread's depths of its 4 rows added,
+//     in order (db).
 template <bool KFAST>
 struct Converter {
     float4 x[4];
 
     template <int Q>
-    __device__ __forceinline__ void step(unsigned int raw, unsigned int big, unsigned int small) {
+    __device__ __forceinline__ void step(unsigned int raw, unsigned int big, unsigned int small, bool sum_rows,
+                                         float (&rows)[4]) {
         const int tid = threadIdx.x;
         if (KFAST) {
             const int q = tid + THREADS * Q, row = q / 8, chunk = q % 8;
@@ -526,6 +534,11 @@ struct Converter {
         if (Q < 2) {
 #pragma unroll
             for (int e = 2 * Q; e < 2 * Q + 2; ++e) x[e] = lds4(raw + 512u * (4 * kg + e) + 16u * (rg ^ (2 * (kg % 4))));
+            if (Q == 1 && sum_rows) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    rows[0] += x[e].x, rows[1] += x[e].y, rows[2] += x[e].z, rows[3] += x[e].w;
+            }
             return;
         }
         const int r0 = 4 * rg + 2 * (Q - 2);
@@ -541,70 +554,19 @@ struct Converter {
     }
 };
 
-// This thread's A fragment for the 8-deep step kk of a raw A tile, split: element
-// q of the warp's 16 x 8 fragment (the layout of mma.m16n8k8's A) is row
-// 64 wg + 16 warp + g + 8 (q % 2), depth 8 kk + t + 4 (q / 2). The 32 lanes read 32
-// different banks in either raw layout. `rows` (row-fast A, db) gets the values
-// added, per row, in a fixed order.
-template <bool KFAST>
-__device__ __forceinline__ void a_fragment(unsigned int raw, int kk, unsigned int (&big)[4], unsigned int (&small)[4],
-                                           bool sum_rows, float (&rows)[2]) {
-    const int tid = threadIdx.x, lane = tid % 32;
-    const int r0 = 64 * (tid / 128) + 16 * ((tid % 128) / 32) + lane / 4, t = lane % 4;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const int r = r0 + 8 * (q % 2), k = 8 * kk + t + 4 * (q / 2);
-        const unsigned int at = KFAST ? 128u * r + 16u * ((k / 4) ^ (r & 7)) + 4u * (k % 4)
-                                      : 512u * k + 16u * ((r / 4) ^ (2 * (k % 4))) + 4u * (r % 4);
-        const float x = lds(raw + at);
-        if (sum_rows) rows[q % 2] += x;
-        dt_tf32_split<true>(x, big[q], small[q]);
-    }
-}
-
-// d += A B for one 64 x 128 x 8 step, A from registers (this thread's fragment).
-template <int ACCUMULATE = 1>
-__device__ __forceinline__ void wgmma_rs_m64n128k8(float (&d)[ACC], const unsigned int (&a)[4], unsigned long long b) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %69, 0;\n"  // scale-d
-        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-          "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-          "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
-          "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
-          "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE));
-}
-
-// Shared memory of the backward: two sets of B's two MMA tiles (big, small; 32 KB
-// each set), then four raw stages of A and B (32 KB each).
-constexpr unsigned int TILE_BYTES = TILE_FLOATS * 4, SET_BYTES = 2 * TILE_BYTES, RAW_BYTES = 2 * TILE_BYTES;
-constexpr int RAW_STAGES = 4;
+// Shared memory of the backward: two sets of four MMA tiles (A big, A small, B
+// big, B small; 64 KB each), then three raw stages of A and B (32 KB each).
+constexpr unsigned int TILE_BYTES = TILE_FLOATS * 4, SET_BYTES = 4 * TILE_BYTES, RAW_BYTES = 2 * TILE_BYTES;
+constexpr int RAW_STAGES = 3;
 constexpr unsigned int BACKWARD_SHARED_BYTES = 2 * SET_BYTES + RAW_STAGES * RAW_BYTES + 1024;
-static_assert(2 * SET_BYTES + RAW_BYTES >= 4 * (BM * STAGE_LD + BM), "the epilogue's stage fits below raw stage 1");
 
 // C = A B in 3xTF32 with the epilogue EPI: A(i, k) and B(k, j) in the layouts
-// A_KFAST, B_KFAST name (gemm.cu's header). Iteration kt issues the MMAs of k
-// tile kt (A from raw stage kt, B from set kt % 2) and, between each 8-deep step's
-// three MMAs (whose issue stalls while the tensor cores are busy), converts a
-// quarter of B's raw tile kt + 1 into the other set and queues a quarter of the
-// copies of tile kt + 3 into the stage of tile kt - 1. One barrier per tile.
-// Each k tile's 12 MMAs per warpgroup (small A big B, big A small B, big A big B
-// per 8 deep) sum into a fresh fragment (scale-d 0 first) that is added to the
-// FP32 accumulators once the group is done: the tensor cores do not round their
-// running sums to nearest, so the error would otherwise grow with k.
+// A_KFAST, B_KFAST name (gemm.cu's header). The threads convert k tile kt + 1
+// into one set while the MMAs of tile kt read the other, and the copies run
+// three tiles ahead of the MMAs. Each k tile's 12 MMAs per warpgroup (small A big B, big A small
+// B, big A big B per 8 deep) sum into a fresh fragment (scale-d 0 first) that is
+// added to the FP32 accumulators once the group is done: the tensor cores do not
+// round their running sums to nearest, so the error would otherwise grow with k.
 // `sums` (grad-weight, grid column 0): row sums of A (db) as well.
 template <bool A_KFAST, bool B_KFAST, int EPI>
 __device__ __forceinline__ void backward(const float* A, int lda, const float* B, int ldb, float* C, int ldc,
@@ -617,70 +579,82 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
     const unsigned int raw0 = (unsigned int)__cvta_generic_to_shared(smem_raw);
     const unsigned int smem0 = (raw0 + 1023u) & ~1023u, stage0 = smem0 + 2 * SET_BYTES;
 
-    const int tid = threadIdx.x;
+    const int tid = threadIdx.x, wg = tid / 128;
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const int splits = gridDim.z, z = blockIdx.z;
     const int k_tiles = (K + BK - 1) / BK, per = (k_tiles + splits - 1) / splits;
     const int kb = min(K, z * per * BK), ke = min(K, kb + per * BK);
     const int tiles = (ke - kb + BK - 1) / BK;
     const bool sums = EPI == EPI_NONE && col_sum != nullptr && blockIdx.x == 0;
-    const bool sum_rows = !A_KFAST && sums;
 
-    const Copier<A_KFAST, true> ca{A, lda, i0, M, ke};
-    const Copier<B_KFAST, false> cb{B, ldb, j0, N, ke};
+    const Copies<A_KFAST> ca(A, lda, i0, M, kb);
+    const Copies<B_KFAST> cb(B, ldb, j0, N, kb);
+    Converter<A_KFAST> va;
     Converter<B_KFAST> vb;
-    float acc[ACC], part[ACC], rows[2] = {0.0f, 0.0f};
+    float acc[ACC], part[ACC], rows[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
+    const bool sum_rows = !A_KFAST && sums;
 
     // Every thread commits one copy group per k tile slot, empty or not, so the
     // wait counts stay uniform.
 #pragma unroll
     for (int s = 0; s < RAW_STAGES; ++s) {
         if (s < tiles) {
-#pragma unroll
-            for (int i = 0; i < PER_THREAD; ++i) {
-                ca.load(stage0 + s * RAW_BYTES, kb + s * BK, i);
-                cb.load(stage0 + s * RAW_BYTES + TILE_BYTES, kb + s * BK, i);
-            }
+            ca.load(stage0 + s * RAW_BYTES, kb + s * BK, kb, ke);
+            cb.load(stage0 + s * RAW_BYTES + TILE_BYTES, kb + s * BK, kb, ke);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     }
-    if (tiles > 0) {  // B of tile 0 into set 0
+    if (tiles > 0) {  // tile 0 into set 0
         asm volatile("cp.async.wait_group %0;\n" ::"n"(RAW_STAGES - 1));
         __syncthreads();
-        const unsigned int b_raw = stage0 + TILE_BYTES;
-        vb.template step<0>(b_raw, smem0, smem0 + TILE_BYTES);
-        vb.template step<1>(b_raw, smem0, smem0 + TILE_BYTES);
-        vb.template step<2>(b_raw, smem0, smem0 + TILE_BYTES);
-        vb.template step<3>(b_raw, smem0, smem0 + TILE_BYTES);
+        const unsigned int a_raw = stage0, b_raw = stage0 + TILE_BYTES;
+        const unsigned int a_big = smem0, a_small = a_big + TILE_BYTES;
+        const unsigned int b_big = smem0 + 2 * TILE_BYTES, b_small = b_big + TILE_BYTES;
+        va.template step<0>(a_raw, a_big, a_small, sum_rows, rows);
+        vb.template step<0>(b_raw, b_big, b_small, false, rows);
+        va.template step<1>(a_raw, a_big, a_small, sum_rows, rows);
+        vb.template step<1>(b_raw, b_big, b_small, false, rows);
+        va.template step<2>(a_raw, a_big, a_small, sum_rows, rows);
+        vb.template step<2>(b_raw, b_big, b_small, false, rows);
+        va.template step<3>(a_raw, a_big, a_small, sum_rows, rows);
+        vb.template step<3>(b_raw, b_big, b_small, false, rows);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
         asm volatile("cp.async.wait_group %0;\n" ::"n"(RAW_STAGES - 2));  // and tile 1 landed
         __syncthreads();
     }
+    // Iteration kt issues the MMAs of tile kt, and between each 8-deep step's three
+    // MMAs (whose issue stalls while the tensor cores are busy) converts a quarter
+    // of raw tile kt + 1 into the other set and queues a quarter of the copies of
+    // tile kt + 3 into the raw stage tile kt left. One barrier per tile.
     for (int kt = 0; kt < tiles; ++kt) {
-        const unsigned int set = smem0 + (kt & 1) * SET_BYTES, b_big = set, b_small = set + TILE_BYTES;
-        const unsigned int a_raw = stage0 + (kt % RAW_STAGES) * RAW_BYTES;
-        const bool convert = kt + 1 < tiles, copy = kt >= 1 && kt + RAW_STAGES - 1 < tiles;
-        const unsigned int b_raw = stage0 + ((kt + 1) % RAW_STAGES) * RAW_BYTES + TILE_BYTES;
+        const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
+        const unsigned int a_big = set + wg * 64 * 128, a_small = a_big + TILE_BYTES;  // this warpgroup's 64 rows
+        const unsigned int b_big = set + 2 * TILE_BYTES, b_small = set + 3 * TILE_BYTES;
+        const bool convert = kt + 1 < tiles, copy = kt + RAW_STAGES < tiles;
+        const unsigned int a_raw = stage0 + ((kt + 1) % RAW_STAGES) * RAW_BYTES, b_raw = a_raw + TILE_BYTES;
         const unsigned int next = smem0 + ((kt + 1) & 1) * SET_BYTES;
-        const unsigned int refill = stage0 + ((kt + RAW_STAGES - 1) % RAW_STAGES) * RAW_BYTES;
-        const int k_copy = kb + (kt + RAW_STAGES - 1) * BK;
-        unsigned int ab[BK / 8][4], as[BK / 8][4];  // live until the MMAs that read them are done
+        const unsigned int na_big = next, na_small = next + TILE_BYTES;
+        const unsigned int nb_big = next + 2 * TILE_BYTES, nb_small = next + 3 * TILE_BYTES;
+        const unsigned int refill = stage0 + (kt % RAW_STAGES) * RAW_BYTES;
+        const int k_copy = kb + (kt + RAW_STAGES) * BK;
         fence_accumulators(part);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #define DT_BACKWARD_STEP(KK)                                                                            \
     {                                                                                                   \
-        a_fragment<A_KFAST>(a_raw, KK, ab[KK], as[KK], sum_rows, rows);                                 \
-        if (KK == 0) wgmma_rs_m64n128k8<0>(part, as[KK], descriptor(b_big));                            \
-        else wgmma_rs_m64n128k8(part, as[KK], descriptor(b_big + KK * 32));                             \
-        wgmma_rs_m64n128k8(part, ab[KK], descriptor(b_small + KK * 32));                                \
-        wgmma_rs_m64n128k8(part, ab[KK], descriptor(b_big + KK * 32));                                  \
+        if (KK == 0) wgmma_m64n128k8<0>(part, descriptor(a_small), descriptor(b_big));                  \
+        else wgmma_m64n128k8(part, descriptor(a_small + KK * 32), descriptor(b_big + KK * 32));          \
+        wgmma_m64n128k8(part, descriptor(a_big + KK * 32), descriptor(b_small + KK * 32));               \
+        wgmma_m64n128k8(part, descriptor(a_big + KK * 32), descriptor(b_big + KK * 32));                 \
         if (copy) {                                                                                     \
-            ca.load(refill, k_copy, KK);                                                                \
-            cb.load(refill + TILE_BYTES, k_copy, KK);                                                   \
+            ca.load(refill, k_copy, kb, ke, KK, 1);                                                     \
+            cb.load(refill + TILE_BYTES, k_copy, kb, ke, KK, 1);                                        \
         }                                                                                               \
-        if (convert) vb.template step<KK>(b_raw, next, next + TILE_BYTES);                              \
+        if (convert) {                                                                                  \
+            va.template step<KK>(a_raw, na_big, na_small, sum_rows, rows);                              \
+            vb.template step<KK>(b_raw, nb_big, nb_small, false, rows);                                 \
+        }                                                                                               \
     }
         // Per 8 deep, small terms first: they are the ones rounding would lose.
         DT_BACKWARD_STEP(0)
@@ -696,30 +670,25 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         fence_accumulators(part);
 #pragma unroll
         for (int q = 0; q < ACC; ++q) acc[q] += part[q];
-        // This thread's copies of tile kt + 2 (the group of iteration kt - 1, or of
-        // the prologue): only this iteration's may still be in flight.
-        asm volatile("cp.async.wait_group 1;\n" ::);
-        // Set kt + 1 is complete, set kt and raw stage kt are free (every warpgroup's
-        // MMAs of tile kt are done), and raw tile kt + 2 has landed.
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(RAW_STAGES - 2));  // this thread's copies of tile kt + 2
+        // Set kt + 1 is complete, set kt is free (every warpgroup's MMAs of tile kt
+        // are done), and raw tile kt + 2 has landed.
         __syncthreads();
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     dt_allow_dependents();
 
-    // db: each row's 4 lanes (one per t) add their sums in a fixed butterfly order,
-    // then thread tid < 128 takes row tid's.
+    // db: the 8 threads of each row (one per kg) add their sums in kg order.
     float row_sum = 0.0f;
-    if (sum_rows) {
+    if (!A_KFAST && sums) {
         float* red = reinterpret_cast<float*>(smem_raw + (smem0 - raw0));
+        const int warp = tid / 32, lane = tid % 32;
+        const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            rows[h] += __shfl_xor_sync(0xffffffffu, rows[h], 1);
-            rows[h] += __shfl_xor_sync(0xffffffffu, rows[h], 2);
-        }
-        const int lane = tid % 32, r0 = 64 * (tid / 128) + 16 * ((tid % 128) / 32) + lane / 4;
-        if (lane % 4 == 0) red[r0] = rows[0], red[r0 + 8] = rows[1];
+        for (int c = 0; c < 4; ++c) red[kg * BM + 4 * rg + c] = rows[c];
         __syncthreads();
-        if (tid < BM) row_sum = red[tid];
+        if (tid < BM)
+            for (int g = 0; g < 8; ++g) row_sum += red[g * BM + tid];
     }
     finish_tile<EPI>(acc, row_sum, sums, reinterpret_cast<float*>(smem_raw + (smem0 - raw0)), smem0, C, ldc, M, N,
                      nullptr, mask, ldm, col_sum, workspace, counters);
@@ -758,7 +727,7 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
 // with db = sum_m dY into col_sum (grid column 0), A = dY row-fast, B = X row-fast.
 // Split as the forward; a launch without clusters needs gridDim.y * S * 128 more
 // workspace floats for the row sums. Dynamic shared memory: BACKWARD_SHARED_BYTES
-// (193 KB).
+// (225 KB).
 #define DT_WGMMA_BACKWARD(NAME, A_KFAST, B_KFAST, EPI)                                                       \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                               \
             const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \

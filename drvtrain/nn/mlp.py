@@ -41,10 +41,10 @@ FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
 # 3xTF32), compute capability 9.0 only, 16-byte copies only; one block per SM.
 WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1)
 # Dynamic shared memory: the forward's 4 stages of two 128 x 32 float tiles; the
-# backward's 2 sets of two (B big and small) and 4 raw stages of two (A and B); 1 KB
+# backward's 2 sets of four (A and B, big and small) and 3 raw stages of two; 1 KB
 # to align them.
 WGMMA_SHARED_BYTES = 4 * 2 * 128 * 32 * 4 + 1024
-WGMMA_BACKWARD_SHARED_BYTES = (2 * 2 + 4 * 2) * 128 * 32 * 4 + 1024
+WGMMA_BACKWARD_SHARED_BYTES = (2 * 4 + 3 * 2) * 128 * 32 * 4 + 1024
 _WGMMA_CC = (9, 0)
 
 _ROLES = ("forward", "forward_relu", "grad_input", "grad_weight")
