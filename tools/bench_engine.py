@@ -55,7 +55,8 @@ def sweep(stream, timed, rng, chain: int) -> None:
                "grad_input": MLP(ParamLayout([(8, 8)])).backward_kernels}
     kernels["forward"] = kernels["forward_relu"]
     kernels["grad_weight"] = kernels["grad_input"]
-    print(f"\nsweep: us per launch in a replayed chain of {chain}, median of repeats; * = the plan's choice")
+    print(f"\nsweep: us per launch in a replayed chain of {chain}, median of repeats; * = the plan's choice; "
+          f"c = the splits meet in a cluster")
     print("| role | MxNxK | tile | splits | blocks | us | us dependent | TFLOP/s |\n|---|---|---|---|---|---|---|---|")
     for role, m, n, k in SWEEP:
         lk = kernels[role]
@@ -90,7 +91,8 @@ def sweep(stream, timed, rng, chain: int) -> None:
                     exe.close()
                 gx, gy, gz = p.grid(m, n)
                 mark = " *" if (p.tile, p.splits) == (chosen.tile, chosen.splits) else ""
-                print(f"| {role} | {m}x{n}x{k} | {tile.name} | {p.splits}{mark} | {gx * gy * gz} | {times[0]:.2f} | "
+                print(f"| {role} | {m}x{n}x{k} | {tile.name} | {p.splits}{'c' if p.cluster else ''}{mark} | "
+                      f"{gx * gy * gz} | {times[0]:.2f} | "
                       f"{times[1]:.2f} | {2.0 * m * n * k / min(times) / 1e6:.1f} |")
                 arena.close()
     print(f"({dev.sm_count} SMs; TFLOP/s from the faster column, counting one product, not the three of 3xTF32)")
