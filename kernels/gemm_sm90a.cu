@@ -1,31 +1,37 @@
-// The linear layer's forward on Hopper's warpgroup MMA (wgmma), for sm_90a only
+// The linear layer's products on Hopper's warpgroup MMA (wgmma), for sm_90a only
 // (built for any other target, the kernels trap at once):
 //
 //   linear_forward[_relu]_wgmma_tf32   Y = X W^T + b (+ ReLU), X [M, K] and W [N, K] k-fast
+//   linear_grad_input_wgmma_3xtf32     dX = (dY W) * (X > 0)
+//   linear_grad_weight_wgmma_3xtf32    dW = dY^T X, db = sum_m dY
 //
-// the same contract as gemm.cu's linear_forward[_relu]_<tile>_cp16_tf32 (its
-// header: arguments, split-k workspace and counters, the gate, dependent launch),
-// with a 128x128 block tile. drvtrain.nn.mlp chooses it for the wide forward
-// products on compute capability 9.0 and falls back to gemm.cu's mma.sync
-// kernels everywhere else (and when forced).
+// the same contract as gemm.cu's kernels of those roles with 16-byte copies (its
+// header: arguments and operand layouts, split-k workspace and counters, the gate,
+// dependent launch), with a 128x128 block tile, and one more way to split k: a
+// launch in clusters of a tile's splits needs no workspace (finish_tile).
+// drvtrain.nn.mlp chooses them for the wide products on compute capability 9.0
+// and falls back to gemm.cu's mma.sync kernels everywhere else (and when forced).
 //
 // Block: 256 threads, two warpgroups; warpgroup w owns output rows 64w .. 64w+63
-// of the tile and all 128 columns: one wgmma.m64n128k8 per 8 deep, both operands
-// read from shared memory through matrix descriptors, FP32 accumulators in
-// registers (64 per thread).
-// Precision: the tensor cores read FP32 operands and truncate them to TF32 (about
-// 8e-4 relative on random data, against 3e-4 for gemm.cu, which rounds to
+// of the tile and all 128 columns: one wgmma.m64n128k8 per 8 deep (three in
+// 3xTF32), both operands read from shared memory through matrix descriptors, FP32
+// accumulators in registers (64 per thread).
+// Precision: the forward lets the tensor cores truncate its FP32 operands to TF32
+// (about 8e-4 relative on random data, against 3e-4 for gemm.cu, which rounds to
 // nearest; rounding in shared memory measured 3.5 us slower on 512x1024x1024).
+// The backward splits its operands as gemm.cu's 3xTF32 does: FP32 accuracy.
 // Non-finite operands stay non-finite.
-// Pipeline: 4 stages of 32-deep k tiles, copied by cp.async in 16-byte pieces
-// (lda, ldb multiples of 4 floats, X and W 16-byte aligned: the host checks) two
-// tiles ahead, while one tile's MMAs are in flight and the next tile's are issued.
-// Shared layout of one operand tile, 128 rows x 32 deep: 128-byte rows, the
+// Forward pipeline: 4 stages of 32-deep k tiles, copied by cp.async in 16-byte
+// pieces (lda, ldb multiples of 4 floats, X and W 16-byte aligned: the host
+// checks) two tiles ahead, while one tile's MMAs are in flight and the next
+// tile's are issued. The backward's pipeline is described at backward() below.
+// Shared layout of one MMA operand tile, 128 rows x 32 deep: 128-byte rows, the
 // 16-byte chunk c of row r at 128 r + 16 (c ^ r % 8) (the 128-byte swizzle, in
 // 1024-byte atoms of 8 rows): a warp's copies and the MMAs' reads are free of
 // bank conflicts. (The unswizzled layout measured 26 us against 17.)
 // Determinism: every output is one thread's accumulation in a fixed k order
-// (the tensor core's own, fixed per shape) plus a fixed z order over the splits.
+// (the tensor core's own, fixed per shape) plus a fixed z order over the splits,
+// the same in a cluster as through the workspace.
 #include "common.cuh"
 #include "tf32.cuh"
 
@@ -310,6 +316,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
                                             float* workspace, unsigned int* counters) {
     const int tid = threadIdx.x, splits = gridDim.z, z = blockIdx.z, i0 = blockIdx.y * BM;
     if (splits > 1 && cluster_blocks() == (unsigned int)splits) {
+        if (splits > 8) __trap();  // the portable cluster size, which base[] below holds
         __syncthreads();  // the other warpgroup's MMAs and any earlier use of the stage are over
         stage_tile(acc, stage);
         if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
@@ -424,7 +431,8 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
 // TF32 wgmma reads K-major operands only, and the backward's operands are not all
 // K-major (dX reads W, dW reads dY and X with the reduction dimension strided).
 // So each k tile travels in two steps: cp.async copies it as it lies into a raw
-// stage (three stages, two tiles ahead), and then the threads split it into big
+// stage (three stages; iteration kt refills the stage of tile kt with tile kt + 3),
+// and then the threads split it into big
 // and small TF32 parts (tf32.cuh), transposing where needed, into the swizzled
 // K-major tiles the MMAs read (above).
 //
@@ -697,7 +705,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
 }  // namespace
 #endif
 
-// gemm.cu's signature, so the host launches every forward alike; mask, ldm and
+// gemm.cu's signature, so the host launches every product alike; mask, ldm and
 // col_sum are unused (0). With S > 1 splits, launched in clusters (1, 1, S) the
 // kernels need no workspace or counters (finish_tile); launched without,
 // workspace holds gridDim.x * gridDim.y * S * 128 * 128 floats and counters one

@@ -8,7 +8,9 @@
 // small = tf32(x - big), x - big exact in FP32.
 // Infinities and NaNs (exponent all ones) pass unrounded, with small = 0: the add
 // would carry a NaN such as 0x7fffffff out of its exponent into -0, and a NaN
-// must reach the output so that the step's NaN guard sees it.
+// must reach the output so that the step's NaN guard sees it. A finite x within
+// half a TF32 unit of FLT_MAX (|x| >= 0x7f7ff000) rounds to infinity, and its
+// 3xTF32 terms then sum to NaN: far outside what a layer of the nets holds.
 template <bool THREE>
 __device__ __forceinline__ void dt_tf32_split(float x, unsigned int& big, unsigned int& small) {
     const unsigned int u = __float_as_uint(x);

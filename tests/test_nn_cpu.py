@@ -282,7 +282,18 @@ def test_the_wgmma_tile_is_chosen_for_the_wide_tensor_core_products_only():
         for room, clustered in ((32, True), (31, False)):
             p = plan(512, 1024, 1024, 132, precision=precision, sums=sums, wgmma=True,
                      max_clusters=lambda s: room if s == 4 else 0)
-            assert p.cluster == clustered and (p.workspace_floats == 0) == clustered
+            assert p.cluster == clustered and (p.workspace_floats == 0) == clustered and p.splits == 4
+        # The H200's counts: 30 clusters of 4 such blocks fit at once, 39 of 3. The rule
+        # takes 3 splits in clusters; a forced 4 goes through the workspace.
+        h200 = {2: 66, 3: 39, 4: 30, 8: 15}.get
+        p = plan(512, 1024, 1024, 132, precision=precision, sums=sums, wgmma=True, max_clusters=h200)
+        assert (p.splits, p.cluster, p.workspace_floats, p.counters) == (3, True, 0, 0)
+        p = plan(512, 1024, 1024, 132, precision=precision, sums=sums, wgmma=True, max_clusters=h200, splits=4)
+        assert (p.splits, p.cluster) == (4, False) and p.workspace_floats > 0
+        # A forced split above the portable cluster size goes through the workspace.
+        p = plan(512, 1024, 1024, 132, precision=precision, sums=sums, tile=WGMMA_TILE, splits=12,
+                 max_clusters=lambda s: 1 << 20)
+        assert p.splits > 8 and not p.cluster and p.workspace_floats > 0
     # The large net's dW: 64 tiles, two splits.
     assert plan(1024, 1024, 512, 132, precision="3xtf32", sums=True, wgmma=True).splits == 2
     assert choose_tile(1024, 1024, 512, 132, "3xtf32", wgmma=True) is WGMMA_TILE

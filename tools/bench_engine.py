@@ -19,7 +19,7 @@ import _common
 from drvtrain import Arena, DeviceBuffer, Stream, capture, dependent_launches, get_device
 from drvtrain.nn import FlatBuffer, ParamLayout, RegressionStep
 from drvtrain.nn.narrow import NarrowMLP
-from drvtrain.nn.mlp import MLP, TILES, WGMMA_TILE
+from drvtrain.nn.mlp import MLP, TILES, WGMMA_TILE, vector_width
 from drvtrain.timing import time_graph
 
 CONFIGS = {"small": (4, [256, 256], 2, 256), "large": (128, [1024, 1024], 18, 512)}
@@ -71,7 +71,8 @@ def sweep(stream, timed, rng, chain: int) -> None:
         if extra is None:
             extra = {"bias": DeviceBuffer.from_numpy(rng.standard_normal(n).astype(np.float32))}
         chosen = lk.plan(role, m, n, k)
-        for tile in TILES + ((WGMMA_TILE,) if lk.wgmma else ()):
+        wide = lk.wgmma and vector_width(a, a_cols, b, b_cols) == 16  # the wgmma tile copies 16 bytes
+        for tile in TILES + ((WGMMA_TILE,) if wide else ()):
             seen = set()
             for want in (1, 2, 3, 4, 6, 8):
                 p = lk.plan(role, m, n, k, tile=tile, splits=want)
