@@ -299,20 +299,15 @@ class Kernel:
         shared memory) the whole device holds at once: the occupancy per SM times
         the SMs. A cooperative launch may have at most this many."""
         b = _dims(block, "block")
-        key = ("resident", b, shared_mem)
-        try:
-            return self._configs[key]
-        except KeyError:
-            pass
-        if self.function is None or self._module is None:
-            raise ValueError(f"{self.name}: occupancy needs a loaded kernel")
-        if shared_mem:
-            self._allow_dynamic_shared(int(shared_mem))  # else the occupancy of that much is 0
-        per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor, self.function, b[0] * b[1] * b[2],
-                       int(shared_mem))
-        blocks = int(per_sm) * self._module.device.sm_count
-        self._configs[key] = blocks
-        return blocks
+
+        def query():
+            if shared_mem:
+                self._allow_dynamic_shared(int(shared_mem))  # else the occupancy of that much is 0
+            per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor, self.function, b[0] * b[1] * b[2],
+                           int(shared_mem))
+            return int(per_sm) * self._module.device.sm_count
+
+        return self._occupancy(("resident", b, shared_mem), query)
 
     def max_active_clusters(self, cluster, block, shared_mem: int = 0) -> int:
         """How many clusters of shape ``cluster`` (blocks of ``block`` threads and
@@ -322,17 +317,20 @@ class Kernel:
         size: a grid of more clusters than this runs in more than one wave."""
         b = _dims(block, "block")
         c = _dims(cluster, "cluster")
-        key = ("clusters", c, b, shared_mem)
+        query = lambda: int(check(cu.cuOccupancyMaxActiveClusters, self.function,
+                                  self._launch_config(c, b, shared_mem, False, c)[2]))
+        return self._occupancy(("clusters", c, b, shared_mem), query)
+
+    def _occupancy(self, key, query) -> int:
+        """An occupancy count, queried once per shape (the kernel must be loaded)."""
         try:
             return self._configs[key]
         except KeyError:
             pass
         if self.function is None or self._module is None:
             raise ValueError(f"{self.name}: occupancy needs a loaded kernel")
-        _, _, config = self._launch_config(c, b, shared_mem, False, c)
-        count = int(check(cu.cuOccupancyMaxActiveClusters, self.function, config))
-        self._configs[key] = count
-        return count
+        self._configs[key] = value = query()
+        return value
 
     def _launch_config(self, grid, block, shared_mem, dependent, cluster, cooperative=False) -> tuple:
         """``(grid, block, CUlaunchConfig)`` for a launch with options, checked and memoised.

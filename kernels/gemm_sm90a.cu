@@ -358,23 +358,39 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
     store_rows<EPI>(0, BM, staged, C, ldc, M, N, bias, mask, ldm);
 }
 
+// What every kernel here starts with: its dynamic shared memory (at least `need`
+// bytes, else a trap: launched without it) from the first 1024-byte boundary (the
+// swizzle atom) on, and this block's share of the k range: whole BK-deep tiles,
+// split evenly over gridDim.z.
+struct Setup {
+    char* raw;                 // the dynamic shared memory as declared
+    unsigned int raw0, smem0;  // its shared address, and the aligned start
+    int kb, ke, tiles;         // this split's k range and its k tiles
+
+    __device__ __forceinline__ Setup(char* smem_raw, unsigned int need, int K) : raw(smem_raw) {
+        unsigned int bytes;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+        if (bytes < need) __trap();
+        raw0 = (unsigned int)__cvta_generic_to_shared(smem_raw);
+        smem0 = (raw0 + 1023u) & ~1023u;
+        const int k_tiles = (K + BK - 1) / BK, per = (k_tiles + gridDim.z - 1) / gridDim.z;
+        kb = min(K, (int)blockIdx.z * per * BK), ke = min(K, kb + per * BK);
+        tiles = (ke - kb + BK - 1) / BK;
+    }
+
+    // The aligned start as a generic pointer.
+    __device__ __forceinline__ float* stage() const { return reinterpret_cast<float*>(raw + (smem0 - raw0)); }
+};
+
 template <int EPI>
 __device__ __forceinline__ void forward(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
                                         int N, int K, const float* bias, float* workspace, unsigned int* counters) {
     extern __shared__ __align__(128) char smem_raw[];
-    unsigned int bytes;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-    if (bytes < SHARED_BYTES) __trap();  // launched without the ring's shared memory
-    // The stages start on a 1024-byte boundary (the swizzle atom).
-    const unsigned int raw0 = (unsigned int)__cvta_generic_to_shared(smem_raw);
-    const unsigned int smem0 = (raw0 + 1023u) & ~1023u;
-
+    const Setup su(smem_raw, SHARED_BYTES, K);
+    const unsigned int smem0 = su.smem0;
+    const int kb = su.kb, ke = su.ke, tiles = su.tiles;
     const int tid = threadIdx.x, wg = tid / 128;
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
-    const int splits = gridDim.z, z = blockIdx.z;
-    const int k_tiles = (K + BK - 1) / BK, per = (k_tiles + splits - 1) / splits;
-    const int kb = min(K, z * per * BK), ke = min(K, kb + per * BK);
-    const int tiles = (ke - kb + BK - 1) / BK;
 
     const Pieces pa(A, lda, i0, M, kb), pb(B, ldb, j0, N, kb);
     float acc[ACC];
@@ -423,7 +439,7 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
     asm volatile("cp.async.wait_group 0;\n" ::);
     dt_allow_dependents();
 
-    finish_tile<EPI>(acc, 0.0f, false, reinterpret_cast<float*>(smem_raw + (smem0 - raw0)), smem0, C, ldc, M, N, bias,
+    finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias,
                      nullptr, 0, nullptr, workspace, counters);
 }
 
@@ -581,18 +597,11 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
                                          int M, int N, int K, const float* mask, int ldm, float* col_sum,
                                          float* workspace, unsigned int* counters) {
     extern __shared__ __align__(128) char smem_raw[];
-    unsigned int bytes;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-    if (bytes < BACKWARD_SHARED_BYTES) __trap();
-    const unsigned int raw0 = (unsigned int)__cvta_generic_to_shared(smem_raw);
-    const unsigned int smem0 = (raw0 + 1023u) & ~1023u, stage0 = smem0 + 2 * SET_BYTES;
-
+    const Setup su(smem_raw, BACKWARD_SHARED_BYTES, K);
+    const unsigned int smem0 = su.smem0, stage0 = smem0 + 2 * SET_BYTES;
+    const int kb = su.kb, ke = su.ke, tiles = su.tiles;
     const int tid = threadIdx.x, wg = tid / 128;
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
-    const int splits = gridDim.z, z = blockIdx.z;
-    const int k_tiles = (K + BK - 1) / BK, per = (k_tiles + splits - 1) / splits;
-    const int kb = min(K, z * per * BK), ke = min(K, kb + per * BK);
-    const int tiles = (ke - kb + BK - 1) / BK;
     const bool sums = EPI == EPI_NONE && col_sum != nullptr && blockIdx.x == 0;
 
     const Copies<A_KFAST> ca(A, lda, i0, M, kb);
@@ -689,7 +698,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
     // db: the 8 threads of each row (one per kg) add their sums in kg order.
     float row_sum = 0.0f;
     if (!A_KFAST && sums) {
-        float* red = reinterpret_cast<float*>(smem_raw + (smem0 - raw0));
+        float* red = su.stage();
         const int warp = tid / 32, lane = tid % 32;
         const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
 #pragma unroll
@@ -698,7 +707,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         if (tid < BM)
             for (int g = 0; g < 8; ++g) row_sum += red[g * BM + tid];
     }
-    finish_tile<EPI>(acc, row_sum, sums, reinterpret_cast<float*>(smem_raw + (smem0 - raw0)), smem0, C, ldc, M, N,
+    finish_tile<EPI>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N,
                      nullptr, mask, ldm, col_sum, workspace, counters);
 }
 

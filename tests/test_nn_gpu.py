@@ -69,27 +69,19 @@ def test_wide_forward_on_wgmma_and_on_the_forced_fallback_match_float64(device, 
         assert rel(got, want) < 3e-3
 
 
-@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma.sync"])
-def test_wide_backward_on_wgmma_and_on_the_forced_fallback_match_float64(device, stream, rng, wgmma):
-    """The large net's 1024-wide dX and dW run on gemm_sm90a.cu's 3xTF32 wgmma
-    kernels on compute capability 9.0, gemm.cu's mma.sync kernels when forced:
-    every gradient within 1e-5 of float64 either way, nothing left unwritten."""
-    from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
-    if wgmma and not wgmma_available(device):
-        pytest.skip(f"wgmma needs compute capability 9.0; this device is {device.arch}")
-    batch, widths = 512, [128, 1024, 1024, 19]
-    layout = make_layout(widths)
+def check_gradients(mlp, layout, batch, stream, rng):
+    """Every gradient of a random loss within 1e-5 of float64 (poisoned first: none unwritten)."""
+    widths = [layout.layers[0][1]] + [o for o, _ in layout.layers]
     params = random_params(layout, rng)
     grads = FlatBuffer(layout)
     grads.buffer.poison(stream=stream)
     x = rng.standard_normal((batch, widths[0])).astype(np.float32)
     dout = rng.standard_normal((batch, widths[-1])).astype(np.float32)
-    mlp = MLP(layout, tf32=False, wgmma=wgmma)
-    for role, m, n, k in (("grad_input", batch, 1024, 1024), ("grad_weight", 1024, 1024, batch)):
-        assert (mlp.backward_kernels.plan(role, m, n, k).tile is WGMMA_TILE) == wgmma, role
     arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)
     fwd = mlp.forward(params, DeviceBuffer.from_numpy(x), arena=arena, stream=stream)
     mlp.backward(params, grads, fwd, DeviceBuffer.from_numpy(dout), arena=arena, stream=stream)
+    # From the device's activations: the backward's contract starts there, and a ReLU
+    # mask decided in float64 could differ where a pre-activation rounds to zero.
     acts = [x.astype(np.float64)] + [a.to_numpy().astype(np.float64) for a in fwd.activations[1:]]
     want = mlp_backward(params.to_numpy(), acts, dout)
     got = grads.to_numpy()
@@ -98,26 +90,25 @@ def test_wide_backward_on_wgmma_and_on_the_forced_fallback_match_float64(device,
         assert rel(got[name], w) < 1e-5, f"{name}: rel {rel(got[name], w):.3g}"
 
 
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma.sync"])
+def test_wide_backward_on_wgmma_and_on_the_forced_fallback_match_float64(device, stream, rng, wgmma):
+    """The large net's 1024-wide dX and dW run on gemm_sm90a.cu's 3xTF32 wgmma
+    kernels on compute capability 9.0, gemm.cu's mma.sync kernels when forced:
+    every gradient within 1e-5 of float64 either way, nothing left unwritten."""
+    from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
+    if wgmma and not wgmma_available(device):
+        pytest.skip(f"wgmma needs compute capability 9.0; this device is {device.arch}")
+    batch, layout = 512, make_layout([128, 1024, 1024, 19])
+    mlp = MLP(layout, tf32=False, wgmma=wgmma)
+    for role, m, n, k in (("grad_input", batch, 1024, 1024), ("grad_weight", 1024, 1024, batch)):
+        assert (mlp.backward_kernels.plan(role, m, n, k).tile is WGMMA_TILE) == wgmma, role
+    check_gradients(mlp, layout, batch, stream, rng)
+
+
 @pytest.mark.parametrize("batch, widths", SHAPES)
 def test_gradients_match_float64(device, stream, rng, batch, widths):
     layout = make_layout(widths)
-    params = random_params(layout, rng)
-    grads = FlatBuffer(layout)
-    grads.buffer.poison(stream=stream)
-    x = rng.standard_normal((batch, widths[0])).astype(np.float32)
-    dout = rng.standard_normal((batch, widths[-1])).astype(np.float32)
-    mlp = MLP(layout, tf32=False)
-    arena = Arena(mlp.scratch_bytes(batch))
-    fwd = mlp.forward(params, DeviceBuffer.from_numpy(x), arena=arena, stream=stream)
-    mlp.backward(params, grads, fwd, DeviceBuffer.from_numpy(dout), arena=arena, stream=stream)
-    named = params.to_numpy()
-    # From the device's activations: the backward's contract starts there, and a ReLU
-    # mask decided in float64 could differ where a pre-activation rounds to zero.
-    acts = [x.astype(np.float64)] + [a.to_numpy().astype(np.float64) for a in fwd.activations[1:]]
-    want = mlp_backward(named, acts, dout)
-    got = grads.to_numpy()
-    for name, w in want.items():
-        assert rel(got[name], w) < 1e-5, name
+    check_gradients(MLP(layout, tf32=False), layout, batch, stream, rng)
 
 
 def test_grad_norm_and_clip(device, stream, rng):
