@@ -5,7 +5,7 @@ device cannot run, fails here with a TypeError or ValueError before any
 driver call.
 
 A plain launch goes through ``cuLaunchKernel``. The launch options
-(``dependent``, ``cluster``) go through ``cuLaunchKernelEx``, with the
+(``dependent``, ``cluster``, ``cooperative``) go through ``cuLaunchKernelEx``, with the
 ``CUlaunchConfig`` built once per launch shape and reused: only its stream
 changes from one launch to the next.
 """
@@ -314,7 +314,9 @@ class Kernel:
         ``shared_mem`` bytes of dynamic shared memory) the device runs at once
         (``cuOccupancyMaxActiveClusters``). A cluster's blocks share one GPC, so
         this can be less than ``max_resident_blocks`` divided by the cluster's
-        size: a grid of more clusters than this runs in more than one wave."""
+        size: a grid of more clusters than this runs in more than one wave.
+        Compute capability 9.0+ and at most 8 blocks a cluster, as for
+        ``launch(cluster=...)``; otherwise a ``ValueError``."""
         b = _dims(block, "block")
         c = _dims(cluster, "cluster")
         query = lambda: int(check(cu.cuOccupancyMaxActiveClusters, self.function,

@@ -15,7 +15,8 @@
 // Block: 256 threads, two warpgroups; warpgroup w owns output rows 64w .. 64w+63
 // of the tile and all 128 columns: one wgmma.m64n128k8 per 8 deep (three in
 // 3xTF32), both operands read from shared memory through matrix descriptors, FP32
-// accumulators in registers (64 per thread).
+// accumulators in registers (64 per thread; the backward another 64 for each k
+// tile's fragment).
 // Precision: the forward lets the tensor cores truncate its FP32 operands to TF32
 // (about 8e-4 relative on random data, against 3e-4 for gemm.cu, which rounds to
 // nearest; rounding in shared memory measured 3.5 us slower on 512x1024x1024).
@@ -300,8 +301,8 @@ __device__ __forceinline__ float cluster_load(unsigned int addr) {
 // order, then the epilogue into C, and with `sums` (thread tid < 128 holding row
 // tid's sum) the row sums into col_sum. `stage` at shared::cta address
 // `stage_addr` holds the 128 x STAGE_LD staged tile and then 128 row sums.
-//  - Launched in clusters of the S blocks of a tile ((1, 1, S), the host's
-//    default for S > 1): each block stages its partial tile in its own shared
+//  - Launched in clusters of the S blocks of a tile ((1, 1, S): what the host
+//    launches when all the product's clusters fit at once, Plan.cluster): each block stages its partial tile in its own shared
 //    memory, and after a cluster barrier block z sums rows z R .. z R + R - 1
 //    (R = ceil(128 / S)) of all S partials over distributed shared memory and
 //    stores them. No partials in global memory, no counters, and the tail is
@@ -322,7 +323,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
         if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
         cluster_barrier();  // every block's partial is staged
         const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows), row_end = min(BM, row_begin + rows);
-        unsigned int base[8];  // MAX splits: WGMMA_TILE.max_splits on the host
+        unsigned int base[8];  // at most 8 splits in a cluster: the portable size, which plan() checks
 #pragma unroll
         for (int s = 0; s < 8; ++s) base[s] = s < splits ? cluster_address(stage_addr, s) : 0u;
         const auto sum = [&](int row, int c4) {

@@ -47,7 +47,8 @@ SWEEP = (("forward_relu", 512, 1024, 1024), ("grad_input", 512, 1024, 1024), ("g
 
 def sweep(stream, timed, rng, chain: int) -> None:
     """Every tensor-core tile (the wgmma tile too, on compute capability 9.0)
-    at every split count, for each product of SWEEP: a
+    at 1, 2, 3, 4, 6 and 8 splits (the wgmma tile where the operands allow
+    16-byte copies), for each product of SWEEP: a
     graph of ``chain`` launches of the product back to back, ordinary and
     dependent, in us per launch. The data behind ``choose_tile`` and ``split_count``."""
     dev = get_device()
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--replays", type=int, default=200, help="graph replays per sample (default 200)")
     parser.add_argument("--repeats", type=int, default=5, help="samples; the median is reported (default 5)")
     parser.add_argument("--sweep", action="store_true",
-                        help="only time every tile and split count for the products of both nets, "
+                        help="only time every tile at 1, 2, 3, 4, 6 and 8 splits for the products of both nets, "
                              "as chains of launches")
     parser.add_argument("--chain", type=int, default=10, help="launches per graph in --sweep (default 10)")
     args = parser.parse_args(argv)

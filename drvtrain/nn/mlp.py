@@ -53,7 +53,8 @@ _PRECISIONS = {"forward": ("tf32", "f32"), "forward_relu": ("tf32", "f32"),
 
 
 def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16) -> str:
-    """The name in kernels/gemm.cu of ``role`` in ``precision`` with ``tile`` and ``vector``-byte copies."""
+    """The name in kernels/gemm.cu (gemm_sm90a.cu for the wgmma tile) of ``role`` in
+    ``precision`` with ``tile`` and ``vector``-byte copies."""
     if role not in _ROLES:
         raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
     if precision not in _PRECISIONS[role]:
@@ -91,8 +92,9 @@ def split_count(m: int, n: int, k: int, sm_count: int, tile: Tile = FFMA_TILE, w
 
 def choose_tile(m: int, n: int, k: int, sm_count: int, precision: str, wgmma: bool = False) -> Tile:
     """With ``wgmma`` (compute capability 9.0, 16-byte copies, tensor-core
-    precision) the 128x128 wgmma tile when its blocks, split over k, nearly fill
-    the SMs; else 64x64 tiles when theirs do (the 1024-wide products: fewer
+    precision) the 128x128 wgmma tile when its blocks, split over k as
+    :func:`split_count` would (before :func:`plan` lowers the split to fit
+    clusters), nearly fill the SMs; else 64x64 tiles when theirs do (the 1024-wide products: fewer
     loads per multiply), 32x32 tiles for the rest, which need the parallelism;
     FFMA kernels have their own."""
     if precision == "f32":
@@ -109,11 +111,12 @@ def choose_tile(m: int, n: int, k: int, sm_count: int, precision: str, wgmma: bo
 
 @dataclass(frozen=True)
 class Plan:
-    """How one product launches: its tile, its split and the scratch it takes."""
+    """How one product launches: its tile, its split, whether a tile's splits meet
+    in one cluster, and the scratch it takes."""
     tile: Tile
     splits: int
-    workspace_floats: int  # 0 when unsplit or clustered
-    counters: int  # zeroed uint32 tile counters; 0 when unsplit or clustered
+    workspace_floats: int  # 0 when unsplit or clustered (MLP's accounting also reserves a fallback's)
+    counters: int  # zeroed uint32 tile counters; 0 when unsplit or clustered (likewise)
     cluster: bool = False  # the splits of a tile launch as one cluster (wgmma tile)
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
@@ -132,9 +135,11 @@ def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = 
     A split wgmma product launches each tile's S splits as one cluster, summed
     in distributed shared memory with no workspace, when ``max_clusters(S)``
     (the device's count of co-resident clusters of S such blocks) holds every
-    tile at once; the rule lowers S to the largest count that does. Else it
-    sums through a workspace as gemm.cu does (a second wave of clusters would
-    cost more than the workspace: measured on the H200)."""
+    tile at once; the rule lowers S to the largest count that does, and a
+    forced ``splits`` is kept (in a cluster only if at most 8 and all fit).
+    Else, and always without ``max_clusters``, it sums through a workspace as
+    gemm.cu does (a second wave of clusters would cost more than the
+    workspace: measured on the H200)."""
     if tile is None:
         tile = choose_tile(m, n, k, sm_count, precision, wgmma)
     elif (tile is FFMA_TILE) != (precision == "f32"):
@@ -220,9 +225,10 @@ class LinearKernels:
     """The kernels of one arithmetic for some roles, every tile and copy width, loaded
     up front (never during a capture), and the launch of a product through them.
 
-    ``wgmma``: the products may run on kernels/gemm_sm90a.cu's wgmma tile (only
-    where :func:`wgmma_available`; other devices, FFMA precision and operands that
-    do not allow 16-byte copies use gemm.cu's kernels)."""
+    ``wgmma``: the products may run on kernels/gemm_sm90a.cu's wgmma tile (pass
+    True only where :func:`wgmma_available`, which is not checked here; FFMA
+    precision and operands that do not allow 16-byte copies use gemm.cu's
+    kernels)."""
 
     def __init__(self, roles, precision: str, sm_count: int, *, wgmma: bool = False):
         self.precision = precision
@@ -311,7 +317,8 @@ class MLP:
     Stateless between calls: ``forward`` returns a :class:`Forward` holding its
     activations (arena slices) and ``backward`` takes it, so two forwards of
     two parameter sets, on two streams, never touch each other's state. Every
-    split-k product takes its tile counters from ``arena.zeroed``.
+    split-k product reduced through a workspace takes its tile counters from
+    ``arena.zeroed``.
     ``backward`` writes every gradient of the layout with no float atomics:
     dW = dY^T X and db (column sums of dY) in one kernel, dX = dY W masked by
     the ReLU of the layer's input in another.
