@@ -12,7 +12,7 @@ import struct
 import subprocess
 import sys
 import types
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -20,6 +20,7 @@ import pytest
 from drvtrain import cli
 from drvtrain.checkpoint import load_checkpoint, save_checkpoint
 from drvtrain.rl.run import METRIC_COLUMNS, RunFolder, RunFolderError
+from drvtrain.rl.trainer import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -35,22 +36,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # ---------------------------------------------------------------------- the stand-in trainer
 @dataclass(frozen=True)
-class FakeTrainConfig:
-    env: str = "cartpole"
-    n_envs: int = 10
-    total_steps: int = 500_000
-    seed: int = 0
-    learning_starts: int = 10_000
-    train_every: int = 10
-    eps_start: float = 1.0
-    eps_end: float = 0.05
-    eps_fraction: float = 0.5
-    eval_every: int = 50_000
-    eval_episodes: int = 100
-    unroll: int = 50
-    checkpoint_every: int = 100_000
-    dqn: dict = field(default_factory=dict)
-
+class FakeTrainConfig(TrainConfig):
+    """The real settings and their JSON form, with a stand-in's checks and defaults."""
     ENV_DEFAULTS = {"cartpole": {"learning_starts": 777, "dqn": {"hidden": [64, 64]}}}
 
     def __post_init__(self):
@@ -64,9 +51,6 @@ class FakeTrainConfig:
         base = json.loads(json.dumps(cls.ENV_DEFAULTS[env]))
         dqn = {**base.pop("dqn", {}), **overrides.pop("dqn", {})}
         return cls(env=env, **{**base, **overrides}, dqn=dqn)
-
-    def to_dict(self):
-        return json.loads(json.dumps(asdict(self)))
 
     @classmethod
     def from_dict(cls, data):

@@ -240,6 +240,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         assert shared_mem == want_shared, name
         workspace, counters, col_sum = args[13], args[14], args[12]
         splits = grid[2]
+        assert (stream is side) == ("grad_weight" in name)
         # A wgmma product whose clusters all fit at once launches each tile's splits as
         # one cluster that sums them in shared memory, with no workspace.
         if cluster is not None:
@@ -257,7 +258,6 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         assert grid[:2] == (-(-n // bn), -(-m // bm))
         assert workspace.size == need, name
         assert counters.size == grid[0] * grid[1], name
-        assert (stream is side) == ("grad_weight" in name)
     assert [e[0] for e in launches].count("fork") == len(layout.layers)
     assert launches[-1][0] == "join"
 

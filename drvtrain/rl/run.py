@@ -134,20 +134,21 @@ class RunFolder:
 
     # ------------------------------------------------------------------ config and summary
     def write_config(self, config: dict) -> Path:
-        path = self._file(self.CONFIG, create=True)
-        _write_atomic(path, json.dumps(config, indent=2, sort_keys=True, default=_json_default) + "\n")
-        return path
+        return self._write_json(self.CONFIG, config)
 
     def read_config(self) -> dict:
         return self._read_json(self.CONFIG)
 
     def write_summary(self, summary: dict) -> Path:
-        path = self._file(self.SUMMARY, create=True)
-        _write_atomic(path, json.dumps(summary, indent=2, sort_keys=True, default=_json_default) + "\n")
-        return path
+        return self._write_json(self.SUMMARY, summary)
 
     def read_summary(self) -> dict:
         return self._read_json(self.SUMMARY)
+
+    def _write_json(self, name: str, value: dict) -> Path:
+        path = self._file(name, create=True)
+        _write_atomic(path, json.dumps(value, indent=2, sort_keys=True, default=_json_default) + "\n")
+        return path
 
     def _read_json(self, name: str) -> dict:
         path = self.path / name
