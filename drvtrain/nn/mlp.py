@@ -409,9 +409,12 @@ class MLP:
                  arena: Arena, stream, gate=None, weight_stream=None) -> None:
         """Gradients of the loss whose derivative by ``forward.output`` is ``dout``, into ``grads``.
 
-        ``weight_stream``: when given, each layer's dW/db product runs there,
-        forked from ``stream`` once its dY is ready, so it overlaps the rest of
-        the dX chain; everything is joined back into ``stream`` before return."""
+        ``weight_stream``: when given, each layer's dW/db product but the first
+        layer's runs there, forked from ``stream`` once its dY is ready, so it
+        overlaps the rest of the dX chain. The first layer's runs on ``stream``
+        right after the last dX: nothing is left there for it to overlap, and
+        queued behind the other dW products it would wait for them. Everything
+        is joined back into ``stream`` before return."""
         if not isinstance(forward, Forward) or len(forward.activations) != len(self.layout.layers) + 1:
             raise TypeError("backward takes the Forward that this MLP's forward returned")
         if grads.layout != self.layout or params.layout != self.layout:
@@ -423,10 +426,11 @@ class MLP:
         for k in range(len(self.layout.layers) - 1, -1, -1):
             out, inp = self.layout.layers[k]
             x = forward.activations[k]
-            if weight_stream is not None:
-                fork(stream, weight_stream)
+            side = weight_stream if k > 0 else None
+            if side is not None:
+                fork(stream, side)
             kernels.launch("grad_weight", dy, out, x, inp, grads.weight(k), inp, out, inp, batch, arena=arena,
-                           stream=stream if weight_stream is None else weight_stream, gate=gate, col_sum=grads.bias(k))
+                           stream=stream if side is None else side, gate=gate, col_sum=grads.bias(k))
             if k > 0:
                 dx = arena.array((batch, inp), np.float32)
                 kernels.launch("grad_input", dy, out, params.weight(k), inp, dx, inp, batch, inp, out, arena=arena,
