@@ -267,6 +267,14 @@ class Kernel:
                 pass
         return g, b
 
+    def max_dynamic_shared(self) -> int:
+        """The most dynamic shared memory (bytes) one block of this kernel may ask
+        for: the device's opt-in maximum less the kernel's static ``__shared__`` arrays."""
+        state = self._dynamic_shared
+        if state.allowed is None:
+            self._allow_dynamic_shared(0)  # reads the attributes, changes nothing
+        return self.limits.max_shared_per_block_optin - state.static
+
     def _allow_dynamic_shared(self, shared_mem: int) -> None:
         """Raise the function's dynamic shared memory attribute to ``shared_mem`` if it is lower.
 

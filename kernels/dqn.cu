@@ -71,6 +71,91 @@ __device__ __forceinline__ float dueling_q(const float* row, int k, float mean) 
     return row[0] + (row[1 + k] - mean);
 }
 
+// One sample's share of the loss, its mean Q and mean |td|.
+struct SampleTerms {
+    double loss = 0.0, q = 0.0, abs_td = 0.0;
+};
+
+// The loss of one sample from its three Q rows (both kernels below): writes its
+// priority and a*, and overwrites `row` (its Q_online(s, .) row) with its
+// gradient row dout. The NaN rules are dqn_loss's.
+__device__ __forceinline__ SampleTerms sample_loss(const float* row_next, const float* row_target, float* row,
+                                                   int a, float r, float d, float w, int batch, int n_actions,
+                                                   float gamma, float huber_delta, float* priority, int* a_star) {
+    // a* = first argmax of Q_online(s', .); any NaN among those Q poisons td.
+    int best_a = 0;
+    bool poisoned;
+    {
+        const float mean = advantage_mean(row_next, n_actions);
+        float best = dueling_q(row_next, 0, mean);
+        poisoned = is_nan(best);
+        for (int k = 1; k < n_actions; ++k) {
+            const float q = dueling_q(row_next, k, mean);
+            poisoned |= is_nan(q);
+            if (q > best) {
+                best = q;
+                best_a = k;
+            }
+        }
+    }
+    if (a_star != nullptr) *a_star = best_a;
+    const float q_target = dueling_q(row_target, best_a, advantage_mean(row_target, n_actions));
+
+    const bool valid = a >= 0 && a < n_actions;
+    const int ac = a < 0 ? 0 : (a >= n_actions ? n_actions - 1 : a);
+    float q_sa = dueling_q(row, ac, advantage_mean(row, n_actions));
+    if (!valid) q_sa = quiet_nan();
+    const float y = r + gamma * (1.0f - d) * q_target;
+    float td = y - q_sa;
+    if (poisoned) td = quiet_nan();
+    const float abs_td = fabsf(td);
+    // Written so that a NaN td takes the branch that keeps it NaN.
+    const float huber = abs_td < huber_delta ? 0.5f * td * td : huber_delta * (abs_td - 0.5f * huber_delta);
+    const float slope = abs_td >= huber_delta ? copysignf(huber_delta, td) : td;
+    const float g = -(w * slope) / (float)batch;
+    const float inv_n = 1.0f / (float)n_actions;
+    row[0] = g;
+    for (int k = 0; k < n_actions; ++k) row[1 + k] = g * ((k == ac ? 1.0f : 0.0f) - inv_n);
+    *priority = abs_td + 1e-6f;
+    SampleTerms terms;
+    terms.loss = (double)w * (double)huber;
+    terms.q = q_sa;
+    terms.abs_td = abs_td;
+    return terms;
+}
+
+// scalars[0..2] = the batch means of the three terms: block sums into
+// partials[3][gridDim.x], added in block order by the last block. Every thread
+// of the block calls it.
+template <int THREADS>
+__device__ __forceinline__ void publish_means(SampleTerms terms, int batch, float* scalars, double* partials,
+                                              unsigned int* counter) {
+    const double block_loss = dt_block_sum<THREADS>(terms.loss);
+    const double block_q = dt_block_sum<THREADS>(terms.q);
+    const double block_abs = dt_block_sum<THREADS>(terms.abs_td);
+    const unsigned int blocks = gridDim.x;
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = block_loss;
+        partials[blocks + blockIdx.x] = block_q;
+        partials[2 * blocks + blockIdx.x] = block_abs;
+    }
+    if (!dt_last_block(counter, blocks)) return;
+    double s_loss = 0.0, s_q = 0.0, s_abs = 0.0;
+    for (unsigned int b = threadIdx.x; b < blocks; b += THREADS) {
+        s_loss += __ldcg(&partials[b]);
+        s_q += __ldcg(&partials[blocks + b]);
+        s_abs += __ldcg(&partials[2 * blocks + b]);
+    }
+    s_loss = dt_block_sum<THREADS>(s_loss);
+    s_q = dt_block_sum<THREADS>(s_q);
+    s_abs = dt_block_sum<THREADS>(s_abs);
+    if (threadIdx.x == 0) {
+        scalars[0] = (float)(s_loss / batch);
+        scalars[1] = (float)(s_q / batch);
+        scalars[2] = (float)(s_abs / batch);
+    }
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
@@ -111,83 +196,184 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
         tiles[2][e] = q_s[base + e];
     }
     __syncthreads();
-
-    // a* = first argmax of Q_online(s', .); any NaN among those Q poisons td.
-    const float* row_next = tiles[0] + t * cols;
-    int best_a = 0;
-    bool poisoned = false;
-    if (live) {
-        const float mean = advantage_mean(row_next, n_actions);
-        float best = dueling_q(row_next, 0, mean);
-        poisoned = is_nan(best);
-        for (int k = 1; k < n_actions; ++k) {
-            const float q = dueling_q(row_next, k, mean);
-            poisoned |= is_nan(q);
-            if (q > best) {
-                best = q;
-                best_a = k;
-            }
-        }
-    }
-
-    if (live && a_star != nullptr) a_star[j] = best_a;
-
-    const float* row_target = tiles[1] + t * cols;
-    float q_target = 0.0f;
-    if (live) q_target = dueling_q(row_target, best_a, advantage_mean(row_target, n_actions));
-
-    float* row = tiles[2] + t * cols;
-    double loss_j = 0.0, q_j = 0.0, abs_j = 0.0;
-    if (live) {
-        const bool valid = a >= 0 && a < n_actions;
-        const int ac = a < 0 ? 0 : (a >= n_actions ? n_actions - 1 : a);
-        float q_sa = dueling_q(row, ac, advantage_mean(row, n_actions));
-        if (!valid) q_sa = quiet_nan();
-        const float y = r + gamma * (1.0f - d) * q_target;
-        float td = y - q_sa;
-        if (poisoned) td = quiet_nan();
-        const float abs_td = fabsf(td);
-        // Written so that a NaN td takes the branch that keeps it NaN.
-        const float huber = abs_td < huber_delta ? 0.5f * td * td : huber_delta * (abs_td - 0.5f * huber_delta);
-        const float slope = abs_td >= huber_delta ? copysignf(huber_delta, td) : td;
-        const float g = -(w * slope) / (float)batch;
-        const float inv_n = 1.0f / (float)n_actions;
-        // The thread's own row of the tile is read above and only by this thread.
-        row[0] = g;
-        for (int k = 0; k < n_actions; ++k) row[1 + k] = g * ((k == ac ? 1.0f : 0.0f) - inv_n);
-        priorities[j] = abs_td + 1e-6f;
-        loss_j = (double)w * (double)huber;
-        q_j = q_sa;
-        abs_j = abs_td;
-    }
+    SampleTerms terms;
+    if (live)  // the thread's own row of each tile is read and written only by this thread
+        terms = sample_loss(tiles[0] + t * cols, tiles[1] + t * cols, tiles[2] + t * cols, a, r, d, w, batch,
+                            n_actions, gamma, huber_delta, &priorities[j], a_star != nullptr ? &a_star[j] : nullptr);
     __syncthreads();
 #pragma unroll 4
     for (int e = t; e < count; e += DQN_LOSS_THREADS) dout[base + e] = tiles[2][e];
+    publish_means<DQN_LOSS_THREADS>(terms, batch, scalars, partials, counter);
+}
 
-    const double block_loss = dt_block_sum<DQN_LOSS_THREADS>(loss_j);
-    const double block_q = dt_block_sum<DQN_LOSS_THREADS>(q_j);
-    const double block_abs = dt_block_sum<DQN_LOSS_THREADS>(abs_j);
-    const unsigned int blocks = gridDim.x;
-    if (t == 0) {
-        partials[blockIdx.x] = block_loss;
-        partials[blocks + blockIdx.x] = block_q;
-        partials[2 * blocks + blockIdx.x] = block_abs;
+// ============================================================== dqn_head
+// The network's last layer and the loss in one kernel: the three forwards of the
+// output layer, dqn_loss, and the output layer's data gradient, row by row (so
+// three launches leave the step's chain).
+// Inputs:  h_s, h_next, h_target [batch, hidden] row-major: the last hidden
+//            layer's outputs (ReLU, so >= 0 or NaN) of the online net on s, the
+//            online net on s' and the target net on s'.
+//          w_online, w_target [1 + n_actions, hidden] row-major and b_online,
+//            b_target [1 + n_actions]: the output layer of each net.
+//          action, reward, done, weights, batch, n_actions, gamma, huber_delta
+//            and gate as dqn_loss.
+// Outputs: q_s, q_next, q_target [batch, 1 + n_actions]: the three output layers
+//            (z = h W^T + b), each a dot product in FP32 in a fixed order.
+//          dout, priorities, scalars, a_star: as dqn_loss, from those Q rows.
+//          dh [batch, hidden] = (dout W_online) where h_s > 0, else 0 (the ReLU
+//            mask of gemm.cu's grad-input epilogue), in FP32, summed over the
+//            output columns in index order.
+// NaN: dqn_loss's rules, from Q rows that carry any NaN of h or W.
+// Shared memory (dynamic, bytes): dqn_head_shared_bytes(hidden, n_actions)
+//   = 4 (2 (1 + n_actions) hidden + 3 DQN_HEAD_ROWS (hidden + 1 + n_actions)):
+//   both output layers and the block's rows of the three inputs, staged in one
+//   round of cp.async copies (16 bytes each when hidden % 4 == 0; every operand
+//   is then 16-byte aligned, as the parameter layout and the arena place them).
+// Scratch: partials = 3 * gridDim.x doubles; counter as dqn_loss.
+// Launch: grid = ceil(batch / DQN_HEAD_ROWS), block DQN_HEAD_THREADS.
+// Determinism: fixed per-lane orders and a fixed shuffle tree for the dot
+//   products; the scalars as dqn_loss: bitwise reproducible for a fixed grid.
+constexpr int DQN_HEAD_THREADS = 256;
+constexpr int DQN_HEAD_ROWS = 4;
+
+namespace {
+
+// Copies n floats global -> shared with cp.async: 16 bytes a copy when `vec`
+// (n, src and dst multiples of 4 floats / 16 bytes), else 4.
+__device__ __forceinline__ void stage_floats(float* dst, const float* src, int n, bool vec) {
+    const unsigned int base = (unsigned int)__cvta_generic_to_shared(dst);
+    if (vec) {
+        for (int e = threadIdx.x; e < n / 4; e += DQN_HEAD_THREADS)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(base + 16u * e), "l"(src + 4 * e));
+    } else {
+        for (int e = threadIdx.x; e < n; e += DQN_HEAD_THREADS)
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(base + 4u * e), "l"(src + e));
     }
-    if (!dt_last_block(counter, blocks)) return;
-    double s_loss = 0.0, s_q = 0.0, s_abs = 0.0;
-    for (unsigned int b = t; b < blocks; b += DQN_LOSS_THREADS) {
-        s_loss += __ldcg(&partials[b]);
-        s_q += __ldcg(&partials[blocks + b]);
-        s_abs += __ldcg(&partials[2 * blocks + b]);
+}
+
+// acc[r] += the lane's share of dot(w, x_r) for the block's rows: lane l takes
+// elements 4l .. 4l+3 of every 128 (VEC) or element l of every 32.
+template <bool VEC>
+__device__ __forceinline__ void lane_dots(const float* w, const float* x, int hidden, int rows, int lane,
+                                          float (&acc)[DQN_HEAD_ROWS]) {
+    if (VEC) {
+        for (int k = 4 * lane; k < hidden; k += 128) {
+            const float4 wv = *reinterpret_cast<const float4*>(w + k);
+#pragma unroll
+            for (int r = 0; r < DQN_HEAD_ROWS; ++r) {
+                if (r < rows) {
+                    const float4 xv = *reinterpret_cast<const float4*>(x + r * hidden + k);
+                    acc[r] = fmaf(wv.x, xv.x, acc[r]);
+                    acc[r] = fmaf(wv.y, xv.y, acc[r]);
+                    acc[r] = fmaf(wv.z, xv.z, acc[r]);
+                    acc[r] = fmaf(wv.w, xv.w, acc[r]);
+                }
+            }
+        }
+    } else {
+        for (int k = lane; k < hidden; k += 32) {
+            const float wk = w[k];
+#pragma unroll
+            for (int r = 0; r < DQN_HEAD_ROWS; ++r)
+                if (r < rows) acc[r] = fmaf(wk, x[r * hidden + k], acc[r]);
+        }
     }
-    s_loss = dt_block_sum<DQN_LOSS_THREADS>(s_loss);
-    s_q = dt_block_sum<DQN_LOSS_THREADS>(s_q);
-    s_abs = dt_block_sum<DQN_LOSS_THREADS>(s_abs);
-    if (t == 0) {
-        scalars[0] = (float)(s_loss / batch);
-        scalars[1] = (float)(s_q / batch);
-        scalars[2] = (float)(s_abs / batch);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
+        const float* h_s, const float* h_next, const float* h_target, int hidden, const float* w_online,
+        const float* b_online, const float* w_target, const float* b_target, const int* action,
+        const float* reward, const float* done, const float* weights, int batch, int n_actions, float gamma,
+        float huber_delta, float* q_s, float* q_next, float* q_target, float* dout, float* dh, float* priorities,
+        float* scalars, double* partials, unsigned int* counter, int* a_star, const int* gate) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    if (gate != nullptr && *gate) return;  // a step that is not due: nothing is written
+    if (n_actions < 1 || n_actions > DQN_MAX_ACTIONS) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) scalars[0] = scalars[1] = scalars[2] = quiet_nan();
+        return;
     }
+    extern __shared__ float4 head_shared[];
+    const int cols = 1 + n_actions;
+    float* w_sh = reinterpret_cast<float*>(head_shared);   // [2][cols][hidden]: online, target
+    float* x_sh = w_sh + 2 * cols * hidden;                // [3][ROWS][hidden]: s, s' online, s' target
+    float* q_sh = x_sh + 3 * DQN_HEAD_ROWS * hidden;       // [3][ROWS][cols]
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const long long j0 = (long long)blockIdx.x * DQN_HEAD_ROWS;
+    const int here = (int)max(0ll, min((long long)DQN_HEAD_ROWS, (long long)batch - j0));
+    const bool vec = (hidden & 3) == 0;
+    const long long x0 = j0 * hidden;
+
+    stage_floats(w_sh, w_online, cols * hidden, vec);
+    stage_floats(w_sh + cols * hidden, w_target, cols * hidden, vec);
+    stage_floats(x_sh, h_s + x0, here * hidden, vec);
+    stage_floats(x_sh + DQN_HEAD_ROWS * hidden, h_next + x0, here * hidden, vec);
+    stage_floats(x_sh + 2 * DQN_HEAD_ROWS * hidden, h_target + x0, here * hidden, vec);
+    asm volatile("cp.async.commit_group;\n" ::);
+    const long long j = j0 + t;
+    const bool live = t < here;
+    int a = 0;
+    float r = 0.0f, d = 0.0f, w = 0.0f;
+    if (live) {  // the per-sample loads fly with the copies
+        a = action[j];
+        r = reward[j];
+        d = done[j];
+        w = weights[j];
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+
+    // The forwards: warp item (pass p, column c) = Q[p][r][c] for the block's rows,
+    // lanes over k, then a fixed shuffle tree whose result lane 0 holds.
+    for (int item = warp; item < 3 * cols; item += DQN_HEAD_THREADS / 32) {
+        const int p = item / cols, c = item % cols;
+        const float* wrow = w_sh + (p == 2 ? cols * hidden : 0) + c * hidden;
+        float acc[DQN_HEAD_ROWS];
+#pragma unroll
+        for (int i = 0; i < DQN_HEAD_ROWS; ++i) acc[i] = 0.0f;
+        if (vec)
+            lane_dots<true>(wrow, x_sh + p * DQN_HEAD_ROWS * hidden, hidden, here, lane, acc);
+        else
+            lane_dots<false>(wrow, x_sh + p * DQN_HEAD_ROWS * hidden, hidden, here, lane, acc);
+#pragma unroll
+        for (int i = 0; i < DQN_HEAD_ROWS; ++i)
+#pragma unroll
+            for (int off = 16; off >= 1; off >>= 1) acc[i] += __shfl_down_sync(0xffffffffu, acc[i], off);
+        if (lane == 0) {
+            const float bias = (p == 2 ? b_target : b_online)[c];
+            float* out = p == 0 ? q_s : (p == 1 ? q_next : q_target);
+            for (int i = 0; i < here; ++i) {
+                const float z = acc[i] + bias;
+                q_sh[(p * DQN_HEAD_ROWS + i) * cols + c] = z;
+                out[(j0 + i) * cols + c] = z;
+            }
+        }
+    }
+    __syncthreads();
+
+    SampleTerms terms;
+    if (live)  // row t of each Q tile is read and written by thread t only
+        terms = sample_loss(q_sh + (DQN_HEAD_ROWS + t) * cols, q_sh + (2 * DQN_HEAD_ROWS + t) * cols,
+                            q_sh + t * cols, a, r, d, w, batch, n_actions, gamma, huber_delta, &priorities[j],
+                            a_star != nullptr ? &a_star[j] : nullptr);
+    __syncthreads();
+    for (int e = t; e < here * cols; e += DQN_HEAD_THREADS) dout[j0 * cols + e] = q_sh[e];
+
+    // dh[r][k] = sum_c dout[r][c] W[c][k], masked by h_s[r][k] > 0.
+    for (int k = t; k < hidden; k += DQN_HEAD_THREADS) {
+        float acc[DQN_HEAD_ROWS];
+#pragma unroll
+        for (int i = 0; i < DQN_HEAD_ROWS; ++i) acc[i] = 0.0f;
+        for (int c = 0; c < cols; ++c) {
+            const float wk = w_sh[c * hidden + k];
+#pragma unroll
+            for (int i = 0; i < DQN_HEAD_ROWS; ++i) acc[i] = fmaf(q_sh[i * cols + c], wk, acc[i]);
+        }
+        for (int i = 0; i < here; ++i) dh[x0 + (long long)i * hidden + k] = x_sh[i * hidden + k] > 0.0f ? acc[i] : 0.0f;
+    }
+    publish_means<DQN_HEAD_THREADS>(terms, batch, scalars, partials, counter);
 }
 
 // ============================================================== spectral projection

@@ -38,6 +38,8 @@ def test_benchmark_configurations_are_valid():
     (dict(spectral_layers=(0, 0)), "repeats"),
     (dict(betas=(1.0, 0.999)), r"betas\[0\]"),
     (dict(n_actions=True), "n_actions"),
+    (dict(fused_head=1), "fused_head"),
+    (dict(fused_tail=None), "fused_tail"),
 ])
 def test_bad_values_name_the_field_and_the_range(overrides, field):
     with pytest.raises(ValueError, match=field):
@@ -48,3 +50,9 @@ def test_config_round_trips_through_a_dict():
     cfg = DQNConfig.small(beta=(0.4, 1.0, 1000), tau=None, target_period=100, hidden=[64, 32])
     again = DQNConfig(**cfg.to_dict())
     assert again == cfg and again.hidden == (64, 32) and again.beta == (0.4, 1.0, 1000)
+
+
+def test_fused_head_takes_none_true_or_false():
+    assert DQNConfig.small().fused_head is None
+    for value in (None, True, False):
+        assert DQNConfig.small(fused_head=value).fused_head is value

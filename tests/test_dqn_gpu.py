@@ -4,7 +4,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from drvtrain import Stream
+from drvtrain import DeviceBuffer, Stream
 from drvtrain.rl import DQNConfig, DQNStep, TrainingError
 from drvtrain.rl.dqn import audit_step
 from dqn_reference import dqn_loss, dqn_step, dueling_q
@@ -132,8 +132,12 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=4096, tf32=False),
     dict(ODD, tf32=False, fused=True),
     dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False, fused=True),
+    dict(ODD, tf32=False, n_actions=1, fused_head=True),
+    dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=4096, tf32=False, fused_head=True),
+    dict(ODD, tf32=False, fused_head=True),
 ], ids=["odd-shapes", "one-action", "hard-copy-spectral-c", "no-spectral-clipped", "small", "large",
-        "odd-shapes-fused", "small-fused"])
+        "odd-shapes-fused", "small-fused", "one-action-fused-head", "large-fused-head",
+        "odd-shapes-fused-head"])
 def test_one_fp32_step_matches_float64(device, rng, overrides):
     one_step(DQNConfig(seed=int(rng.integers(1 << 30)), **overrides), rng)
 
@@ -155,8 +159,9 @@ def test_terminal_transitions_and_duplicate_indices(device, rng):
         assert np.min(np.abs(written[idx == i] - leaves[i]) / written[idx == i]) < 1e-6
 
 
-def test_tf32_step_matches_float64_at_tf32_accuracy(device, rng):
-    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tf32=True, **ODD)
+@pytest.mark.parametrize("fused_head", [False, True], ids=["separate-head", "fused-head"])
+def test_tf32_step_matches_float64_at_tf32_accuracy(device, rng, fused_head):
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tf32=True, fused_head=fused_head, **ODD)
     stream = Stream()
     step = DQNStep(cfg)
     data = fill(step, rng, stream)
@@ -171,7 +176,7 @@ def test_tf32_step_matches_float64_at_tf32_accuracy(device, rng):
     outs = {"q_s": acts[-1], "q_next_online": mlp_forward(named, batch["next_obs"], n)[-1],
             "q_next_target": mlp_forward(target_named, batch["next_obs"], n)[-1]}
     got = {k: getattr(step.last, k).to_numpy() for k in outs}
-    for k in outs:  # the forwards run on TF32 tensor cores
+    for k in outs:  # the hidden layers run on TF32 tensor cores (and the output layer too, unless fused)
         assert rel(got[k], outs[k]) < 3e-3, k
     # The loss kernel is FP32: fed the device's own network outputs it matches to 1e-5.
     res = dqn_loss(got["q_s"], got["q_next_online"], got["q_next_target"], batch["action"], batch["reward"],
@@ -351,6 +356,12 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     assert counts.per_iteration("cuGraphLaunch") == 1 and counts.per_iteration("cuEventRecord") == 1
     names = {k.function for k in step.graph.kernel_nodes()}
     separate = {"grad_norm_clip", "adamw_step", "sumtree_update", "dqn_finish"}
+    # The small net's 3 x 256 output layer runs in one dqn_head node (forwards, loss, dX); the
+    # large net's 19 x 1024 one as separate products and dqn_loss (DQNConfig.fused_head=None).
+    fused = config == "small"
+    assert (step._head is not None) == fused
+    assert [r.measured for r in rows if r.name.startswith("output layer's forwards")] == (["1"] if fused else [])
+    assert ("dqn_head" in names) == fused and ("dqn_loss" in names) != fused
     if fused_tail:  # one cooperative node instead of the six
         assert [r.measured for r in rows if r.name.startswith("norm, priority update")] == ["1"]
         assert "dqn_tail" in names and not separate & names
@@ -429,3 +440,70 @@ def test_gate_lets_the_device_decide_whether_the_captured_step_runs(device, rng)
     stream.synchronize()
     assert step.steps_done() == 1 and step.state_numpy()["t"] == before["t"] + 1
     assert tree.step.to_numpy() == sampled + 1
+
+
+@pytest.mark.parametrize("hidden, n_actions, batch", [(33, 4, 10), (256, 2, 256), (1024, 18, 61), (64, 1, 7)],
+                         ids=["odd-scalar-copies", "small", "large-partial-block", "one-action"])
+def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch):
+    """dqn_head alone: the output layer's three forwards, the loss and the output
+    layer's dX, against float64, every output poisoned first; a last block with
+    fewer than its rows; hidden widths with and without 16-byte copies."""
+    from drvtrain import builtin_module
+    from drvtrain.rl.dqn import HEAD_SIGNATURE, _HEAD_ROWS, head_shared_bytes
+    kernel = builtin_module("dqn.cu").kernel("dqn_head", HEAD_SIGNATURE, fixed_block=True)
+    cols, gamma, delta = 1 + n_actions, 0.97, 0.8
+    h = [np.maximum(rng.standard_normal((batch, hidden)), 0).astype(np.float32) for _ in range(3)]
+    w = [(rng.standard_normal((cols, hidden)) / np.sqrt(hidden)).astype(np.float32) for _ in range(2)]
+    bias = [rng.standard_normal(cols).astype(np.float32) for _ in range(2)]
+    action = rng.integers(0, n_actions, batch).astype(np.int32)
+    reward = rng.standard_normal(batch).astype(np.float32)
+    done = (rng.random(batch) < 0.3).astype(np.float32)
+    weights = rng.uniform(0.1, 1.0, batch).astype(np.float32)
+    dev = [DeviceBuffer.from_numpy(x) for x in (*h, w[0], bias[0], w[1], bias[1], action, reward, done, weights)]
+    outs = [DeviceBuffer((batch, cols)) for _ in range(4)] + [DeviceBuffer((batch, hidden)), DeviceBuffer(batch),
+                                                              DeviceBuffer(4)]
+    a_star = DeviceBuffer(batch, np.int32)
+    grid = -(-batch // _HEAD_ROWS)
+    partials, counter = DeviceBuffer(3 * grid, np.float64), DeviceBuffer.zeros(1, np.uint32)
+    stream = Stream()
+    for buf in (*outs, a_star):
+        buf.poison(stream=stream)
+    q_s, q_next, q_target, dout, dh, priorities, scalars = outs
+    kernel.launch(grid, kernel.block, *dev[:3], hidden, *dev[3:11], batch, n_actions, gamma, delta,
+                  q_s, q_next, q_target, dout, dh, priorities, scalars, partials, counter, a_star, 0,
+                  stream=stream, shared_mem=head_shared_bytes(hidden, n_actions))
+    stream.synchronize()
+    f64 = lambda x: np.asarray(x, np.float64)
+    want_q = [f64(h[0]) @ f64(w[0]).T + bias[0], f64(h[1]) @ f64(w[0]).T + bias[0], f64(h[2]) @ f64(w[1]).T + bias[1]]
+    for got, want in zip((q_s, q_next, q_target), want_q):
+        assert rel(got.to_numpy(), want) < 1e-6
+    res = dqn_loss(*want_q, action, reward, done, weights, gamma, delta)
+    assert rel(dout.to_numpy(), res["dout"]) < 1e-5
+    assert rel(priorities.to_numpy(), res["priorities"]) < 1e-5
+    want_dh = (res["dout"] @ f64(w[0])) * (h[0] > 0)
+    assert rel(dh.to_numpy(), want_dh) < 1e-5
+    got_scalars = scalars.to_numpy()
+    for got, want in zip(got_scalars[:3], (res["loss"], res["mean_q"], res["mean_abs_td"])):
+        assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3)
+    q_next_ref = dueling_q(want_q[1])
+    top = np.sort(q_next_ref, axis=1)
+    clear = top[:, -1] - top[:, -2] > 1e-4 if n_actions > 1 else np.ones(batch, bool)
+    np.testing.assert_array_equal(a_star.to_numpy()[clear], res["a_star"][clear])
+    assert counter.to_numpy()[0] == 0
+
+
+def test_fused_head_only_where_the_output_layers_fit(device):
+    """Forced: 1024 x (1 + 18) output layers fit one block's shared memory twice over; 1024 x 31 do
+    not, and that step takes the separate forward, loss and dX kernels. Automatic: only output
+    layers of 512 to 3072 weights."""
+    cases = [(dict(hidden=(1024,), n_actions=18, fused_head=True), True),
+             (dict(hidden=(1024,), n_actions=30, fused_head=True), False),
+             (dict(hidden=(256,), n_actions=2, fused_head=False), False),
+             (dict(hidden=(256,), n_actions=2), True), (dict(hidden=(512,), n_actions=5), True),
+             (dict(hidden=(64,), n_actions=2), False), (dict(hidden=(1024,), n_actions=18), False)]
+    for overrides, fused in cases:
+        step = DQNStep(DQNConfig(obs_dim=8, batch=64, capacity=256, **overrides))
+        try:
+            assert (step._head is not None) == fused, overrides
+        finally:
+            step.close()

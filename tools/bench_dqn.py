@@ -5,8 +5,10 @@ For each configuration: microseconds per step (median over repeats of R
 back-to-back graph replays, device time over R), the graph's node count and
 longest dependent chain, for the default step (per-layer GEMMs, the two `s'`
 forwards on their own streams, dependent launches) and for variants that change
-one thing: no dependent launches, everything after the backward as one
-cooperative launch (DQNConfig(fused_tail=True)), the fused narrow kernels (small
+one thing: no dependent launches, the output layer's forwards, the loss and its
+dX forced into one kernel or forced apart (DQNConfig(fused_head=True / False);
+the default picks by the layer's size), everything after the
+backward as one cooperative launch (DQNConfig(fused_tail=True)), the fused narrow kernels (small
 only: the large net is too wide for them), everything on one stream. With torch installed,
 the same step written plainly in PyTorch (tools/torch_dqn.py), eager and CUDA-graph
 captured. Goals: <= 15 us (small) and <= 50 us (large).
@@ -25,7 +27,7 @@ def measure(cfg, args):
     stream = Stream()
     print(f"  {cfg.obs_dim}-{'-'.join(map(str, cfg.hidden))}-{cfg.n_actions} batch {cfg.batch}, "
           f"fused={cfg.fused} dual_stream={cfg.dual_stream} dependent_launch={cfg.dependent_launch} "
-          f"fused_tail={cfg.fused_tail}: "
+          f"fused_tail={cfg.fused_tail} fused_head={cfg.fused_head}: "
           f"filling {cfg.capacity} transitions ...", flush=True)
     step = DQNStep(cfg)
     step.fill_random(1, stream=stream)
@@ -57,6 +59,8 @@ def torch_times(cfg, args):
 VARIANTS = (
     ("default", {}),
     ("no dependent launch", {"dependent_launch": False}),
+    ("output layer fused (dqn_head)", {"fused_head": True}),
+    ("output layer separate", {"fused_head": False}),
     ("cooperative tail", {"fused_tail": True}),
     ("fused narrow kernels", {"fused": True}),
     ("one stream", {"dual_stream": False}),

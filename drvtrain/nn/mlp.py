@@ -384,20 +384,28 @@ class MLP:
                 total += _rounded(p.workspace_floats)
         return total + 1024
 
-    def forward(self, params: FlatBuffer, x: DeviceBuffer, *, arena: Arena, stream, gate=None) -> Forward:
+    def forward(self, params: FlatBuffer, x: DeviceBuffer, *, arena: Arena, stream, gate=None,
+                layers: int | None = None) -> Forward:
         """Every layer's output into arena slices; ``.output`` is [batch, out].
 
         ``gate``: an int32 device word; while it is non-zero every launch returns
-        at once (a training loop's step that is not due)."""
+        at once (a training loop's step that is not due). ``layers``: run only
+        the first ``layers`` layers (a caller that computes the rest itself);
+        ``.output`` is then that layer's output."""
         if params.layout != self.layout:
             raise ValueError("params were made for another layout")
         batch = x.shape[0] if x.shape else 0
         _check_input("x", x, (batch, self.in_features))
         if batch < 1:
             raise ValueError("the batch must have at least one row")
+        n = len(self.layout.layers)
+        if layers is None:
+            layers = n
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= n:
+            raise ValueError(f"layers must be an int in [1, {n}], got {layers!r}")
         acts = [x]
-        last = len(self.layout.layers) - 1
-        for k, (out, inp) in enumerate(self.layout.layers):
+        last = n - 1
+        for k, (out, inp) in enumerate(self.layout.layers[:layers]):
             y = arena.array((batch, out), np.float32)
             self.forward_kernels.launch("forward" if k == last else "forward_relu", acts[-1], inp, params.weight(k),
                                         inp, y, out, batch, out, inp, arena=arena, stream=stream, gate=gate,
@@ -406,8 +414,12 @@ class MLP:
         return Forward(tuple(acts))
 
     def backward(self, params: FlatBuffer, grads: FlatBuffer, forward: Forward, dout: DeviceBuffer, *,
-                 arena: Arena, stream, gate=None, weight_stream=None) -> None:
+                 arena: Arena, stream, gate=None, weight_stream=None, dx_last: DeviceBuffer | None = None) -> None:
         """Gradients of the loss whose derivative by ``forward.output`` is ``dout``, into ``grads``.
+
+        ``dx_last``: the last layer's data gradient (by its input, the ReLU mask
+        applied), already computed by the caller into this [batch, in] buffer;
+        that product is then not launched and the dX chain starts from it.
 
         ``weight_stream``: when given, each layer's dW/db product but the first
         layer's runs there, forked from ``stream`` once its dY is ready, so it
@@ -421,6 +433,10 @@ class MLP:
             raise ValueError("params and grads must be made for this MLP's layout")
         batch = forward.batch
         _check_input("dout", dout, (batch, self.out_features))
+        if dx_last is not None:
+            if len(self.layout.layers) < 2:
+                raise ValueError("dx_last needs a hidden layer: a one-layer net has no data gradient to chain")
+            _check_input("dx_last", dx_last, (batch, self.layout.layers[-1][1]))
         kernels = self.backward_kernels
         dy = dout
         for k in range(len(self.layout.layers) - 1, -1, -1):
@@ -431,7 +447,9 @@ class MLP:
                 fork(stream, side)
             kernels.launch("grad_weight", dy, out, x, inp, grads.weight(k), inp, out, inp, batch, arena=arena,
                            stream=stream if side is None else side, gate=gate, col_sum=grads.bias(k))
-            if k > 0:
+            if k > 0 and k == len(self.layout.layers) - 1 and dx_last is not None:
+                dy = dx_last
+            elif k > 0:
                 dx = arena.array((batch, inp), np.float32)
                 kernels.launch("grad_input", dy, out, params.weight(k), inp, dx, inp, batch, inp, out, arena=arena,
                                stream=stream, gate=gate, mask=x, ldm=inp)

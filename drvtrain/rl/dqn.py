@@ -28,7 +28,7 @@ from ..kernel import builtin_module, dependent_launches
 from ..memory import Arena, DeviceBuffer, MappedBuffer
 from ..nn.layout import FlatBuffer, ParamLayout
 from ..nn.metrics import Metrics
-from ..nn.mlp import MLP
+from ..nn.mlp import MLP, Forward
 from ..nn.narrow import NarrowMLP
 from ..nn.optim import AdamW
 from ..stream import Stream, fork, join
@@ -44,6 +44,17 @@ _SPECTRAL_DTYPE = np.dtype([("w_offset", "<i8"), ("rows", "<i4"), ("cols", "<i4"
 _SPECTRAL_COLS_PER_BLOCK = 16  # DT_SPECTRAL_COLS_PER_BLOCK
 MAX_ACTIONS = 64  # DQN_MAX_ACTIONS in kernels/dqn.cu: the loss kernel stages rows in shared memory
 _SPECTRAL_ROWS_PER_BLOCK = 16  # DT_SPECTRAL_ROWS_PER_BLOCK
+_HEAD_ROWS = 4  # DQN_HEAD_ROWS in kernels/dqn.cu: batch rows per dqn_head block
+# DQNConfig(fused_head=None) fuses output layers of this many weights (measured, docs/perf-notes.md).
+HEAD_AUTO_WEIGHTS = (512, 3072)
+HEAD_SIGNATURE = "ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr"
+
+
+def head_shared_bytes(hidden: int, n_actions: int) -> int:
+    """Dynamic shared memory of one ``dqn_head`` block: both nets' output layers
+    ([1 + n_actions, hidden] each), its rows of the three inputs and their Q rows."""
+    cols = 1 + n_actions
+    return 4 * (2 * cols * hidden + 3 * _HEAD_ROWS * (hidden + cols))
 
 
 class TrainingError(RuntimeError):
@@ -91,6 +102,18 @@ class DQNConfig:
     kernel with grid barriers between the phases (``dqn_tail``) instead of six
     launches: the same bits, five fewer nodes on the step's chain. Off by
     default: on the H200 it measured no faster (docs/perf-notes.md).
+    ``fused_head`` runs the output layer's three forwards, the loss and the
+    output layer's data gradient as one row-parallel kernel (``dqn_head``, in
+    FP32) instead of three forward products, ``dqn_loss`` and a dX product:
+    three launches fewer on the step's chain, but each block stages both nets'
+    output layers in its shared memory (:func:`head_shared_bytes`) and computes
+    every column of its rows. ``None`` (the default) fuses when the output
+    layer holds between 512 and 3072 weights ((1 + n_actions) * hidden[-1]),
+    the range where it measured faster on the H200 (docs/perf-notes.md):
+    smaller heads run faster as separate products, larger ones spend more on
+    the copies and the dot products than the launches cost. ``True`` fuses
+    wherever the layers fit one block (a 1024-wide last hidden layer up to 20
+    actions on a 227 KiB device), ``False`` never; ``fused`` uses neither.
     """
     obs_dim: int
     n_actions: int
@@ -116,6 +139,7 @@ class DQNConfig:
     fused: bool = False
     dependent_launch: bool = True
     fused_tail: bool = False
+    fused_head: bool | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "hidden", tuple(self.hidden))
@@ -165,6 +189,8 @@ class DQNConfig:
         if self.spectral_layers is not None and len(set(self.spectral_layers)) != len(self.spectral_layers):
             raise ValueError(f"spectral_layers repeats a layer: {self.spectral_layers}")
         _positive_int("seed", self.seed, 0, 2**63 - 1)
+        if self.fused_head is not None and not isinstance(self.fused_head, (bool, np.bool_)):
+            raise ValueError(f"fused_head must be True, False or None, got {self.fused_head!r}")
         for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -276,6 +302,17 @@ class DQNStep:
         self.arena = Arena(self.replay.scratch_bytes(b) + net_bytes + 2 * out_bytes + 8 * b + 4096,
                            zeroed_bytes=zeroed + 1024, active=arena_active)
         self.streams = (Stream(), Stream()) if cfg.dual_stream and self.narrow is None else ()
+        self._head = None
+        head_weights = (1 + a) * self.layout.layers[-1][1]
+        fuse_head = cfg.fused_head if cfg.fused_head is not None else \
+            HEAD_AUTO_WEIGHTS[0] <= head_weights <= HEAD_AUTO_WEIGHTS[1]
+        if fuse_head and self.narrow is None:
+            head = mod.kernel("dqn_head", HEAD_SIGNATURE, fixed_block=True)
+            self._head_shared = head_shared_bytes(self.layout.layers[-1][1], a)
+            if self._head_shared <= head.max_dynamic_shared():
+                self._head = head
+                self._head_grid = -(-b // _HEAD_ROWS)
+                self._head_partials = DeviceBuffer(3 * self._head_grid, np.float64)
         self.last = _Captured()
         self.graph: Graph | None = None
 
@@ -332,6 +369,8 @@ class DQNStep:
         batch = self.replay.sample(b, stream=stream, beta=cfg.beta, arena=arena, uniforms=uniforms,
                                    beta_out=self._beta_used, gate=gate)
         capturing = bool(active_captures())
+        head = self._head
+        hidden_layers = len(self.layout.layers) - (head is not None)  # dqn_head runs the output layer
         if self.narrow is not None:  # all three passes in one launch
             f_online, f_next, f_target = self.narrow.forward_many(
                 [self.params, self.params, self.target], [batch.obs, batch.next_obs, batch.next_obs],
@@ -343,26 +382,43 @@ class DQNStep:
                 fork(stream, next_stream, target_stream)
             else:
                 next_stream = target_stream = stream
-            f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream, gate=gate)
+            f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream, gate=gate,
+                                   layers=hidden_layers)
             target_leaves = capture_frontier(target_stream) if capturing else []
-            f_next = mlp.forward(self.params, batch.next_obs, arena=arena, stream=next_stream, gate=gate)
-            f_online = mlp.forward(self.params, batch.obs, arena=arena, stream=stream, gate=gate)
+            f_next = mlp.forward(self.params, batch.next_obs, arena=arena, stream=next_stream, gate=gate,
+                                 layers=hidden_layers)
+            f_online = mlp.forward(self.params, batch.obs, arena=arena, stream=stream, gate=gate,
+                                   layers=hidden_layers)
             online_leaves = capture_frontier(stream) if capturing else []
             if self.streams:
                 join(stream, next_stream, target_stream)
         dout = arena.array((b, 1 + a), np.float32)
         priorities = arena.array(b, np.float32)
         a_star = arena.array(b, np.int32)
-        self._loss_kernel.launch(self._loss_grid, self._loss_kernel.block, f_online.output, f_next.output,
-                                 f_target.output, batch.action, batch.reward, batch.done, batch.weights, b, a,
-                                 cfg.gamma, cfg.huber_delta, dout, priorities, self._scalars,
-                                 self._loss_partials, self._loss_counter, a_star, gate if gate is not None else 0,
-                                 stream=stream)
+        dh = None
+        if head is not None:
+            last, hidden = len(self.layout.layers) - 1, self.layout.layers[-1][1]
+            q = [arena.array((b, 1 + a), np.float32) for _ in range(3)]
+            dh = arena.array((b, hidden), np.float32)
+            head.launch(self._head_grid, head.block, f_online.output, f_next.output, f_target.output, hidden,
+                        self.params.weight(last), self.params.bias(last), self.target.weight(last),
+                        self.target.bias(last), batch.action, batch.reward, batch.done, batch.weights, b, a,
+                        cfg.gamma, cfg.huber_delta, *q, dout, dh, priorities, self._scalars, self._head_partials,
+                        self._loss_counter, a_star, gate if gate is not None else 0, stream=stream,
+                        shared_mem=self._head_shared)
+            f_online, f_next, f_target = (Forward(f.activations + (out,))
+                                          for f, out in zip((f_online, f_next, f_target), q))
+        else:
+            self._loss_kernel.launch(self._loss_grid, self._loss_kernel.block, f_online.output, f_next.output,
+                                     f_target.output, batch.action, batch.reward, batch.done, batch.weights, b, a,
+                                     cfg.gamma, cfg.huber_delta, dout, priorities, self._scalars,
+                                     self._loss_partials, self._loss_counter, a_star,
+                                     gate if gate is not None else 0, stream=stream)
         if self.narrow is not None:
             self.narrow.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate)
         else:
             mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
-                         weight_stream=self.streams[0] if self.streams else None)
+                         weight_stream=self.streams[0] if self.streams else None, dx_last=dh)
         # The priority update needs the loss's priorities and the norm's NaN guard; on
         # a second stream, forked after AdamW (queued with the norm), it runs beside
         # the spectral launches and the finish pass, off the chain.
@@ -564,6 +620,11 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
         rows.append(Criterion("target forward concurrent with online forward",
                               "yes" if want_overlap else "no (one stream)", "yes" if overlap else "no",
                               overlap == want_overlap))
+    if step._head is not None:
+        heads = [k for k in kernels if k.function == "dqn_head"]
+        losses = [k for k in kernels if k.function == "dqn_loss"]
+        rows.append(Criterion("output layer's forwards, loss and dX: one node", "1", str(len(heads)),
+                              len(heads) == 1 and not losses))
     if step.config.fused_tail:
         tails = [k for k in kernels if k.function == "dqn_tail"]
         replaced = [k for k in kernels if k.function in ("grad_norm_clip", "adamw_step", "sumtree_update",
