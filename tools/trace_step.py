@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 import _common
-from drvtrain import Stream
+from drvtrain import Stream, get_device
 from drvtrain.rl import DQNConfig, DQNStep
 
 
@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.replays < 1 or not 0 <= args.skip < args.replays:
         parser.error("need --replays >= 1 and 0 <= --skip < --replays")
+    get_device()  # no GPU: the one-line report of every tool, before anything else
     try:
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
