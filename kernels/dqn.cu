@@ -1,11 +1,13 @@
-// Double-DQN kernels of the training step (docs/step-spec.md, steps 3, 4 and 8):
-// the fused dueling Double-DQN loss with PER weights, and the two phases of the
-// spectral projection's power iteration.
+// Double-DQN kernels of the training step (docs/step-spec.md, steps 3-6 and 9):
+// the fused dueling Double-DQN loss with PER weights (dqn_loss), the same loss
+// fused with the output layer's forwards and data gradient (dqn_head), and the
+// two phases of the spectral projection's power iteration.
 //
-// Determinism: no float atomics anywhere. Every sum is accumulated in double in
-// an order fixed by the launch shape alone (per-thread loops in index order,
-// fixed shuffle and shared-memory trees, partials added in block order), so
-// the results are bitwise reproducible run to run for a fixed grid and table.
+// Determinism: no float atomics anywhere. Every sum is accumulated in an order
+// fixed by the launch shape alone (per-thread loops in index order, fixed
+// shuffle and shared-memory trees, partials added in block order): the loss
+// terms and the projection's sums in double, dqn_head's dot products in FP32.
+// The results are bitwise reproducible run to run for a fixed grid and table.
 // Memory ordering: the only cross-block hand-over inside a kernel is the
 // last-block protocol of dt_last_block (common.cuh; it fences, counts and
 // resets the counter), and the last block reads what other blocks wrote with
@@ -224,11 +226,12 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
 //            mask of gemm.cu's grad-input epilogue), in FP32, summed over the
 //            output columns in index order.
 // NaN: dqn_loss's rules, from Q rows that carry any NaN of h or W.
-// Shared memory (dynamic, bytes): dqn_head_shared_bytes(hidden, n_actions)
-//   = 4 (2 (1 + n_actions) hidden + 3 DQN_HEAD_ROWS (hidden + 1 + n_actions)):
-//   both output layers and the block's rows of the three inputs, staged in one
-//   round of cp.async copies (16 bytes each when hidden % 4 == 0; every operand
-//   is then 16-byte aligned, as the parameter layout and the arena place them).
+// Shared memory (dynamic, bytes): head_shared_bytes(hidden, n_actions) in
+//   drvtrain/rl/dqn.py = 4 (2 (1 + n_actions) hidden + 3 DQN_HEAD_ROWS (hidden
+//   + 1 + n_actions)): both output layers and the block's rows of the three
+//   inputs, staged in one round of cp.async copies, 16 bytes each when hidden %
+//   4 == 0 and the five arrays start on 16-byte boundaries (as the parameter
+//   layout and the arena place them), else 4 bytes each.
 // Scratch: partials = 3 * gridDim.x doubles; counter as dqn_loss.
 // Launch: grid = ceil(batch / DQN_HEAD_ROWS), block DQN_HEAD_THREADS.
 // Determinism: fixed per-lane orders and a fixed shuffle tree for the dot
@@ -303,7 +306,10 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const long long j0 = (long long)blockIdx.x * DQN_HEAD_ROWS;
     const int here = (int)max(0ll, min((long long)DQN_HEAD_ROWS, (long long)batch - j0));
-    const bool vec = (hidden & 3) == 0;
+    const bool vec = (hidden & 3) == 0 &&
+                     ((reinterpret_cast<unsigned long long>(h_s) | reinterpret_cast<unsigned long long>(h_next) |
+                       reinterpret_cast<unsigned long long>(h_target) | reinterpret_cast<unsigned long long>(w_online) |
+                       reinterpret_cast<unsigned long long>(w_target)) & 15ull) == 0;
     const long long x0 = j0 * hidden;
 
     stage_floats(w_sh, w_online, cols * hidden, vec);

@@ -132,9 +132,9 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=4096, tf32=False),
     dict(ODD, tf32=False, fused=True),
     dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False, fused=True),
-    dict(ODD, tf32=False, n_actions=1, fused_head=True),
+    dict(ODD, tf32=False, n_actions=1, batch=102, fused_head=True),
     dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=4096, tf32=False, fused_head=True),
-    dict(ODD, tf32=False, fused_head=True),
+    dict(ODD, tf32=False, batch=102, fused_head=True),
 ], ids=["odd-shapes", "one-action", "hard-copy-spectral-c", "no-spectral-clipped", "small", "large",
         "odd-shapes-fused", "small-fused", "one-action-fused-head", "large-fused-head",
         "odd-shapes-fused-head"])
@@ -442,62 +442,115 @@ def test_gate_lets_the_device_decide_whether_the_captured_step_runs(device, rng)
     assert tree.step.to_numpy() == sampled + 1
 
 
-@pytest.mark.parametrize("hidden, n_actions, batch", [(33, 4, 10), (256, 2, 256), (1024, 18, 61), (64, 1, 7)],
-                         ids=["odd-scalar-copies", "small", "large-partial-block", "one-action"])
-def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch):
-    """dqn_head alone: the output layer's three forwards, the loss and the output
-    layer's dX, against float64, every output poisoned first; a last block with
-    fewer than its rows; hidden widths with and without 16-byte copies."""
+def _head_case(rng, hidden, n_actions, batch):
+    cols = 1 + n_actions
+    return dict(h=[np.maximum(rng.standard_normal((batch, hidden)), 0).astype(np.float32) for _ in range(3)],
+                w=[(rng.standard_normal((cols, hidden)) / np.sqrt(hidden)).astype(np.float32) for _ in range(2)],
+                bias=[rng.standard_normal(cols).astype(np.float32) for _ in range(2)],
+                action=rng.integers(0, n_actions, batch).astype(np.int32),
+                reward=rng.standard_normal(batch).astype(np.float32),
+                done=(rng.random(batch) < 0.3).astype(np.float32),
+                weights=rng.uniform(0.1, 1.0, batch).astype(np.float32))
+
+
+def _run_head(case, hidden, n_actions, batch, gamma, delta, stream, gate=0):
+    """dqn_head on the case, every output poisoned first; returns the outputs as host arrays."""
     from drvtrain import builtin_module
     from drvtrain.rl.dqn import HEAD_SIGNATURE, _HEAD_ROWS, head_shared_bytes
     kernel = builtin_module("dqn.cu").kernel("dqn_head", HEAD_SIGNATURE, fixed_block=True)
-    cols, gamma, delta = 1 + n_actions, 0.97, 0.8
-    h = [np.maximum(rng.standard_normal((batch, hidden)), 0).astype(np.float32) for _ in range(3)]
-    w = [(rng.standard_normal((cols, hidden)) / np.sqrt(hidden)).astype(np.float32) for _ in range(2)]
-    bias = [rng.standard_normal(cols).astype(np.float32) for _ in range(2)]
-    action = rng.integers(0, n_actions, batch).astype(np.int32)
-    reward = rng.standard_normal(batch).astype(np.float32)
-    done = (rng.random(batch) < 0.3).astype(np.float32)
-    weights = rng.uniform(0.1, 1.0, batch).astype(np.float32)
-    dev = [DeviceBuffer.from_numpy(x) for x in (*h, w[0], bias[0], w[1], bias[1], action, reward, done, weights)]
+    cols = 1 + n_actions
+    dev = [DeviceBuffer.from_numpy(x) for x in (*case["h"], case["w"][0], case["bias"][0], case["w"][1],
+                                                case["bias"][1], case["action"], case["reward"], case["done"],
+                                                case["weights"])]
     outs = [DeviceBuffer((batch, cols)) for _ in range(4)] + [DeviceBuffer((batch, hidden)), DeviceBuffer(batch),
-                                                              DeviceBuffer(4)]
-    a_star = DeviceBuffer(batch, np.int32)
+                                                              DeviceBuffer(4), DeviceBuffer(batch, np.int32)]
     grid = -(-batch // _HEAD_ROWS)
     partials, counter = DeviceBuffer(3 * grid, np.float64), DeviceBuffer.zeros(1, np.uint32)
-    stream = Stream()
-    for buf in (*outs, a_star):
+    for buf in outs:
         buf.poison(stream=stream)
-    q_s, q_next, q_target, dout, dh, priorities, scalars = outs
+    q_s, q_next, q_target, dout, dh, priorities, scalars, a_star = outs
     kernel.launch(grid, kernel.block, *dev[:3], hidden, *dev[3:11], batch, n_actions, gamma, delta,
-                  q_s, q_next, q_target, dout, dh, priorities, scalars, partials, counter, a_star, 0,
+                  q_s, q_next, q_target, dout, dh, priorities, scalars, partials, counter, a_star, gate,
                   stream=stream, shared_mem=head_shared_bytes(hidden, n_actions))
     stream.synchronize()
-    f64 = lambda x: np.asarray(x, np.float64)
-    want_q = [f64(h[0]) @ f64(w[0]).T + bias[0], f64(h[1]) @ f64(w[0]).T + bias[0], f64(h[2]) @ f64(w[1]).T + bias[1]]
-    for got, want in zip((q_s, q_next, q_target), want_q):
-        assert rel(got.to_numpy(), want) < 1e-6
-    res = dqn_loss(*want_q, action, reward, done, weights, gamma, delta)
-    assert rel(dout.to_numpy(), res["dout"]) < 1e-5
-    assert rel(priorities.to_numpy(), res["priorities"]) < 1e-5
-    want_dh = (res["dout"] @ f64(w[0])) * (h[0] > 0)
-    assert rel(dh.to_numpy(), want_dh) < 1e-5
-    got_scalars = scalars.to_numpy()
-    for got, want in zip(got_scalars[:3], (res["loss"], res["mean_q"], res["mean_abs_td"])):
-        assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3)
-    q_next_ref = dueling_q(want_q[1])
-    top = np.sort(q_next_ref, axis=1)
-    clear = top[:, -1] - top[:, -2] > 1e-4 if n_actions > 1 else np.ones(batch, bool)
-    np.testing.assert_array_equal(a_star.to_numpy()[clear], res["a_star"][clear])
     assert counter.to_numpy()[0] == 0
+    names = ("q_s", "q_next", "q_target", "dout", "dh", "priorities", "scalars", "a_star")
+    return {name: buf.to_numpy() for name, buf in zip(names, outs)}
+
+
+@pytest.mark.parametrize("hidden, n_actions, batch, broken", [
+    (33, 4, 10, False), (256, 2, 256, False), (1024, 18, 61, False), (64, 1, 7, False), (40, 3, 9, True)],
+    ids=["odd-scalar-copies", "small", "large-partial-block", "one-action", "nan-and-bad-action"])
+def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, broken):
+    """dqn_head alone: the output layer's three forwards, the loss and the output
+    layer's dX, against float64, every output poisoned first; a last block with
+    fewer than its rows; hidden widths with and without 16-byte copies. With
+    ``broken``, row 1 of h(s) holds a NaN and row 3 an action out of range: those
+    rows' gradients and priorities and the scalars are NaN, the others exact. And
+    dqn_loss fed the head's own Q rows gives the very same bits."""
+    gamma, delta = 0.97, 0.8
+    case = _head_case(rng, hidden, n_actions, batch)
+    clean_case = {k: ([x.copy() for x in v] if isinstance(v, list) else v.copy()) for k, v in case.items()}
+    clean = np.ones(batch, bool)
+    if broken:
+        case["h"][0][1, 5] = np.nan
+        case["action"][3] = n_actions
+        clean[[1, 3]] = False
+    stream = Stream()
+    got = _run_head(case, hidden, n_actions, batch, gamma, delta, stream)
+    f64 = lambda x: np.asarray(x, np.float64)
+    h, w, bias = clean_case["h"], clean_case["w"], clean_case["bias"]
+    want_q = [f64(h[0]) @ f64(w[0]).T + bias[0], f64(h[1]) @ f64(w[0]).T + bias[0], f64(h[2]) @ f64(w[1]).T + bias[1]]
+    for name, want in zip(("q_s", "q_next", "q_target"), want_q):
+        assert rel(got[name][clean], want[clean]) < 1e-6, name
+    res = dqn_loss(*want_q, clean_case["action"], clean_case["reward"], clean_case["done"], clean_case["weights"],
+                   gamma, delta)
+    assert rel(got["dout"][clean], res["dout"][clean]) < 1e-5
+    assert rel(got["priorities"][clean], res["priorities"][clean]) < 1e-5
+    want_dh = (res["dout"] @ f64(w[0])) * (h[0] > 0)
+    assert rel(got["dh"][clean], want_dh[clean]) < 1e-5
+    if broken:
+        assert np.isnan(got["dout"][~clean]).all() and np.isnan(got["priorities"][~clean]).all()
+        assert np.isnan(got["scalars"][:3]).all()
+    else:
+        for value, want in zip(got["scalars"][:3], (res["loss"], res["mean_q"], res["mean_abs_td"])):
+            assert abs(value - want) <= 1e-5 * max(abs(want), 1e-3)
+    top = np.sort(dueling_q(want_q[1]), axis=1)
+    sure = clean & ((top[:, -1] - top[:, -2] > 1e-4) if n_actions > 1 else True)
+    np.testing.assert_array_equal(got["a_star"][sure], res["a_star"][sure])
+
+    # dqn_loss on the head's own Q rows: the same per-sample loss, bit for bit, NaN rows included.
+    from drvtrain import builtin_module
+    from drvtrain.rl.dqn import LOSS_SIGNATURE
+    loss = builtin_module("dqn.cu").kernel("dqn_loss", LOSS_SIGNATURE, fixed_block=True)
+    q = [DeviceBuffer.from_numpy(got[k]) for k in ("q_s", "q_next", "q_target")]
+    per_sample = [DeviceBuffer.from_numpy(case[k]) for k in ("action", "reward", "done", "weights")]
+    outs = [DeviceBuffer((batch, 1 + n_actions)), DeviceBuffer(batch), DeviceBuffer(4), DeviceBuffer(batch, np.int32)]
+    grid = -(-batch // loss.block)
+    loss.launch(grid, loss.block, *q, *per_sample, batch, n_actions, gamma, delta, outs[0], outs[1], outs[2],
+                DeviceBuffer(3 * grid, np.float64), DeviceBuffer.zeros(1, np.uint32), outs[3], 0, stream=stream)
+    stream.synchronize()
+    for name, buf in zip(("dout", "priorities", "a_star"), (outs[0], outs[1], outs[3])):
+        np.testing.assert_array_equal(buf.to_numpy(), got[name], err_msg=name)
+
+
+def test_head_kernel_gate_writes_nothing(device, rng):
+    """While the gate word is non-zero dqn_head returns at once: every output keeps its poison."""
+    stream = Stream()
+    gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
+    got = _run_head(_head_case(rng, 64, 3, 20), 64, 3, 20, 0.99, 1.0, stream, gate=gate)
+    for name, value in got.items():  # DeviceBuffer.poison's pattern
+        assert np.all(value.view(np.uint32) == 0xFFFFFFFF), name
 
 
 def test_fused_head_only_where_the_output_layers_fit(device):
-    """Forced: 1024 x (1 + 18) output layers fit one block's shared memory twice over; 1024 x 31 do
-    not, and that step takes the separate forward, loss and dX kernels. Automatic: only output
-    layers of 512 to 3072 weights."""
+    """Forced: both 1024 x (1 + 18) output layers fit one block's shared memory (201 KiB); 1024 x 31
+    do not, and that step warns and takes the separate forward, loss and dX kernels. Automatic:
+    only output layers of 512 to 3072 weights."""
+    with pytest.warns(UserWarning, match="fused_head=True: the output layers take"):
+        DQNStep(DQNConfig(obs_dim=8, batch=64, capacity=256, hidden=(1024,), n_actions=30,
+                          fused_head=True)).close()
     cases = [(dict(hidden=(1024,), n_actions=18, fused_head=True), True),
-             (dict(hidden=(1024,), n_actions=30, fused_head=True), False),
              (dict(hidden=(256,), n_actions=2, fused_head=False), False),
              (dict(hidden=(256,), n_actions=2), True), (dict(hidden=(512,), n_actions=5), True),
              (dict(hidden=(64,), n_actions=2), False), (dict(hidden=(1024,), n_actions=18), False)]

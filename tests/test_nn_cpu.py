@@ -346,3 +346,47 @@ def test_gemm_cu_compiles_for_sm_90_with_every_kernel_the_host_names():
             names += [kernel_name(role, "3xtf32", tile, vector) for role in ("grad_input", "grad_weight")]
     for name in names:
         assert name.encode() + b"\0" in cubin, name
+
+
+def test_forward_layers_and_backward_dx_last(monkeypatch):
+    """``forward(layers=k)`` launches the first k layers only; ``backward(dx_last=)`` launches no
+    dX for the last layer and chains the next layer's dW and dX from the caller's buffer."""
+    launches = []
+    _fake_kernels(monkeypatch, launches)
+    layout = ParamLayout.from_widths([4, 256, 256, 3])
+    model = mlp_module.MLP(layout)
+    arena = _FakeArena()
+    params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
+    x = DeviceBuffer._view(None, 1 << 37, (64, 4), np.float32)
+    for bad in (0, 4, True, 1.5):
+        with pytest.raises(ValueError, match="layers must be"):
+            model.forward(params, x, arena=arena, stream=object(), layers=bad)
+    fwd = model.forward(params, x, arena=arena, stream=object(), layers=np.int64(2))
+    kernels = [e for e in launches if e[0] not in ("fork", "join")]
+    assert len(kernels) == 2 and len(fwd.activations) == 3 and fwd.output.shape == (64, 256)
+    dout = DeviceBuffer._view(None, 1 << 36, (64, 3), np.float32)
+    q = DeviceBuffer._view(None, 1 << 35, (64, 3), np.float32)
+    dh = DeviceBuffer._view(None, 1 << 34, (64, 256), np.float32)
+    full = mlp_module.Forward(fwd.activations + (q,))
+    with pytest.raises(ValueError, match="dx_last has shape"):
+        model.backward(params, grads, full, dout, arena=arena, stream=object(), dx_last=dout)
+    launches.clear()
+    main, side = object(), object()
+    model.backward(params, grads, full, dout, arena=arena, stream=main, weight_stream=side, dx_last=dh)
+    kernels = [e for e in launches if e[0] not in ("fork", "join")]
+    roles = [("weight" if "grad_weight" in e[0] else "input", mlp_module._address(e[2][0]), e[3]) for e in kernels]
+    # dW of layer 2 from dout (side), dW and dX of layer 1 from dh (side, main), dW of layer 0 (main)
+    assert [(r, a, s) for r, a, s in roles[:3]] == [("weight", dout.ptr, side), ("weight", dh.ptr, side),
+                                                    ("input", dh.ptr, main)]
+    assert roles[3][0] == "weight" and roles[3][2] is main and len(roles) == 4
+    one = mlp_module.MLP(ParamLayout.from_widths([4, 3]))
+    one_fwd = one.forward(_FakeFlat(one.layout, 1 << 38), x, arena=arena, stream=main)
+    with pytest.raises(ValueError, match="dx_last needs a hidden layer"):
+        one.backward(_FakeFlat(one.layout, 1 << 38), _FakeFlat(one.layout, 1 << 39), one_fwd,
+                     DeviceBuffer._view(None, 1 << 36, (64, 3), np.float32), arena=arena, stream=main,
+                     dx_last=dh)
+    launches.clear()
+    one.backward(_FakeFlat(one.layout, 1 << 38), _FakeFlat(one.layout, 1 << 39), one_fwd,
+                 DeviceBuffer._view(None, 1 << 36, (64, 3), np.float32), arena=arena, stream=main,
+                 weight_stream=side)
+    assert [e[0] for e in launches if e[0] in ("fork", "join")] == []  # nothing forked, nothing joined

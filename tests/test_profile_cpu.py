@@ -48,22 +48,29 @@ def test_output_without_kernels_gives_no_rows(profile):
     assert profile.table(csv_text("nsecond", [])) == []
 
 
-def test_trace_timeline_takes_medians_per_node_and_refuses_ragged_traces(monkeypatch):
+def test_trace_timeline_takes_medians_per_node_and_refuses_other_graphs(monkeypatch):
     """tools/trace_step.py's reading of a Chrome trace: per node of the replayed graph, the median
-    start relative to the replay's first kernel, and the median duration."""
+    start relative to the replay's first kernel and the median duration; nodes matched by stream,
+    name and occurrence, so two concurrent kernels that swap their start order stay themselves."""
     monkeypatch.syspath_prepend(TOOLS_DIR)
     import trace_step
     events = [{"cat": "cpu_op", "name": "noise", "ts": 0.0, "dur": 1.0}]
     for rep, (t0, d_a, d_b) in enumerate([(100.0, 2.0, 5.0), (200.0, 4.0, 6.0), (300.0, 3.0, 7.0)]):
         events.append({"cat": "kernel", "name": "a", "ts": t0, "dur": d_a, "args": {"stream": 7, "grid": [4, 1, 1]}})
         events.append({"cat": "kernel", "name": "b", "ts": t0 + 1.0 + rep, "dur": d_b, "args": {"stream": 8}})
+        # c on stream 9 starts before b in the first replay, after it in the others
+        events.append({"cat": "kernel", "name": "c", "ts": t0 + (1.5 if rep else 0.5), "dur": 1.0,
+                       "args": {"stream": 9}})
+        events.append({"cat": "kernel", "name": "a", "ts": t0 + 10.0, "dur": 1.0, "args": {"stream": 7}})
     rows = trace_step.timeline(events, 3, 0)
-    assert [r["name"] for r in rows] == ["a", "b"]
+    assert [(r["name"], r["stream"]) for r in rows] == [("a", 7), ("c", 9), ("b", 8), ("a", 7)]
     assert rows[0]["start"] == 0.0 and rows[0]["dur"] == 3.0 and rows[0]["grid"] == [4, 1, 1]
-    assert rows[1]["start"] == 2.0 and rows[1]["dur"] == 6.0 and rows[1]["end"] == 8.0 and rows[1]["stream"] == 8
-    assert trace_step.timeline(events, 3, 2)[1]["start"] == 3.0  # only the last replay
+    assert rows[1]["start"] == 1.5
+    assert rows[2]["start"] == 2.0 and rows[2]["dur"] == 6.0 and rows[2]["end"] == 8.0
+    assert rows[3]["start"] == 10.0
+    assert trace_step.timeline(events, 3, 2)[2]["start"] == 3.0  # only the last replay
     with pytest.raises(ValueError, match="do not split"):
         trace_step.timeline(events[:-1], 3, 0)
-    swapped = [dict(e, name="c") if e.get("name") == "b" and e["ts"] > 250 else e for e in events]
-    with pytest.raises(ValueError, match="differs between replays"):
-        trace_step.timeline(swapped, 3, 0)
+    other = [dict(e, name="d") if e.get("name") == "b" and e["ts"] > 250 else e for e in events]
+    with pytest.raises(ValueError, match="different kernels"):
+        trace_step.timeline(other, 3, 0)

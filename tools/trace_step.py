@@ -5,9 +5,9 @@ Nsight Compute serialises kernels, so it cannot show how a replay's branches
 overlap. This tool captures the step of docs/step-spec.md, replays it back to
 back and records every kernel's start and end with CUPTI's activity API, which
 PyTorch's profiler drives (so it needs ``torch``; drvtrain itself does not). It
-prints one row per kernel node in start order: its median start and end in us
-from the start of the replay, its median duration, the graph's stream for it
-and its grid. With dependent launches a kernel starts early and waits, so its
+prints one row per kernel node in start order: its median start in us from the
+start of the replay, its median duration, their sum as its end, the graph's
+stream for it and its grid. With dependent launches a kernel starts early and waits, so its
 duration includes the wait: the end times are the timeline. The first
 ``--skip`` traced replays are left out of the medians.
 """
@@ -23,25 +23,37 @@ from drvtrain.rl import DQNConfig, DQNStep
 
 
 def timeline(events, replays: int, skip: int) -> list[dict]:
-    """Median start, end and duration (us) per kernel node from a Chrome trace's
-    kernel events of ``replays`` replays of one graph; the first ``skip`` are dropped."""
+    """Per kernel node, from a Chrome trace's kernel events of ``replays`` replays of
+    one graph (the first ``skip`` dropped): the median start (us after the
+    replay's first kernel), the median duration, and start + duration as its end.
+    A node is (stream, name, how many kernels of that name came before it on that
+    stream in the replay), so concurrent kernels that start in another order from
+    one replay to the next are still matched with themselves."""
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     if not kernels or len(kernels) % replays:
         raise ValueError(f"{len(kernels)} kernel events do not split into {replays} replays")
     per = len(kernels) // replays
-    runs = [kernels[i * per:(i + 1) * per] for i in range(skip, replays)]
+    runs = []
+    for i in range(skip, replays):
+        run, seen = {}, {}
+        for e in kernels[i * per:(i + 1) * per]:
+            key = (e.get("args", {}).get("stream"), e["name"])
+            seen[key] = seen.get(key, -1) + 1
+            run[key + (seen[key],)] = e
+        runs.append((kernels[i * per]["ts"], run))
     if not runs:
         raise ValueError(f"--skip {skip} leaves none of {replays} replays")
+    nodes = runs[0][1].keys()
+    if any(run.keys() != nodes for _, run in runs):
+        raise ValueError("the replays ran different kernels: not one graph replayed")
     rows = []
-    for j in range(per):
-        first = runs[0][j]
-        if any(run[j]["name"] != first["name"] for run in runs):
-            raise ValueError(f"kernel {j} differs between replays: not one graph replayed")
-        start = statistics.median(run[j]["ts"] - run[0]["ts"] for run in runs)
-        dur = statistics.median(run[j]["dur"] for run in runs)
-        rows.append({"name": first["name"], "start": start, "end": start + dur, "dur": dur,
-                     "stream": first.get("args", {}).get("stream"), "grid": first.get("args", {}).get("grid")})
-    return rows
+    for node in nodes:
+        start = statistics.median(run[node]["ts"] - t0 for t0, run in runs)
+        dur = statistics.median(run[node]["dur"] for _, run in runs)
+        first = runs[0][1][node]
+        rows.append({"name": node[1], "start": start, "end": start + dur, "dur": dur, "stream": node[0],
+                     "grid": first.get("args", {}).get("grid")})
+    return sorted(rows, key=lambda r: r["start"])
 
 
 def main(argv=None) -> int:

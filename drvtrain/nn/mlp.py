@@ -391,7 +391,9 @@ class MLP:
         ``gate``: an int32 device word; while it is non-zero every launch returns
         at once (a training loop's step that is not due). ``layers``: run only
         the first ``layers`` layers (a caller that computes the rest itself);
-        ``.output`` is then that layer's output."""
+        ``.output`` is then that layer's output. :meth:`backward` takes a
+        Forward of every layer, so such a caller appends the outputs it
+        computed (``Forward(f.activations + (out,))``)."""
         if params.layout != self.layout:
             raise ValueError("params were made for another layout")
         batch = x.shape[0] if x.shape else 0
@@ -401,11 +403,11 @@ class MLP:
         n = len(self.layout.layers)
         if layers is None:
             layers = n
-        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= n:
+        if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or not 1 <= layers <= n:
             raise ValueError(f"layers must be an int in [1, {n}], got {layers!r}")
         acts = [x]
         last = n - 1
-        for k, (out, inp) in enumerate(self.layout.layers[:layers]):
+        for k, (out, inp) in enumerate(self.layout.layers[:int(layers)]):
             y = arena.array((batch, out), np.float32)
             self.forward_kernels.launch("forward" if k == last else "forward_relu", acts[-1], inp, params.weight(k),
                                         inp, y, out, batch, out, inp, arena=arena, stream=stream, gate=gate,
@@ -454,5 +456,5 @@ class MLP:
                 kernels.launch("grad_input", dy, out, params.weight(k), inp, dx, inp, batch, inp, out, arena=arena,
                                stream=stream, gate=gate, mask=x, ldm=inp)
                 dy = dx
-        if weight_stream is not None:
+        if weight_stream is not None and len(self.layout.layers) > 1:  # else nothing was forked
             join(stream, weight_stream)

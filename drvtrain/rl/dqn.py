@@ -15,6 +15,7 @@ the metrics slot. No host branch anywhere: a captured step replays unchanged.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,7 @@ _SPECTRAL_ROWS_PER_BLOCK = 16  # DT_SPECTRAL_ROWS_PER_BLOCK
 _HEAD_ROWS = 4  # DQN_HEAD_ROWS in kernels/dqn.cu: batch rows per dqn_head block
 # DQNConfig(fused_head=None) fuses output layers of this many weights (measured, docs/perf-notes.md).
 HEAD_AUTO_WEIGHTS = (512, 3072)
+LOSS_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr"
 HEAD_SIGNATURE = "ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr"
 
 
@@ -113,7 +115,9 @@ class DQNConfig:
     smaller heads run faster as separate products, larger ones spend more on
     the copies and the dot products than the launches cost. ``True`` fuses
     wherever the layers fit one block (a 1024-wide last hidden layer up to 20
-    actions on a 227 KiB device), ``False`` never; ``fused`` uses neither.
+    actions on a 227 KiB device; elsewhere it warns and runs them apart),
+    ``False`` never. With ``fused`` on a net the narrow kernels take, they run
+    the whole forward and backward, and ``fused_head`` has nothing to do.
     """
     obs_dim: int
     n_actions: int
@@ -264,8 +268,7 @@ class DQNStep:
                                    seed=int(rng.integers(2**63)), max_batch=cfg.batch)
         b, a = cfg.batch, cfg.n_actions
         mod = builtin_module("dqn.cu")
-        self._loss_kernel = mod.kernel(
-            "dqn_loss", "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr", fixed_block=True)
+        self._loss_kernel = mod.kernel("dqn_loss", LOSS_SIGNATURE, fixed_block=True)
         self._loss_grid = -(-b // self._loss_kernel.block)
         self._loss_partials = DeviceBuffer(3 * self._loss_grid, np.float64)
         self._loss_counter = DeviceBuffer.zeros(1, np.uint32)
@@ -313,6 +316,10 @@ class DQNStep:
                 self._head = head
                 self._head_grid = -(-b // _HEAD_ROWS)
                 self._head_partials = DeviceBuffer(3 * self._head_grid, np.float64)
+            elif cfg.fused_head:
+                warnings.warn(f"fused_head=True: the output layers take {self._head_shared} bytes of shared "
+                              f"memory in a dqn_head block, this device allows {head.max_dynamic_shared()}; "
+                              "the output layer, the loss and its dX run as separate kernels", stacklevel=2)
         self.last = _Captured()
         self.graph: Graph | None = None
 
