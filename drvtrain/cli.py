@@ -329,8 +329,8 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
 
     trainer = None
     try:
-        # The trainer writes nothing itself (out_dir None): this command owns the run folder.
-        trainer = Trainer(config, out_dir=None)
+        # The trainer writes nothing itself: this command owns the run folder.
+        trainer = Trainer(config)
         if arrays is not None:
             try:
                 trainer.load_state_arrays(arrays)

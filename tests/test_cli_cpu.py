@@ -61,8 +61,7 @@ class FakeTrainer:
     """Deterministic in its config and state, so a resumed run reproduces an uninterrupted one bit for bit."""
     stop_at = None  # an env step at which run() is interrupted, as by Ctrl-C
 
-    def __init__(self, config, *, out_dir=None):
-        assert out_dir is None  # the command owns the run folder
+    def __init__(self, config):  # Trainer's signature: the command owns the run folder
         self.config = config
         self.steps = 0
         self.params = np.random.default_rng(config.seed).standard_normal(37).astype(np.float32)

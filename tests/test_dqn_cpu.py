@@ -56,3 +56,8 @@ def test_fused_head_takes_none_true_or_false():
     assert DQNConfig.small().fused_head is None
     for value in (None, True, False):
         assert DQNConfig.small(fused_head=value).fused_head is value
+
+
+def test_target_update_is_what_the_kernels_take():
+    assert DQNConfig.small(tau=0.01).target_update == (0.01, 0)
+    assert DQNConfig.small(tau=None, target_period=250).target_update == (0.0, 250)

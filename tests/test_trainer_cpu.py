@@ -40,3 +40,9 @@ def test_unknown_settings_in_a_dict_are_refused():
     data["learning_rate"] = 0.1
     with pytest.raises(ValueError, match="learning_rate"):
         TrainConfig.from_dict(data)
+
+
+def test_epsilon_schedule_spans_a_fraction_of_the_run_and_at_least_one_step():
+    cfg = TrainConfig(total_steps=10_000, eps_start=0.9, eps_end=0.1, eps_fraction=0.25)
+    assert cfg.epsilon_schedule == (0.9, 0.1, 2500)
+    assert TrainConfig(total_steps=10_000, eps_fraction=0.0).epsilon_schedule[2] == 1

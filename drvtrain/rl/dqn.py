@@ -209,6 +209,12 @@ class DQNConfig:
             return ()
         return self.spectral_layers if self.spectral_layers is not None else tuple(range(len(self.hidden)))
 
+    @property
+    def target_update(self) -> tuple[float, int]:
+        """(tau, period) as the kernels take them: (tau, 0) for Polyak averaging,
+        (0.0, target_period) for a hard copy every ``target_period`` optimizer steps."""
+        return (float(self.tau), 0) if self.tau is not None else (0.0, int(self.target_period))
+
     def beta_schedule(self):
         return self.beta
 
@@ -446,7 +452,7 @@ class DQNStep:
 
     def _enqueue_tail(self, batch, priorities, stream, gate) -> None:
         cfg, opt = self.config, self.optimizer
-        tau, period = (float(cfg.tau), 0) if cfg.tau is not None else (0.0, int(cfg.target_period))
+        tau, period = cfg.target_update
         cb, rb = self._spectral_grids
         self._tail.launch(
             self._tail_grid, self._tail.block,
@@ -471,7 +477,7 @@ class DQNStep:
                                        self.n_spectral, self.u, self._v, float(cfg.spectral_c), self.sigma,
                                        self.spectral_scale, self._spectral_partials, self._spectral_counters,
                                        skip, stream=stream)
-        tau, period = (float(cfg.tau), 0) if cfg.tau is not None else (0.0, int(cfg.target_period))
+        tau, period = cfg.target_update
         self._finish.launch(self._finish_grid, self._finish.block, self.params, self.target, self.layout.size,
                             self._spectral_mats, self.n_spectral, self.spectral_scale, self.sigma, tau, period,
                             self.optimizer.t, skip, self._scalars, self.optimizer.clip, self._beta_used,

@@ -17,7 +17,6 @@ import json
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
 
 import numpy as np
 
@@ -106,6 +105,12 @@ class TrainConfig:
     def dqn_config(self, *, obs_dim: int, n_actions: int) -> DQNConfig:
         return DQNConfig(obs_dim=obs_dim, n_actions=n_actions, seed=self.seed, **self.dqn)
 
+    @property
+    def epsilon_schedule(self) -> tuple[float, float, int]:
+        """(start, end, span): epsilon goes linearly from start to end over the first
+        ``span`` env steps (``eps_fraction`` of ``total_steps``, at least 1), then stays."""
+        return self.eps_start, self.eps_end, max(1, int(self.eps_fraction * self.total_steps))
+
     def to_dict(self) -> dict:
         return json.loads(json.dumps(asdict(self)))
 
@@ -187,9 +192,10 @@ class _Actor:
 
 
 class Trainer:
-    """Runs a TrainConfig: ``run()`` trains, evaluates and (with ``out_dir``) writes a run folder."""
+    """Runs a TrainConfig: ``run()`` trains and evaluates; ``drvtrain train`` (cli.py)
+    writes the run folder from its reports."""
 
-    def __init__(self, config: TrainConfig, *, out_dir=None):
+    def __init__(self, config: TrainConfig):
         if not isinstance(config, TrainConfig):
             raise TypeError(f"Trainer takes a TrainConfig, got {type(config).__name__}")
         self.config = cfg = config
@@ -209,7 +215,6 @@ class Trainer:
         self.recent = deque(maxlen=100)
         self.episodes = 0
         self.last_loss = float("nan")
-        self.out_dir = Path(out_dir) if out_dir is not None else None
         self._exe = None
         self._eval_exe = None
         self._eval_unroll = 50
@@ -223,8 +228,8 @@ class Trainer:
     def epsilon(self, env_steps: int | None = None) -> float:
         cfg = self.config
         steps = self.env_steps if env_steps is None else env_steps
-        span = max(1, int(cfg.eps_fraction * cfg.total_steps))
-        return cfg.eps_start + (cfg.eps_end - cfg.eps_start) * min(1.0, steps / span)
+        start, end, span = cfg.epsilon_schedule
+        return start + (end - start) * min(1.0, steps / span)
 
     def _learns(self, iteration: int) -> bool:
         """Whether the device's schedule runs the learning step in this iteration (0-based)."""
@@ -235,7 +240,7 @@ class Trainer:
     # ------------------------------------------------------------------ graphs
     def _capture(self):
         cfg = self.config
-        eps = (cfg.eps_start, cfg.eps_end, max(1, int(cfg.eps_fraction * cfg.total_steps)))
+        eps = cfg.epsilon_schedule
         with capture(self.stream) as graph:
             for _ in range(cfg.unroll):
                 self.actor.enqueue(self.learner, stream=self.stream, greedy=False, eps=eps,
@@ -288,11 +293,9 @@ class Trainer:
         total_iterations = -(-cfg.total_steps // cfg.n_envs)
         stop_iterations = total_iterations if until is None else min(total_iterations, -(-until // cfg.n_envs))
         metrics = self.learner.metrics
-        folder = self._folder()
         started = time.perf_counter()
         last_report = started
         next_eval = (self.env_steps // cfg.eval_every + 1) * cfg.eval_every
-        next_checkpoint = (self.env_steps // cfg.checkpoint_every + 1) * cfg.checkpoint_every
         eval_return = None
         in_flight = deque()
         events = [Event() for _ in range(3)]
@@ -323,21 +326,14 @@ class Trainer:
                     self._drain(metrics)
                 progress = self._progress(started, eval_return if due_eval else None)
                 last_report = now
-                if folder is not None:
-                    folder.append_metrics(progress)
                 if callback is not None:
                     callback(progress)
-            if folder is not None and (self.env_steps >= next_checkpoint or self.iterations >= stop_iterations):
-                self.save_checkpoint(folder.checkpoint_path())
-                next_checkpoint += cfg.checkpoint_every
         self.stream.synchronize()
         self._drain(metrics)
         summary = {"wall_s": time.perf_counter() - started, "env_steps": self.env_steps,
                    "episodes": self.episodes, "learning_steps": self.learner.steps_done(),
                    "final_eval_return": eval_return, "mean_return_100": _mean(self.recent),
                    "eval_episodes": cfg.eval_episodes}
-        if folder is not None:
-            folder.write_summary(summary)
         return summary
 
     def _drain(self, metrics) -> None:
@@ -352,14 +348,6 @@ class Trainer:
         return {"env_steps": self.env_steps, "wall_s": wall, "steps_per_s": self.env_steps / max(wall, 1e-9),
                 "episodes": self.episodes, "mean_return_100": _mean(self.recent), "loss": self.last_loss,
                 "epsilon": self.epsilon(), "eval_return": eval_return}
-
-    def _folder(self):
-        if self.out_dir is None:
-            return None
-        from .run import RunFolder
-        folder = RunFolder(self.out_dir)
-        folder.write_config(self.config.to_dict())
-        return folder
 
     # ------------------------------------------------------------------ checkpoints
     def state_arrays(self) -> dict[str, np.ndarray]:
