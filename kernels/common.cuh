@@ -135,6 +135,30 @@ __device__ __forceinline__ void dt_allow_dependents() {
 #endif
 }
 
+// ---------------------------------------------------------------- asynchronous copies
+// cp.async from global to shared memory (compute capability 8.0+), for every kernel
+// that stages tiles. `dst` is a shared-window address (__cvta_generic_to_shared);
+// `src_bytes` below the copy's size reads that many bytes and fills the rest with
+// zeros (0 reads nothing, but `src` must still be a mapped address). The 16-byte
+// copy bypasses L1 (.cg), the 4-byte one may use it (.ca; .cg takes 16 bytes only).
+// None of these is a compiler memory barrier: the copies write slots that nothing
+// reads until after a wait and a __syncthreads(), which is one.
+__device__ __forceinline__ void dt_cp_async16(unsigned int dst, const float* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void dt_cp_async4(unsigned int dst, const float* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void dt_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most PENDING of this thread's committed groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void dt_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
 // ---------------------------------------------------------------- grid barrier
 // Every block of the grid waits here until all blocks have arrived, and every
 // global write before it is visible to every thread after it. Only for a

@@ -246,11 +246,9 @@ namespace {
 __device__ __forceinline__ void stage_floats(float* dst, const float* src, int n, bool vec) {
     const unsigned int base = (unsigned int)__cvta_generic_to_shared(dst);
     if (vec) {
-        for (int e = threadIdx.x; e < n / 4; e += DQN_HEAD_THREADS)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(base + 16u * e), "l"(src + 4 * e));
+        for (int e = threadIdx.x; e < n / 4; e += DQN_HEAD_THREADS) dt_cp_async16(base + 16u * e, src + 4 * e, 16);
     } else {
-        for (int e = threadIdx.x; e < n; e += DQN_HEAD_THREADS)
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(base + 4u * e), "l"(src + e));
+        for (int e = threadIdx.x; e < n; e += DQN_HEAD_THREADS) dt_cp_async4(base + 4u * e, src + e, 4);
     }
 }
 
@@ -317,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
     stage_floats(x_sh, h_s + x0, here * hidden, vec);
     stage_floats(x_sh + DQN_HEAD_ROWS * hidden, h_next + x0, here * hidden, vec);
     stage_floats(x_sh + 2 * DQN_HEAD_ROWS * hidden, h_target + x0, here * hidden, vec);
-    asm volatile("cp.async.commit_group;\n" ::);
+    dt_cp_async_commit();
     const long long j = j0 + t;
     const bool live = t < here;
     int a = 0;

@@ -96,15 +96,10 @@ struct Smem {
 template <int W>
 __device__ __forceinline__ void cp_async(unsigned int dst, const float* src, int bytes) {
     if (W == 4)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+        dt_cp_async16(dst, src, bytes);
     else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+        dt_cp_async4(dst, src, bytes);
 }
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Moves one operand's ROWS x BK tiles into shared memory. A tile is LINES lines
 // (rows when k-fast, depths when row-fast) of a contiguous extent; consecutive
@@ -223,11 +218,11 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             la.load(smem0 + s * STAGE * 4);
             lb.load(smem0 + (s * STAGE + SA::FLOATS) * 4);
         }
-        cp_async_commit();
+        dt_cp_async_commit();
     }
     int read_slot = 0, write_slot = STAGES - 1;
     for (int kt = 0; kt < tiles; ++kt) {
-        cp_async_wait<STAGES - 2>();
+        dt_cp_async_wait<STAGES - 2>();
         // Tile kt has landed for every thread, and every warp is done with tile
         // kt - 1, whose slot the next copies overwrite.
         __syncthreads();
@@ -235,7 +230,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             la.load(smem0 + write_slot * STAGE * 4);
             lb.load(smem0 + (write_slot * STAGE + SA::FLOATS) * 4);
         }
-        cp_async_commit();
+        dt_cp_async_commit();
         write_slot = write_slot == STAGES - 1 ? 0 : write_slot + 1;
         const float* As = smem + read_slot * STAGE;
         const float* Bs = As + SA::FLOATS;
@@ -294,7 +289,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             }
         }
     }
-    cp_async_wait<0>();
+    dt_cp_async_wait<0>();
     // The next kernel's blocks may be placed from here on: earlier, they would sit
     // on SMs this grid's later blocks still need (a dependent launch only).
     dt_allow_dependents();

@@ -57,10 +57,6 @@ constexpr unsigned int SHARED_BYTES = STAGES * STAGE_FLOATS * 4 + 1024;
 
 enum { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_RELU = 2, EPI_MASK = 3 };
 
-__device__ __forceinline__ void cp_async16(unsigned int dst, const float* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
 // A matrix descriptor at shared byte address `addr` for the 128-byte swizzled
 // K-major layout: start >> 4 in bits 0-13, leading byte offset (unused by this
 // layout, 1 by convention) in 16-29, stride byte offset >> 4 in 32-45 (8-row
@@ -128,7 +124,7 @@ struct Pieces {
             if (i < first || i >= first + count) continue;
             const int d = k + depth[i];
             const int bytes = (row_ok >> i & 1) ? 4 * max(0, min(4, k_end - d)) : 0;
-            cp_async16(tile + dst[i], bytes ? src[i] + (k - k0) : base, bytes);
+            dt_cp_async16(tile + dst[i], bytes ? src[i] + (k - k0) : base, bytes);
         }
     }
 };
@@ -406,11 +402,11 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
             pa.load(smem0 + s * STAGE_FLOATS * 4, kb + s * BK, ke);
             pb.load(smem0 + (s * STAGE_FLOATS + TILE_FLOATS) * 4, kb + s * BK, ke);
         }
-        asm volatile("cp.async.commit_group;\n" ::);
+        dt_cp_async_commit();
     }
     for (int kt = 0; kt < tiles; ++kt) {
         const int slot = kt % STAGES;
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(LEAD - 1));  // this thread's copies of tile kt
+        dt_cp_async_wait<LEAD - 1>();  // this thread's copies of tile kt
         // The copies (generic proxy) before the MMAs' reads (async proxy).
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         // Tile kt is complete, and both warpgroups' MMAs of tile kt - 2, whose slot
@@ -423,7 +419,7 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
             pa.load(smem0 + ns * STAGE_FLOATS * 4, kb + next * BK, ke);
             pb.load(smem0 + (ns * STAGE_FLOATS + TILE_FLOATS) * 4, kb + next * BK, ke);
         }
-        asm volatile("cp.async.commit_group;\n" ::);
+        dt_cp_async_commit();
         const unsigned int a_tile = smem0 + slot * STAGE_FLOATS * 4 + wg * 64 * 128;  // this warpgroup's 64 rows
         const unsigned int b_tile = smem0 + (slot * STAGE_FLOATS + TILE_FLOATS) * 4;
         fence_accumulators(acc);
@@ -437,7 +433,7 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     fence_accumulators(acc);
-    asm volatile("cp.async.wait_group 0;\n" ::);
+    dt_cp_async_wait<0>();
     dt_allow_dependents();
 
     finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias,
@@ -486,7 +482,7 @@ struct RowPieces {
         for (int i = 0; i < PER_THREAD; ++i) {
             if (i < first || i >= first + count) continue;
             const int bytes = k + line[i] < k_end ? valid[i] : 0;
-            cp_async16(tile + dst[i], bytes ? src[i] + (long long)(k - k_begin) * ld : base, bytes);
+            dt_cp_async16(tile + dst[i], bytes ? src[i] + (long long)(k - k_begin) * ld : base, bytes);
         }
     }
 };
@@ -622,10 +618,10 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
             ca.load(stage0 + s * RAW_BYTES, kb + s * BK, kb, ke);
             cb.load(stage0 + s * RAW_BYTES + TILE_BYTES, kb + s * BK, kb, ke);
         }
-        asm volatile("cp.async.commit_group;\n" ::);
+        dt_cp_async_commit();
     }
     if (tiles > 0) {  // tile 0 into set 0
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(RAW_STAGES - 1));
+        dt_cp_async_wait<RAW_STAGES - 1>();
         __syncthreads();
         const unsigned int a_raw = stage0, b_raw = stage0 + TILE_BYTES;
         const unsigned int a_big = smem0, a_small = a_big + TILE_BYTES;
@@ -639,7 +635,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         va.template step<3>(a_raw, a_big, a_small, sum_rows, rows);
         vb.template step<3>(b_raw, b_big, b_small, false, rows);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(RAW_STAGES - 2));  // and tile 1 landed
+        dt_cp_async_wait<RAW_STAGES - 2>();  // and tile 1 landed
         __syncthreads();
     }
     // Iteration kt issues the MMAs of tile kt, and between each 8-deep step's three
@@ -682,18 +678,18 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
 #undef DT_BACKWARD_STEP
         static_assert(BK / 8 == 4 && PER_THREAD == 4, "four steps, one copy piece and one conversion quarter each");
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("cp.async.commit_group;\n" ::);
+        dt_cp_async_commit();
         if (convert) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         fence_accumulators(part);
 #pragma unroll
         for (int q = 0; q < ACC; ++q) acc[q] += part[q];
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(RAW_STAGES - 2));  // this thread's copies of tile kt + 2
+        dt_cp_async_wait<RAW_STAGES - 2>();  // this thread's copies of tile kt + 2
         // Set kt + 1 is complete, set kt is free (every warpgroup's MMAs of tile kt
         // are done), and raw tile kt + 2 has landed.
         __syncthreads();
     }
-    asm volatile("cp.async.wait_group 0;\n" ::);
+    dt_cp_async_wait<0>();
     dt_allow_dependents();
 
     // db: the 8 threads of each row (one per kg) add their sums in kg order.

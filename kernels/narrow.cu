@@ -132,28 +132,15 @@ __device__ __forceinline__ void load_a(const float (*tile)[ACT_LD], int k0, int 
 }
 
 // ---------------------------------------------------------------- cp.async
-// A copy whose `valid` is false reads nothing and fills zeros (src-size 0); `src` must
-// still be a mapped address, so callers pass a base pointer then. Only the wait is a
-// compiler memory barrier: the copies write slots nothing reads until after a wait and a
-// __syncthreads, and a clobber on every copy would force every value kept in shared
-// memory to be reloaded.
+// common.cuh's copies with a pointer destination: a copy whose `valid` is false reads
+// nothing and fills zeros (src-size 0); `src` must still be a mapped address, so callers
+// pass a base pointer then.
 __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
-                     (unsigned int)__cvta_generic_to_shared(dst)),
-                 "l"(src), "r"(valid ? 4 : 0));
+    dt_cp_async4((unsigned int)__cvta_generic_to_shared(dst), src, valid ? 4 : 0);
 }
 
 __device__ __forceinline__ void cp_async16(float* dst, const float* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                     (unsigned int)__cvta_generic_to_shared(dst)),
-                 "l"(src), "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+    dt_cp_async16((unsigned int)__cvta_generic_to_shared(dst), src, valid ? 16 : 0);
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<size_t>(p) & 15) == 0; }
@@ -355,10 +342,10 @@ __device__ void forward_block(const float* params, const float* x, float* acts, 
             const bool ok = row < batch && k < k_in;
             cp_async4(&act[r][k], ok ? x + (long long)row * k_in + k : x, ok);
         }
-        cp_async_commit();
+        dt_cp_async_commit();
     }
     if (skip) {
-        cp_async_wait<0>();
+        dt_cp_async_wait<0>();
         return;
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -382,7 +369,7 @@ __device__ void forward_block(const float* params, const float* x, float* acts, 
                 bias[j][e] = sh.on[j] && col < N ? __ldg(b + col) : 0.0f;
             }
         if (l == 0) {
-            cp_async_wait<0>();
+            dt_cp_async_wait<0>();
             __syncthreads();
         }
         float acc[2][4] = {};
@@ -501,10 +488,10 @@ __device__ void backward_data_block(const float* params, const PerLayer<const fl
             const bool ok = row < batch && c < n;
             cp_async4(&grad[r][c], ok ? dout + (long long)row * n + c : dout, ok);
         }
-        cp_async_commit();
+        dt_cp_async_commit();
     }
     if (skip) {
-        cp_async_wait<0>();
+        dt_cp_async_wait<0>();
         return;
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -526,7 +513,7 @@ __device__ void backward_data_block(const float* params, const PerLayer<const fl
                 keep[j][e] = sh.on[j] && row < batch && col < K ? mask[(long long)row * K + col] : 0.0f;
             }
         if (l == layers - 1) {
-            cp_async_wait<0>();
+            dt_cp_async_wait<0>();
             __syncthreads();
         }
         float acc[2][4] = {};
@@ -604,11 +591,11 @@ __device__ void weight_grads_block(float* grads, const PerLayer<const float>& x,
                 cp_async4(&xs[buf][r][j], ok ? xin + (long long)b * K + k : xin, ok);
             }
         }
-        cp_async_commit();
+        dt_cp_async_commit();
     };
     issue(c_begin, 0);
     if (skip) {
-        cp_async_wait<0>();
+        dt_cp_async_wait<0>();
         return;
     }
 
@@ -626,8 +613,8 @@ __device__ void weight_grads_block(float* grads, const PerLayer<const float>& x,
     for (int c = c_begin; c < c_end; ++c) {
         const int buf = (c - c_begin) & 1;
         if (c + 1 < c_end) issue(c + 1, buf ^ 1);
-        else cp_async_commit();
-        cp_async_wait<1>();
+        else dt_cp_async_commit();
+        dt_cp_async_wait<1>();
         __syncthreads();
         const int rows = min(CHUNK, batch - c * CHUNK);
         if (sums)
