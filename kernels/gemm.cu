@@ -43,22 +43,10 @@
 // fixed z order over the splits; db is summed in FP32 by the blocks of grid column
 // 0, in a fixed order. No atomics on data: bitwise reproducible for a fixed launch.
 #include "common.cuh"
+#include "epilogue.cuh"
 #include "tf32.cuh"
 
 namespace {
-
-enum { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_RELU = 2, EPI_MASK = 3 };
-
-template <int EPI>
-__device__ __forceinline__ float epilogue_value(float v, float bias, float mask) {
-    if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) v += bias;
-    // ReLU that keeps a NaN (fmaxf would return 0); + 0.0f turns -0 into +0, as fmaxf did.
-    if (EPI == EPI_BIAS_RELU) v = v < 0.0f ? 0.0f : v + 0.0f;
-    // The layer input is relu(z), and relu(z) > 0 exactly when z > 0, so the mask
-    // of the saved activation equals the mask of the pre-activation.
-    if (EPI == EPI_MASK && !(mask > 0.0f)) v = 0.0f;
-    return v;
-}
 
 // ================================================================= tensor cores
 namespace tc {
@@ -160,11 +148,7 @@ __device__ __forceinline__ void split(float x, unsigned int& big, unsigned int& 
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    dt_mma_tf32(d, a, b[0], b[1]);
 }
 
 // The split-k workspace of a launch (floats):
@@ -371,7 +355,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                 const int r = i0 + wm * CFG::WM + mi * 16 + g + (q >> 1) * 8;
                 const int c = j0 + wn * CFG::WN + ni * 8 + 2 * t + (q & 1);
                 if (r < M && c < N)
-                    C[(size_t)r * ldc + c] = epilogue_value<EPI>(acc[mi][ni][q], bv[ni][q & 1], mv[mi][ni][q]);
+                    C[(size_t)r * ldc + c] = dt_epilogue<EPI>(acc[mi][ni][q], bv[ni][q & 1], mv[mi][ni][q]);
             }
 }
 
@@ -427,7 +411,7 @@ __device__ __forceinline__ void epilogue_store(float* C, int ldc, int M, int N, 
     if (i >= M || j >= N) return;
     const float b = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) ? bias[j] : 0.0f;
     const float m = EPI == EPI_MASK ? mask[(long long)i * ldm + j] : 0.0f;
-    C[(long long)i * ldc + j] = epilogue_value<EPI>(v, b, m);
+    C[(long long)i * ldc + j] = dt_epilogue<EPI>(v, b, m);
 }
 
 // Where a block's sums go. With gridDim.z == 1, through the epilogue into C. With

@@ -34,6 +34,7 @@
 // (the tensor core's own, fixed per shape) plus a fixed z order over the splits,
 // the same in a cluster as through the workspace.
 #include "common.cuh"
+#include "epilogue.cuh"
 #include "tf32.cuh"
 
 // Built for any other target than sm_90a (a compile-everything check, say) the
@@ -54,8 +55,6 @@ constexpr int ACC = BN / 2;                           // accumulators per thread
 constexpr int LEAD = STAGES - 2;                      // k tiles copied ahead; one more is in the MMAs
 // 128 KB of stages, plus 1 KB to align them to the 1024-byte swizzle atom.
 constexpr unsigned int SHARED_BYTES = STAGES * STAGE_FLOATS * 4 + 1024;
-
-enum { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_RELU = 2, EPI_MASK = 3 };
 
 // A matrix descriptor at shared byte address `addr` for the 128-byte swizzled
 // K-major layout: start >> 4 in bits 0-13, leading byte offset (unused by this
@@ -247,7 +246,7 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
         *reinterpret_cast<float4*>(y) = value(row, c4);
         *reinterpret_cast<float4*>(m) = mv[EPI == EPI_MASK ? it : 0];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
+        for (int e = 0; e < 4; ++e) {  // dt_epilogue's maths (epilogue.cuh), written out: as a call it compiles differently
             if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) y[e] += bv[e];
             if (EPI == EPI_BIAS_RELU) y[e] = y[e] < 0.0f ? 0.0f : y[e] + 0.0f;
             if (EPI == EPI_MASK && !(m[e] > 0.0f)) y[e] = 0.0f;

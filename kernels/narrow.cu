@@ -45,6 +45,7 @@
 // No atomics on data, so results are bitwise reproducible, and a forward row's result does
 // not depend on which pass or how many passes share the launch.
 #include "common.cuh"
+#include "tf32.cuh"
 
 namespace {
 
@@ -104,28 +105,20 @@ __device__ __forceinline__ void split_tf32(float x, unsigned int& big, unsigned 
     small = to_tf32(x - __uint_as_float(big));
 }
 
-// D += A B, m16n8k8. The fragments' k index is a fixed permutation of the stored k (logical
-// t -> 2t, t + 4 -> 2t + 1), the same for A and B, so a thread's two k values are adjacent in
-// memory and load as one 64-bit access; the sum is the same set of products in a fixed order.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
-                                         unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// The three products of 3xTF32 into one accumulator, small terms first, in a fixed order.
+// The three products of 3xTF32 into one accumulator, small terms first, in a fixed order
+// (dt_mma_tf32, tf32.cuh: D += A B, m16n8k8). The fragments' k index is a fixed permutation
+// of the stored k (logical t -> 2t, t + 4 -> 2t + 1), the same for A and B, so a thread's two
+// k values are adjacent in memory and load as one 64-bit access; the sum is the same set of
+// products in a fixed order.
 __device__ __forceinline__ void mma_3xtf32(float (&d)[4], const unsigned int (&a_big)[4],
                                            const unsigned int (&a_small)[4], unsigned int b0_big,
                                            unsigned int b1_big, unsigned int b0_small, unsigned int b1_small) {
-    mma_tf32(d, a_small, b0_big, b1_big);
-    mma_tf32(d, a_big, b0_small, b1_small);
-    mma_tf32(d, a_big, b0_big, b1_big);
+    dt_mma_tf32(d, a_small, b0_big, b1_big);
+    dt_mma_tf32(d, a_big, b0_small, b1_small);
+    dt_mma_tf32(d, a_big, b0_big, b1_big);
 }
 
-// A fragment from two rows of a [16][ACT_LD] tile at k0 (k permuted as in mma_tf32).
+// A fragment from two rows of a [16][ACT_LD] tile at k0 (k permuted as mma_3xtf32 describes).
 __device__ __forceinline__ void load_a(const float (*tile)[ACT_LD], int k0, int g, int t, float2& lo, float2& hi) {
     lo = *reinterpret_cast<const float2*>(&tile[g][k0 + 2 * t]);
     hi = *reinterpret_cast<const float2*>(&tile[g + 8][k0 + 2 * t]);
@@ -281,7 +274,7 @@ __device__ __forceinline__ void fetch_forward_group(FwdFrag<TF32> (&f)[2][D], co
 
 __device__ __forceinline__ void compute_forward(float (&acc)[4], const FwdFrag<true>& f, const unsigned int (&a)[4],
                                                 const float4 (&)[4]) {
-    mma_tf32(acc, a, to_tf32(f.w.x), to_tf32(f.w.y));
+    dt_mma_tf32(acc, a, to_tf32(f.w.x), to_tf32(f.w.y));
 }
 
 __device__ __forceinline__ void compute_forward(float (&acc)[4], const FwdFrag<false>& f, const unsigned int (&)[4],

@@ -1,4 +1,5 @@
-// TF32 operands for the tensor cores, shared by gemm.cu and gemm_sm90a.cu.
+// TF32 operands for the tensor cores, shared by gemm.cu and gemm_sm90a.cu, and the
+// mma.sync product of gemm.cu and narrow.cu.
 #pragma once
 
 // The tensor cores ignore the low 13 bits of a TF32 operand, so adding half their
@@ -17,4 +18,14 @@ __device__ __forceinline__ void dt_tf32_split(float x, unsigned int& big, unsign
     const bool finite = (u & 0x7f800000u) != 0x7f800000u;
     big = finite ? u + 0x1000u : u;
     if (THREE) small = finite ? __float_as_uint(x - __uint_as_float(big & 0xffffe000u)) + 0x1000u : 0u;
+}
+
+// D += A B, one m16n8k8 TF32 product (mma.sync) with FP32 accumulators in place.
+__device__ __forceinline__ void dt_mma_tf32(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                            unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }

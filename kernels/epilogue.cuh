@@ -1,0 +1,18 @@
+// The linear layers' fused epilogues, per output element: shared by gemm.cu and
+// gemm_sm90a.cu, so every tile and both instruction sets give the same bits.
+#pragma once
+
+enum { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_RELU = 2, EPI_MASK = 3 };
+
+// v: the product's element; bias: its column's bias (EPI_BIAS, EPI_BIAS_RELU);
+// mask: the saved activation at its place (EPI_MASK). Unused arguments are ignored.
+template <int EPI>
+__device__ __forceinline__ float dt_epilogue(float v, float bias, float mask) {
+    if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) v += bias;
+    // ReLU that keeps a NaN (fmaxf would return 0); + 0.0f turns -0 into +0, as fmaxf did.
+    if (EPI == EPI_BIAS_RELU) v = v < 0.0f ? 0.0f : v + 0.0f;
+    // The layer input is relu(z), and relu(z) > 0 exactly when z > 0, so the mask
+    // of the saved activation equals the mask of the pre-activation.
+    if (EPI == EPI_MASK && !(mask > 0.0f)) v = 0.0f;
+    return v;
+}
