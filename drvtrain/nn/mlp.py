@@ -441,7 +441,8 @@ class MLP:
             _check_input("dx_last", dx_last, (batch, self.layout.layers[-1][1]))
         kernels = self.backward_kernels
         dy = dout
-        for k in range(len(self.layout.layers) - 1, -1, -1):
+        last = len(self.layout.layers) - 1
+        for k in range(last, -1, -1):
             out, inp = self.layout.layers[k]
             x = forward.activations[k]
             side = weight_stream if k > 0 else None
@@ -449,12 +450,12 @@ class MLP:
                 fork(stream, side)
             kernels.launch("grad_weight", dy, out, x, inp, grads.weight(k), inp, out, inp, batch, arena=arena,
                            stream=stream if side is None else side, gate=gate, col_sum=grads.bias(k))
-            if k > 0 and k == len(self.layout.layers) - 1 and dx_last is not None:
+            if k == last and dx_last is not None:  # a hidden layer exists: checked above
                 dy = dx_last
             elif k > 0:
                 dx = arena.array((batch, inp), np.float32)
                 kernels.launch("grad_input", dy, out, params.weight(k), inp, dx, inp, batch, inp, out, arena=arena,
                                stream=stream, gate=gate, mask=x, ldm=inp)
                 dy = dx
-        if weight_stream is not None and len(self.layout.layers) > 1:  # else nothing was forked
+        if weight_stream is not None and last > 0:  # else nothing was forked
             join(stream, weight_stream)
