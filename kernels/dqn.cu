@@ -1,8 +1,7 @@
 // Double-DQN kernels of the training step (docs/step-spec.md, steps 3-6 and 9):
 // the fused dueling Double-DQN loss with PER weights (dqn_loss), the same loss
 // fused with the output layer's forwards and data gradient (dqn_head), and the
-// two phases of the spectral projection's power iteration, the first also with
-// AdamW folded in (adamw_spectral_columns).
+// two phases of the spectral projection's power iteration.
 //
 // Determinism: no float atomics anywhere. Every sum is accumulated in an order
 // fixed by the launch shape alone (per-thread loops in index order, fixed
@@ -382,11 +381,22 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
 }
 
 // ============================================================== spectral projection
-// The two phases of spectral.cuh, one phase block per block of the grid; the
-// first runs with AdamW (adamw_spectral_columns, below).
+// The two phases of spectral.cuh, one phase block per block of the grid.
+// spectral_columns: grid = sum_m ceil(cols_m / 16), block SPECTRAL_THREADS (256);
+//   `counters` is unused and may be null.
 // spectral_rows: grid = sum_m ceil(rows_m / 16), block SPECTRAL_THREADS, after
-//   adamw_spectral_columns on the same stream. With *skip != 0 (skip non-null)
-//   it returns at once, writing nothing.
+//   spectral_columns on the same stream.
+// skip: when non-null and *skip != 0 both return at once, writing nothing.
+extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_columns(
+        const float* params, const DtSpectralMatrix* mats, int n_mats, const float* u_all, float* v_all,
+        double* partials, unsigned int* counters, const int* skip) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    (void)counters;
+    if (skip != nullptr && *skip != 0) return;
+    dt_spectral_columns_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, partials);
+}
+
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
         const float* params, const DtSpectralMatrix* mats, int n_mats, float* u_all, const float* v_all,
         float c, float* sigma, float* scale, double* partials, unsigned int* counters, const int* skip) {
@@ -394,45 +404,4 @@ extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
     dt_allow_dependents();
     if (skip != nullptr && *skip != 0) return;
     dt_spectral_rows_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, c, sigma, scale, partials, counters);
-}
-
-// adamw_spectral_columns: AdamW over the whole flat buffer and the first phase
-// of the projection, in one pass. Blocks [0, column_blocks) are the column
-// phase's blocks (spectral.cuh: one per 16 columns and 64 rows of a matrix,
-// the same code as the cooperative tail's phase); each applies AdamW to the
-// float4 each thread loads and sums W^T u over the updated values.
-// Blocks [column_blocks, grid) apply AdamW, grid-strided, to every float4 whose
-// first element lies outside the projected matrices (their float4 tails past
-// rows * cols are padding, 0 in params, grads, m and v, which AdamW keeps 0).
-// The result is adamw_step's followed by the column phase's, bit for bit: both
-// inline optim.cuh's per-element update, and each element is updated once.
-// Launch: grid = column_blocks + E (E >= 1), block SPECTRAL_THREADS (256); n a
-// multiple of 4; clip, step and skip as adamw_step reads them (the norm kernel
-// wrote them); with *skip != 0 nothing is written. Scratch as spectral.cuh
-// says: partials, chunk_sums, chunk_counters (zero, and left zero).
-extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) adamw_spectral_columns(
-        float* params, const float* grads, float* m, float* v, long long n, float lr, double beta1, double beta2,
-        float eps, float weight_decay, const float* clip, const int* step, const int* skip,
-        const DtSpectralMatrix* mats, int n_mats, int column_blocks, const float* u_all, float* v_all,
-        double* partials, double* chunk_sums, unsigned int* chunk_counters) {
-    dt_wait_prior_grid();
-    dt_allow_dependents();
-    if (skip != nullptr && *skip != 0) return;
-    const DtAdamW adam = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, clip[1], *step);
-    if ((int)blockIdx.x < column_blocks) {
-        dt_spectral_columns_block((int)blockIdx.x, DtAdamWThenReadW{adam, params, grads, m, v}, mats, n_mats,
-                                  u_all, v_all, partials, chunk_sums, chunk_counters);
-        return;
-    }
-    const long long stride = (long long)(gridDim.x - column_blocks) * SPECTRAL_THREADS;
-    for (long long i = (long long)(blockIdx.x - column_blocks) * SPECTRAL_THREADS + threadIdx.x; i < n / 4;
-         i += stride) {
-        const long long e = 4 * i;
-        bool projected = false;
-        for (int k = 0; k < n_mats; ++k) {
-            const long long begin = mats[k].w_offset;
-            projected |= e >= begin && e < begin + (long long)mats[k].rows * mats[k].cols;
-        }
-        if (!projected) dt_adamw_float4(adam, i, params, grads, m, v);
-    }
 }

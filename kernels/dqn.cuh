@@ -9,15 +9,13 @@
 //   offset 12  int32  cols
 //   offset 16  int32  u_offset          float offset of u [rows] in u_all
 //   offset 20  int32  v_offset          float offset of v [cols] in v_all
-//   offset 24  int32  first_block_cols  first column block of this matrix
+//   offset 24  int32  first_block_cols  first block of this matrix in spectral_columns' grid
 //   offset 28  int32  first_block_rows  first block of this matrix in spectral_rows' grid
-// Matrix m owns dt_spectral_column_blocks(cols) = ceil(cols / 16) consecutive
-// column blocks (16 columns each; they index the column phase's partials and
-// counters) and dt_spectral_row_blocks(rows) = ceil(rows / 16) consecutive
-// blocks of the spectral_rows grid: both running sums in table order, starting
-// at 0. The column phase itself runs one block per column block and row chunk
-// of 64 rows (dt_spectral_row_chunks(rows)), matrix after matrix in table
-// order, so its grid is sum_m column_blocks_m * row_chunks_m.
+// Matrix m owns dt_spectral_column_blocks(cols) consecutive blocks of the
+// spectral_columns grid and dt_spectral_row_blocks(rows) of the spectral_rows
+// grid, i.e. ceil(cols / DT_SPECTRAL_COLS_PER_BLOCK) and
+// ceil(rows / DT_SPECTRAL_ROWS_PER_BLOCK). The ranges must not overlap; the
+// usual fill is a running sum in table order, starting at 0.
 #pragma once
 
 struct DtSpectralMatrix {
@@ -31,16 +29,11 @@ struct DtSpectralMatrix {
 };
 static_assert(sizeof(DtSpectralMatrix) == 32, "the host fills this table byte for byte");
 
-constexpr int DT_SPECTRAL_COLS_PER_BLOCK = 16;  // columns of W^T u per column block
-constexpr int DT_SPECTRAL_CHUNK_ROWS = 64;      // rows of one column block per column-phase block
+constexpr int DT_SPECTRAL_COLS_PER_BLOCK = 16;  // columns of W^T u per spectral_columns block
 constexpr int DT_SPECTRAL_ROWS_PER_BLOCK = 16;  // rows of W v per spectral_rows block
 
 __device__ __forceinline__ int dt_spectral_column_blocks(int cols) {
     return (cols + DT_SPECTRAL_COLS_PER_BLOCK - 1) / DT_SPECTRAL_COLS_PER_BLOCK;
-}
-
-__device__ __forceinline__ int dt_spectral_row_chunks(int rows) {
-    return (rows + DT_SPECTRAL_CHUNK_ROWS - 1) / DT_SPECTRAL_CHUNK_ROWS;
 }
 
 __device__ __forceinline__ int dt_spectral_row_blocks(int rows) {

@@ -116,8 +116,7 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
 // dqn_tail: everything of a step after the backward, in one cooperative launch:
 // the gradient norm (the NaN guard), the priority update, AdamW, both spectral
 // phases and the finish pass, with a grid barrier (common.cuh) wherever the
-// kernels they replace had a kernel boundary, and one between AdamW and the
-// column phase. Five launches become one node.
+// kernels they replace had a kernel boundary. Six launches become one node.
 //   gate non-null and non-zero (not due): *skip = 2 and nothing else.
 //   The norm: block b of the grid takes the norm's phase blocks b, b + G, ...
 //     of a grid of norm_blocks (grad_norm_clip's grid), each writing its
@@ -132,15 +131,11 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
 // Every branch depends only on the gate, the norm (the same bits in every block)
 // and n_mats, so every block meets every barrier. Each phase runs the code of
 // the kernel it replaces over the same elements and phase blocks: the result is
-// the same, bit for bit, as grad_norm_clip, sumtree_update,
-// adamw_spectral_columns (here AdamW and the column phase are two phases with
-// a barrier between them, where that kernel updates and sums in one pass),
-// spectral_rows and dqn_finish.
+// the same, bit for bit, as grad_norm_clip, sumtree_update, adamw_step,
+// spectral_columns, spectral_rows and dqn_finish.
 // Launch: cooperative (every block resident), block FINISH_THREADS (256), any
-// grid G >= 1; norm_partials: norm_blocks doubles; column_blocks: phase 1's
-// blocks (spectral.cuh: column blocks times row chunks), with chunk_sums and
-// chunk_counters as spectral.cuh says; `barrier` one uint32, zero when
-// allocated, never written by the host again.
+// grid G >= 1; norm_partials: norm_blocks doubles; `barrier` one uint32, zero
+// when allocated, never written by the host again.
 static_assert(FINISH_THREADS == SPECTRAL_THREADS, "one block shape for every phase");
 
 extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
@@ -155,7 +150,6 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
         // the spectral projection
         const DtSpectralMatrix* mats, int n_mats, int column_blocks, int row_blocks, float* u_all, float* v_all,
         float c, float* sigma, float* scale, double* spectral_partials, unsigned int* spectral_counters,
-        double* chunk_sums, unsigned int* chunk_counters,
         // the finish pass
         float* target, float tau, int period, const float* scalars, const float* beta, long long* step_counter,
         float* ring, int ring_slots, unsigned int* skip_counts, unsigned int* skip_published,
@@ -186,8 +180,7 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
         if (n_mats > 0) {
             dt_grid_barrier(barrier);
             for (int b = blockIdx.x; b < column_blocks; b += gridDim.x) {
-                dt_spectral_columns_block(b, DtReadW{params}, mats, n_mats, u_all, v_all, spectral_partials,
-                                          chunk_sums, chunk_counters);
+                dt_spectral_columns_block(b, params, mats, n_mats, u_all, v_all, spectral_partials);
                 __syncthreads();  // the body's shared arrays are free for the next phase block
             }
             dt_grid_barrier(barrier);

@@ -1,10 +1,8 @@
 // The spectral projection's power iteration as block bodies, shared by the
-// kernels of dqn.cu (adamw_spectral_columns, spectral_rows) and the cooperative
-// tail of dqn_step.cu.
+// kernels of dqn.cu and the cooperative tail of dqn_step.cu.
 #pragma once
 #include "common.cuh"
 #include "dqn.cuh"
-#include "optim.cuh"
 
 // One power iteration per matrix W [rows, cols] of the table (dqn.cuh), with
 // the persistent u [rows] in u_all:
@@ -17,38 +15,30 @@
 // one per block of their grid, and dqn_step.cu's cooperative tail loops its
 // blocks over them with a grid barrier between the phases. The same blocks, the
 // same partials in the same order: the same bits either way.
-// Phase 1 (the column phase) runs one block per 16 columns and 64 rows of a
-// matrix (a column block's row chunk): each writes its 16 sums over its rows;
-// the last chunk block of each column block to finish adds the chunks' sums in
-// chunk order, writes x unnormalised into v_all and one partial ||x||^2 per
-// column block. Phase 2 (spectral_rows) forms ||x|| in every block from those
-// partials (same order, so the same bits in every block), normalises v while
-// staging it, computes y, and the last block of each matrix normalises u and
-// writes sigma and scale. Small blocks keep phase 1 spread over the SMs: it
-// runs with AdamW (adamw_spectral_columns), one float4 of AdamW per thread.
+// Phase 1 (spectral_columns) writes x unnormalised into v_all and one partial
+// ||x||^2 per block; phase 2 (spectral_rows) forms ||x|| in every block from
+// those partials (same order, so the same bits in every block), normalises v
+// while staging it, computes y, and the last block of each matrix normalises u
+// and writes sigma and scale. Phase 1 therefore needs no last block.
 // Between the two launches v_all holds x, and during phase 2 u_all holds y.
 //
 // Scratch (the same `partials` buffer goes to both kernels):
-//   partials: GC + GR doubles, GC = the number of column blocks, GR =
-//     spectral_rows' grid. Phase 1 writes [0, GC); phase 2 reads them and writes
-//     [GC, GC + GR). Phase 2 finds GC from the table as
-//     max_m(first_block_cols + ceil(cols / 16)).
-//   chunk_sums: 16 doubles per phase-1 block; chunk_counters: GC uints, zero
-//     on entry and left zero (phase 1's last-chunk protocol).
+//   partials: GC + GR doubles, GC = spectral_columns' grid, GR = spectral_rows'
+//     grid. Phase 1 writes [0, GC); phase 2 reads them and writes [GC, GC + GR).
+//     Phase 2 finds GC from the table as max_m(first_block_cols + ceil(cols / 16)).
 //   v_all: sum(cols) floats (v_offset); no y scratch: y is staged in u_all.
 //   counters: n_mats uints, zero on entry and left zero; used by
-//     spectral_rows only.
-// skip: when non-null and *skip != 0 the kernels return at once, writing nothing.
+//     spectral_rows only (spectral_columns ignores its argument, which may be null).
+// skip: when non-null and *skip != 0 both kernels return at once, writing nothing.
 // Sizes: rows, cols >= 1, any size (the 1024-column bound of the v stage is
 //   handled by chunks). float4 loads when cols % 4 == 0 and W is 16-byte aligned.
 // Determinism: fixed per-thread loop orders, fixed shuffle/shared trees and
-//   partials added in block (chunk) order; bitwise reproducible for a fixed table.
+//   partials added in block order; bitwise reproducible for a fixed table.
 constexpr int SPECTRAL_THREADS = 256;
 constexpr int SPECTRAL_WARPS = SPECTRAL_THREADS / 32;
 constexpr int SPECTRAL_QUADS = DT_SPECTRAL_COLS_PER_BLOCK / 4;            // float4 lanes across columns
 constexpr int SPECTRAL_ROW_LANES = SPECTRAL_THREADS / SPECTRAL_QUADS;     // lanes down the rows
 constexpr int SPECTRAL_ROWS_PER_WARP = DT_SPECTRAL_ROWS_PER_BLOCK / SPECTRAL_WARPS;
-static_assert(SPECTRAL_ROW_LANES == DT_SPECTRAL_CHUNK_ROWS, "one row of a chunk per row lane");
 constexpr int SPECTRAL_V_CHUNK = 1024;                                    // floats of v staged at a time
 static_assert(DT_SPECTRAL_COLS_PER_BLOCK % 4 == 0 && 32 % SPECTRAL_QUADS == 0, "quads tile a warp");
 static_assert(DT_SPECTRAL_ROWS_PER_BLOCK % SPECTRAL_WARPS == 0, "rows split evenly over warps");
@@ -58,42 +48,20 @@ namespace {
 // max(n, 1e-12) that keeps a NaN norm NaN (fmax would return 1e-12).
 __device__ __forceinline__ double spectral_norm_floor(double n) { return n < 1e-12 ? 1e-12 : n; }
 
-// The matrix whose block range in spectral_rows' grid holds block `index`, or -1.
-__device__ __forceinline__ int spectral_find_rows(const DtSpectralMatrix* mats, int n_mats, int index,
-                                                  DtSpectralMatrix& mat, int& block) {
+// The matrix whose block range in this phase holds block `index`, or -1.
+__device__ __forceinline__ int spectral_find(const DtSpectralMatrix* mats, int n_mats, bool by_columns, int index,
+                                             DtSpectralMatrix& mat, int& block) {
     int found = -1;
     for (int k = 0; k < n_mats; ++k) {
         const DtSpectralMatrix e = mats[k];
-        const int b = index - e.first_block_rows;
-        if (found < 0 && b >= 0 && b < dt_spectral_row_blocks(e.rows)) {
+        const int first = by_columns ? e.first_block_cols : e.first_block_rows;
+        const int count = by_columns ? dt_spectral_column_blocks(e.cols) : dt_spectral_row_blocks(e.rows);
+        const int b = index - first;
+        if (found < 0 && b >= 0 && b < count) {
             found = k;
             mat = e;
             block = b;
         }
-    }
-    return found;
-}
-
-// Phase 1's block `index`: its matrix (or -1), column block within the matrix,
-// row chunk, and `first`, the phase-1 index of chunk 0 of the matrix's blocks
-// (chunk c of column block b is block first + c * column_blocks + b).
-__device__ __forceinline__ int spectral_find_chunk(const DtSpectralMatrix* mats, int n_mats, int index,
-                                                   DtSpectralMatrix& mat, int& column_block, int& chunk,
-                                                   int& first) {
-    int found = -1, start = 0;
-    for (int k = 0; k < n_mats; ++k) {
-        const DtSpectralMatrix e = mats[k];
-        const int blocks = dt_spectral_column_blocks(e.cols);
-        const int count = blocks * dt_spectral_row_chunks(e.rows);
-        const int b = index - start;
-        if (found < 0 && b >= 0 && b < count) {
-            found = k;
-            mat = e;
-            column_block = b % blocks;
-            chunk = b / blocks;
-            first = start;
-        }
-        start += count;
     }
     return found;
 }
@@ -104,82 +72,46 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 
 }  // namespace
 
-// Where the column phase reads W's elements from (element offsets into params).
-// DtReadW reads them as they are (the cooperative tail, after its AdamW phase).
-struct DtReadW {
-    const float* params;
-    __device__ __forceinline__ bool vector_ok() const { return aligned16(params); }
-    __device__ __forceinline__ float4 load4(long long e) const {
-        return *reinterpret_cast<const float4*>(params + e);
-    }
-    __device__ __forceinline__ float load1(long long e) const { return params[e]; }
-};
-
-// DtAdamWThenReadW applies AdamW to each element first, writes params, m and v
-// back, and hands on the updated weight (adamw_spectral_columns): the same bits
-// as an AdamW pass followed by a DtReadW pass.
-struct DtAdamWThenReadW {
-    DtAdamW adam;
-    float* params;
-    const float* grads;
-    float* m;
-    float* v;
-    __device__ __forceinline__ bool vector_ok() const {
-        return aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v);
-    }
-    __device__ __forceinline__ float4 load4(long long e) const {
-        return dt_adamw_float4(adam, e / 4, params, grads, m, v);
-    }
-    __device__ __forceinline__ float load1(long long e) const {
-        float p = params[e], mm = m[e], vv = v[e];
-        dt_adamw_one(adam, p, mm, vv, grads[e]);
-        params[e] = p;
-        m[e] = mm;
-        v[e] = vv;
-        return p;
-    }
-};
-
-// The column phase: x = W^T u, one block per 16 columns (a column block) and
-//   64 rows (a row chunk). Thread t takes column quad t % 4 and row t / 4 of the
-//   chunk, so a warp reads 8 rows x 64 contiguous bytes. Each block writes its
-//   16 sums to chunk_sums[16 index + c]; the last chunk block of a column block
-//   (chunk_counters) adds the chunks' sums in chunk order, writes
-//   v_all[v_offset + j] = x_j and partials[first_block_cols + column block] =
-//   sum of x_j^2 over the column block.
-// Blocks: index in [0, sum_m column_blocks_m * row_chunks_m) (dqn.cuh),
-//   SPECTRAL_THREADS (256) threads, every one of which calls it. `source` says
-//   how W's elements are read (DtReadW, DtAdamWThenReadW); each element of W is
-//   read by exactly one thread of one block.
-template <class Source>
-__device__ __forceinline__ void dt_spectral_columns_block(int index, const Source& source,
+// spectral_columns: x = W^T u for DT_SPECTRAL_COLS_PER_BLOCK (16) columns per
+//   block, all rows. Thread t takes column quad t % 4 and rows t / 4, t / 4 + 64, ...
+//   so a warp reads 8 rows x 64 contiguous bytes. Writes v_all[v_offset + j] = x_j
+//   and partials[index] = sum of x_j^2 over the block's columns.
+// Blocks: index in [0, sum_m ceil(cols_m / 16)) (matrix m from first_block_cols),
+//   SPECTRAL_THREADS (256) threads, every one of which calls it.
+__device__ __forceinline__ void dt_spectral_columns_block(int index, const float* params,
                                                           const DtSpectralMatrix* mats, int n_mats,
-                                                          const float* u_all, float* v_all, double* partials,
-                                                          double* chunk_sums, unsigned int* chunk_counters) {
+                                                          const float* u_all, float* v_all, double* partials) {
     DtSpectralMatrix mat;
-    int block = 0, chunk = 0, first = 0;
-    if (spectral_find_chunk(mats, n_mats, index, mat, block, chunk, first) < 0) return;
+    int block = 0;
+    if (spectral_find(mats, n_mats, true, index, mat, block) < 0) return;
     __shared__ double warp_sums[SPECTRAL_WARPS][DT_SPECTRAL_COLS_PER_BLOCK];
     __shared__ double squares[DT_SPECTRAL_COLS_PER_BLOCK];
 
     const int rows = mat.rows, cols = mat.cols;
-    const long long w0 = mat.w_offset;
+    const float* W = params + mat.w_offset;
+    const float* u = u_all + mat.u_offset;
     const int quad = threadIdx.x % SPECTRAL_QUADS;
-    const int i = chunk * DT_SPECTRAL_CHUNK_ROWS + (int)threadIdx.x / SPECTRAL_QUADS;
+    const int lane_row = threadIdx.x / SPECTRAL_QUADS;
     const int j0 = block * DT_SPECTRAL_COLS_PER_BLOCK + 4 * quad;
     double acc[4] = {0.0, 0.0, 0.0, 0.0};
-    if (j0 < cols && i < rows) {
-        const double ui = u_all[mat.u_offset + i];
-        const long long e0 = w0 + (long long)i * cols + j0;
-        if (cols % 4 == 0 && w0 % 4 == 0 && source.vector_ok()) {
-            const float4 w = source.load4(e0);
-            acc[0] = (double)w.x * ui;
-            acc[1] = (double)w.y * ui;
-            acc[2] = (double)w.z * ui;
-            acc[3] = (double)w.w * ui;
+    if (j0 < cols) {
+        if (cols % 4 == 0 && aligned16(W)) {
+#pragma unroll 8
+            for (int i = lane_row; i < rows; i += SPECTRAL_ROW_LANES) {
+                const float4 w = *reinterpret_cast<const float4*>(W + (long long)i * cols + j0);
+                const double ui = u[i];
+                acc[0] += (double)w.x * ui;
+                acc[1] += (double)w.y * ui;
+                acc[2] += (double)w.z * ui;
+                acc[3] += (double)w.w * ui;
+            }
         } else {
             const int n = min(4, cols - j0);
-            for (int e = 0; e < n; ++e) acc[e] = (double)source.load1(e0 + e) * ui;
+            for (int i = lane_row; i < rows; i += SPECTRAL_ROW_LANES) {
+                const float* p = W + (long long)i * cols + j0;
+                const double ui = u[i];
+                for (int e = 0; e < n; ++e) acc[e] += (double)p[e] * ui;
+            }
         }
     }
     // Sum over the row lanes: the 8 of a warp by a fixed butterfly, then the
@@ -195,15 +127,6 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const Sourc
     if (threadIdx.x < DT_SPECTRAL_COLS_PER_BLOCK) {
         double x = 0.0;
         for (int w = 0; w < SPECTRAL_WARPS; ++w) x += warp_sums[w][threadIdx.x];
-        chunk_sums[(long long)DT_SPECTRAL_COLS_PER_BLOCK * index + threadIdx.x] = x;
-    }
-    const int blocks = dt_spectral_column_blocks(cols), chunks = dt_spectral_row_chunks(rows);
-    if (!dt_last_block(&chunk_counters[mat.first_block_cols + block], (unsigned int)chunks)) return;
-    if (threadIdx.x < DT_SPECTRAL_COLS_PER_BLOCK) {
-        double x = 0.0;
-        for (int c = 0; c < chunks; ++c)
-            x += __ldcg(&chunk_sums[(long long)DT_SPECTRAL_COLS_PER_BLOCK * (first + c * blocks + block) +
-                                    threadIdx.x]);
         const int j = block * DT_SPECTRAL_COLS_PER_BLOCK + threadIdx.x;
         if (j < cols) v_all[mat.v_offset + j] = (float)x;
         squares[threadIdx.x] = j < cols ? x * x : 0.0;
@@ -212,7 +135,7 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const Sourc
     if (threadIdx.x == 0) {
         double s = 0.0;
         for (int c = 0; c < DT_SPECTRAL_COLS_PER_BLOCK; ++c) s += squares[c];
-        partials[mat.first_block_cols + block] = s;
+        partials[index] = s;
     }
 }
 
@@ -231,7 +154,7 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const float* p
                                                        unsigned int* counters) {
     DtSpectralMatrix mat;
     int block = 0;
-    const int m = spectral_find_rows(mats, n_mats, index, mat, block);
+    const int m = spectral_find(mats, n_mats, false, index, mat, block);
     if (m < 0) return;
     int column_grid = 0;
     for (int k = 0; k < n_mats; ++k) {

@@ -5,11 +5,10 @@ import numpy as np
 import pytest
 
 from drvtrain import DeviceBuffer, Stream
-from drvtrain.nn import AdamW, FlatBuffer
 from drvtrain.rl import DQNConfig, DQNStep, TrainingError
 from drvtrain.rl.dqn import audit_step
 from dqn_reference import dqn_loss, dqn_step, dueling_q
-from nn_reference import adamw, clip_scale, mlp_backward, mlp_forward, rel
+from nn_reference import mlp_backward, mlp_forward, rel
 from per_reference import tree_inconsistency
 
 pytestmark = pytest.mark.gpu
@@ -249,7 +248,7 @@ def test_eager_graph_and_inactive_arena_are_bitwise_identical(device, rng):
     assert cfg.dependent_launch
     ordinary, s4 = run_losses(dataclasses.replace(cfg, dependent_launch=False), data, 200, graph=True,
                               arena_active=True)
-    # The cooperative tail runs the very code of the five kernels it replaces.
+    # The cooperative tail runs the very code of the six kernels it replaces.
     assert not cfg.fused_tail
     tail, s5 = run_losses(dataclasses.replace(cfg, fused_tail=True), data, 200, graph=True, arena_active=True)
     assert np.all(np.isfinite(eager))
@@ -259,7 +258,7 @@ def test_eager_graph_and_inactive_arena_are_bitwise_identical(device, rng):
             == s5[key].tobytes(), key
 
 
-def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_five_kernels(device, rng):
+def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_six_kernels(device, rng):
     """Layers of 2200 rows and 2200 columns: both spectral phases have more blocks
     than the cooperative tail's grid (at most one per SM), so its blocks loop over
     phase blocks; the result is still the separate kernels' bit for bit (whose
@@ -276,79 +275,6 @@ def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_five_kernels(d
     assert np.all(np.isfinite(fused)) and fused.tobytes() == separate.tobytes()
     for key in ("params", "target", "m", "v", "u"):
         assert s1[key].tobytes() == s2[key].tobytes(), key
-
-
-def test_adamw_spectral_columns_is_adamw_then_the_column_sums(device, rng):
-    """The step's merged kernel (AdamW and x = W^T u of every projected matrix, one
-    launch) against float64 AdamW and W^T u, and bit for bit against adamw_step on a
-    copy: every element updated exactly once, with the same arithmetic. Three
-    projected matrices: 3 and 70 columns (scalar loads), 36 (float4 loads); 70
-    rows, so the first matrix's column blocks have two row chunks to add."""
-    cfg = DQNConfig(obs_dim=3, hidden=(70, 36, 33), n_actions=4, batch=64, capacity=1000, lr=1e-2,
-                    seed=int(rng.integers(1 << 30)))
-    stream = Stream()
-    step = DQNStep(cfg)
-    layout, opt = step.layout, step.optimizer
-    assert step.n_spectral == 3 and step._spectral_grids[0] == 2 * 1 + 1 * 5 + 1 * 3  # column blocks x chunks
-    mask = np.zeros(layout.size, bool)
-    for slot in layout.slots:
-        mask[slot.offset: slot.offset + slot.size] = True
-
-    def draw(scale):  # padding stays 0, as in every flat buffer
-        return np.where(mask, rng.standard_normal(layout.size) * scale, 0).astype(np.float32)
-
-    m0, v0 = draw(0.1), np.abs(draw(0.01))
-    twin_params, twin_grads = FlatBuffer(layout, step.params.buffer.to_numpy()), FlatBuffer(layout)
-    twin = AdamW(twin_params, twin_grads, lr=cfg.lr,
-                 betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, max_norm=cfg.max_norm, nan_guard=True)
-    for o in (opt, twin):
-        o.m.buffer.copy_from_numpy(m0)
-        o.v.buffer.copy_from_numpy(v0)
-    theta, m, v = step.params.buffer.to_numpy().astype(np.float64), m0.astype(np.float64), v0.astype(np.float64)
-    u = step.u.to_numpy().astype(np.float64)
-    n_v, n_partials = step._v.to_numpy().size, step._spectral_partials.to_numpy().size
-    for t, norm_wanted in ((1, 3.0), (2, 40.0), (3, 6.0)):  # the middle step clips (max_norm 10)
-        g = draw(norm_wanted / np.sqrt(mask.sum()))
-        step.grads.buffer.copy_from_numpy(g)
-        twin.grads.buffer.copy_from_numpy(g)
-        step._v.copy_from_numpy(np.full(n_v, np.nan, np.float32))
-        step._spectral_partials.copy_from_numpy(np.full(n_partials, np.nan))
-        step._enqueue_optimizer(stream, None)
-        twin.step(stream=stream)
-        stream.synchronize()
-        got = step.state_numpy()
-        assert got["params"].tobytes() == twin.params.buffer.to_numpy().tobytes()
-        assert got["m"].tobytes() == twin.m.buffer.to_numpy().tobytes()
-        assert got["v"].tobytes() == twin.v.buffer.to_numpy().tobytes()
-        norm, scale = clip_scale(g, cfg.max_norm)
-        assert (scale < 1) == (t == 2)
-        theta, m, v = adamw(theta, m, v, g.astype(np.float64) * scale, t, cfg.lr, *cfg.betas, cfg.eps,
-                            cfg.weight_decay)
-        assert rel(got["params"], theta) < 1e-6 and rel(got["m"], m) < 1e-6 and rel(got["v"], v) < 1e-6
-        assert np.all(got["params"][~mask] == 0)
-        x_all, partials = step._v.to_numpy(), step._spectral_partials.to_numpy()
-        for row in step.spectral_table:
-            rows, cols = int(row["rows"]), int(row["cols"])
-            w = got["params"][row["w_offset"]: row["w_offset"] + rows * cols].reshape(rows, cols).astype(np.float64)
-            x = w.T @ u[row["u_offset"]: row["u_offset"] + rows]
-            assert rel(x_all[row["v_offset"]: row["v_offset"] + cols], x) < 1e-6
-            for b in range(-(-cols // 16)):
-                want = np.sum(x[16 * b: 16 * b + 16] ** 2)
-                assert abs(partials[row["first_block_cols"] + b] - want) <= 1e-6 * want
-    # A non-finite gradient: the norm kernel sets skip, and the merged kernel writes nothing.
-    before = step.state_numpy()
-    g = draw(1.0)
-    g[layout.weight(1).offset + 5] = np.nan
-    step.grads.buffer.copy_from_numpy(g)
-    step._v.copy_from_numpy(np.full(n_v, np.nan, np.float32))
-    step._enqueue_optimizer(stream, None)
-    stream.synchronize()
-    after = step.state_numpy()
-    for key in ("params", "m", "v"):
-        assert after[key].tobytes() == before[key].tobytes(), key
-    assert np.all(np.isnan(step._v.to_numpy()))
-    for o in (step, twin, twin_params, twin_grads):
-        o.close()
 
 
 def test_nan_reward_skips_the_step_and_is_reported(device, rng):
@@ -415,7 +341,7 @@ def test_spectral_projection_bounds_sigma(device, rng):
     assert np.all(step.sigma.to_numpy() > 0)
 
 
-@pytest.mark.parametrize("fused_tail", [False, True], ids=["five-tail-kernels", "cooperative-tail"])
+@pytest.mark.parametrize("fused_tail", [False, True], ids=["six-tail-kernels", "cooperative-tail"])
 @pytest.mark.parametrize("config", ["small", "large"])
 @pytest.mark.parametrize("dual_stream", [True, False])
 def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fused_tail):
@@ -429,14 +355,14 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     assert not failed, failed
     assert counts.per_iteration("cuGraphLaunch") == 1 and counts.per_iteration("cuEventRecord") == 1
     names = {k.function for k in step.graph.kernel_nodes()}
-    separate = {"grad_norm_clip", "adamw_spectral_columns", "spectral_rows", "sumtree_update", "dqn_finish"}
+    separate = {"grad_norm_clip", "adamw_step", "sumtree_update", "dqn_finish"}
     # The small net's 3 x 256 output layer runs in one dqn_head node (forwards, loss, dX); the
     # large net's 19 x 1024 one as separate products and dqn_loss (DQNConfig.fused_head=None).
     fused = config == "small"
     assert (step._head is not None) == fused
     assert [r.measured for r in rows if r.name.startswith("output layer's forwards")] == (["1"] if fused else [])
     assert ("dqn_head" in names) == fused and ("dqn_loss" in names) != fused
-    if fused_tail:  # one cooperative node instead of the five
+    if fused_tail:  # one cooperative node instead of the six
         assert [r.measured for r in rows if r.name.startswith("norm, priority update")] == ["1"]
         assert "dqn_tail" in names and not separate & names
     else:

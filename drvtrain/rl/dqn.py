@@ -6,12 +6,11 @@ PER sample with IS weights and the gathered batch; the online forward on
 on ``s'`` run on two streams forked from it and joined before the loss; the
 fused loss (dueling combine, Double-DQN argmax and target, IS-weighted Huber,
 the output gradient, new priorities, metrics sums); the backward; the
-gradient-norm clip, which is also the NaN guard; AdamW together with the
-first phase of the spectral power iteration (one launch), then its second
-phase, and beside them, on a second stream, the priority update; and one last
-pass that applies the spectral scales, updates the target network, counts the
-step and writes the metrics slot. No host branch anywhere: a captured step
-replays unchanged.
+gradient-norm clip, which is also the NaN guard; AdamW; the spectral power
+iteration (two launches) and beside it, on a second stream, the priority
+update; and one last pass that applies
+the spectral scales, updates the target network, counts the step and writes
+the metrics slot. No host branch anywhere: a captured step replays unchanged.
 """
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ METRIC_FIELDS = ("loss", "grad_norm", "clip_scale", "mean_q", "mean_abs_td", "si
 _SPECTRAL_DTYPE = np.dtype([("w_offset", "<i8"), ("rows", "<i4"), ("cols", "<i4"), ("u_offset", "<i4"),
                             ("v_offset", "<i4"), ("first_block_cols", "<i4"), ("first_block_rows", "<i4")])
 _SPECTRAL_COLS_PER_BLOCK = 16  # DT_SPECTRAL_COLS_PER_BLOCK
-_SPECTRAL_CHUNK_ROWS = 64  # DT_SPECTRAL_CHUNK_ROWS
 MAX_ACTIONS = 64  # DQN_MAX_ACTIONS in kernels/dqn.cu: the loss kernel stages rows in shared memory
 _SPECTRAL_ROWS_PER_BLOCK = 16  # DT_SPECTRAL_ROWS_PER_BLOCK
 _HEAD_ROWS = 4  # DQN_HEAD_ROWS in kernels/dqn.cu: batch rows per dqn_head block
@@ -103,8 +101,8 @@ class DQNConfig:
     launch overlaps the tail of the one before, and no result changes.
     ``fused_tail`` runs everything after the backward (the norm, the priority
     update, AdamW, the spectral projection, the finish pass) as one cooperative
-    kernel with grid barriers between the phases (``dqn_tail``) instead of five
-    launches: the same bits, four fewer nodes on the step's chain. Off by
+    kernel with grid barriers between the phases (``dqn_tail``) instead of six
+    launches: the same bits, five fewer nodes on the step's chain. Off by
     default: on the H200 it measured no faster (docs/perf-notes.md).
     ``fused_head`` runs the output layer's three forwards, the loss and the
     output layer's data gradient as one row-parallel kernel (``dqn_head``, in
@@ -290,7 +288,7 @@ class DQNStep:
             self._tail = builtin_module("dqn_step.cu").kernel(
                 "dqn_tail", "ptr ptr ptr ptr i64 i32 ptr f32 ptr f32 f64 f64 f32 f32 ptr ptr ptr ptr "
                 "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr ptr "
-                "ptr i32 i32 i32 ptr ptr f32 ptr ptr ptr ptr ptr ptr "
+                "ptr i32 i32 i32 ptr ptr f32 ptr ptr ptr ptr "
                 "ptr f32 i32 ptr ptr ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
             # One block per SM at most: a barrier costs more with more arrivals, and
             # the phases with blocks of their own have about that many or fewer;
@@ -336,7 +334,7 @@ class DQNStep:
         cfg = self.config
         layers = cfg.projected_layers
         table = np.zeros(max(1, len(layers)), _SPECTRAL_DTYPE)
-        u_parts, u_off, v_off, cb, rb, chunk_blocks = [], 0, 0, 0, 0, 0
+        u_parts, u_off, v_off, cb, rb = [], 0, 0, 0, 0
         for m, k in enumerate(layers):
             rows, cols = self.layout.layers[k]
             table[m] = (self.layout.weight(k).offset, rows, cols, u_off, v_off, cb, rb)
@@ -346,32 +344,20 @@ class DQNStep:
             v_off += cols
             cb += -(-cols // _SPECTRAL_COLS_PER_BLOCK)
             rb += -(-rows // _SPECTRAL_ROWS_PER_BLOCK)
-            chunk_blocks += -(-cols // _SPECTRAL_COLS_PER_BLOCK) * -(-rows // _SPECTRAL_CHUNK_ROWS)
         self.spectral_table = table[: len(layers)]
         self.n_spectral = len(layers)
         self._spectral_mats = DeviceBuffer.from_numpy(table.view(np.uint8))
         self.u = DeviceBuffer.from_numpy(np.concatenate(u_parts).astype(np.float32) if u_parts
                                          else np.zeros(1, np.float32))
         self._v = DeviceBuffer(max(1, v_off), np.float32)
-        # The grids of the two phases; the first runs a block per 16 columns and 64
-        # rows, each column block's last chunk block adding the chunks' sums.
-        self._spectral_grids = (chunk_blocks, rb)
+        self._spectral_grids = (cb, rb)
         self._spectral_partials = DeviceBuffer(max(1, cb + rb), np.float64)
         self._spectral_counters = DeviceBuffer.zeros(max(1, len(layers)), np.uint32)
-        self._chunk_sums = DeviceBuffer(max(1, _SPECTRAL_COLS_PER_BLOCK * chunk_blocks), np.float64)
-        self._chunk_counters = DeviceBuffer.zeros(max(1, cb), np.uint32)
         n = max(1, len(layers))
         self._sigma_scale = DeviceBuffer.from_numpy(np.concatenate([np.zeros(n), np.ones(n)]).astype(np.float32))
         self.sigma = self._sigma_scale.view(np.float32, (n,), 0)
         self.spectral_scale = self._sigma_scale.view(np.float32, (n,), 4 * n)
-        # AdamW and the first phase in one launch: the first phase's blocks, then
-        # AdamW's own grid for the rest of the buffer (its blocks skip the float4s
-        # of the projected matrices, so each thread has about one float4 to look at).
-        self._adamw_columns = mod.kernel("adamw_spectral_columns",
-                                         "ptr ptr ptr ptr i64 f32 f64 f64 f32 f32 ptr ptr ptr ptr i32 i32 ptr ptr ptr "
-                                         "ptr ptr", fixed_block=True)
-        self._adamw_columns_grid = chunk_blocks + max(1, min(4 * get_device().sm_count,
-                                                             -(-self.layout.size // (4 * self._adamw_columns.block))))
+        self._spectral_columns = mod.kernel("spectral_columns", "ptr ptr i32 ptr ptr ptr ptr ptr", fixed_block=True)
         self._spectral_rows = mod.kernel("spectral_rows", "ptr ptr i32 ptr ptr f32 ptr ptr ptr ptr ptr",
                                          fixed_block=True)
 
@@ -452,7 +438,7 @@ class DQNStep:
         if self._tail is not None:
             self._enqueue_tail(batch, priorities, stream, gate)
         else:
-            self._enqueue_optimizer(stream, gate)
+            self.optimizer.step(stream=stream, gate=gate)
             update_stream = self.streams[1] if self.streams else stream
             if update_stream is not stream:
                 fork(stream, update_stream)
@@ -475,30 +461,18 @@ class DQNStep:
             gate if gate is not None else 0,
             *self.replay.tree.update_operands(batch.indices, priorities),
             self._spectral_mats, self.n_spectral, cb, rb, self.u, self._v, float(cfg.spectral_c or 1.0), self.sigma,
-            self.spectral_scale, self._spectral_partials, self._spectral_counters, self._chunk_sums,
-            self._chunk_counters, self.target, tau, period, self._scalars, self._beta_used, self._step_counter, self.metrics.ptr,
+            self.spectral_scale, self._spectral_partials, self._spectral_counters,
+            self.target, tau, period, self._scalars, self._beta_used, self._step_counter, self.metrics.ptr,
             self.metrics.slots, self.skips.counts, self.skips.published, self._skipped_step.ptr, self._tail_barrier,
             stream=stream, cooperative=True)
 
-    def _enqueue_optimizer(self, stream, gate) -> None:
-        """The norm, then AdamW; with projected layers, AdamW and the spectral
-        projection's first phase (x = W^T u) in one launch."""
-        opt = self.optimizer
-        if not self.n_spectral:
-            opt.step(stream=stream, gate=gate)
-            return
-        opt.clip_grad_norm(stream=stream, gate=gate)
-        k = self._adamw_columns
-        k.launch(self._adamw_columns_grid, k.block, self.params, self.grads, opt.m, opt.v, self.layout.size, opt.lr,
-                 opt.betas[0], opt.betas[1], opt.eps, opt.weight_decay, opt.clip, opt.t, opt.skip,
-                 self._spectral_mats, self.n_spectral, self._spectral_grids[0], self.u, self._v,
-                 self._spectral_partials, self._chunk_sums, self._chunk_counters, stream=stream)
-
     def _enqueue_spectral_and_finish(self, stream) -> None:
-        """The projection's second phase (the first ran with AdamW) and the finish pass."""
         cfg, skip = self.config, self.optimizer.skip
         if self.n_spectral:
             cb, rb = self._spectral_grids
+            self._spectral_columns.launch(cb, self._spectral_columns.block, self.params, self._spectral_mats,
+                                          self.n_spectral, self.u, self._v, self._spectral_partials,
+                                          self._spectral_counters, skip, stream=stream)
             self._spectral_rows.launch(rb, self._spectral_rows.block, self.params, self._spectral_mats,
                                        self.n_spectral, self.u, self._v, float(cfg.spectral_c), self.sigma,
                                        self.spectral_scale, self._spectral_partials, self._spectral_counters,
@@ -626,7 +600,7 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
     counts = graph.node_counts()
     single = [k.function for k in kernels if k.grid == (1, 1, 1)]
     copies = counts.get("memset", 0) + counts.get("memcpy", 0)
-    spectral = [k for k in kernels if "spectral" in k.function]
+    spectral = [k for k in kernels if k.function.startswith("spectral_")]
     forwards = [k for k in kernels if k.function.startswith(("linear_forward", "narrow_forward"))]
     backwards = [k.function for k in kernels if k.function.startswith(("linear_grad", "narrow_backward",
                                                                         "narrow_weight"))]
@@ -664,15 +638,10 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
         losses = [k for k in kernels if k.function == "dqn_loss"]
         rows.append(Criterion("output layer's forwards, loss and dX: one node", "1", str(len(heads)),
                               len(heads) == 1 and not losses))
-    if step.n_spectral and not step.config.fused_tail:
-        merged = [k for k in kernels if k.function == "adamw_spectral_columns"]
-        alone = [k for k in kernels if k.function == "adamw_step"]
-        rows.append(Criterion("AdamW and the spectral column sums: one node", "1", str(len(merged)),
-                              len(merged) == 1 and not alone))
     if step.config.fused_tail:
         tails = [k for k in kernels if k.function == "dqn_tail"]
         replaced = [k for k in kernels if k.function in ("grad_norm_clip", "adamw_step", "sumtree_update",
-                                                         "dqn_finish") or "spectral" in k.function]
+                                                         "dqn_finish") or k.function.startswith("spectral_")]
         rows.append(Criterion("norm, priority update, AdamW, projection, finish: one node", "1", str(len(tails)),
                               len(tails) == 1 and not replaced))
     rows.append(Criterion("programmatic (dependent-launch) edges", ">= 1" if want_programmatic else "0",
