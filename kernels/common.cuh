@@ -112,6 +112,17 @@ __device__ __forceinline__ void dt_raise(unsigned int* counts, unsigned int* pub
     reinterpret_cast<volatile unsigned int*>(published)[k] = c;
 }
 
+// ---------------------------------------------------------------- load issue order
+// dt_issued(x): x is needed here. No instruction is emitted; the compiler must
+// have x's load issued before this point, so it cannot sink a load past a
+// later branch to where x is used. A kernel that reads a flag and then, if the
+// flag allows, data at known addresses loads both, marks both issued, and only
+// then branches: one round trip to memory instead of two.
+__device__ __forceinline__ void dt_issued(int x) { asm volatile("" ::"r"(x)); }
+__device__ __forceinline__ void dt_issued(float x) { asm volatile("" ::"f"(x)); }
+__device__ __forceinline__ void dt_issued(double x) { asm volatile("" ::"d"(x)); }
+__device__ __forceinline__ void dt_issued(const float4& x) { asm volatile("" ::"f"(x.x), "f"(x.y), "f"(x.z), "f"(x.w)); }
+
 // ---------------------------------------------------------------- dependent launch
 // Programmatic dependent launch (sm_90+). A kernel launched with
 // Kernel.launch(..., dependent=True) may start while the kernel before it on the

@@ -393,8 +393,10 @@ extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_columns(
     dt_wait_prior_grid();
     dt_allow_dependents();
     (void)counters;
-    if (skip != nullptr && *skip != 0) return;
-    dt_spectral_columns_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, partials);
+    // The flag is loaded with the table and W: one round trip, not two.
+    const int skipped = skip != nullptr ? *skip : 0;
+    dt_issued(skipped);
+    dt_spectral_columns_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, partials, skipped);
 }
 
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
@@ -402,6 +404,8 @@ extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
         float c, float* sigma, float* scale, double* partials, unsigned int* counters, const int* skip) {
     dt_wait_prior_grid();
     dt_allow_dependents();
-    if (skip != nullptr && *skip != 0) return;
-    dt_spectral_rows_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, c, sigma, scale, partials, counters);
+    const int skipped = skip != nullptr ? *skip : 0;  // loaded with the table, the partials, x and W
+    dt_issued(skipped);
+    dt_spectral_rows_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, c, sigma, scale, partials, counters,
+                           skipped);
 }

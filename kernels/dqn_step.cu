@@ -30,6 +30,7 @@
 #include "sumtree.cuh"
 
 constexpr int FINISH_THREADS = 256;
+constexpr int FINISH_STAGED_MATS = 16;  // table entries a finish block stages in shared memory
 constexpr int METRIC_FIELDS = 7;  // the step follows them as an int
 
 namespace {
@@ -43,8 +44,35 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
                                             const float* clip, const float* beta, long long* step_counter,
                                             float* ring, int ring_slots, unsigned int* skip_counts,
                                             unsigned int* skip_published, long long* skipped_step) {
-    if (*skip == 2) return;  // a training loop's step that was not due: nothing happened
-    const bool skipped = *skip != 0;
+    // Everything the first float4 needs is loaded before anything waits on it:
+    // the flag, t (hard copies), this thread's first float4 of params and target,
+    // and the first FINISH_STAGED_MATS entries of the table with their scales
+    // (staged in shared memory for the block).
+    __shared__ long long mat_begin[FINISH_STAGED_MATS], mat_end[FINISH_STAGED_MATS];
+    __shared__ float mat_scale[FINISH_STAGED_MATS];
+    if ((int)threadIdx.x < min(n_mats, FINISH_STAGED_MATS)) {
+        const DtSpectralMatrix e = mats[threadIdx.x];
+        mat_begin[threadIdx.x] = e.w_offset;
+        mat_end[threadIdx.x] = e.w_offset + (long long)e.rows * e.cols;
+        mat_scale[threadIdx.x] = scale[threadIdx.x];
+    }
+    const int skip_value = *skip;
+    const bool hard = period > 0;
+    const int t_value = hard ? *adam_t : 0;
+    float4* p4 = reinterpret_cast<float4*>(params);
+    float4* t4 = reinterpret_cast<float4*>(target);
+    float4 p = {}, t = {};
+    if (first < n / 4) {
+        p = p4[first];
+        t = t4[first];
+    }
+    dt_issued(skip_value);
+    dt_issued(t_value);
+    dt_issued(p);
+    dt_issued(t);
+    __syncthreads();
+    if (skip_value == 2) return;  // a training loop's step that was not due: nothing happened
+    const bool skipped = skip_value != 0;
     if (reporter) {
         const long long step = *step_counter + 1;
         *step_counter = step;
@@ -66,18 +94,20 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
         reinterpret_cast<volatile int*>(slot)[METRIC_FIELDS] = (int)step;
     }
     if (skipped) return;
-    const bool hard = period > 0;
-    const bool copy = hard && (*adam_t % period) == 0;
+    const bool copy = hard && (t_value % period) == 0;
     if (hard && !copy && n_mats == 0) return;
-    float4* p4 = reinterpret_cast<float4*>(params);
-    float4* t4 = reinterpret_cast<float4*>(target);
     for (long long i = first; i < n / 4; i += stride) {
-        float4 p = p4[i];
+        if (i != first) {
+            p = p4[i];
+            if (!hard) t = t4[i];
+        }
         const long long e = 4 * i;
         for (int m = 0; m < n_mats; ++m) {
-            const long long begin = mats[m].w_offset;
-            if (e >= begin && e < begin + (long long)mats[m].rows * mats[m].cols) {
-                const float s = scale[m];
+            const bool staged = m < FINISH_STAGED_MATS;
+            const long long begin = staged ? mat_begin[m] : mats[m].w_offset;
+            const long long end = staged ? mat_end[m] : begin + (long long)mats[m].rows * mats[m].cols;
+            if (e >= begin && e < end) {
+                const float s = staged ? mat_scale[m] : scale[m];
                 p.x *= s;
                 p.y *= s;
                 p.z *= s;
@@ -89,7 +119,6 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
         if (copy) {
             t4[i] = p;
         } else if (!hard) {
-            float4 t = t4[i];
             t.x += tau * (p.x - t.x);
             t.y += tau * (p.y - t.y);
             t.z += tau * (p.z - t.z);
@@ -175,18 +204,18 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
     if (!decision.bad) {
         dt_tree_update(dt_thread_index(), dt_grid_stride(), nodes, leaves, max_leaf, indices, priorities, alpha,
                        n_update, capacity, height, internal, tree_err_counts, tree_err_published);
-        dt_adamw_elements(dt_thread_index(), dt_grid_stride(), params, grads, m, v, n, lr, beta1, beta2, eps,
-                          weight_decay, decision.scale, old_step + 1);
+        dt_adamw_elements(dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, decision.scale, old_step + 1),
+                          dt_thread_index(), dt_grid_stride(), params, grads, m, v, n);
         if (n_mats > 0) {
             dt_grid_barrier(barrier);
             for (int b = blockIdx.x; b < column_blocks; b += gridDim.x) {
-                dt_spectral_columns_block(b, params, mats, n_mats, u_all, v_all, spectral_partials);
+                dt_spectral_columns_block(b, params, mats, n_mats, u_all, v_all, spectral_partials, 0);
                 __syncthreads();  // the body's shared arrays are free for the next phase block
             }
             dt_grid_barrier(barrier);
             for (int b = blockIdx.x; b < row_blocks; b += gridDim.x) {
                 dt_spectral_rows_block(b, params, mats, n_mats, u_all, v_all, c, sigma, scale, spectral_partials,
-                                       spectral_counters);
+                                       spectral_counters, 0);
                 __syncthreads();
             }
         }

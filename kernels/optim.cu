@@ -49,7 +49,20 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_step(
         double beta2, float eps, float weight_decay, const float* clip, const int* step, const int* skip) {
     dt_wait_prior_grid();
     dt_allow_dependents();
-    if (skip != nullptr && *skip) return;
-    dt_adamw_elements(dt_thread_index(), dt_grid_stride(), params, grads, m, v, n, lr, beta1, beta2, eps,
-                      weight_decay, clip[1], *step);
+    // The first float4's operands, the flag, the scale and t are independent
+    // loads: all are in flight before any is used (reading params on a skipped
+    // step is harmless), and the bias corrections' pow calls run under them.
+    const long long first = dt_thread_index(), stride = dt_grid_stride();
+    DtAdamWFloat4 x;
+    if (first < n / 4) x = dt_adamw_load(first, params, grads, m, v);
+    const int skipped = skip != nullptr ? *skip : 0;
+    const float scale = clip[1];
+    const int t = *step;
+    dt_issued(skipped);
+    dt_issued(scale);
+    dt_issued(t);
+    if (skipped) return;
+    const DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, scale, t);
+    if (first < n / 4) dt_adamw_store(a, x, first, params, m, v);
+    dt_adamw_elements(a, first + stride, stride, params, grads, m, v, n);
 }

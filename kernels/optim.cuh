@@ -54,41 +54,72 @@ __device__ __forceinline__ void dt_clip_publish(const DtClip& c, int old_step, f
     }
 }
 
-// The AdamW update of float4 elements first, first + stride, ... below n / 4
-// (n a multiple of 4), with clip scale `scale` and step `t` (>= 1).
-__device__ __forceinline__ void dt_adamw_elements(long long first, long long stride, float* params,
-                                                  const float* grads, float* m, float* v, long long n, float lr,
-                                                  double beta1, double beta2, float eps, float weight_decay,
-                                                  float scale, int t) {
+// AdamW's per-step constants, from the clip scale and step t (>= 1).
+struct DtAdamW {
+    float scale, step_size, bias2_sqrt, b1, b2, c1, c2, decay, eps;
+};
+
+__device__ __forceinline__ DtAdamW dt_adamw_setup(float lr, double beta1, double beta2, float eps,
+                                                  float weight_decay, float scale, int t) {
     // The betas arrive in double, so 1 - beta and the bias corrections are
     // rounded once, from the exact values (float32(0.999) would put 1.3e-5
     // relative error into 1 - beta2).
-    const float step_size = (float)(lr / (1.0 - pow(beta1, (double)t)));
-    const float bias2_sqrt = (float)sqrt(1.0 - pow(beta2, (double)t));
-    const float b1 = (float)beta1, b2 = (float)beta2;
-    const float c1 = (float)(1.0 - beta1), c2 = (float)(1.0 - beta2);
-    const float decay = 1.0f - lr * weight_decay;
-    float4* p4 = reinterpret_cast<float4*>(params);
-    float4* m4 = reinterpret_cast<float4*>(m);
-    float4* v4 = reinterpret_cast<float4*>(v);
-    const float4* g4 = reinterpret_cast<const float4*>(grads);
-    for (long long i = first; i < n / 4; i += stride) {
-        float4 p = p4[i], mm = m4[i], vv = v4[i];
-        const float4 g = g4[i];
-        float* pp = &p.x;
-        float* mp = &mm.x;
-        float* vp = &vv.x;
-        const float* gp = &g.x;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float ge = gp[e] * scale;
-            pp[e] *= decay;
-            mp[e] = b1 * mp[e] + c1 * ge;
-            vp[e] = b2 * vp[e] + c2 * ge * ge;
-            pp[e] -= step_size * mp[e] / (sqrtf(vp[e]) / bias2_sqrt + eps);
-        }
-        p4[i] = p;
-        m4[i] = mm;
-        v4[i] = vv;
-    }
+    DtAdamW a;
+    a.scale = scale;
+    a.step_size = (float)(lr / (1.0 - pow(beta1, (double)t)));
+    a.bias2_sqrt = (float)sqrt(1.0 - pow(beta2, (double)t));
+    a.b1 = (float)beta1;
+    a.b2 = (float)beta2;
+    a.c1 = (float)(1.0 - beta1);
+    a.c2 = (float)(1.0 - beta2);
+    a.decay = __fsub_rn(1.0f, __fmul_rn(lr, weight_decay));
+    a.eps = eps;
+    return a;
+}
+
+// One element's update, every rounding spelled out (the intrinsics are never
+// contracted), so whatever the code around it, the compiler cannot fuse it
+// differently: m and v each take one fma over the rounded decay product.
+__device__ __forceinline__ void dt_adamw_one(const DtAdamW& a, float& p, float& m, float& v, float g) {
+    const float ge = __fmul_rn(g, a.scale);
+    m = __fmaf_rn(ge, a.c1, __fmul_rn(m, a.b1));
+    v = __fmaf_rn(ge, __fmul_rn(ge, a.c2), __fmul_rn(v, a.b2));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), a.bias2_sqrt), a.eps);
+    p = __fsub_rn(__fmul_rn(p, a.decay), __fdiv_rn(__fmul_rn(m, a.step_size), denom));
+}
+
+// One float4 of each operand at float4 index i.
+struct DtAdamWFloat4 {
+    float4 p, m, v, g;
+};
+
+__device__ __forceinline__ DtAdamWFloat4 dt_adamw_load(long long i, const float* params, const float* grads,
+                                                       const float* m, const float* v) {
+    DtAdamWFloat4 x;
+    x.p = reinterpret_cast<const float4*>(params)[i];
+    x.m = reinterpret_cast<const float4*>(m)[i];
+    x.v = reinterpret_cast<const float4*>(v)[i];
+    x.g = reinterpret_cast<const float4*>(grads)[i];
+    return x;
+}
+
+// Updates the loaded float4s and stores params, m and v at float4 index i.
+__device__ __forceinline__ void dt_adamw_store(const DtAdamW& a, DtAdamWFloat4 x, long long i, float* params,
+                                               float* m, float* v) {
+    dt_adamw_one(a, x.p.x, x.m.x, x.v.x, x.g.x);
+    dt_adamw_one(a, x.p.y, x.m.y, x.v.y, x.g.y);
+    dt_adamw_one(a, x.p.z, x.m.z, x.v.z, x.g.z);
+    dt_adamw_one(a, x.p.w, x.m.w, x.v.w, x.g.w);
+    reinterpret_cast<float4*>(params)[i] = x.p;
+    reinterpret_cast<float4*>(m)[i] = x.m;
+    reinterpret_cast<float4*>(v)[i] = x.v;
+}
+
+// The AdamW update of float4 elements first, first + stride, ... below n / 4
+// (n a multiple of 4).
+__device__ __forceinline__ void dt_adamw_elements(const DtAdamW& a, long long first, long long stride,
+                                                  float* params, const float* grads, float* m, float* v,
+                                                  long long n) {
+    for (long long i = first; i < n / 4; i += stride)
+        dt_adamw_store(a, dt_adamw_load(i, params, grads, m, v), i, params, m, v);
 }

@@ -40,6 +40,8 @@ constexpr int SPECTRAL_QUADS = DT_SPECTRAL_COLS_PER_BLOCK / 4;            // flo
 constexpr int SPECTRAL_ROW_LANES = SPECTRAL_THREADS / SPECTRAL_QUADS;     // lanes down the rows
 constexpr int SPECTRAL_ROWS_PER_WARP = DT_SPECTRAL_ROWS_PER_BLOCK / SPECTRAL_WARPS;
 constexpr int SPECTRAL_V_CHUNK = 1024;                                    // floats of v staged at a time
+constexpr int SPECTRAL_V_PER_THREAD = SPECTRAL_V_CHUNK / SPECTRAL_THREADS;  // of a chunk, loaded early
+constexpr int SPECTRAL_Q_PER_LANE = SPECTRAL_V_CHUNK / 4 / 32;            // float4s of a row's chunk per lane
 static_assert(DT_SPECTRAL_COLS_PER_BLOCK % 4 == 0 && 32 % SPECTRAL_QUADS == 0, "quads tile a warp");
 static_assert(DT_SPECTRAL_ROWS_PER_BLOCK % SPECTRAL_WARPS == 0, "rows split evenly over warps");
 
@@ -77,10 +79,13 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 //   so a warp reads 8 rows x 64 contiguous bytes. Writes v_all[v_offset + j] = x_j
 //   and partials[index] = sum of x_j^2 over the block's columns.
 // Blocks: index in [0, sum_m ceil(cols_m / 16)) (matrix m from first_block_cols),
-//   SPECTRAL_THREADS (256) threads, every one of which calls it.
+//   SPECTRAL_THREADS (256) threads, every one of which calls it. `skipped`
+//   (the kernel's skip flag, loaded with the table; 0 in the cooperative tail)
+//   non-zero: it reads but writes nothing.
 __device__ __forceinline__ void dt_spectral_columns_block(int index, const float* params,
                                                           const DtSpectralMatrix* mats, int n_mats,
-                                                          const float* u_all, float* v_all, double* partials) {
+                                                          const float* u_all, float* v_all, double* partials,
+                                                          int skipped) {
     DtSpectralMatrix mat;
     int block = 0;
     if (spectral_find(mats, n_mats, true, index, mat, block) < 0) return;
@@ -114,6 +119,7 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
             }
         }
     }
+    if (skipped) return;  // block-uniform; checked once the loads are in
     // Sum over the row lanes: the 8 of a warp by a fixed butterfly, then the
     // warps in order.
 #pragma unroll
@@ -151,7 +157,7 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
 __device__ __forceinline__ void dt_spectral_rows_block(int index, const float* params, const DtSpectralMatrix* mats,
                                                        int n_mats, float* u_all, const float* v_all, float c,
                                                        float* sigma, float* scale, double* partials,
-                                                       unsigned int* counters) {
+                                                       unsigned int* counters, int skipped) {
     DtSpectralMatrix mat;
     int block = 0;
     const int m = spectral_find(mats, n_mats, false, index, mat, block);
@@ -168,27 +174,90 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const float* p
     const float* W = params + mat.w_offset;
     float* u = u_all + mat.u_offset;
     double* row_partials = partials + column_grid;
-
-    // ||x|| from phase 1's partials of this matrix, in block order.
-    double s = 0.0;
-    const int column_blocks = dt_spectral_column_blocks(cols);
-    for (int b = threadIdx.x; b < column_blocks; b += SPECTRAL_THREADS) s += partials[mat.first_block_cols + b];
-    const double x_norm = spectral_norm_floor(sqrt(dt_block_sum<SPECTRAL_THREADS>(s)));
-
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int row0 = block * DT_SPECTRAL_ROWS_PER_BLOCK + warp;
     const bool vec = cols % 4 == 0 && aligned16(W);
+
+    // Everything the first chunk needs, loaded before anything waits on it: this
+    // thread's first partial of phase 1 (for ||x||), its values of x in the first
+    // chunk, and on the float4 path its lane's float4s of the warp's rows there.
+    const int column_blocks = dt_spectral_column_blocks(cols);
+    const int len0 = min(SPECTRAL_V_CHUNK, cols);
+    const double partial0 = (int)threadIdx.x < column_blocks ? partials[mat.first_block_cols + threadIdx.x] : 0.0;
+    float x0[SPECTRAL_V_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < SPECTRAL_V_PER_THREAD; ++k) {
+        const int e = threadIdx.x + k * SPECTRAL_THREADS;
+        x0[k] = e < len0 ? v_all[mat.v_offset + e] : 0.0f;
+    }
+    float4 w0[SPECTRAL_ROWS_PER_WARP][SPECTRAL_Q_PER_LANE] = {};
+    if (vec) {
+#pragma unroll
+        for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) {
+            const int i = row0 + r * SPECTRAL_WARPS;
+#pragma unroll
+            for (int k = 0; k < SPECTRAL_Q_PER_LANE; ++k) {
+                const int q = lane + 32 * k;
+                if (i < rows && q < len0 / 4) w0[r][k] = reinterpret_cast<const float4*>(W + (long long)i * cols)[q];
+            }
+        }
+    }
+    // The loads above are issued before the flag (block-uniform) is tested.
+    dt_issued(partial0);
+#pragma unroll
+    for (int k = 0; k < SPECTRAL_V_PER_THREAD; ++k) dt_issued(x0[k]);
+#pragma unroll
+    for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r)
+#pragma unroll
+        for (int k = 0; k < SPECTRAL_Q_PER_LANE; ++k) dt_issued(w0[r][k]);
+    if (skipped) return;
+
+    // ||x|| from phase 1's partials of this matrix, in block order.
+    double s = 0.0;
+    if ((int)threadIdx.x < column_blocks) s += partial0;
+    for (int b = threadIdx.x + SPECTRAL_THREADS; b < column_blocks; b += SPECTRAL_THREADS)
+        s += partials[mat.first_block_cols + b];
+    const double x_norm = spectral_norm_floor(sqrt(dt_block_sum<SPECTRAL_THREADS>(s)));
+
     double acc[SPECTRAL_ROWS_PER_WARP];
 #pragma unroll
     for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) acc[r] = 0.0;
     for (int c0 = 0; c0 < cols; c0 += SPECTRAL_V_CHUNK) {
         const int len = min(SPECTRAL_V_CHUNK, cols - c0);
         __syncthreads();
-        for (int e = threadIdx.x; e < len; e += SPECTRAL_THREADS)
-            v_stage[e] = (float)((double)v_all[mat.v_offset + c0 + e] / x_norm);
+        if (c0 == 0) {
+#pragma unroll
+            for (int k = 0; k < SPECTRAL_V_PER_THREAD; ++k) {
+                const int e = threadIdx.x + k * SPECTRAL_THREADS;
+                if (e < len) v_stage[e] = (float)((double)x0[k] / x_norm);
+            }
+        } else {
+            for (int e = threadIdx.x; e < len; e += SPECTRAL_THREADS)
+                v_stage[e] = (float)((double)v_all[mat.v_offset + c0 + e] / x_norm);
+        }
         __syncthreads();
         if (vec) {
             const float4* v4 = reinterpret_cast<const float4*>(v_stage);
+            if (c0 == 0) {
+#pragma unroll
+                for (int k = 0; k < SPECTRAL_Q_PER_LANE; ++k) {
+                    const int q = lane + 32 * k;
+                    if (q < len / 4) {
+                        const float4 v = v4[q];
+#pragma unroll
+                        for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) {
+                            if (row0 + r * SPECTRAL_WARPS < rows) {
+                                const float4 w = w0[r][k];
+                                acc[r] += (double)w.x * v.x;
+                                acc[r] += (double)w.y * v.y;
+                                acc[r] += (double)w.z * v.z;
+                                acc[r] += (double)w.w * v.w;
+                            }
+                        }
+                    }
+                }
+                continue;
+            }
 #pragma unroll 4
             for (int q = lane; q < len / 4; q += 32) {
                 const float4 v = v4[q];
@@ -234,12 +303,24 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const float* p
 
     const int row_blocks = dt_spectral_row_blocks(rows);
     if (!dt_last_block(&counters[m], (unsigned int)row_blocks)) return;
+    float y0[SPECTRAL_V_PER_THREAD];  // this thread's first values of y, loaded with the partials
+#pragma unroll
+    for (int k = 0; k < SPECTRAL_V_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * SPECTRAL_THREADS;
+        y0[k] = i < rows ? __ldcg(&u[i]) : 0.0f;
+    }
     s = 0.0;
     for (int b = threadIdx.x; b < row_blocks; b += SPECTRAL_THREADS)
         s += __ldcg(&row_partials[mat.first_block_rows + b]);
     const double y_squared = dt_block_sum<SPECTRAL_THREADS>(s);
     const double y_norm = spectral_norm_floor(sqrt(y_squared));
-    for (int i = threadIdx.x; i < rows; i += SPECTRAL_THREADS) u[i] = (float)((double)__ldcg(&u[i]) / y_norm);
+#pragma unroll
+    for (int k = 0; k < SPECTRAL_V_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * SPECTRAL_THREADS;
+        if (i < rows) u[i] = (float)((double)y0[k] / y_norm);
+    }
+    for (int i = threadIdx.x + SPECTRAL_V_PER_THREAD * SPECTRAL_THREADS; i < rows; i += SPECTRAL_THREADS)
+        u[i] = (float)((double)__ldcg(&u[i]) / y_norm);
     if (threadIdx.x == 0) {
         const double sig = y_squared / y_norm;
         sigma[m] = (float)sig;

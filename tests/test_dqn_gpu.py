@@ -135,9 +135,12 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     dict(ODD, tf32=False, n_actions=1, batch=102, fused_head=True),
     dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=4096, tf32=False, fused_head=True),
     dict(ODD, tf32=False, batch=102, fused_head=True),
+    # Projected layers wider than the spectral kernels' 1024-column chunk: float4 and scalar rows.
+    dict(obs_dim=3, hidden=(1100, 40), n_actions=3, batch=64, capacity=1024, tf32=False),
+    dict(obs_dim=3, hidden=(1030, 24), n_actions=3, batch=64, capacity=1024, tf32=False),
 ], ids=["odd-shapes", "one-action", "hard-copy-spectral-c", "no-spectral-clipped", "small", "large",
         "odd-shapes-fused", "small-fused", "one-action-fused-head", "large-fused-head",
-        "odd-shapes-fused-head"])
+        "odd-shapes-fused-head", "wide-rows-float4", "wide-rows-scalar"])
 def test_one_fp32_step_matches_float64(device, rng, overrides):
     one_step(DQNConfig(seed=int(rng.integers(1 << 30)), **overrides), rng)
 
