@@ -113,11 +113,13 @@ __device__ __forceinline__ void dt_raise(unsigned int* counts, unsigned int* pub
 }
 
 // ---------------------------------------------------------------- load issue order
-// dt_issued(x): x is needed here. No instruction is emitted; the compiler must
-// have x's load issued before this point, so it cannot sink a load past a
-// later branch to where x is used. A kernel that reads a flag and then, if the
-// flag allows, data at known addresses loads both, marks both issued, and only
-// then branches: one round trip to memory instead of two.
+// dt_issued(x): x is needed here. No instruction is emitted; the front end must
+// place x's load before this point, so it cannot sink the load past a later
+// branch to where x is used (ptxas, which never sees the empty asm, keeps that
+// order in the tail kernels that use it: their SASS issues the loads before the
+// branch). A kernel that reads a flag and then, if the flag allows, data at
+// known addresses loads both, marks both issued, and only then branches: one
+// round trip to memory instead of two.
 __device__ __forceinline__ void dt_issued(int x) { asm volatile("" ::"r"(x)); }
 __device__ __forceinline__ void dt_issued(float x) { asm volatile("" ::"f"(x)); }
 __device__ __forceinline__ void dt_issued(double x) { asm volatile("" ::"d"(x)); }

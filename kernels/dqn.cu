@@ -386,7 +386,8 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
 //   `counters` is unused and may be null.
 // spectral_rows: grid = sum_m ceil(rows_m / 16), block SPECTRAL_THREADS, after
 //   spectral_columns on the same stream.
-// skip: when non-null and *skip != 0 both return at once, writing nothing.
+// skip: when non-null and *skip != 0 both write nothing (they read their first
+//   operands with the flag, so that the flag costs no round trip of its own).
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_columns(
         const float* params, const DtSpectralMatrix* mats, int n_mats, const float* u_all, float* v_all,
         double* partials, unsigned int* counters, const int* skip) {

@@ -29,7 +29,8 @@
 //   v_all: sum(cols) floats (v_offset); no y scratch: y is staged in u_all.
 //   counters: n_mats uints, zero on entry and left zero; used by
 //     spectral_rows only (spectral_columns ignores its argument, which may be null).
-// skip: when non-null and *skip != 0 both kernels return at once, writing nothing.
+// skip: when non-null and *skip != 0 both kernels write nothing (they load their
+//   first operands with the flag, then return).
 // Sizes: rows, cols >= 1, any size (the 1024-column bound of the v stage is
 //   handled by chunks). float4 loads when cols % 4 == 0 and W is 16-byte aligned.
 // Determinism: fixed per-thread loop orders, fixed shuffle/shared trees and
@@ -153,7 +154,10 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
 //   overwrites u with u_new and writes sigma[m] and scale[m].
 // Blocks: index in [0, sum_m ceil(rows_m / 16)) (matrix m from first_block_rows),
 //   SPECTRAL_THREADS (256) threads, every one of which calls it; after every
-//   block of phase 1 has finished.
+//   block of phase 1 has finished. The first chunk's operands (phase 1's
+//   partials, x, and on the float4 path the block's rows of W) are loaded
+//   before anything waits on them; `skipped` (the kernel's skip flag, loaded with
+//   them; 0 in the cooperative tail) non-zero: it returns before writing.
 __device__ __forceinline__ void dt_spectral_rows_block(int index, const float* params, const DtSpectralMatrix* mats,
                                                        int n_mats, float* u_all, const float* v_all, float c,
                                                        float* sigma, float* scale, double* partials,
