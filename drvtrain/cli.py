@@ -100,15 +100,12 @@ def doctor(args) -> int:
 
 # ---------------------------------------------------------------------- train
 def _known_envs() -> tuple[str, ...]:
+    """The registered device environments; KNOWN_ENVS where the registry cannot be imported."""
     try:
-        from .rl import env as env_module
+        from .rl.env import known_envs
     except ImportError:
         return KNOWN_ENVS
-    if callable(getattr(env_module, "known_envs", None)):
-        names = env_module.known_envs()
-    else:
-        names = getattr(env_module, "ENVIRONMENTS", None)
-    return tuple(sorted(names)) if names else KNOWN_ENVS
+    return tuple(sorted(known_envs()))
 
 
 def _read_overrides(path: str) -> dict:
@@ -139,17 +136,14 @@ def _plain(value):
 
 
 def _make_config(TrainConfig, overrides: dict):
-    """The environment's defaults (``TrainConfig.for_env`` where the trainer has them) with ``overrides``."""
-    if dataclasses.is_dataclass(TrainConfig):
-        known = {f.name for f in dataclasses.fields(TrainConfig)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ValueError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
-                             f"(known: {', '.join(sorted(known))})")
-    if callable(getattr(TrainConfig, "for_env", None)):
-        rest = dict(overrides)
-        return TrainConfig.for_env(rest.pop("env"), **rest)
-    return TrainConfig(**overrides)
+    """The environment's defaults (``TrainConfig.for_env``) with ``overrides``."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+                         f"(known: {', '.join(sorted(known))})")
+    rest = dict(overrides)
+    return TrainConfig.for_env(rest.pop("env"), **rest)
 
 
 def _differences(saved, wanted, prefix="") -> list[str]:
@@ -453,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_HelpFormatter, epilog=_TRAIN_EPILOG,
                        description="Train a dueling Double-DQN agent entirely on the GPU, printing "
                                    "progress and writing a run folder.")
-    p.add_argument("env", metavar="ENV", help=f"environment name (known: {', '.join(KNOWN_ENVS)})")
+    p.add_argument("env", metavar="ENV", help=f"environment name (known: {', '.join(_known_envs())})")
     p.add_argument("--envs", type=int, metavar="N",
                    help="environments stepped in parallel (default: the config's n_envs, 10)")
     p.add_argument("--steps", type=int, metavar="N",
