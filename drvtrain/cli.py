@@ -18,8 +18,10 @@ EXIT_BAD_INPUT = 2
 EXIT_NO_DEVICE = 2
 EXIT_INTERRUPTED = 130
 
-# The environments the trainer knows, when drvtrain.rl.env (the registry
-# make_env reads) cannot be imported.
+# The environments the trainer knows: the help text's list (building the parser
+# imports nothing of drvtrain.rl, so --help and doctor survive a broken install),
+# and the answer when drvtrain.rl.env, the registry make_env reads, cannot be
+# imported. A CPU test keeps it equal to the registry.
 KNOWN_ENVS = ("cartpole",)
 
 
@@ -447,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_HelpFormatter, epilog=_TRAIN_EPILOG,
                        description="Train a dueling Double-DQN agent entirely on the GPU, printing "
                                    "progress and writing a run folder.")
-    p.add_argument("env", metavar="ENV", help=f"environment name (known: {', '.join(_known_envs())})")
+    p.add_argument("env", metavar="ENV", help=f"environment name (known: {', '.join(KNOWN_ENVS)})")
     p.add_argument("--envs", type=int, metavar="N",
                    help="environments stepped in parallel (default: the config's n_envs, 10)")
     p.add_argument("--steps", type=int, metavar="N",

@@ -212,11 +212,11 @@ _deferred: list = []
 
 def release_on_collect(owner, func, *args) -> weakref.finalize:
     """The finalizer of an object that owns a driver resource: ``func(*args)`` once,
-    when ``owner`` is collected or its ``close()`` calls the finalizer, and never
-    at interpreter exit. At exit the process is about to drop its context, which
-    frees everything anyway, and a driver call made then would run while other
-    libraries (a profiler, another runtime on the same context) tear down their
-    own state."""
+    when ``owner`` is collected or its ``close()`` calls the finalizer, but not by
+    weakref's exit hook, and (as for every finalizer) not at all once that hook
+    has run. Whatever is alive then is freed by the process dropping its context;
+    a driver call made during the teardown would run while other libraries (a
+    profiler, another runtime on the same context) tear down their own state."""
     finalizer = weakref.finalize(owner, func, *args)
     finalizer.atexit = False
     return finalizer

@@ -1,7 +1,6 @@
 """Streams, events and the fork/join helpers that tie streams together."""
 from __future__ import annotations
 
-
 from cuda.bindings import driver as cu
 
 from .driver import check, get_device, guard_sync, raise_status, release, release_on_collect

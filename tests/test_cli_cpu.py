@@ -400,6 +400,8 @@ def test_train_without_the_trainer_module_exits_1(tmp_path, monkeypatch, capsys)
 
 
 def test_known_envs_come_from_the_env_registry(monkeypatch):
+    from drvtrain.rl.env import known_envs
+    assert cli.KNOWN_ENVS == known_envs()  # the help text's list is the registry's
     monkeypatch.setitem(sys.modules, "drvtrain.rl.env", None)  # the module cannot be imported
     monkeypatch.delattr(sys.modules["drvtrain.rl"], "env", raising=False)
     assert cli._known_envs() == cli.KNOWN_ENVS
