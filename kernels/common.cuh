@@ -125,6 +125,13 @@ __device__ __forceinline__ void dt_issued(float x) { asm volatile("" ::"f"(x)); 
 __device__ __forceinline__ void dt_issued(double x) { asm volatile("" ::"d"(x)); }
 __device__ __forceinline__ void dt_issued(const float4& x) { asm volatile("" ::"f"(x.x), "f"(x.y), "f"(x.z), "f"(x.w)); }
 
+// A kernel's skip flag, 0 when `flag` is null, its load issued here.
+__device__ __forceinline__ int dt_issued_flag(const int* flag) {
+    const int value = flag != nullptr ? *flag : 0;
+    dt_issued(value);
+    return value;
+}
+
 // ---------------------------------------------------------------- dependent launch
 // Programmatic dependent launch (sm_90+). A kernel launched with
 // Kernel.launch(..., dependent=True) may start while the kernel before it on the

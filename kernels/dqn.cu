@@ -395,9 +395,7 @@ extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_columns(
     dt_allow_dependents();
     (void)counters;
     // The flag is loaded with the table and W: one round trip, not two.
-    const int skipped = skip != nullptr ? *skip : 0;
-    dt_issued(skipped);
-    dt_spectral_columns_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, partials, skipped);
+    dt_spectral_columns_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, partials, dt_issued_flag(skip));
 }
 
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
@@ -405,8 +403,7 @@ extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
         float c, float* sigma, float* scale, double* partials, unsigned int* counters, const int* skip) {
     dt_wait_prior_grid();
     dt_allow_dependents();
-    const int skipped = skip != nullptr ? *skip : 0;  // loaded with the table, the partials, x and W
-    dt_issued(skipped);
+    // The flag is loaded with the table, the partials, x and W: one round trip, not two.
     dt_spectral_rows_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, c, sigma, scale, partials, counters,
-                           skipped);
+                           dt_issued_flag(skip));
 }

@@ -69,6 +69,15 @@ __device__ __forceinline__ int spectral_find(const DtSpectralMatrix* mats, int n
     return found;
 }
 
+// acc += w . v in double, one element at a time in x, y, z, w order (the rows
+// phase's sum order, whichever way w arrived).
+__device__ __forceinline__ void spectral_dot4(double& acc, const float4& w, const float4& v) {
+    acc += (double)w.x * v.x;
+    acc += (double)w.y * v.y;
+    acc += (double)w.z * v.z;
+    acc += (double)w.w * v.w;
+}
+
 __device__ __forceinline__ bool aligned16(const void* p) {
     return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
@@ -250,13 +259,7 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const float* p
                         const float4 v = v4[q];
 #pragma unroll
                         for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) {
-                            if (row0 + r * SPECTRAL_WARPS < rows) {
-                                const float4 w = w0[r][k];
-                                acc[r] += (double)w.x * v.x;
-                                acc[r] += (double)w.y * v.y;
-                                acc[r] += (double)w.z * v.z;
-                                acc[r] += (double)w.w * v.w;
-                            }
+                            if (row0 + r * SPECTRAL_WARPS < rows) spectral_dot4(acc[r], w0[r][k], v);
                         }
                     }
                 }
@@ -268,13 +271,8 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const float* p
 #pragma unroll
                 for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) {
                     const int i = row0 + r * SPECTRAL_WARPS;
-                    if (i < rows) {
-                        const float4 w = reinterpret_cast<const float4*>(W + (long long)i * cols + c0)[q];
-                        acc[r] += (double)w.x * v.x;
-                        acc[r] += (double)w.y * v.y;
-                        acc[r] += (double)w.z * v.z;
-                        acc[r] += (double)w.w * v.w;
-                    }
+                    if (i < rows)
+                        spectral_dot4(acc[r], reinterpret_cast<const float4*>(W + (long long)i * cols + c0)[q], v);
                 }
             }
         } else {

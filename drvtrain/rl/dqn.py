@@ -433,7 +433,7 @@ class DQNStep:
             mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
                          weight_stream=self.streams[0] if self.streams else None, dx_last=dh)
         # The priority update needs the loss's priorities and the norm's NaN guard; on
-        # a second stream, forked after AdamW (queued with the norm), it runs beside
+        # a second stream, forked once the norm and AdamW are queued, it runs beside
         # the spectral launches and the finish pass, off the chain.
         if self._tail is not None:
             self._enqueue_tail(batch, priorities, stream, gate)
