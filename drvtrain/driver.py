@@ -210,10 +210,22 @@ class DeviceLimits:
 _deferred: list = []
 
 
-def release(fn, handle) -> None:
-    """Free a driver resource: the finalizer of every drvtrain object.
+def release_on_collect(owner, func, *args) -> weakref.finalize:
+    """The finalizer of an object that owns a driver resource: ``func(*args)`` once,
+    when ``owner`` is collected or its ``close()`` calls the finalizer, but not by
+    weakref's exit hook, and (as for every finalizer) not at all once that hook
+    has run. Whatever is alive then is freed by the process dropping its context;
+    a driver call made during the teardown would run while other libraries (a
+    profiler, another runtime on the same context) tear down their own state."""
+    finalizer = weakref.finalize(owner, func, *args)
+    finalizer.atexit = False
+    return finalizer
 
-    Errors are swallowed: at interpreter shutdown the library may be gone.
+
+def release(fn, handle) -> None:
+    """Free a driver resource: the function every drvtrain finalizer calls.
+
+    Errors are swallowed: the resource may already be gone with its context.
     """
     if getattr(_tls, "captures", None):
         _deferred.append((fn, handle))
@@ -245,7 +257,7 @@ class Device:
         self.ordinal = ordinal
         self.handle = check(cu.cuDeviceGet, ordinal)
         self.context = check(cu.cuDevicePrimaryCtxRetain, self.handle)
-        self._finalizer = weakref.finalize(self, release, cu.cuDevicePrimaryCtxRelease, self.handle)
+        self._finalizer = release_on_collect(self, release, cu.cuDevicePrimaryCtxRelease, self.handle)
         self.make_current()
         self.name = check(cu.cuDeviceGetName, 256, self.handle).split(b"\0", 1)[0].decode()
         a = cu.CUdevice_attribute

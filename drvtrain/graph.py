@@ -4,14 +4,13 @@ from __future__ import annotations
 import contextlib
 import re
 import tempfile
-import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from cuda.bindings import driver as cu
 
 from .driver import (CaptureError, DriverError, active_captures, check, raise_status, release,
-                     release_deferred)
+                     release_deferred, release_on_collect)
 
 __all__ = ["capture", "capture_frontier", "Graph", "GraphExec", "GraphUpdateError", "Node", "KernelNode"]
 
@@ -64,7 +63,7 @@ class Graph:
 
     def _adopt(self, handle) -> None:
         self.handle = handle
-        self._finalizer = weakref.finalize(self, release, cu.cuGraphDestroy, handle)
+        self._finalizer = release_on_collect(self, release, cu.cuGraphDestroy, handle)
 
     def _require(self) -> None:
         if self.handle is None:
@@ -255,7 +254,7 @@ class GraphExec:
         # replays use stay alive as long as this executable graph, whatever
         # happens to the Graph it came from (Graph.close empties that one's).
         self.keepalive = list(graph.keepalive)
-        self._finalizer = weakref.finalize(self, release, cu.cuGraphExecDestroy, self.handle)
+        self._finalizer = release_on_collect(self, release, cu.cuGraphExecDestroy, self.handle)
 
     def launch(self, stream) -> None:
         status, = cu.cuGraphLaunch(self.handle, stream.handle)

@@ -24,7 +24,7 @@ from cuda.bindings import driver as cu
 
 from . import driver as _driver
 from .compiler import DEFAULT_OPTIONS, CompiledProgram, compile_file, compile_source
-from .driver import DeviceLimits, _tls, check, get_device, release
+from .driver import DeviceLimits, _tls, check, get_device, release, release_on_collect
 
 _cuLaunchKernel = cu.cuLaunchKernel  # bound once: it is called on every launch
 _cuLaunchKernelEx = cu.cuLaunchKernelEx
@@ -605,7 +605,7 @@ class Module:
             raise ValueError(f"{program.name} was compiled for {program.arch}, the device is {self.device.arch}")
         self.program = program
         self.handle = check(cu.cuModuleLoadData, program.cubin)
-        self._finalizer = weakref.finalize(self, release, cu.cuModuleUnload, self.handle)
+        self._finalizer = release_on_collect(self, release, cu.cuModuleUnload, self.handle)
         # Weak: a kernel keeps its module loaded, not the other way round, so
         # dropping the last reference frees a module without waiting for the GC.
         self._kernels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import math
-import weakref
 
 import numpy as np
 from cuda.bindings import driver as cu
 
-from .driver import CaptureError, active_captures, check, get_device, guard_sync, release
+from .driver import CaptureError, active_captures, check, get_device, guard_sync, release, release_on_collect
 
 __all__ = ["DeviceBuffer", "Arena", "ArenaExhausted", "MappedBuffer", "PinnedBuffer", "ALIGNMENT",
            "pinned_total"]
@@ -47,7 +46,7 @@ class DeviceBuffer:
                                "allocate before the capture or take the memory from an Arena")
         ptr = int(check(cu.cuMemAlloc, nbytes))
         self._init(ptr, shape, dtype, nbytes, None)
-        self._finalizer = weakref.finalize(self, release, cu.cuMemFree, ptr)
+        self._finalizer = release_on_collect(self, release, cu.cuMemFree, ptr)
 
     def _init(self, ptr, shape, dtype, nbytes, owner):
         self.ptr = ptr
@@ -370,7 +369,7 @@ class _HostAllocation:
         self.nbytes = nbytes
         _pinned["count"] += 1
         _pinned["bytes"] += nbytes
-        self._finalizer = weakref.finalize(self, _free_host, self.ptr, nbytes)
+        self._finalizer = release_on_collect(self, _free_host, self.ptr, nbytes)
 
 
 class _HostArrayView:

@@ -1,11 +1,9 @@
 """Streams, events and the fork/join helpers that tie streams together."""
 from __future__ import annotations
 
-import weakref
-
 from cuda.bindings import driver as cu
 
-from .driver import check, get_device, guard_sync, raise_status, release
+from .driver import check, get_device, guard_sync, raise_status, release, release_on_collect
 
 __all__ = ["Stream", "Event", "fork", "join"]
 
@@ -18,7 +16,7 @@ class Event:
         self.timing = timing
         flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.handle = check(cu.cuEventCreate, flags)
-        self._finalizer = weakref.finalize(self, release, cu.cuEventDestroy, self.handle)
+        self._finalizer = release_on_collect(self, release, cu.cuEventDestroy, self.handle)
 
     def record(self, stream: "Stream") -> "Event":
         check(cu.cuEventRecord, self.handle, stream.handle)
@@ -59,7 +57,7 @@ class Stream:
         self.priority = priority
         self.handle = check(cu.cuStreamCreateWithPriority,
                             cu.CUstream_flags.CU_STREAM_NON_BLOCKING, priority)
-        self._finalizer = weakref.finalize(self, release, cu.cuStreamDestroy, self.handle)
+        self._finalizer = release_on_collect(self, release, cu.cuStreamDestroy, self.handle)
         self._marker = None  # an event reused by fork/join
 
     @property

@@ -72,7 +72,7 @@ __device__ __forceinline__ DtAdamW dt_adamw_setup(float lr, double beta1, double
     a.b2 = (float)beta2;
     a.c1 = (float)(1.0 - beta1);
     a.c2 = (float)(1.0 - beta2);
-    a.decay = __fsub_rn(1.0f, __fmul_rn(lr, weight_decay));
+    a.decay = __fmaf_rn(-lr, weight_decay, 1.0f);  // one rounding, as 1 - lr * wd always compiled to
     a.eps = eps;
     return a;
 }

@@ -1,5 +1,22 @@
 """Float64 numpy references for the MLP engine (docs/step-spec.md, steps 5-7)."""
+from fractions import Fraction
+
 import numpy as np
+
+
+def f32_round(x: Fraction) -> np.float32:
+    """The float32 nearest the exact rational ``x`` (ties to even), rounded once.
+
+    float(x) is the correctly rounded float64, but rounding that again to
+    float32 can land on the wrong side of a tie; so the candidates around it
+    are compared exactly."""
+    c = np.float32(float(x))
+    best = None
+    for cand in (np.nextafter(c, np.float32(-np.inf)), c, np.nextafter(c, np.float32(np.inf))):
+        err = abs(Fraction(float(cand)) - x)
+        if best is None or err < best[0] or (err == best[0] and int(cand.view(np.uint32)) % 2 == 0):
+            best = (err, cand)
+    return best[1]
 
 
 def mlp_forward(named: dict, x: np.ndarray, layers: int) -> list[np.ndarray]:

@@ -81,6 +81,45 @@ def test_guard_sync_refuses_exactly_while_this_thread_captures():
         captures[:] = saved
 
 
+def test_resources_are_released_on_collect_or_close_but_never_at_exit():
+    """release_on_collect: the finalizer runs once, when the owner is dropped or closed,
+    and is not run at interpreter exit (a subprocess checks the exit). Every owner
+    of a driver resource in drvtrain is released through it."""
+    import gc
+
+    from drvtrain.driver import release_on_collect
+
+    class Owner:
+        pass
+
+    calls = []
+    owner = Owner()
+    finalizer = release_on_collect(owner, calls.append, "dropped")
+    assert finalizer.atexit is False
+    del owner
+    gc.collect()
+    assert calls == ["dropped"]
+    owner = Owner()
+    finalizer = release_on_collect(owner, calls.append, "closed")
+    finalizer()
+    finalizer()
+    del owner
+    gc.collect()
+    assert calls == ["dropped", "closed"]
+    out = run_python("from drvtrain.driver import release_on_collect\n"
+                     "class Owner: pass\n"
+                     "keep = Owner()\n"
+                     "release_on_collect(keep, print, 'released at exit')\n"
+                     "print('done')\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["done"]
+    pkg = os.path.join(ROOT, "drvtrain")
+    for name in sorted(os.listdir(pkg)):
+        if name.endswith(".py") and name != "driver.py":
+            with open(os.path.join(pkg, name)) as f:
+                assert "weakref.finalize(" not in f.read(), name
+
+
 def test_import_needs_no_gpu():
     out = run_python("import drvtrain, drvtrain.cli, drvtrain.demo; print('imported', drvtrain.__version__)")
     assert out.returncode == 0, out.stderr

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from drvtrain.nn.layout import ParamLayout
-from nn_reference import adamw, clip_scale, mlp_backward, mlp_forward, mse, rel
+from nn_reference import adamw, clip_scale, f32_round, mlp_backward, mlp_forward, mse, rel
 
 SMALL = [(256, 4), (256, 256), (3, 256)]
 
@@ -88,6 +88,24 @@ def test_clip_and_adamw_references(rng):
     bump = rng.uniform(-1, 1, theta.size)
     assert np.isclose(rel(theta + 1e-3 * bump, theta), 1e-3 * np.linalg.norm(bump) / np.linalg.norm(theta))
     assert rel(np.array([np.nan, 1.0]), np.array([1.0, 1.0])) == float("inf")
+
+
+def test_f32_round_rounds_once_and_to_even(rng):
+    """The exact float32 rounding the AdamW bit test relies on: numpy's float32
+    product is correctly rounded, so the two must agree on every product; and a
+    tie between two float32 goes to the even one, where rounding through float64
+    first can go wrong."""
+    from fractions import Fraction
+    a = rng.standard_normal(2000).astype(np.float32)
+    b = rng.standard_normal(2000).astype(np.float32)
+    got = np.array([f32_round(Fraction(float(x)) * Fraction(float(y))) for x, y in zip(a, b)], np.float32)
+    assert got.tobytes() == (a * b).tobytes()
+    one_ulp = Fraction(1, 2 ** 23)
+    assert f32_round(1 + one_ulp / 2) == np.float32(1)  # tie: to the even 1.0
+    assert f32_round(1 + 3 * one_ulp / 2) == np.float32(1 + 2 * 2.0 ** -23)  # tie: to the even neighbour
+    # Just above a tie, where float64 rounds to the tie and then float32 would go to even.
+    above = 1 + one_ulp / 2 + Fraction(1, 2 ** 60)
+    assert np.float32(float(above)) == np.float32(1) and f32_round(above) == np.nextafter(np.float32(1), 2)
 
 
 def test_from_widths_matches_the_out_in_list(rng):

@@ -1,12 +1,13 @@
 """The engine on the GPU against float64 references: forward, backward, clip, AdamW, metrics, parity."""
 import itertools
+from fractions import Fraction
 
 import numpy as np
 import pytest
 
 from drvtrain import Arena, DeviceBuffer, Stream
 from drvtrain.nn import MLP, AdamW, FlatBuffer, ParamLayout, RegressionStep
-from nn_reference import adamw, clip_scale, mlp_backward, mlp_forward, mse, rel
+from nn_reference import adamw, clip_scale, f32_round, mlp_backward, mlp_forward, mse, rel
 
 pytestmark = pytest.mark.gpu
 
@@ -157,6 +158,32 @@ def test_hundred_adamw_steps_match_float64_recurrence(device, stream, rng):
     assert rel(opt.m.buffer.to_numpy(), m) < 1e-5 and rel(opt.v.buffer.to_numpy(), v) < 1e-5
     assert np.all(got[~mask] == 0)
     assert opt.read_state()[2] == 100
+
+
+def test_adamw_weight_decay_factor_is_rounded_once(device, stream, rng):
+    """theta * (1 - lr wd) takes the factor rounded once from the exact 1 - lr wd
+    (one fma), as the kernel always has. With zero gradients and moments one
+    AdamW step is exactly theta times that factor, so the bits show the rounding.
+    (lr, wd) are drawn until rounding once and rounding lr wd first differ."""
+    for _ in range(100_000):
+        lr, wd = np.float32(10 ** rng.uniform(-4, -1)), np.float32(10 ** rng.uniform(-3, 0))
+        once = f32_round(1 - Fraction(float(lr)) * Fraction(float(wd)))
+        twice = f32_round(1 - Fraction(float(f32_round(Fraction(float(lr)) * Fraction(float(wd))))))
+        if once != twice:
+            break
+    assert once != twice
+    layout = make_layout([17, 100, 3])
+    theta = layout.init_numpy(int(rng.integers(1 << 30))).astype(np.float32)
+    params, grads = FlatBuffer(layout, theta), FlatBuffer(layout)
+    opt = AdamW(params, grads, lr=float(lr), weight_decay=float(wd))
+    opt.step(stream=stream)
+    stream.synchronize()
+    want = theta * once
+    assert params.buffer.to_numpy().tobytes() == want.tobytes()
+    assert np.any(theta * twice != want)  # the other rounding would fail the test
+    for b in (params, grads):
+        b.close()
+    opt.close()
 
 
 def teacher_batch(rng, layout, batch):
