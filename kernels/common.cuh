@@ -123,6 +123,7 @@ __device__ __forceinline__ void dt_raise(unsigned int* counts, unsigned int* pub
 __device__ __forceinline__ void dt_issued(int x) { asm volatile("" ::"r"(x)); }
 __device__ __forceinline__ void dt_issued(float x) { asm volatile("" ::"f"(x)); }
 __device__ __forceinline__ void dt_issued(double x) { asm volatile("" ::"d"(x)); }
+__device__ __forceinline__ void dt_issued(long long x) { asm volatile("" ::"l"(x)); }
 __device__ __forceinline__ void dt_issued(const float4& x) { asm volatile("" ::"f"(x.x), "f"(x.y), "f"(x.z), "f"(x.w)); }
 
 // A kernel's skip flag, 0 when `flag` is null, its load issued here.

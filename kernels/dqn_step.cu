@@ -46,16 +46,7 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
                                             unsigned int* skip_published, long long* skipped_step) {
     // Everything the first float4 needs is loaded before anything waits on it:
     // the flag, t (hard copies), this thread's first float4 of params and target,
-    // and the first FINISH_STAGED_MATS entries of the table with their scales
-    // (staged in shared memory for the block).
-    __shared__ long long mat_begin[FINISH_STAGED_MATS], mat_end[FINISH_STAGED_MATS];
-    __shared__ float mat_scale[FINISH_STAGED_MATS];
-    if ((int)threadIdx.x < min(n_mats, FINISH_STAGED_MATS)) {
-        const DtSpectralMatrix e = mats[threadIdx.x];
-        mat_begin[threadIdx.x] = e.w_offset;
-        mat_end[threadIdx.x] = e.w_offset + (long long)e.rows * e.cols;
-        mat_scale[threadIdx.x] = scale[threadIdx.x];
-    }
+    // and the first FINISH_STAGED_MATS entries of the table with their scales.
     const int skip_value = *skip;
     const bool hard = period > 0;
     const int t_value = hard ? *adam_t : 0;
@@ -66,10 +57,33 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
         p = p4[first];
         t = t4[first];
     }
+    // The table entries and scales are loaded into registers alongside, and
+    // staged in shared memory only once every load is issued: one round trip.
+    const bool stages = (int)threadIdx.x < min(n_mats, FINISH_STAGED_MATS);
+    long long stage_begin = 0;
+    int stage_rows = 0, stage_cols = 0;
+    float stage_scale = 0.0f;
+    if (stages) {
+        stage_begin = mats[threadIdx.x].w_offset;
+        stage_rows = mats[threadIdx.x].rows;
+        stage_cols = mats[threadIdx.x].cols;
+        stage_scale = scale[threadIdx.x];
+    }
     dt_issued(skip_value);
     dt_issued(t_value);
     dt_issued(p);
     dt_issued(t);
+    dt_issued(stage_begin);
+    dt_issued(stage_rows);
+    dt_issued(stage_cols);
+    dt_issued(stage_scale);
+    __shared__ long long mat_begin[FINISH_STAGED_MATS], mat_end[FINISH_STAGED_MATS];
+    __shared__ float mat_scale[FINISH_STAGED_MATS];
+    if (threadIdx.x < FINISH_STAGED_MATS) {  // zeros past n_mats, never read
+        mat_begin[threadIdx.x] = stage_begin;
+        mat_end[threadIdx.x] = stage_begin + (long long)stage_rows * stage_cols;
+        mat_scale[threadIdx.x] = stage_scale;
+    }
     __syncthreads();
     if (skip_value == 2) return;  // a training loop's step that was not due: nothing happened
     const bool skipped = skip_value != 0;
