@@ -261,37 +261,6 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
     }
 }
 
-__device__ __forceinline__ unsigned int cluster_blocks() {
-    unsigned int n;
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return n;
-}
-
-__device__ __forceinline__ void cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
-// The shared::cluster address of shared::cta address `addr` in the block of rank `rank`.
-__device__ __forceinline__ unsigned int cluster_address(unsigned int addr, unsigned int rank) {
-    unsigned int out;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
-    return out;
-}
-
-__device__ __forceinline__ float4 cluster_load4(unsigned int addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ float cluster_load(unsigned int addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-    return v;
-}
-
 // The end of every kernel here: the S = gridDim.z splits of the tile summed in z
 // order, then the epilogue into C, and with `sums` (thread tid < 128 holding row
 // tid's sum) the row sums into col_sum. `stage` at shared::cta address
@@ -311,22 +280,22 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
                                             const float* bias, const float* mask, int ldm, float* col_sum,
                                             float* workspace, unsigned int* counters) {
     const int tid = threadIdx.x, splits = gridDim.z, z = blockIdx.z, i0 = blockIdx.y * BM;
-    if (splits > 1 && cluster_blocks() == (unsigned int)splits) {
+    if (splits > 1 && dt_cluster_blocks() == (unsigned int)splits) {
         if (splits > 8) __trap();  // the portable cluster size, which base[] below holds
         __syncthreads();  // the other warpgroup's MMAs and any earlier use of the stage are over
         stage_tile(acc, stage);
         if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
-        cluster_barrier();  // every block's partial is staged
+        dt_cluster_barrier();  // every block's partial is staged
         const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows), row_end = min(BM, row_begin + rows);
         unsigned int base[8];  // at most 8 splits in a cluster: the portable size, which plan() checks
 #pragma unroll
-        for (int s = 0; s < 8; ++s) base[s] = s < splits ? cluster_address(stage_addr, s) : 0u;
+        for (int s = 0; s < 8; ++s) base[s] = s < splits ? dt_cluster_address(stage_addr, s) : 0u;
         const auto sum = [&](int row, int c4) {
             float4 p[8];
             const unsigned int at = 4u * (row * STAGE_LD + 4 * c4);
 #pragma unroll
             for (int s = 0; s < 8; ++s)
-                if (s < splits) p[s] = cluster_load4(base[s] + at);
+                if (s < splits) p[s] = dt_cluster_load4(base[s] + at);
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
             for (int s = 0; s < 8; ++s)
@@ -338,10 +307,10 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
             float v = 0.0f;
 #pragma unroll
             for (int s = 0; s < 8; ++s)
-                if (s < splits) v += cluster_load(base[s] + 4u * (BM * STAGE_LD + tid));
+                if (s < splits) v += dt_cluster_load(base[s] + 4u * (BM * STAGE_LD + tid));
             col_sum[i0 + tid] = v;
         }
-        cluster_barrier();  // no block leaves while another still reads its shared memory
+        dt_cluster_barrier();  // no block leaves while another still reads its shared memory
         return;
     }
     float r = row_sum;
