@@ -186,58 +186,66 @@ __device__ __forceinline__ void dt_cp_async_wait() {
 // shared::cluster addresses (dt_cluster_address); a barrier orders those
 // accesses. A block may touch another's shared memory only after a barrier
 // that block has also passed (so it has started), and must not exit while
-// another may still access its own.
+// another may still access its own. Compiled for an older device (a kernel
+// file built for every architecture) they trap: the host refuses cluster
+// launches there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define DT_CLUSTER_ONLY(...) __trap()
+#else
+#define DT_CLUSTER_ONLY(...) __VA_ARGS__
+#endif
+
 __device__ __forceinline__ unsigned int dt_cluster_rank() {
-    unsigned int r;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    unsigned int r = 0;
+    DT_CLUSTER_ONLY(asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)));
     return r;
 }
 
 __device__ __forceinline__ unsigned int dt_cluster_blocks() {
-    unsigned int n;
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    unsigned int n = 1;
+    DT_CLUSTER_ONLY(asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n)));
     return n;
 }
 
 // Every thread of every block of the cluster; writes before it (shared, also
 // remote, and global) are visible to the cluster after it.
 __device__ __forceinline__ void dt_cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    DT_CLUSTER_ONLY(asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory"));
 }
 
 // The barrier in two halves: arrive early (ordering nothing), wait later;
 // the pair only says every block of the cluster has started.
 __device__ __forceinline__ void dt_cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+    DT_CLUSTER_ONLY(asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"));
 }
 
 __device__ __forceinline__ void dt_cluster_wait() {
-    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+    DT_CLUSTER_ONLY(asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"));
 }
 
 // The shared::cluster address of shared::cta address `addr` in the block of rank `rank`.
 __device__ __forceinline__ unsigned int dt_cluster_address(unsigned int addr, unsigned int rank) {
-    unsigned int out;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
+    unsigned int out = addr;
+    DT_CLUSTER_ONLY(asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank)));
     return out;
 }
 
 __device__ __forceinline__ float4 dt_cluster_load4(unsigned int addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+    float4 v = {};
+    DT_CLUSTER_ONLY(asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory"));
     return v;
 }
 
 __device__ __forceinline__ float dt_cluster_load(unsigned int addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    float v = 0.0f;
+    DT_CLUSTER_ONLY(asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory"));
     return v;
 }
 
 __device__ __forceinline__ void dt_cluster_store2(unsigned int addr, float a, float b) {
-    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
+    DT_CLUSTER_ONLY(asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory"));
 }
 
 // ---------------------------------------------------------------- grid barrier

@@ -6,12 +6,18 @@
 //
 // narrow_forward (TF32 mma.sync m16n8k8, cvt.rna at fragment load, FP32 accumulate)
 // narrow_forward_f32 (exact FP32 FFMA)
-//   params0..2, x0..2, acts0..2, batch, layers, w[0..4], w_off[0..3], b_off[0..3], gate
+//   params0..2, x0..2, acts0..2, batch, layers, w[0..4], w_off[0..3], b_off[0..3], gate, stop
 //   Up to 3 independent forward passes of one layout in one launch. Pass p reads params_p
-//   and x_p [batch, w[0]] (any 4-byte alignment) and writes every layer's output to its
-//   block acts_p: layer l at acts_p + sum_{j<l} roundup(batch * w[j+1], 64), [batch, w[l+1]],
-//   post-ReLU for hidden layers, raw for the last.
+//   and x_p [batch, w[0]] (any 4-byte alignment) and writes the output of each of the first
+//   `stop` layers (1 <= stop <= layers) to its block acts_p: layer l at
+//   acts_p + sum_{j<l} roundup(batch * w[j+1], 64), [batch, w[l+1]], post-ReLU for hidden
+//   layers, raw for the net's last.
 //   Launch: grid (ceil(batch / 16), passes), block 512.
+// narrow_forward_cluster (TF32) / narrow_forward_cluster_f32 (exact FP32), same arguments
+//   The same results' layout, computed by clusters of C blocks (compute capability 9.0+),
+//   each cluster 32 rows of one pass, each block 1/C of every layer's output columns (see
+//   "cluster forward" below). Launch: grid (C * ceil(batch / 32), passes), cluster (C, 1, 1),
+//   block 256, dynamic shared memory as narrow.py's cluster_shared_bytes.
 // narrow_backward_data (3xTF32)
 //   params, grads, x0..3, dy0..3, batch, layers, w[], w_off[], b_off[], workspace, counters, gate
 //   x[l] is the input of layer l (x[0] unused), dy[L-1] the caller's dout; for l = L-1 .. 1
@@ -321,7 +327,7 @@ __device__ __forceinline__ void compute_forward_group(float (&acc)[2][4], const 
 }
 
 template <bool TF32>
-__device__ void forward_block(const float* params, const float* x, float* acts, const NetShape& s,
+__device__ void forward_block(const float* params, const float* x, float* acts, const NetShape& s, int stop,
                               const int* gate) {
     constexpr int D = TF32 ? 8 : 1;  // k-steps per register group; two groups in flight
     __shared__ __align__(16) float act[ROWS][ACT_LD];
@@ -343,7 +349,7 @@ __device__ void forward_block(const float* params, const float* x, float* acts, 
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     long long y_off = 0;
-    for (int l = 0; l < layers; ++l) {
+    for (int l = 0; l < stop; ++l) {
         const int K = s.width(l), N = s.width(l + 1), np = round_up(N, 8);
         const float* w = params + s.w_off(l);
         const float* b = params + s.b_off(l);
@@ -703,6 +709,211 @@ __device__ void weight_grads_block(float* grads, const PerLayer<const float>& x,
     }
 }
 
+// ---------------------------------------------------------------- cluster forward
+// A cluster of C blocks owns CL_ROWS batch rows of one pass and splits every layer's
+// output columns: rank r holds n8 tiles [r tb, r tb + tb) of layer l's T = ceil(N / 8),
+// tb = ceil(T / C). Every block first copies its input rows, its weight rows and its bias
+// slice of every layer into shared memory (cp.async, all in flight at once). A layer's
+// outputs go to global memory (the backward needs them) and, but for the last layer run,
+// into the next layer's input rows of every block of the cluster (distributed shared
+// memory); a cluster barrier stands between layers. So a block reads 1/C of the weights,
+// once, and the only round trip to memory is the first.
+constexpr int CL_THREADS = 256;
+constexpr int CL_WARPS = CL_THREADS / 32;
+constexpr int CL_ROWS = 32;  // two m16 tiles: each weight fragment serves both
+
+// Row stride of a shared-memory row of k floats: = 8 (mod 32), so the 64-bit fragment
+// loads of a half-warp (8 rows apart by g, 2t within a row) hit 32 distinct banks.
+__device__ __forceinline__ int cl_stride(int k) { return round_up(k, 32) + 8; }
+
+__device__ __forceinline__ int cl_tiles(int n, int ranks) { return (round_up(n, 8) / 8 + ranks - 1) / ranks; }
+
+// The k-slicing of a block's `tiles` n8 tiles over its warps (tiles may be 0: a rank
+// past the layer's last tile).
+__device__ __forceinline__ Share cl_share(int tiles, int ksteps, int warp) {
+    Share w;
+    int slices = 1;
+    if (tiles > 0 && tiles < CL_WARPS)
+        while (2 * slices * tiles <= CL_WARPS) slices *= 2;
+    while (slices > 1 && slices > ksteps) slices >>= 1;
+    w.slices = slices;
+    w.slice = slices == 1 ? 0 : warp % slices;
+    w.tile[0] = slices == 1 ? warp : warp / slices;
+    w.tile[1] = slices == 1 ? warp + CL_WARPS : tiles;
+    w.on[0] = w.tile[0] < tiles;
+    w.on[1] = w.tile[1] < tiles;
+    w.count = w.on[0] ? (ksteps - w.slice + slices - 1) / slices : 0;
+    return w;
+}
+
+// Copy rows x k floats (row-major, `ld` floats apart, rows from `first_row` below `rows_ok`
+// and k below `k_ok`, zero elsewhere) into shared rows of stride `stride`, k padded to 8.
+__device__ __forceinline__ void cl_copy_rows(float* dst, int stride, const float* src, long long ld, int first_row,
+                                             int rows, int rows_ok, int k, bool vector) {
+    const int kp = round_up(k, 8);
+    if (vector) {  // k % 4 == 0 and src 16-byte aligned
+        const int q = kp / 4;
+        for (int e = threadIdx.x; e < rows * q; e += CL_THREADS) {
+            const int i = e / q, c = 4 * (e - i * q), row = first_row + i;
+            const bool ok = row < rows_ok && c < k;
+            cp_async16(dst + i * stride + c, ok ? src + row * ld + c : src, ok);
+        }
+    } else {
+        for (int e = threadIdx.x; e < rows * kp; e += CL_THREADS) {
+            const int i = e / kp, c = e - i * kp, row = first_row + i;
+            const bool ok = row < rows_ok && c < k;
+            cp_async4(dst + i * stride + c, ok ? src + row * ld + c : src, ok);
+        }
+    }
+}
+
+template <bool TF32>
+__device__ void forward_cluster_block(const float* params, const float* x, float* acts, const NetShape& s, int stop,
+                                      const int* gate) {
+    extern __shared__ __align__(16) float smem[];
+    const int ranks = (int)dt_cluster_blocks(), rank = (int)dt_cluster_rank();
+    const int batch = s.batch, layers = s.layers, row0 = (blockIdx.x / ranks) * CL_ROWS;
+    // Shared memory, in floats (narrow.py's cluster_shared_bytes says the same): the
+    // inputs of even layers, of odd layers, the slice partials, then per layer its
+    // weight rows and its bias slice.
+    int even = 0, odd = 0;
+    for (int l = 0; l < stop; ++l) {
+        if (l & 1) odd = max(odd, cl_stride(s.width(l)));
+        else even = max(even, cl_stride(s.width(l)));
+    }
+    float* act0 = smem;
+    float* act1 = act0 + CL_ROWS * even;
+    float* red = act1 + CL_ROWS * odd;
+    float* slices0 = red + CL_WARPS * 2 * 128;
+    const int skip = read_gate(gate);
+    {
+        const int k = s.width(0);
+        cl_copy_rows(act0, cl_stride(k), x, k, row0, CL_ROWS, batch, k, (k & 3) == 0 && aligned16(x));
+        float* at = slices0;
+        for (int l = 0; l < stop; ++l) {
+            const int K = s.width(l), N = s.width(l + 1), tb = cl_tiles(N, ranks);
+            const float* w = params + s.w_off(l);
+            cl_copy_rows(at, cl_stride(K), w, K, rank * tb * 8, tb * 8, N, K, (K & 3) == 0 && aligned16(w));
+            at += tb * 8 * cl_stride(K);
+            const float* b = params + s.b_off(l);
+            for (int i = threadIdx.x; i < tb * 8; i += CL_THREADS) {
+                const int col = rank * tb * 8 + i;
+                cp_async4(at + i, col < N ? b + col : b, col < N);
+            }
+            at += round_up(tb * 8, 4);
+        }
+        dt_cp_async_commit();
+    }
+    if (skip) {  // the same word in every block of the cluster: all leave here together
+        dt_cp_async_wait<0>();
+        return;
+    }
+    if (stop > 1) dt_cluster_arrive_relaxed();  // waited for before the first remote write
+    dt_cp_async_wait<0>();
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float* wl = slices0;
+    long long y_off = 0;
+    for (int l = 0; l < stop; ++l) {
+        const int K = s.width(l), N = s.width(l + 1), S = cl_stride(K), tb = cl_tiles(N, ranks);
+        const int first_tile = rank * tb, mine = max(0, min(tb, round_up(N, 8) / 8 - first_tile));
+        const float* in = (l & 1) ? act1 : act0;
+        float* next = (l & 1) ? act0 : act1;
+        const float* bl = wl + tb * 8 * S;
+        float* y = acts + y_off;
+        y_off += ((long long)batch * N + 63) / 64 * 64;  // see narrow.py
+        const Share sh = cl_share(mine, round_up(K, 8) / 8, warp);
+        float acc[2][2][4] = {};  // [m16 tile][n8 tile][fragment]
+        for (int i = 0; i < sh.count; ++i) {
+            const int k0 = (sh.slice + i * sh.slices) * 8;
+            unsigned int a[2][4] = {};
+            float4 xr[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                const float* r0 = in + (16 * m + g) * S + k0;
+                const float* r1 = r0 + 8 * S;
+                if constexpr (TF32) {
+                    const float2 lo = *reinterpret_cast<const float2*>(r0 + 2 * t);
+                    const float2 hi = *reinterpret_cast<const float2*>(r1 + 2 * t);
+                    a[m][0] = to_tf32(lo.x), a[m][1] = to_tf32(hi.x), a[m][2] = to_tf32(lo.y), a[m][3] = to_tf32(hi.y);
+                } else {
+                    xr[m][0] = *reinterpret_cast<const float4*>(r0);
+                    xr[m][1] = *reinterpret_cast<const float4*>(r0 + 4);
+                    xr[m][2] = *reinterpret_cast<const float4*>(r1);
+                    xr[m][3] = *reinterpret_cast<const float4*>(r1 + 4);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                if (!sh.on[j]) continue;
+                FwdFrag<TF32> f;
+                if constexpr (TF32) {
+                    f.w = *reinterpret_cast<const float2*>(wl + (8 * sh.tile[j] + g) * S + k0 + 2 * t);
+                } else {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            f.w[2 * c + h] =
+                                *reinterpret_cast<const float4*>(wl + (8 * sh.tile[j] + 2 * t + c) * S + k0 + 4 * h);
+                }
+#pragma unroll
+                for (int m = 0; m < 2; ++m) compute_forward(acc[m][j], f, a[m], xr[m]);
+            }
+        }
+        // The other slices' partial tiles into the slice-0 warp's, in slice order.
+        if (sh.slices > 1 && sh.on[0])
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) red[warp * 256 + m * 128 + (g + 8 * (e >> 1)) * 8 + 2 * t + (e & 1)] = acc[m][0][e];
+        __syncthreads();
+        if (sh.slices > 1 && sh.on[0] && sh.slice == 0)
+            for (int q = 1; q < sh.slices; ++q)
+#pragma unroll
+                for (int m = 0; m < 2; ++m)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc[m][0][e] += red[(warp + q) * 256 + m * 128 + (g + 8 * (e >> 1)) * 8 + 2 * t + (e & 1)];
+        const bool hidden = l + 1 < layers, more = l + 1 < stop;
+        if (more && l == 0) dt_cluster_wait();  // every block of the cluster has started
+        if (sh.slice == 0) {
+            // Bias, ReLU (keeping NaN, as torch.relu); to global memory, and into the next
+            // layer's input rows of every block (0 in the padding columns up to a multiple of 8).
+            const int SN = cl_stride(N);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                if (!sh.on[j]) continue;
+                const int local = 8 * sh.tile[j] + 2 * t, col = 8 * first_tile + local;
+                const float b0 = bl[local], b1 = bl[local + 1];
+#pragma unroll
+                for (int m = 0; m < 2; ++m)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = 16 * m + g + 8 * h, row = row0 + r;
+                        float v0 = 0.0f, v1 = 0.0f;
+                        if (col < N) {
+                            v0 = acc[m][j][2 * h] + b0;
+                            if (hidden) v0 = v0 < 0.0f ? 0.0f : v0 + 0.0f;
+                            if (row < batch) y[(long long)row * N + col] = v0;
+                        }
+                        if (col + 1 < N) {
+                            v1 = acc[m][j][2 * h + 1] + b1;
+                            if (hidden) v1 = v1 < 0.0f ? 0.0f : v1 + 0.0f;
+                            if (row < batch) y[(long long)row * N + col + 1] = v1;
+                        }
+                        if (more) {
+                            const unsigned int at = (unsigned int)__cvta_generic_to_shared(next + r * SN + col);
+                            for (int q = 0; q < ranks; ++q) dt_cluster_store2(dt_cluster_address(at, q), v0, v1);
+                        }
+                    }
+            }
+        }
+        if (more) dt_cluster_barrier();  // the next layer's inputs are complete in every block
+        wl = bl + round_up(tb * 8, 4);
+    }
+}
+
 }  // namespace
 
 #define DT_NARROW_SHAPE                                                                                \
@@ -710,22 +921,40 @@ __device__ void weight_grads_block(float* grads, const PerLayer<const float>& x,
         int bo0, int bo1, int bo2, int bo3
 #define DT_NARROW_SHAPE_VALUE NetShape{batch, layers, w0, w1, w2, w3, w4, wo0, wo1, wo2, wo3, bo0, bo1, bo2, bo3}
 
-// Signature: ptr x 9, i32 x 15, ptr.
+// Signature: ptr x 9, i32 x 15, ptr, i32 (stop).
 #define DT_NARROW_FORWARD(NAME, TF32)                                                                        \
     extern "C" __global__ void __launch_bounds__(ROW_THREADS)                                                \
         NAME(const float* params0, const float* params1, const float* params2, const float* x0,              \
              const float* x1, const float* x2, float* acts0, float* acts1, float* acts2, DT_NARROW_SHAPE,    \
-             const int* gate) {                                                                              \
+             const int* gate, int stop) {                                                                    \
         dt_wait_prior_grid();                                                                                \
         dt_allow_dependents();                                                                               \
         const int pass = blockIdx.y;                                                                         \
         forward_block<TF32>(pass == 0 ? params0 : pass == 1 ? params1 : params2,                             \
                             pass == 0 ? x0 : pass == 1 ? x1 : x2, pass == 0 ? acts0 : pass == 1 ? acts1 : acts2, \
-                            DT_NARROW_SHAPE_VALUE, gate);                                                    \
+                            DT_NARROW_SHAPE_VALUE, stop, gate);                                              \
     }
 
 DT_NARROW_FORWARD(narrow_forward, true)
 DT_NARROW_FORWARD(narrow_forward_f32, false)
+
+// Signature: ptr x 9, i32 x 15, ptr, i32 (stop).
+#define DT_NARROW_FORWARD_CLUSTER(NAME, TF32)                                                               \
+    extern "C" __global__ void __launch_bounds__(CL_THREADS)                                                 \
+        NAME(const float* params0, const float* params1, const float* params2, const float* x0,              \
+             const float* x1, const float* x2, float* acts0, float* acts1, float* acts2, DT_NARROW_SHAPE,    \
+             const int* gate, int stop) {                                                                    \
+        dt_wait_prior_grid();                                                                                \
+        dt_allow_dependents();                                                                               \
+        const int pass = blockIdx.y;                                                                         \
+        forward_cluster_block<TF32>(pass == 0 ? params0 : pass == 1 ? params1 : params2,                     \
+                                    pass == 0 ? x0 : pass == 1 ? x1 : x2,                                    \
+                                    pass == 0 ? acts0 : pass == 1 ? acts1 : acts2, DT_NARROW_SHAPE_VALUE,    \
+                                    stop, gate);                                                             \
+    }
+
+DT_NARROW_FORWARD_CLUSTER(narrow_forward_cluster, true)
+DT_NARROW_FORWARD_CLUSTER(narrow_forward_cluster_f32, false)
 
 // Signature of both backward kernels: ptr x 10, i32 x 15, ptr x 3.
 #define DT_NARROW_BACKWARD_PARAMS                                                                      \

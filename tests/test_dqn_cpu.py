@@ -39,6 +39,7 @@ def test_benchmark_configurations_are_valid():
     (dict(betas=(1.0, 0.999)), r"betas\[0\]"),
     (dict(n_actions=True), "n_actions"),
     (dict(fused_head=1), "fused_head"),
+    (dict(cluster_forward="yes"), "cluster_forward"),
     (dict(fused_tail=None), "fused_tail"),
 ])
 def test_bad_values_name_the_field_and_the_range(overrides, field):

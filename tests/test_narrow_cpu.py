@@ -8,7 +8,8 @@ from drvtrain.compiler import compile_file
 from drvtrain.nn import ParamLayout
 from drvtrain.nn.narrow import NarrowMLP
 
-KERNELS = ["narrow_forward", "narrow_forward_f32", "narrow_backward_data", "narrow_weight_grads"]
+KERNELS = ["narrow_forward", "narrow_forward_f32", "narrow_forward_cluster", "narrow_forward_cluster_f32",
+           "narrow_backward_data", "narrow_weight_grads"]
 
 
 @pytest.mark.parametrize("widths", [[4, 256, 256, 3], [4, 128, 128, 3], [128, 256, 19], [7, 33, 65, 19],
@@ -113,3 +114,46 @@ def test_narrow_kernels_compile_to_cubin_within_48k_static_shared_memory(cache_d
     for name in KERNELS:
         assert f".text.{name}" in sections, f"{name} missing from the CUBIN"
         assert sections.get(f".nv.shared.{name}", 0) <= 48 * 1024, f"{name} needs more than 48 KiB"
+
+
+def _cluster_floats(widths, stop, ranks):
+    """The cluster forward's shared memory from its description in kernels/narrow.cu,
+    written out independently of narrow.py: 32 input rows of the even and of the odd
+    layers (stride: k rounded up to 32, plus 8), 8 warps x 2 partial m16n8 tiles, then
+    per layer the block's ceil(ceil(n / 8) / C) n8 tiles of weight rows and their biases
+    (rounded up to 4 floats)."""
+    def stride(k):
+        return (k + 31) // 32 * 32 + 8
+    even = max(stride(widths[k]) for k in range(0, stop, 2))
+    odd = max([stride(widths[k]) for k in range(1, stop, 2)] or [0])
+    floats = 32 * (even + odd) + 8 * 256
+    for k in range(stop):
+        rows = 8 * -(-(-(-widths[k + 1] // 8)) // ranks)
+        floats += rows * stride(widths[k]) + (rows + 3) // 4 * 4
+    return floats
+
+
+@pytest.mark.parametrize("widths", [[4, 256, 256, 3], [7, 33, 65, 19], [256, 256, 256, 256, 256], [9, 2],
+                                    [1, 1], [128, 256, 19], [5, 64, 200, 256, 19]])
+def test_cluster_forward_plan_fits_every_narrow_layout(widths):
+    """Every layer's tiles fit a block's 8 warps (at most 2 n8 tiles each), the cluster is
+    at most the portable 8 blocks, and the shared memory is what the kernel lays out and
+    fits the 227 KiB a block of an sm_90 device may take."""
+    net = NarrowMLP(ParamLayout.from_widths(widths))
+    for stop in range(1, len(widths)):
+        ranks = net.cluster_ranks(stop)
+        assert 1 <= ranks <= 8
+        widest = max(-(-n // 8) for n in widths[1: stop + 1])
+        assert -(-widest // ranks) <= 16
+        assert ranks == min(8, -(-widest // 4))
+        got = net.cluster_shared_bytes(stop)
+        assert got == 4 * _cluster_floats(widths, stop, ranks)
+        assert got <= 227 * 1024
+    assert net.cluster_ranks() == net.cluster_ranks(len(widths) - 1)
+
+
+@pytest.mark.parametrize("layers", [0, 4, -1, 1.0, True, "2"])
+def test_cluster_forward_refuses_a_layer_count_out_of_range(layers):
+    net = NarrowMLP(ParamLayout.from_widths([4, 256, 256, 3]))
+    with pytest.raises(ValueError, match=r"layers must be an int in \[1, 3\]"):
+        net.cluster_ranks(layers)

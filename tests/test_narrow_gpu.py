@@ -115,6 +115,28 @@ def test_three_passes_each_match_float64(device, stream, rng, batch, widths, tf3
         check_forward(fwd, p.to_numpy(), x, len(layout.layers), bound, what=f"pass {i} ")
 
 
+@pytest.mark.parametrize("cluster", [False, True], ids=["blocks", "clusters"])
+@pytest.mark.parametrize("tf32, bound", [(True, TF32_BOUND), (False, F32_BOUND)], ids=["tf32", "f32"])
+@pytest.mark.parametrize("batch, widths", SHAPES)
+def test_first_layers_of_three_passes_match_float64(device, stream, rng, batch, widths, tf32, bound, cluster):
+    """forward_many(layers=k) for every k, in blocks and in clusters: each pass's first k
+    layers' outputs (ReLU after each but the net's last), against float64 of the whole net;
+    nothing past layer k is computed or allocated."""
+    layout = ParamLayout.from_widths(widths)
+    net = NarrowMLP(layout, tf32=tf32)
+    n = len(layout.layers)
+    for stop in range(1, n + 1):
+        params = [random_params(layout, rng) for _ in range(3)]
+        xs = [random_input(rng, batch, widths[0]) for _ in range(3)]
+        arena = poisoned_arena(net, batch, 3, stream)
+        fwds = net.forward_many(params, [DeviceBuffer.from_numpy(x) for x in xs], arena=arena, stream=stream,
+                                layers=stop, cluster=cluster)
+        assert arena.offset == 3 * sum(4 * (-(-batch * w // 64) * 64) for w in widths[1: stop + 1])
+        for i, (fwd, p, x) in enumerate(zip(fwds, params, xs)):
+            assert len(fwd.activations) == stop + 1 and fwd.output.shape == (batch, widths[stop])
+            check_forward(fwd, p.to_numpy(), x, n, bound, what=f"layers={stop} pass {i} ")
+
+
 @pytest.mark.parametrize("tf32", [True, False], ids=["tf32", "f32"])
 def test_three_pass_launch_is_bitwise_three_single_launches(device, stream, rng, tf32):
     widths, batch = [7, 33, 65, 19], 77
@@ -130,7 +152,8 @@ def test_three_pass_launch_is_bitwise_three_single_launches(device, stream, rng,
             assert ya.to_numpy().tobytes() == yb.to_numpy().tobytes(), f"pass {i} layer {k}"
 
 
-def test_runs_are_bitwise_identical_eager_and_graph_replay(device, stream, rng):
+@pytest.mark.parametrize("cluster", [False, True], ids=["blocks", "clusters"])
+def test_runs_are_bitwise_identical_eager_and_graph_replay(device, stream, rng, cluster):
     """A Double-DQN step's shape: online on s and s', target on s', backward of the first.
     Batch 256 splits the weight gradients over blocks, so the counters must reset too."""
     widths, batch = [4, 256, 256, 3], 256
@@ -147,7 +170,7 @@ def test_runs_are_bitwise_identical_eager_and_graph_replay(device, stream, rng):
 
     def enqueue():
         arena.reset()
-        fwds = net.forward_many([online, online, target], [s, s2, s2], arena=arena, stream=stream)
+        fwds = net.forward_many([online, online, target], [s, s2, s2], arena=arena, stream=stream, cluster=cluster)
         net.backward(online, grads, fwds[0], d, arena=arena, stream=stream)
         return fwds
 
@@ -168,7 +191,8 @@ def test_runs_are_bitwise_identical_eager_and_graph_replay(device, stream, rng):
     with capture(stream) as graph:
         captured = enqueue()
     kernels = [k.function for k in graph.kernel_nodes()]
-    assert kernels == ["narrow_forward", "narrow_backward_data", "narrow_weight_grads"], kernels
+    forward = "narrow_forward_cluster" if cluster else "narrow_forward"
+    assert kernels == [forward, "narrow_backward_data", "narrow_weight_grads"], kernels
     exe = graph.instantiate()
     for replay in range(3):
         fresh()
@@ -176,7 +200,8 @@ def test_runs_are_bitwise_identical_eager_and_graph_replay(device, stream, rng):
         assert results(captured) == first, f"graph replay {replay} differs from the eager run"
 
 
-def test_gate_skips_every_write(device, stream, rng):
+@pytest.mark.parametrize("cluster", [False, True], ids=["blocks", "clusters"])
+def test_gate_skips_every_write(device, stream, rng, cluster):
     widths, batch = [7, 33, 65, 19], 200  # split weight gradients: the counters must stay zero
     layout = ParamLayout.from_widths(widths)
     params = [random_params(layout, rng) for _ in range(3)]
@@ -192,7 +217,7 @@ def test_gate_skips_every_write(device, stream, rng):
     gate = DeviceBuffer.from_numpy(np.array([int(rng.integers(1, 1 << 30))], np.int32))
     for _ in range(2):
         arena.reset()
-        fwds = net.forward_many(params, dxs, arena=arena, stream=stream, gate=gate)
+        fwds = net.forward_many(params, dxs, arena=arena, stream=stream, gate=gate, cluster=cluster)
         net.backward(params[0], grads, fwds[0], d, arena=arena, stream=stream, gate=gate)
     stream.synchronize()
     for i, fwd in enumerate(fwds):
@@ -202,7 +227,7 @@ def test_gate_skips_every_write(device, stream, rng):
 
     gate.copy_from_numpy(np.zeros(1, np.int32))
     arena.reset()
-    fwds = net.forward_many(params, dxs, arena=arena, stream=stream, gate=gate)
+    fwds = net.forward_many(params, dxs, arena=arena, stream=stream, gate=gate, cluster=cluster)
     net.backward(params[0], grads, fwds[0], d, arena=arena, stream=stream, gate=gate)
     for i, (fwd, p, x) in enumerate(zip(fwds, params, xs)):
         check_forward(fwd, p.to_numpy(), x, len(layout.layers), TF32_BOUND, what=f"pass {i} ")

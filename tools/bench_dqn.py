@@ -3,9 +3,11 @@
 
 For each configuration: microseconds per step (median over repeats of R
 back-to-back graph replays, device time over R), the graph's node count and
-longest dependent chain, for the default step (per-layer GEMMs, the two `s'`
-forwards on their own streams, dependent launches) and for variants that change
-one thing: no dependent launches, the output layer's forwards, the loss and its
+longest dependent chain, for the default step (a narrow net's three forwards
+as one cluster launch, a wide net's as per-layer GEMMs with the two `s'`
+forwards on their own streams; dependent launches) and for variants that change
+one thing: no dependent launches, per-layer forwards for the narrow net too
+(DQNConfig(cluster_forward=False)), the output layer's forwards, the loss and its
 dX forced into one kernel or forced apart (DQNConfig(fused_head=True / False);
 the default picks by the layer's size), everything after the
 backward as one cooperative launch (DQNConfig(fused_tail=True)), the fused narrow kernels (small
@@ -27,7 +29,7 @@ def measure(cfg, args):
     stream = Stream()
     print(f"  {cfg.obs_dim}-{'-'.join(map(str, cfg.hidden))}-{cfg.n_actions} batch {cfg.batch}, "
           f"fused={cfg.fused} dual_stream={cfg.dual_stream} dependent_launch={cfg.dependent_launch} "
-          f"fused_tail={cfg.fused_tail} fused_head={cfg.fused_head}: "
+          f"fused_tail={cfg.fused_tail} fused_head={cfg.fused_head} cluster_forward={cfg.cluster_forward}: "
           f"filling {cfg.capacity} transitions ...", flush=True)
     step = DQNStep(cfg)
     step.fill_random(1, stream=stream)
@@ -62,6 +64,7 @@ VARIANTS = (
     ("output layer fused (dqn_head)", {"fused_head": True}),
     ("output layer separate", {"fused_head": False}),
     ("cooperative tail", {"fused_tail": True}),
+    ("per-layer forwards (no cluster forward)", {"cluster_forward": False}),
     ("fused narrow kernels", {"fused": True}),
     ("one stream", {"dual_stream": False}),
 )
@@ -83,7 +86,8 @@ def main(argv=None) -> int:
         print(f"{name}:", flush=True)
         for label, overrides in VARIANTS[:1] if args.default_only else VARIANTS:
             cfg = getattr(DQNConfig, name)(**overrides)
-            if overrides.get("fused") and not NarrowMLP.supports(ParamLayout.from_widths(cfg.widths)):
+            if (overrides.get("fused") or "cluster_forward" in overrides) and \
+                    not NarrowMLP.supports(ParamLayout.from_widths(cfg.widths)):
                 continue
             rows.append((name, label, *measure(cfg, args)))
         torch_us = None if args.no_torch else torch_times(getattr(DQNConfig, name)(), args)

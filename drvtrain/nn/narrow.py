@@ -35,7 +35,12 @@ CHUNK = 32  # batch rows per pipeline stage of the weight-gradient kernel
 MAX_SPLITS = 4
 PARTIAL = TILE * TILE + TILE  # floats of one split's partial tile and bias sums
 
-_FORWARD_SIGNATURE = " ".join(["ptr"] * 9 + ["i32"] * 15 + ["ptr"])
+_FORWARD_SIGNATURE = " ".join(["ptr"] * 9 + ["i32"] * 15 + ["ptr", "i32"])
+CLUSTER_ROWS = 32  # batch rows per cluster of the cluster forward
+CLUSTER_THREADS = 256
+CLUSTER_WARPS = CLUSTER_THREADS // 32
+CLUSTER_MAX = 8  # blocks per cluster: the portable size
+CLUSTER_TILES = 4  # n8 output tiles a block of the cluster forward aims for (2 warps per tile)
 _BACKWARD_SIGNATURE = " ".join(["ptr"] * 10 + ["i32"] * 15 + ["ptr"] * 3)
 
 
@@ -130,13 +135,48 @@ class NarrowMLP:
     def _kernel(self, name: str):
         if self._kernels is None:
             module = builtin_module("narrow.cu")
-            forward = "narrow_forward" if self.tf32 else "narrow_forward_f32"
+            suffix = "" if self.tf32 else "_f32"
             self._kernels = {
-                "forward": module.kernel(forward, _FORWARD_SIGNATURE, fixed_block=True),
+                "forward": module.kernel("narrow_forward" + suffix, _FORWARD_SIGNATURE, fixed_block=True),
+                "forward_cluster": module.kernel("narrow_forward_cluster" + suffix, _FORWARD_SIGNATURE,
+                                                 fixed_block=True),
                 "backward_data": module.kernel("narrow_backward_data", _BACKWARD_SIGNATURE, fixed_block=True),
                 "weight_grads": module.kernel("narrow_weight_grads", _BACKWARD_SIGNATURE, fixed_block=True),
             }
         return self._kernels[name]
+
+    # ------------------------------------------------------------ cluster forward
+    def cluster_ranks(self, layers: int | None = None) -> int:
+        """Blocks per cluster of the cluster forward of the first ``layers`` layers: enough
+        that each holds about CLUSTER_TILES n8 tiles of the widest layer's outputs, at most 8."""
+        stop = self._stop(layers)
+        tiles = max(_cdiv(out, 8) for out, _ in self.layout.layers[:stop])
+        return max(1, min(CLUSTER_MAX, _cdiv(tiles, CLUSTER_TILES)))
+
+    def cluster_shared_bytes(self, layers: int | None = None) -> int:
+        """Dynamic shared memory of a cluster-forward block (kernels/narrow.cu computes the
+        same offsets): the inputs of the even and of the odd layers, the k-slice partials,
+        and per layer the block's weight rows and bias slice."""
+        stop = self._stop(layers)
+        ranks = self.cluster_ranks(stop)
+
+        def stride(k):
+            return _round_up(k, 32) + 8
+
+        even = max(stride(self.widths[k]) for k in range(0, stop, 2))
+        odd = max((stride(self.widths[k]) for k in range(1, stop, 2)), default=0)
+        floats = CLUSTER_ROWS * (even + odd) + CLUSTER_WARPS * 2 * 128
+        for out, inp in self.layout.layers[:stop]:
+            rows = 8 * _cdiv(_cdiv(out, 8), ranks)
+            floats += rows * stride(inp) + _round_up(rows, 4)
+        return 4 * floats
+
+    def _stop(self, layers) -> int:
+        if layers is None:
+            return self.layers
+        if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or not 1 <= layers <= self.layers:
+            raise ValueError(f"layers must be an int in [1, {self.layers}], got {layers!r}")
+        return int(layers)
 
     def _views(self, block: DeviceBuffer, batch: int, widths) -> list[DeviceBuffer]:
         views, offset = [], 0
@@ -146,11 +186,20 @@ class NarrowMLP:
         return views
 
     # ------------------------------------------------------------ forward
-    def forward_many(self, params_list, x_list, *, arena: Arena, stream, gate=None) -> list[Forward]:
+    def forward_many(self, params_list, x_list, *, arena: Arena, stream, gate=None, layers: int | None = None,
+                     cluster: bool = False) -> list[Forward]:
         """Up to three forward passes of this layout in one launch, all of the same batch:
         pass i runs ``params_list[i]`` on ``x_list[i]``. One Forward per pass.
 
         ``gate``: an int32 device word; while it is non-zero the launch writes nothing.
+        ``layers``: run only the first ``layers`` layers (ReLU after each but the net's
+        last), for a caller that computes the rest itself; each Forward then ends at that
+        layer's output (see :meth:`MLP.forward <drvtrain.nn.mlp.MLP.forward>`).
+        ``cluster=True`` (compute capability 9.0+, else the launch raises ValueError):
+        thread block clusters split every layer's output columns, so each block reads a
+        slice of the weights once and the layers hand over in distributed shared memory
+        (``cluster_ranks`` blocks per 32 rows). The same results to TF32 (or FP32)
+        rounding, in other bits.
         """
         params_list, x_list = list(params_list), list(x_list)
         if not 1 <= len(params_list) <= MAX_PASSES:
@@ -168,13 +217,21 @@ class NarrowMLP:
             _check_input(f"x_list[{i}]", x, (batch, self.in_features))
         if batch < 1:
             raise ValueError("the batch must have at least one row")
+        stop = self._stop(layers)
         passes = len(params_list)
-        blocks = [arena.array(self.forward_bytes(batch) // 4, np.float32) for _ in range(passes)]
+        widths = self.widths[1: stop + 1]
+        blocks = [arena.array(self._block_floats(batch, widths), np.float32) for _ in range(passes)]
         fill = [0] * (MAX_PASSES - passes)
-        kernel = self._kernel("forward")
-        kernel.launch((_cdiv(batch, ROWS), passes), kernel.block, *params_list, *fill, *x_list, *fill,
-                      *blocks, *fill, batch, *self._shape, gate if gate is not None else 0, stream=stream)
-        return [Forward((x, *self._views(block, batch, self.widths[1:]))) for x, block in zip(x_list, blocks)]
+        args = (*params_list, *fill, *x_list, *fill, *blocks, *fill, batch, *self._shape,
+                gate if gate is not None else 0, stop)
+        if cluster:
+            kernel, ranks = self._kernel("forward_cluster"), self.cluster_ranks(stop)
+            kernel.launch((ranks * _cdiv(batch, CLUSTER_ROWS), passes), kernel.block, *args, stream=stream,
+                          cluster=(ranks, 1, 1), shared_mem=self.cluster_shared_bytes(stop))
+        else:
+            kernel = self._kernel("forward")
+            kernel.launch((_cdiv(batch, ROWS), passes), kernel.block, *args, stream=stream)
+        return [Forward((x, *self._views(block, batch, widths))) for x, block in zip(x_list, blocks)]
 
     def forward(self, params: FlatBuffer, x: DeviceBuffer, *, arena: Arena, stream, gate=None) -> Forward:
         """One forward pass: every layer's output; ``.output`` is [batch, out]."""

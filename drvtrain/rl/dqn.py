@@ -118,6 +118,15 @@ class DQNConfig:
     actions on a 227 KiB device; elsewhere it warns and runs them apart),
     ``False`` never. With ``fused`` on a net the narrow kernels take, they run
     the whole forward and backward, and ``fused_head`` has nothing to do.
+    ``cluster_forward`` runs the three forward passes (up to the output layer
+    when ``dqn_head`` computes that one) as one launch of thread block clusters
+    (``NarrowMLP.forward_many(cluster=True)``): each cluster holds 32 rows of
+    a pass, each block a slice of every layer's columns, and the layers hand
+    over in distributed shared memory. Narrow nets only (every width <= 256,
+    at most 4 weight layers), compute capability 9.0+. ``None`` (the default)
+    turns it on wherever it can run, where it measured faster on the H200
+    (docs/perf-notes.md); ``True`` asks for it and raises where it cannot run;
+    ``False`` keeps the per-layer products. With ``fused`` it has nothing to do.
     """
     obs_dim: int
     n_actions: int
@@ -144,6 +153,7 @@ class DQNConfig:
     dependent_launch: bool = True
     fused_tail: bool = False
     fused_head: bool | None = None
+    cluster_forward: bool | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "hidden", tuple(self.hidden))
@@ -193,8 +203,10 @@ class DQNConfig:
         if self.spectral_layers is not None and len(set(self.spectral_layers)) != len(self.spectral_layers):
             raise ValueError(f"spectral_layers repeats a layer: {self.spectral_layers}")
         _positive_int("seed", self.seed, 0, 2**63 - 1)
-        if self.fused_head is not None and not isinstance(self.fused_head, (bool, np.bool_)):
-            raise ValueError(f"fused_head must be True, False or None, got {self.fused_head!r}")
+        for flag in ("fused_head", "cluster_forward"):
+            value = getattr(self, flag)
+            if value is not None and not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{flag} must be True, False or None, got {value!r}")
         for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -303,10 +315,15 @@ class DQNStep:
         self._skipped_step.view()[:] = 0
         self.narrow = NarrowMLP(self.layout, tf32=cfg.tf32) if cfg.fused and NarrowMLP.supports(self.layout) \
             else None
+        self.cluster_net = None
+        if self.narrow is None:
+            self.cluster_net = self._cluster_forward_net(cfg, device)
         if self.narrow is not None:
             net_bytes, zeroed = self.narrow.scratch_bytes(b, 3), self.narrow.zeroed_bytes(b)
         else:
             net_bytes, zeroed = 3 * self.online_mlp.scratch_bytes(b), 3 * self.online_mlp.zeroed_bytes(b)
+            if self.cluster_net is not None:
+                net_bytes += 3 * self.cluster_net.forward_bytes(b)
         out_bytes = 4 * b * (1 + a)
         self.arena = Arena(self.replay.scratch_bytes(b) + net_bytes + 2 * out_bytes + 8 * b + 4096,
                            zeroed_bytes=zeroed + 1024, active=arena_active)
@@ -330,6 +347,22 @@ class DQNStep:
         self.graph: Graph | None = None
 
     # ------------------------------------------------------------------ setup
+    def _cluster_forward_net(self, cfg, device) -> NarrowMLP | None:
+        """The NarrowMLP whose cluster kernel runs the three forwards, or None (see
+        DQNConfig.cluster_forward)."""
+        if cfg.cluster_forward is False or cfg.fused:
+            return None
+        reason = None
+        if not NarrowMLP.supports(self.layout):
+            reason = f"the net {self.layout.widths} is not narrow (every width <= 256, at most 4 weight layers)"
+        elif tuple(device.compute_capability) < (9, 0):
+            reason = f"thread block clusters need compute capability 9.0+, the device has {device.arch}"
+        if reason is None:
+            return NarrowMLP(self.layout, tf32=cfg.tf32)
+        if cfg.cluster_forward:
+            raise ValueError(f"cluster_forward=True cannot run: {reason}")
+        return None
+
     def _setup_spectral(self, mod, rng) -> None:
         cfg = self.config
         layers = cfg.projected_layers
@@ -384,10 +417,11 @@ class DQNStep:
         capturing = bool(active_captures())
         head = self._head
         hidden_layers = len(self.layout.layers) - (head is not None)  # dqn_head runs the output layer
-        if self.narrow is not None:  # all three passes in one launch
-            f_online, f_next, f_target = self.narrow.forward_many(
+        if self.narrow is not None or self.cluster_net is not None:  # all three passes in one launch
+            net = self.narrow if self.narrow is not None else self.cluster_net
+            f_online, f_next, f_target = net.forward_many(
                 [self.params, self.params, self.target], [batch.obs, batch.next_obs, batch.next_obs],
-                arena=arena, stream=stream, gate=gate)
+                arena=arena, stream=stream, gate=gate, layers=hidden_layers, cluster=net is self.cluster_net)
             target_leaves = online_leaves = capture_frontier(stream) if capturing else []
         else:
             if self.streams:
@@ -621,7 +655,7 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
         Criterion("backward products at FP32 accuracy", f"{len(backwards)}/{len(backwards)}",
                   f"{len(bwd_ok)}/{len(backwards)}", bool(backwards) and len(bwd_ok) == len(backwards)),
     ]
-    if step.narrow is not None:
+    if step.narrow is not None or step.cluster_net is not None:
         fused = [k for k in forwards if k.grid[1] == 3]
         rows.append(Criterion("three forwards in one fused launch", "1 node", f"{len(forwards)} node(s)",
                               len(forwards) == 1 and len(fused) == 1))
