@@ -135,7 +135,7 @@ def dqn_step(layout, state: dict, batch: dict, cfg: dict) -> dict:
     res = dqn_loss(acts[-1], next_online, next_target, batch["action"], batch["reward"],
                    batch["done"], batch["weights"], cfg["gamma"], cfg.get("huber_delta", 1.0),
                    batch.get("a_star"))
-    grad = _flat(layout, mlp_backward(online, acts, res["dout"]))
+    grad = _flat(layout, mlp_backward(online, acts, res["dout"], batch.get("masks")))
     grad_norm, scale = clip_scale(grad, cfg["max_norm"])
 
     out = {"loss": res["loss"], "grad_norm": grad_norm, "mean_q": res["mean_q"],

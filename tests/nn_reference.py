@@ -30,8 +30,10 @@ def mlp_forward(named: dict, x: np.ndarray, layers: int) -> list[np.ndarray]:
     return acts
 
 
-def mlp_backward(named: dict, acts: list[np.ndarray], dout: np.ndarray) -> dict:
-    """Gradients of a loss whose derivative by the output is ``dout``."""
+def mlp_backward(named: dict, acts: list[np.ndarray], dout: np.ndarray, masks=None) -> dict:
+    """Gradients of a loss whose derivative by the output is ``dout``. ``masks``: the ReLU
+    decisions of the hidden layers (one boolean array per hidden layer) to use instead of
+    ``acts[k] > 0``."""
     layers = len(acts) - 1
     grads, dy = {}, np.asarray(dout, np.float64)
     for k in range(layers - 1, -1, -1):
@@ -39,7 +41,8 @@ def mlp_backward(named: dict, acts: list[np.ndarray], dout: np.ndarray) -> dict:
         grads[f"layer{k}.weight"] = dy.T @ x
         grads[f"layer{k}.bias"] = dy.sum(axis=0)
         if k > 0:
-            dy = (dy @ named[f"layer{k}.weight"].astype(np.float64)) * (x > 0)
+            keep = x > 0 if masks is None else masks[k - 1]
+            dy = (dy @ named[f"layer{k}.weight"].astype(np.float64)) * keep
     return grads
 
 

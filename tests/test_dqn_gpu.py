@@ -60,6 +60,28 @@ def sampled_batch(step, data):
     return idx, batch
 
 
+def device_relu_masks(step, params, obs):
+    """The ReLU decisions of the device's online pass over s, for the float64 reference to
+    follow. Float32 and float64 may decide a pre-activation within rounding of 0 either way,
+    and one such unit moves a whole row of its layer's gradient; anywhere else the two
+    must agree, which this checks."""
+    named = step.layout.unflatten(params)
+    layers = len(step.layout.layers)
+    acts = mlp_forward(named, obs, layers)
+    device_acts = step.last.extra["online_forward"].activations
+    masks = []
+    for k in range(layers - 1):
+        w, b = (named[f"layer{k}.{p}"].astype(np.float64) for p in ("weight", "bias"))
+        z = acts[k] @ w.T + b
+        keep = device_acts[k + 1].to_numpy() > 0
+        differ = keep != (z > 0)
+        scale = np.sqrt(np.mean(z * z))
+        assert np.all(np.abs(z[differ]) <= 1e-4 * scale), \
+            f"layer {k}: {differ.sum()} ReLU decisions differ, up to |z| = {np.abs(z[differ]).max():.3g}"
+        masks.append(keep)
+    return masks
+
+
 def assert_state_close(step, want, bound, params_bound=None):
     """m and v carry the gradient itself: held to ``bound``. AdamW's update is
     sign-like early on (m / sqrt(v) is about +-1 at t = 1), so a gradient
@@ -100,6 +122,7 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     step.metrics.record(stream)
     stream.synchronize()
     idx, batch = sampled_batch(step, data)
+    batch["masks"] = device_relu_masks(step, before["params"], batch["obs"])
     # The device's a* is the float64 argmax wherever the top two Q values are not a near tie.
     q_next = dueling_q(mlp_forward(step.layout.unflatten(before["params"]), batch["next_obs"],
                                    len(step.layout.layers))[-1])
@@ -234,6 +257,7 @@ def test_fifty_fp32_steps_each_match_float64_from_the_device_state(device, rng):
         step.metrics.record(stream)
         stream.synchronize()
         idx, batch = sampled_batch(step, data)
+        batch["masks"] = device_relu_masks(step, before["params"], batch["obs"])
         want = dqn_step(step.layout, before, batch, rcfg)
         assert not want["skipped"]
         assert_state_close(step, want, 1e-5, params_bound=1e-4)

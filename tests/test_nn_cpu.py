@@ -76,6 +76,28 @@ def test_backward_reference_matches_finite_differences(rng):
         assert abs((up - down) / (2 * h) - grads[name][idx]) < 1e-6
 
 
+def test_backward_reference_follows_given_relu_masks(rng):
+    """masks equal to acts > 0 change nothing; flipping one hidden unit of one row moves
+    only that row's share of the gradients that unit feeds."""
+    layout = ParamLayout([(5, 3), (4, 5), (2, 4)])
+    named = layout.unflatten(layout.init_numpy(int(rng.integers(1 << 30))))
+    x = rng.standard_normal((6, 3))
+    acts = mlp_forward(named, x, 3)
+    dout = rng.standard_normal((6, 2))
+    masks = [acts[1] > 0, acts[2] > 0]
+    plain, same = mlp_backward(named, acts, dout), mlp_backward(named, acts, dout, masks)
+    for name in plain:
+        np.testing.assert_array_equal(plain[name], same[name])
+    flipped = [masks[0].copy(), masks[1]]
+    flipped[0][2, 1] = not flipped[0][2, 1]
+    moved = mlp_backward(named, acts, dout, flipped)
+    for name in ("layer1.weight", "layer1.bias", "layer2.weight", "layer2.bias"):
+        np.testing.assert_array_equal(plain[name], moved[name])
+    changed = np.argwhere(plain["layer0.weight"] != moved["layer0.weight"])
+    assert changed.size and np.all(changed[:, 0] == 1)  # the flipped unit's weight row only
+    assert plain["layer0.bias"][1] != moved["layer0.bias"][1]
+
+
 def test_clip_and_adamw_references(rng):
     g = rng.standard_normal(1000)
     norm, scale = clip_scale(g, max_norm=1.0)
