@@ -161,18 +161,18 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     # Projected layers wider than the spectral kernels' 1024-column chunk: float4 and scalar rows.
     dict(obs_dim=3, hidden=(1100, 40), n_actions=3, batch=64, capacity=1024, tf32=False),
     dict(obs_dim=3, hidden=(1030, 24), n_actions=3, batch=64, capacity=1024, tf32=False),
-    # Narrow nets take the cluster forward by default; these keep the per-layer products.
-    dict(ODD, tf32=False, cluster_forward=False),
-    dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False, cluster_forward=False),
+    # The three forwards as one launch of thread block clusters.
+    dict(ODD, tf32=False, cluster_forward=True),
+    dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False, cluster_forward=True),
+    dict(ODD, tf32=False, batch=102, fused_head=True, cluster_forward=True),
 ], ids=["odd-shapes", "one-action", "hard-copy-spectral-c", "no-spectral-clipped", "small", "large",
         "odd-shapes-fused", "small-fused", "one-action-fused-head", "large-fused-head",
-        "odd-shapes-fused-head", "wide-rows-float4", "wide-rows-scalar", "odd-shapes-per-layer",
-        "small-per-layer"])
+        "odd-shapes-fused-head", "wide-rows-float4", "wide-rows-scalar", "odd-shapes-cluster-forward",
+        "small-cluster-forward", "odd-shapes-fused-head-cluster-forward"])
 def test_one_fp32_step_matches_float64(device, rng, overrides):
     step, _ = one_step(DQNConfig(seed=int(rng.integers(1 << 30)), **overrides), rng)
     names = {k.function for k in step_kernels(step)}
-    want_cluster = overrides.get("cluster_forward") is not False and not overrides.get("fused") and \
-        max(overrides["hidden"]) <= 256
+    want_cluster = bool(overrides.get("cluster_forward"))
     assert (step.cluster_net is not None) == want_cluster
     assert ("narrow_forward_cluster_f32" in names) == want_cluster, names
 
@@ -204,7 +204,7 @@ def test_terminal_transitions_and_duplicate_indices(device, rng):
         assert np.min(np.abs(written[idx == i] - leaves[i]) / written[idx == i]) < 1e-6
 
 
-@pytest.mark.parametrize("cluster_forward", [None, False], ids=["cluster-forward", "per-layer-forward"])
+@pytest.mark.parametrize("cluster_forward", [False, True], ids=["per-layer-forward", "cluster-forward"])
 @pytest.mark.parametrize("fused_head", [False, True], ids=["separate-head", "fused-head"])
 def test_tf32_step_matches_float64_at_tf32_accuracy(device, rng, fused_head, cluster_forward):
     cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tf32=True, fused_head=fused_head,
@@ -419,8 +419,7 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     # large net's 19 x 1024 one as separate products and dqn_loss (DQNConfig.fused_head=None).
     fused = config == "small"
     assert (step._head is not None) == fused
-    # The small net's three forwards (to its last hidden layer) are one cluster launch.
-    assert (step.cluster_net is not None) == fused == ("narrow_forward_cluster" in names)
+    assert step.cluster_net is None and not any(n.startswith("narrow_") for n in names)
     assert [r.measured for r in rows if r.name.startswith("output layer's forwards")] == (["1"] if fused else [])
     assert ("dqn_head" in names) == fused and ("dqn_loss" in names) != fused
     if fused_tail:  # one cooperative node instead of the six
@@ -430,24 +429,23 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
         assert "dqn_tail" not in names and separate <= names
 
 
-def test_audit_of_the_small_step_with_per_layer_forwards_passes(device, rng):
-    cfg = DQNConfig.small(capacity=8192, seed=int(rng.integers(1 << 30)), cluster_forward=False)
+def test_audit_of_the_small_step_with_the_cluster_forward_passes(device, rng):
+    cfg = DQNConfig.small(capacity=8192, seed=int(rng.integers(1 << 30)), cluster_forward=True)
     stream = Stream()
     step = DQNStep(cfg)
-    assert step.cluster_net is None
+    assert step.cluster_net is not None and step._head is not None
     fill(step, rng, stream)
     rows, _ = audit_step(step, stream=stream, iterations=50)
-    assert [r.measured for r in rows if r.name.startswith("target forward concurrent")] == ["yes"]
+    assert [r.measured for r in rows if r.name.startswith("three forwards in one")] == ["1 node(s)"]
     assert not [r for r in rows if not r.passed]
-    assert not any(k.function.startswith("narrow_") for k in step.graph.kernel_nodes())
+    names = [k.function for k in step.graph.kernel_nodes()]
+    assert names.count("narrow_forward_cluster") == 1 and "dqn_head" in names
+    assert not any(n.startswith("linear_forward") for n in names)
 
 
 def test_cluster_forward_true_refuses_a_net_it_cannot_run(device):
     with pytest.raises(ValueError, match=r"cluster_forward=True cannot run: the net .* is not narrow"):
         DQNStep(DQNConfig(obs_dim=3, hidden=(300,), n_actions=2, batch=32, capacity=256, cluster_forward=True))
-    step = DQNStep(DQNConfig(obs_dim=3, hidden=(300,), n_actions=2, batch=32, capacity=256))
-    assert step.cluster_net is None
-    step.close()
 
 
 def test_audit_of_the_fused_step_passes(device, rng):

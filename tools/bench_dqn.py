@@ -3,11 +3,10 @@
 
 For each configuration: microseconds per step (median over repeats of R
 back-to-back graph replays, device time over R), the graph's node count and
-longest dependent chain, for the default step (a narrow net's three forwards
-as one cluster launch, a wide net's as per-layer GEMMs with the two `s'`
-forwards on their own streams; dependent launches) and for variants that change
-one thing: no dependent launches, per-layer forwards for the narrow net too
-(DQNConfig(cluster_forward=False)), the output layer's forwards, the loss and its
+longest dependent chain, for the default step (per-layer GEMMs, the two `s'`
+forwards on their own streams, dependent launches) and for variants that change
+one thing: no dependent launches, the three forwards as one launch of thread block
+clusters (DQNConfig(cluster_forward=True); small only), the output layer's forwards, the loss and its
 dX forced into one kernel or forced apart (DQNConfig(fused_head=True / False);
 the default picks by the layer's size), everything after the
 backward as one cooperative launch (DQNConfig(fused_tail=True)), the fused narrow kernels (small
@@ -64,7 +63,7 @@ VARIANTS = (
     ("output layer fused (dqn_head)", {"fused_head": True}),
     ("output layer separate", {"fused_head": False}),
     ("cooperative tail", {"fused_tail": True}),
-    ("per-layer forwards (no cluster forward)", {"cluster_forward": False}),
+    ("three forwards in clusters", {"cluster_forward": True}),
     ("fused narrow kernels", {"fused": True}),
     ("one stream", {"dual_stream": False}),
 )

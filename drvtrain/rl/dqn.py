@@ -123,10 +123,10 @@ class DQNConfig:
     (``NarrowMLP.forward_many(cluster=True)``): each cluster holds 32 rows of
     a pass, each block a slice of every layer's columns, and the layers hand
     over in distributed shared memory. Narrow nets only (every width <= 256,
-    at most 4 weight layers), compute capability 9.0+. ``None`` (the default)
-    turns it on wherever it can run, where it measured faster on the H200
-    (docs/perf-notes.md); ``True`` asks for it and raises where it cannot run;
-    ``False`` keeps the per-layer products. With ``fused`` it has nothing to do.
+    at most 4 weight layers) on compute capability 9.0+; ``True`` raises a
+    ValueError where it cannot run. Off by default: on the H200 it measured
+    slower than the per-layer products on three streams (docs/perf-notes.md).
+    With ``fused`` it has nothing to do.
     """
     obs_dim: int
     n_actions: int
@@ -153,7 +153,7 @@ class DQNConfig:
     dependent_launch: bool = True
     fused_tail: bool = False
     fused_head: bool | None = None
-    cluster_forward: bool | None = None
+    cluster_forward: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "hidden", tuple(self.hidden))
@@ -203,11 +203,9 @@ class DQNConfig:
         if self.spectral_layers is not None and len(set(self.spectral_layers)) != len(self.spectral_layers):
             raise ValueError(f"spectral_layers repeats a layer: {self.spectral_layers}")
         _positive_int("seed", self.seed, 0, 2**63 - 1)
-        for flag in ("fused_head", "cluster_forward"):
-            value = getattr(self, flag)
-            if value is not None and not isinstance(value, (bool, np.bool_)):
-                raise ValueError(f"{flag} must be True, False or None, got {value!r}")
-        for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail"):
+        if self.fused_head is not None and not isinstance(self.fused_head, (bool, np.bool_)):
+            raise ValueError(f"fused_head must be True, False or None, got {self.fused_head!r}")
+        for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail", "cluster_forward"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 
@@ -350,18 +348,16 @@ class DQNStep:
     def _cluster_forward_net(self, cfg, device) -> NarrowMLP | None:
         """The NarrowMLP whose cluster kernel runs the three forwards, or None (see
         DQNConfig.cluster_forward)."""
-        if cfg.cluster_forward is False or cfg.fused:
+        if not cfg.cluster_forward or cfg.fused:
             return None
         reason = None
         if not NarrowMLP.supports(self.layout):
             reason = f"the net {self.layout.widths} is not narrow (every width <= 256, at most 4 weight layers)"
         elif tuple(device.compute_capability) < (9, 0):
             reason = f"thread block clusters need compute capability 9.0+, the device has {device.arch}"
-        if reason is None:
-            return NarrowMLP(self.layout, tf32=cfg.tf32)
-        if cfg.cluster_forward:
+        if reason is not None:
             raise ValueError(f"cluster_forward=True cannot run: {reason}")
-        return None
+        return NarrowMLP(self.layout, tf32=cfg.tf32)
 
     def _setup_spectral(self, mod, rng) -> None:
         cfg = self.config
