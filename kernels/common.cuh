@@ -244,6 +244,10 @@ __device__ __forceinline__ float dt_cluster_load(unsigned int addr) {
     return v;
 }
 
+__device__ __forceinline__ void dt_cluster_store(unsigned int addr, unsigned int v) {
+    DT_CLUSTER_ONLY(asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"));
+}
+
 __device__ __forceinline__ void dt_cluster_store2(unsigned int addr, float a, float b) {
     DT_CLUSTER_ONLY(asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory"));
 }

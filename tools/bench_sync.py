@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""What one synchronisation costs on the device: a kernel boundary, a grid barrier, a cluster barrier.
+
+Each is timed in a captured graph and divided by its count:
+- a kernel boundary: a chain of 200 launches of `sync_chain` (kernels/probe.cu), each
+  reading what the launch before wrote for the next block, ordinary and as dependent
+  launches, over 1 to 528 blocks of 256 threads;
+- a grid barrier: one cooperative launch of `sync_grid` with 1000 `dt_grid_barrier`s,
+  each after a write the next block reads, over 1 to 264 blocks;
+- a cluster barrier: one launch of `sync_cluster` with 1000 cluster barriers, each
+  after a write into the next block's shared memory, for clusters of 1 to 8 blocks, one
+  cluster and 16 side by side (compute capability 9.0+).
+Every hand-over is checked; a stale read fails the run (exit 1).
+"""
+import sys
+
+import numpy as np
+
+import _common
+from drvtrain import DeviceBuffer, Stream, builtin_module, capture, get_device
+from drvtrain.timing import time_graph
+
+NODES, ROUNDS = 200, 1000
+
+
+def timed(stream, enqueue, replays: int, repeats: int) -> float:
+    with capture(stream) as graph:
+        enqueue()
+    exe = graph.instantiate()
+    us = time_graph(exe, stream, replays=replays, repeats=repeats, warmup=3)
+    exe.close()
+    graph.close()
+    return us
+
+
+def main(argv=None) -> int:
+    parser = _common.tool_parser(__doc__)
+    parser.add_argument("--repeats", type=int, default=7, help="repeats; the median is reported (default 7)")
+    args = parser.parse_args(argv)
+    dev = get_device()
+    mod = builtin_module("probe.cu")
+    chain = mod.kernel("sync_chain", "ptr ptr i32")
+    grid = mod.kernel("sync_grid", "ptr ptr ptr i32")
+    stream = Stream()
+    errors = DeviceBuffer.zeros(1, np.uint32)
+    word = DeviceBuffer.zeros(1, np.uint32)
+    data = DeviceBuffer.zeros(2 * 528, np.uint32)
+    hopper = tuple(dev.compute_capability) >= (9, 0)
+    rows = []
+    for blocks in (1, 8, 16, 66, 132, 264, 528):
+        for dependent in (False, True) if hopper else (False,):
+            def enqueue():
+                for r in range(NODES):
+                    chain.launch(blocks, 256, data, errors, r, stream=stream, dependent=dependent)
+            us = timed(stream, enqueue, 10, args.repeats) / NODES
+            rows.append((f"kernel boundary, {blocks} blocks, {'dependent' if dependent else 'ordinary'} launch", us))
+        print(f"  kernel boundaries over {blocks} blocks timed", flush=True)
+    resident = grid.max_resident_blocks(256)
+    for blocks in (1, 8, 16, 66, 132, 264):
+        if blocks > resident:
+            continue
+        us = timed(stream, lambda: grid.launch(blocks, 256, word, data, errors, ROUNDS, stream=stream,
+                                               cooperative=True), 5, args.repeats) / ROUNDS
+        rows.append((f"grid barrier, {blocks} blocks", us))
+    print("  grid barriers timed", flush=True)
+    if hopper:
+        clus = mod.kernel("sync_cluster", "ptr i32")
+        for size in (1, 2, 4, 8):
+            for clusters in (1, 16):
+                us = timed(stream, lambda: clus.launch(size * clusters, 256, errors, ROUNDS, stream=stream,
+                                                       cluster=(size, 1, 1)), 5, args.repeats) / ROUNDS
+                rows.append((f"cluster barrier, {clusters} cluster(s) of {size}", us))
+        print("  cluster barriers timed", flush=True)
+    stream.synchronize()
+    stale = int(errors.to_numpy()[0])
+    print(f"\n{dev.name} ({dev.arch}, {dev.sm_count} SMs), 256 threads a block; us per synchronisation, "
+          f"median of {args.repeats} repeats\n")
+    print("| synchronisation | us |")
+    print("|---|---|")
+    for name, us in rows:
+        print(f"| {name} | {us:.3f} |")
+    if stale:
+        print(f"\n{stale} stale hand-over read(s): an ordering is broken", file=sys.stderr)
+        return 1
+    print("\nevery hand-over read what the writer wrote")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_common.run(main))
