@@ -161,20 +161,26 @@ struct Share {
     bool on[2];
 };
 
-__device__ __forceinline__ Share share(int tiles, int ksteps, int warp) {
+// The k-slicing of `tiles` (>= 1) n8 tiles over WARPS warps.
+template <int WARPS>
+__device__ __forceinline__ Share share_over(int tiles, int ksteps, int warp) {
     Share w;
     int slices = 1;
-    if (tiles < ROW_WARPS)
-        while (2 * slices * tiles <= ROW_WARPS) slices *= 2;
+    if (tiles < WARPS)
+        while (2 * slices * tiles <= WARPS) slices *= 2;
     while (slices > 1 && slices > ksteps) slices >>= 1;
     w.slices = slices;
     w.slice = slices == 1 ? 0 : warp % slices;
     w.tile[0] = slices == 1 ? warp : warp / slices;
-    w.tile[1] = slices == 1 ? warp + ROW_WARPS : tiles;
+    w.tile[1] = slices == 1 ? warp + WARPS : tiles;
     w.on[0] = w.tile[0] < tiles;
     w.on[1] = w.tile[1] < tiles;
     w.count = w.on[0] ? (ksteps - w.slice + slices - 1) / slices : 0;
     return w;
+}
+
+__device__ __forceinline__ Share share(int tiles, int ksteps, int warp) {
+    return share_over<ROW_WARPS>(tiles, ksteps, warp);
 }
 
 // After the k loop: the other slices' partial tiles into the slice-0 warp's accumulators,
@@ -728,21 +734,14 @@ __device__ __forceinline__ int cl_stride(int k) { return round_up(k, 32) + 8; }
 
 __device__ __forceinline__ int cl_tiles(int n, int ranks) { return (round_up(n, 8) / 8 + ranks - 1) / ranks; }
 
-// The k-slicing of a block's `tiles` n8 tiles over its warps (tiles may be 0: a rank
-// past the layer's last tile).
+// The k-slicing of a block's `tiles` n8 tiles over its warps; tiles may be 0 (a rank
+// past the layer's last tile), and then no warp has any.
 __device__ __forceinline__ Share cl_share(int tiles, int ksteps, int warp) {
-    Share w;
-    int slices = 1;
-    if (tiles > 0 && tiles < CL_WARPS)
-        while (2 * slices * tiles <= CL_WARPS) slices *= 2;
-    while (slices > 1 && slices > ksteps) slices >>= 1;
-    w.slices = slices;
-    w.slice = slices == 1 ? 0 : warp % slices;
-    w.tile[0] = slices == 1 ? warp : warp / slices;
-    w.tile[1] = slices == 1 ? warp + CL_WARPS : tiles;
-    w.on[0] = w.tile[0] < tiles;
-    w.on[1] = w.tile[1] < tiles;
-    w.count = w.on[0] ? (ksteps - w.slice + slices - 1) / slices : 0;
+    Share w = share_over<CL_WARPS>(max(tiles, 1), ksteps, warp);
+    if (tiles == 0) {
+        w.on[0] = w.on[1] = false;
+        w.count = 0;
+    }
     return w;
 }
 
@@ -921,40 +920,24 @@ __device__ void forward_cluster_block(const float* params, const float* x, float
         int bo0, int bo1, int bo2, int bo3
 #define DT_NARROW_SHAPE_VALUE NetShape{batch, layers, w0, w1, w2, w3, w4, wo0, wo1, wo2, wo3, bo0, bo1, bo2, bo3}
 
-// Signature: ptr x 9, i32 x 15, ptr, i32 (stop).
-#define DT_NARROW_FORWARD(NAME, TF32)                                                                        \
-    extern "C" __global__ void __launch_bounds__(ROW_THREADS)                                                \
+// Signature of every forward: ptr x 9, i32 x 15, ptr, i32 (stop). BLOCK is the block's
+// work (forward_block or forward_cluster_block), THREADS its block size.
+#define DT_NARROW_FORWARD(NAME, THREADS, BLOCK, TF32)                                                       \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                    \
         NAME(const float* params0, const float* params1, const float* params2, const float* x0,              \
              const float* x1, const float* x2, float* acts0, float* acts1, float* acts2, DT_NARROW_SHAPE,    \
              const int* gate, int stop) {                                                                    \
         dt_wait_prior_grid();                                                                                \
         dt_allow_dependents();                                                                               \
         const int pass = blockIdx.y;                                                                         \
-        forward_block<TF32>(pass == 0 ? params0 : pass == 1 ? params1 : params2,                             \
-                            pass == 0 ? x0 : pass == 1 ? x1 : x2, pass == 0 ? acts0 : pass == 1 ? acts1 : acts2, \
-                            DT_NARROW_SHAPE_VALUE, stop, gate);                                              \
+        BLOCK<TF32>(pass == 0 ? params0 : pass == 1 ? params1 : params2, pass == 0 ? x0 : pass == 1 ? x1 : x2, \
+                    pass == 0 ? acts0 : pass == 1 ? acts1 : acts2, DT_NARROW_SHAPE_VALUE, stop, gate);       \
     }
 
-DT_NARROW_FORWARD(narrow_forward, true)
-DT_NARROW_FORWARD(narrow_forward_f32, false)
-
-// Signature: ptr x 9, i32 x 15, ptr, i32 (stop).
-#define DT_NARROW_FORWARD_CLUSTER(NAME, TF32)                                                               \
-    extern "C" __global__ void __launch_bounds__(CL_THREADS)                                                 \
-        NAME(const float* params0, const float* params1, const float* params2, const float* x0,              \
-             const float* x1, const float* x2, float* acts0, float* acts1, float* acts2, DT_NARROW_SHAPE,    \
-             const int* gate, int stop) {                                                                    \
-        dt_wait_prior_grid();                                                                                \
-        dt_allow_dependents();                                                                               \
-        const int pass = blockIdx.y;                                                                         \
-        forward_cluster_block<TF32>(pass == 0 ? params0 : pass == 1 ? params1 : params2,                     \
-                                    pass == 0 ? x0 : pass == 1 ? x1 : x2,                                    \
-                                    pass == 0 ? acts0 : pass == 1 ? acts1 : acts2, DT_NARROW_SHAPE_VALUE,    \
-                                    stop, gate);                                                             \
-    }
-
-DT_NARROW_FORWARD_CLUSTER(narrow_forward_cluster, true)
-DT_NARROW_FORWARD_CLUSTER(narrow_forward_cluster_f32, false)
+DT_NARROW_FORWARD(narrow_forward, ROW_THREADS, forward_block, true)
+DT_NARROW_FORWARD(narrow_forward_f32, ROW_THREADS, forward_block, false)
+DT_NARROW_FORWARD(narrow_forward_cluster, CL_THREADS, forward_cluster_block, true)
+DT_NARROW_FORWARD(narrow_forward_cluster_f32, CL_THREADS, forward_cluster_block, false)
 
 // Signature of both backward kernels: ptr x 10, i32 x 15, ptr x 3.
 #define DT_NARROW_BACKWARD_PARAMS                                                                      \
