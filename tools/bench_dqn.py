@@ -5,14 +5,20 @@ For each configuration: microseconds per step (median over repeats of R
 back-to-back graph replays, device time over R), the graph's node count and
 longest dependent chain, for the default step (per-layer GEMMs, the two `s'`
 forwards on their own streams, dependent launches) and for variants that change
-one thing: no dependent launches, the three forwards as one launch of thread block
-clusters (DQNConfig(cluster_forward=True); small only), the output layer's forwards, the loss and its
-dX forced into one kernel or forced apart (DQNConfig(fused_head=True / False);
-the default picks by the layer's size), everything after the
-backward as one cooperative launch (DQNConfig(fused_tail=True)), the fused narrow kernels (small
-only: the large net is too wide for them), everything on one stream. With torch installed,
-the same step written plainly in PyTorch (tools/torch_dqn.py), eager and CUDA-graph
-captured. Goals: <= 15 us (small) and <= 50 us (large).
+one thing:
+- no dependent launches;
+- the output layer's forwards, the loss and its dX forced into one kernel or
+  forced apart (DQNConfig(fused_head=True / False); the default picks by the
+  layer's size);
+- everything after the backward as one cooperative launch
+  (DQNConfig(fused_tail=True));
+- the three forwards as one launch of thread block clusters
+  (DQNConfig(cluster_forward=True)) and the fused narrow kernels
+  (DQNConfig(fused=True)): small only, the large net is too wide for them;
+- everything on one stream.
+With torch installed, the same step written plainly in PyTorch
+(tools/torch_dqn.py), eager and CUDA-graph captured. Goals: <= 15 us (small)
+and <= 50 us (large).
 """
 import sys
 
