@@ -31,6 +31,8 @@
 //   workspace holds tiles * splits * 4160 floats and counters one zeroed uint per tile (left
 //   zeroed on exit); with splits == 1 both may be 0.
 // gate (every kernel; may be 0): while it points at a non-zero word the kernel writes nothing.
+//   The word must not change while the kernel runs (it is written by earlier work, read after
+//   dt_wait_prior_grid): in the cluster forward every block of a cluster must leave together.
 //
 // Row kernels (forward, data gradients): a block owns 16 batch rows, one m16 tile, and keeps
 // the layer's input rows (16 x 264 floats) in shared memory; 16 warps share the layer's n8
@@ -49,7 +51,9 @@
 // on its own row and the layout (forward, data gradients) or on the tile and the batch split
 // (weight gradients, whose split partials the last block adds in split order, dt_last_block).
 // No atomics on data, so results are bitwise reproducible, and a forward row's result does
-// not depend on which pass or how many passes share the launch.
+// not depend on which pass or how many passes share the launch. The cluster forward's k
+// split depends on its cluster size C, which narrow.py picks from the widest layer run:
+// its bits are fixed for a layout and `stop`, and may differ between two values of `stop`.
 #include "common.cuh"
 #include "tf32.cuh"
 

@@ -114,10 +114,12 @@ def test_resources_are_released_on_collect_or_close_but_never_at_exit():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["done"]
     pkg = os.path.join(ROOT, "drvtrain")
-    for name in sorted(os.listdir(pkg)):
-        if name.endswith(".py") and name != "driver.py":
-            with open(os.path.join(pkg, name)) as f:
-                assert "weakref.finalize(" not in f.read(), name
+    for folder, _, names in os.walk(pkg):
+        for name in sorted(names):
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and path != os.path.join(pkg, "driver.py"):
+                with open(path) as f:
+                    assert "weakref.finalize(" not in f.read(), os.path.relpath(path, ROOT)
 
 
 def test_import_needs_no_gpu():

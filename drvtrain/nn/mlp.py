@@ -293,6 +293,16 @@ class Forward:
         return self.activations[0].shape[0]
 
 
+def layer_count(layers, n: int) -> int:
+    """A forward's ``layers`` argument checked against a net of ``n`` layers: None is
+    all of them; otherwise an int in [1, n], or a ValueError that says so."""
+    if layers is None:
+        return n
+    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or not 1 <= layers <= n:
+        raise ValueError(f"layers must be an int in [1, {n}], got {layers!r}")
+    return int(layers)
+
+
 def _check_input(name: str, buf, shape) -> None:
     if not isinstance(buf, DeviceBuffer):
         raise TypeError(f"{name} must be a DeviceBuffer, got {type(buf).__name__}")
@@ -401,10 +411,7 @@ class MLP:
         if batch < 1:
             raise ValueError("the batch must have at least one row")
         n = len(self.layout.layers)
-        if layers is None:
-            layers = n
-        if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or not 1 <= layers <= n:
-            raise ValueError(f"layers must be an int in [1, {n}], got {layers!r}")
+        layers = layer_count(layers, n)
         acts = [x]
         last = n - 1
         for k, (out, inp) in enumerate(self.layout.layers[:int(layers)]):

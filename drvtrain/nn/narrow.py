@@ -22,7 +22,7 @@ import numpy as np
 from ..kernel import builtin_module
 from ..memory import Arena, DeviceBuffer
 from .layout import FlatBuffer, ParamLayout
-from .mlp import Forward, _check_input
+from .mlp import Forward, _check_input, layer_count
 
 __all__ = ["NarrowMLP"]
 
@@ -172,11 +172,7 @@ class NarrowMLP:
         return 4 * floats
 
     def _stop(self, layers) -> int:
-        if layers is None:
-            return self.layers
-        if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or not 1 <= layers <= self.layers:
-            raise ValueError(f"layers must be an int in [1, {self.layers}], got {layers!r}")
-        return int(layers)
+        return layer_count(layers, self.layers)
 
     def _views(self, block: DeviceBuffer, batch: int, widths) -> list[DeviceBuffer]:
         views, offset = [], 0

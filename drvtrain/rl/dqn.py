@@ -124,9 +124,12 @@ class DQNConfig:
     a pass, each block a slice of every layer's columns, and the layers hand
     over in distributed shared memory. Narrow nets only (every width <= 256,
     at most 4 weight layers) on compute capability 9.0+; ``True`` raises a
-    ValueError where it cannot run. Off by default: on the H200 it measured
-    slower than the per-layer products on three streams (docs/perf-notes.md).
-    With ``fused`` it has nothing to do.
+    ValueError where it cannot run, and the launch raises one where the device
+    has less shared memory a block than the kernel needs
+    (``NarrowMLP.cluster_shared_bytes``). Off by default: on the H200 it
+    measured slower than the per-layer products on three streams
+    (docs/perf-notes.md). ``fused`` takes precedence: with it set,
+    ``cluster_forward`` is ignored.
     """
     obs_dim: int
     n_actions: int
