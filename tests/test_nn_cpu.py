@@ -88,14 +88,19 @@ def test_backward_reference_follows_given_relu_masks(rng):
     plain, same = mlp_backward(named, acts, dout), mlp_backward(named, acts, dout, masks)
     for name in plain:
         np.testing.assert_array_equal(plain[name], same[name])
+    # Flip the first layer's unit with the largest gradient flowing into it (a row whose
+    # second-layer units are all dead would pass nothing, and the flip would change nothing).
+    upstream = ((dout @ named["layer2.weight"]) * masks[1]) @ named["layer1.weight"]
+    row, unit = np.unravel_index(np.argmax(np.abs(upstream)), upstream.shape)
+    assert upstream[row, unit] != 0
     flipped = [masks[0].copy(), masks[1]]
-    flipped[0][2, 1] = not flipped[0][2, 1]
+    flipped[0][row, unit] = not flipped[0][row, unit]
     moved = mlp_backward(named, acts, dout, flipped)
     for name in ("layer1.weight", "layer1.bias", "layer2.weight", "layer2.bias"):
         np.testing.assert_array_equal(plain[name], moved[name])
     changed = np.argwhere(plain["layer0.weight"] != moved["layer0.weight"])
-    assert changed.size and np.all(changed[:, 0] == 1)  # the flipped unit's weight row only
-    assert plain["layer0.bias"][1] != moved["layer0.bias"][1]
+    assert changed.size and np.all(changed[:, 0] == unit)  # the flipped unit's weight row only
+    assert plain["layer0.bias"][unit] != moved["layer0.bias"][unit]
 
 
 def test_clip_and_adamw_references(rng):
