@@ -731,6 +731,7 @@ __device__ void weight_grads_block(float* grads, const PerLayer<const float>& x,
 constexpr int CL_THREADS = 256;
 constexpr int CL_WARPS = CL_THREADS / 32;
 constexpr int CL_ROWS = 32;  // two m16 tiles: each weight fragment serves both
+constexpr int CL_MAX = 8;    // blocks a cluster: the portable size
 
 // Row stride of a shared-memory row of k floats: = 8 (mod 32), so the 64-bit fragment
 // loads of a half-warp (8 rows apart by g, 2t within a row) hit 32 distinct banks.
@@ -751,21 +752,68 @@ __device__ __forceinline__ Share cl_share(int tiles, int ksteps, int warp) {
 
 // Copy rows x k floats (row-major, `ld` floats apart, rows from `first_row` below `rows_ok`
 // and k below `k_ok`, zero elsewhere) into shared rows of stride `stride`, k padded to 8.
+// A warp copies a row at a time, so no thread divides.
 __device__ __forceinline__ void cl_copy_rows(float* dst, int stride, const float* src, long long ld, int first_row,
                                              int rows, int rows_ok, int k, bool vector) {
-    const int kp = round_up(k, 8);
-    if (vector) {  // k % 4 == 0 and src 16-byte aligned
-        const int q = kp / 4;
-        for (int e = threadIdx.x; e < rows * q; e += CL_THREADS) {
-            const int i = e / q, c = 4 * (e - i * q), row = first_row + i;
-            const bool ok = row < rows_ok && c < k;
-            cp_async16(dst + i * stride + c, ok ? src + row * ld + c : src, ok);
+    const int kp = round_up(k, 8), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = warp; i < rows; i += CL_WARPS) {
+        const int row = first_row + i;
+        const bool row_ok = row < rows_ok;
+        const float* from = src + (row_ok ? row * ld : 0);
+        float* to = dst + i * stride;
+        if (vector) {  // k % 4 == 0 and src 16-byte aligned
+            for (int c = 4 * lane; c < kp; c += 128) {
+                const bool ok = row_ok && c < k;
+                cp_async16(to + c, ok ? from + c : src, ok);
+            }
+        } else {
+            for (int c = lane; c < kp; c += 32) {
+                const bool ok = row_ok && c < k;
+                cp_async4(to + c, ok ? from + c : src, ok);
+            }
         }
-    } else {
-        for (int e = threadIdx.x; e < rows * kp; e += CL_THREADS) {
-            const int i = e / kp, c = e - i * kp, row = first_row + i;
-            const bool ok = row < rows_ok && c < k;
-            cp_async4(dst + i * stride + c, ok ? src + row * ld + c : src, ok);
+    }
+}
+
+// A warp's k loop over `count` k-steps for TILES n8 tiles and both m16 tiles: A from the
+// input rows (held rounded to TF32 on the TF32 path), B from the staged weight rows.
+template <bool TF32, int TILES>
+__device__ __forceinline__ void cl_k_loop(float (&acc)[2][2][4], const float* a, const float* b0, const float* b1,
+                                          int S, int step, int count) {
+#pragma unroll 4
+    for (int i = 0; i < count; ++i, a += step, b0 += step, b1 += step) {
+        unsigned int frag[2][4] = {};
+        float4 xr[2][4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            const float* r0 = a + 16 * m * S;
+            const float* r1 = r0 + 8 * S;
+            if constexpr (TF32) {
+                const float2 lo = *reinterpret_cast<const float2*>(r0);
+                const float2 hi = *reinterpret_cast<const float2*>(r1);
+                frag[m][0] = __float_as_uint(lo.x), frag[m][1] = __float_as_uint(hi.x);
+                frag[m][2] = __float_as_uint(lo.y), frag[m][3] = __float_as_uint(hi.y);
+            } else {
+                xr[m][0] = *reinterpret_cast<const float4*>(r0);
+                xr[m][1] = *reinterpret_cast<const float4*>(r0 + 4);
+                xr[m][2] = *reinterpret_cast<const float4*>(r1);
+                xr[m][3] = *reinterpret_cast<const float4*>(r1 + 4);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < TILES; ++j) {
+            const float* b = j == 0 ? b0 : b1;
+            FwdFrag<TF32> f;
+            if constexpr (TF32) {
+                f.w = *reinterpret_cast<const float2*>(b);
+            } else {
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) f.w[2 * c + h] = *reinterpret_cast<const float4*>(b + c * S + 4 * h);
+            }
+#pragma unroll
+            for (int m = 0; m < 2; ++m) compute_forward(acc[m][j], f, frag[m], xr[m]);
         }
     }
 }
@@ -812,9 +860,17 @@ __device__ void forward_cluster_block(const float* params, const float* x, float
         return;
     }
     if (stop > 1) dt_cluster_arrive_relaxed();  // waited for before the first remote write
-    dt_cp_async_wait<0>();
-    __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    dt_cp_async_wait<0>();
+    if constexpr (TF32) {
+        // Every layer's input rows are held rounded to TF32, so the k loops pass them to
+        // the MMAs as they are: the input here, the later layers' as the epilogue writes
+        // them. The same bits as rounding each fragment as it is loaded.
+        const int k = s.width(0), stride = cl_stride(k), kp = round_up(k, 8);
+        for (int i = warp; i < CL_ROWS; i += CL_WARPS)
+            for (int c = lane; c < kp; c += 32) act0[i * stride + c] = __uint_as_float(to_tf32(act0[i * stride + c]));
+    }
+    __syncthreads();
     const float* wl = slices0;
     long long y_off = 0;
     for (int l = 0; l < stop; ++l) {
@@ -827,43 +883,15 @@ __device__ void forward_cluster_block(const float* params, const float* x, float
         y_off += ((long long)batch * N + 63) / 64 * 64;  // see narrow.py
         const Share sh = cl_share(mine, round_up(K, 8) / 8, warp);
         float acc[2][2][4] = {};  // [m16 tile][n8 tile][fragment]
-        for (int i = 0; i < sh.count; ++i) {
-            const int k0 = (sh.slice + i * sh.slices) * 8;
-            unsigned int a[2][4] = {};
-            float4 xr[2][4];
-#pragma unroll
-            for (int m = 0; m < 2; ++m) {
-                const float* r0 = in + (16 * m + g) * S + k0;
-                const float* r1 = r0 + 8 * S;
-                if constexpr (TF32) {
-                    const float2 lo = *reinterpret_cast<const float2*>(r0 + 2 * t);
-                    const float2 hi = *reinterpret_cast<const float2*>(r1 + 2 * t);
-                    a[m][0] = to_tf32(lo.x), a[m][1] = to_tf32(hi.x), a[m][2] = to_tf32(lo.y), a[m][3] = to_tf32(hi.y);
-                } else {
-                    xr[m][0] = *reinterpret_cast<const float4*>(r0);
-                    xr[m][1] = *reinterpret_cast<const float4*>(r0 + 4);
-                    xr[m][2] = *reinterpret_cast<const float4*>(r1);
-                    xr[m][3] = *reinterpret_cast<const float4*>(r1 + 4);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                if (!sh.on[j]) continue;
-                FwdFrag<TF32> f;
-                if constexpr (TF32) {
-                    f.w = *reinterpret_cast<const float2*>(wl + (8 * sh.tile[j] + g) * S + k0 + 2 * t);
-                } else {
-#pragma unroll
-                    for (int c = 0; c < 2; ++c)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h)
-                            f.w[2 * c + h] =
-                                *reinterpret_cast<const float4*>(wl + (8 * sh.tile[j] + 2 * t + c) * S + k0 + 4 * h);
-                }
-#pragma unroll
-                for (int m = 0; m < 2; ++m) compute_forward(acc[m][j], f, a[m], xr[m]);
-            }
-        }
+        // This warp's first A and B elements; a k-step moves both `step` floats on. The
+        // loop is specialised on whether the warp holds a second tile (warp-uniform, the
+        // same for every k-step), so no k-step branches.
+        const int step = sh.slices * 8, k0 = sh.slice * 8 + (TF32 ? 2 * t : 0);
+        const float* a0 = in + g * S + k0;
+        const float* b0 = wl + (8 * sh.tile[0] + (TF32 ? g : 2 * t)) * S + k0;
+        const float* b1 = wl + (8 * sh.tile[1] + (TF32 ? g : 2 * t)) * S + k0;
+        if (sh.on[1]) cl_k_loop<TF32, 2>(acc, a0, b0, b1, S, step, sh.count);
+        else if (sh.on[0]) cl_k_loop<TF32, 1>(acc, a0, b0, b1, S, step, sh.count);
         // The other slices' partial tiles into the slice-0 warp's, in slice order.
         if (sh.slices > 1 && sh.on[0])
 #pragma unroll
@@ -884,6 +912,12 @@ __device__ void forward_cluster_block(const float* params, const float* x, float
             // Bias, ReLU (keeping NaN, as torch.relu); to global memory, and into the next
             // layer's input rows of every block (0 in the padding columns up to a multiple of 8).
             const int SN = cl_stride(N);
+            unsigned int remote[CL_MAX];  // the next layer's input rows in every block of the cluster
+            if (more) {
+                const unsigned int base = (unsigned int)__cvta_generic_to_shared(next);
+#pragma unroll
+                for (int q = 0; q < CL_MAX; ++q) remote[q] = q < ranks ? dt_cluster_address(base, q) : 0u;
+            }
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 if (!sh.on[j]) continue;
@@ -906,8 +940,12 @@ __device__ void forward_cluster_block(const float* params, const float* x, float
                             if (row < batch) y[(long long)row * N + col + 1] = v1;
                         }
                         if (more) {
-                            const unsigned int at = (unsigned int)__cvta_generic_to_shared(next + r * SN + col);
-                            for (int q = 0; q < ranks; ++q) dt_cluster_store2(dt_cluster_address(at, q), v0, v1);
+                            const unsigned int at = 4u * (unsigned int)(r * SN + col);
+                            const float n0 = TF32 ? __uint_as_float(to_tf32(v0)) : v0;
+                            const float n1 = TF32 ? __uint_as_float(to_tf32(v1)) : v1;
+#pragma unroll
+                            for (int q = 0; q < CL_MAX; ++q)
+                                if (q < ranks) dt_cluster_store2(remote[q] + at, n0, n1);
                         }
                     }
             }
