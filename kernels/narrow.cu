@@ -862,6 +862,7 @@ __device__ void forward_cluster_block(const float* params, const float* x, float
     if (stop > 1) dt_cluster_arrive_relaxed();  // waited for before the first remote write
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     dt_cp_async_wait<0>();
+    __syncthreads();  // every thread's copies have landed
     if constexpr (TF32) {
         // Every layer's input rows are held rounded to TF32, so the k loops pass them to
         // the MMAs as they are: the input here, the later layers' as the epilogue writes
@@ -869,8 +870,8 @@ __device__ void forward_cluster_block(const float* params, const float* x, float
         const int k = s.width(0), stride = cl_stride(k), kp = round_up(k, 8);
         for (int i = warp; i < CL_ROWS; i += CL_WARPS)
             for (int c = lane; c < kp; c += 32) act0[i * stride + c] = __uint_as_float(to_tf32(act0[i * stride + c]));
+        __syncthreads();
     }
-    __syncthreads();
     const float* wl = slices0;
     long long y_off = 0;
     for (int l = 0; l < stop; ++l) {
