@@ -914,6 +914,7 @@ __device__ void forward_cluster_block(const float* params, const float* x, float
             // layer's input rows of every block (0 in the padding columns up to a multiple of 8).
             const int SN = cl_stride(N);
             unsigned int remote[CL_MAX];  // the next layer's input rows in every block of the cluster
+            if (ranks > CL_MAX) __trap();     // narrow.py launches at most the portable 8
             if (more) {
                 const unsigned int base = (unsigned int)__cvta_generic_to_shared(next);
 #pragma unroll
