@@ -171,6 +171,14 @@ class NarrowMLP:
             floats += rows * stride(inp) + _round_up(rows, 4)
         return 4 * floats
 
+    def clusters_at_once(self, layers: int | None = None) -> int:
+        """How many clusters of the cluster forward of the first ``layers`` layers run on
+        the device at once (``Kernel.max_active_clusters``); a launch of more runs in waves.
+        Loads the kernels, so it needs the GPU."""
+        stop = self._stop(layers)
+        return self._kernel("forward_cluster").max_active_clusters((self.cluster_ranks(stop), 1, 1), CLUSTER_THREADS,
+                                                                   self.cluster_shared_bytes(stop))
+
     def _stop(self, layers) -> int:
         return layer_count(layers, self.layers)
 
