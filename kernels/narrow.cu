@@ -30,6 +30,9 @@
 //   layer); y splits the batch, in 32-row chunks, over splits <= 4 blocks. With splits > 1
 //   workspace holds tiles * splits * 4160 floats and counters one zeroed uint per tile (left
 //   zeroed on exit); with splits == 1 both may be 0.
+// Built with -DDT_NARROW_FIXED=<the 15 shape arguments> -DDT_NARROW_STOP=<stop>
+// -DDT_NARROW_RANKS=<C> (narrow.py's fix_shape), the file holds only the four forwards,
+// compiled for that one shape: the same bits, fewer instructions; other arguments trap.
 // gate (every kernel; may be 0): while it points at a non-zero word the kernel writes nothing.
 //   The word must not change while the kernel runs (it is written by earlier work, read after
 //   dt_wait_prior_grid): in the cluster forward every block of a cluster must leave together.
@@ -89,6 +92,11 @@ struct NetShape {
     __device__ __forceinline__ int width(int l) const { return l == 4 ? w4 : pick(l, w0, w1, w2, w3); }
     __device__ __forceinline__ int w_off(int l) const { return pick(l, wo0, wo1, wo2, wo3); }
     __device__ __forceinline__ int b_off(int l) const { return pick(l, bo0, bo1, bo2, bo3); }
+    __device__ __forceinline__ bool same(const NetShape& o) const {
+        return batch == o.batch && layers == o.layers && w0 == o.w0 && w1 == o.w1 && w2 == o.w2 && w3 == o.w3 &&
+               w4 == o.w4 && wo0 == o.wo0 && wo1 == o.wo1 && wo2 == o.wo2 && wo3 == o.wo3 && bo0 == o.bo0 &&
+               bo1 == o.bo1 && bo2 == o.bo2 && bo3 == o.bo3;
+    }
 };
 
 template <typename T>
@@ -337,7 +345,7 @@ __device__ __forceinline__ void compute_forward_group(float (&acc)[2][4], const 
 }
 
 template <bool TF32>
-__device__ void forward_block(const float* params, const float* x, float* acts, const NetShape& s, int stop,
+__device__ __forceinline__ void forward_block(const float* params, const float* x, float* acts, const NetShape& s, int stop,
                               const int* gate) {
     constexpr int D = TF32 ? 8 : 1;  // k-steps per register group; two groups in flight
     __shared__ __align__(16) float act[ROWS][ACT_LD];
@@ -359,6 +367,7 @@ __device__ void forward_block(const float* params, const float* x, float* acts, 
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     long long y_off = 0;
+    #pragma unroll
     for (int l = 0; l < stop; ++l) {
         const int K = s.width(l), N = s.width(l + 1), np = round_up(N, 8);
         const float* w = params + s.w_off(l);
@@ -819,15 +828,22 @@ __device__ __forceinline__ void cl_k_loop(float (&acc)[2][2][4], const float* a,
 }
 
 template <bool TF32>
-__device__ void forward_cluster_block(const float* params, const float* x, float* acts, const NetShape& s, int stop,
+__device__ __forceinline__ void forward_cluster_block(const float* params, const float* x, float* acts, const NetShape& s, int stop,
                                       const int* gate) {
     extern __shared__ __align__(16) float smem[];
-    const int ranks = (int)dt_cluster_blocks(), rank = (int)dt_cluster_rank();
+#ifdef DT_NARROW_RANKS
+    constexpr int ranks = DT_NARROW_RANKS;
+    if (dt_cluster_blocks() != ranks) __trap();
+#else
+    const int ranks = (int)dt_cluster_blocks();
+#endif
+    const int rank = (int)dt_cluster_rank();
     const int batch = s.batch, layers = s.layers, row0 = (blockIdx.x / ranks) * CL_ROWS;
     // Shared memory, in floats (narrow.py's cluster_shared_bytes says the same): the
     // inputs of even layers, of odd layers, the slice partials, then per layer its
     // weight rows and its bias slice.
     int even = 0, odd = 0;
+    #pragma unroll
     for (int l = 0; l < stop; ++l) {
         if (l & 1) odd = max(odd, cl_stride(s.width(l)));
         else even = max(even, cl_stride(s.width(l)));
@@ -841,6 +857,7 @@ __device__ void forward_cluster_block(const float* params, const float* x, float
         const int k = s.width(0);
         cl_copy_rows(act0, cl_stride(k), x, k, row0, CL_ROWS, batch, k, (k & 3) == 0 && aligned16(x));
         float* at = slices0;
+        #pragma unroll
         for (int l = 0; l < stop; ++l) {
             const int K = s.width(l), N = s.width(l + 1), tb = cl_tiles(N, ranks);
             const float* w = params + s.w_off(l);
@@ -874,6 +891,7 @@ __device__ void forward_cluster_block(const float* params, const float* x, float
     }
     const float* wl = slices0;
     long long y_off = 0;
+    #pragma unroll
     for (int l = 0; l < stop; ++l) {
         const int K = s.width(l), N = s.width(l + 1), S = cl_stride(K), tb = cl_tiles(N, ranks);
         const int first_tile = rank * tb, mine = max(0, min(tb, round_up(N, 8) / 8 - first_tile));
@@ -964,6 +982,25 @@ __device__ void forward_cluster_block(const float* params, const float* x, float
         int bo0, int bo1, int bo2, int bo3
 #define DT_NARROW_SHAPE_VALUE NetShape{batch, layers, w0, w1, w2, w3, w4, wo0, wo1, wo2, wo3, bo0, bo1, bo2, bo3}
 
+// A forward compiled for one shape: -DDT_NARROW_FIXED=batch,layers,w0,...,bo3 (the 15
+// shape arguments), -DDT_NARROW_STOP=stop and, for the cluster kernels,
+// -DDT_NARROW_RANKS=C. The shape is then a compile-time constant, so the selects, the
+// split of tiles over warps and the bounds checks fold away. The arguments must still
+// match: a launch with any other shape traps.
+#ifdef DT_NARROW_FIXED
+#define DT_NARROW_FORWARD_SHAPE                                                                        \
+    constexpr NetShape shape{DT_NARROW_FIXED};                                                         \
+    constexpr int stop_used = DT_NARROW_STOP;                                                          \
+    {                                                                                                  \
+        const NetShape given = DT_NARROW_SHAPE_VALUE;                                                  \
+        if (!shape.same(given) || stop != stop_used) __trap();                                        \
+    }
+#else
+#define DT_NARROW_FORWARD_SHAPE               \
+    const NetShape shape = DT_NARROW_SHAPE_VALUE; \
+    const int stop_used = stop;
+#endif
+
 // Signature of every forward: ptr x 9, i32 x 15, ptr, i32 (stop). BLOCK is the block's
 // work (forward_block or forward_cluster_block), THREADS its block size.
 #define DT_NARROW_FORWARD(NAME, THREADS, BLOCK, TF32)                                                       \
@@ -973,9 +1010,10 @@ __device__ void forward_cluster_block(const float* params, const float* x, float
              const int* gate, int stop) {                                                                    \
         dt_wait_prior_grid();                                                                                \
         dt_allow_dependents();                                                                               \
+        DT_NARROW_FORWARD_SHAPE                                                                              \
         const int pass = blockIdx.y;                                                                         \
         BLOCK<TF32>(pass == 0 ? params0 : pass == 1 ? params1 : params2, pass == 0 ? x0 : pass == 1 ? x1 : x2, \
-                    pass == 0 ? acts0 : pass == 1 ? acts1 : acts2, DT_NARROW_SHAPE_VALUE, stop, gate);       \
+                    pass == 0 ? acts0 : pass == 1 ? acts1 : acts2, shape, stop_used, gate);                  \
     }
 
 DT_NARROW_FORWARD(narrow_forward, ROW_THREADS, forward_block, true)
@@ -983,6 +1021,7 @@ DT_NARROW_FORWARD(narrow_forward_f32, ROW_THREADS, forward_block, false)
 DT_NARROW_FORWARD(narrow_forward_cluster, CL_THREADS, forward_cluster_block, true)
 DT_NARROW_FORWARD(narrow_forward_cluster_f32, CL_THREADS, forward_cluster_block, false)
 
+#ifndef DT_NARROW_FIXED  // a build for one shape holds the forwards only
 // Signature of both backward kernels: ptr x 10, i32 x 15, ptr x 3.
 #define DT_NARROW_BACKWARD_PARAMS                                                                      \
     const float *params, float *grads, const float *x0, const float *x1, const float *x2, const float *x3, \
@@ -1004,3 +1043,4 @@ extern "C" __global__ void __launch_bounds__(GRAD_THREADS) narrow_weight_grads(D
     const PerLayer<float> dy{dy0, dy1, dy2, dy3};
     weight_grads_block(grads, x, dy, DT_NARROW_SHAPE_VALUE, workspace, counters, gate);
 }
+#endif  // DT_NARROW_FIXED

@@ -175,6 +175,11 @@ def test_one_fp32_step_matches_float64(device, rng, overrides):
     want_cluster = bool(overrides.get("cluster_forward"))
     assert (step.cluster_net is not None) == want_cluster
     assert ("narrow_forward_cluster_f32" in names) == want_cluster, names
+    # A narrow net running the three forwards runs kernels compiled for the step's shape.
+    forward_net = step.narrow if step.narrow is not None else step.cluster_net
+    if forward_net is not None:
+        hidden = len(step.layout.layers) - (step._head is not None)
+        assert forward_net.fixed_shapes() == [(step.config.batch, hidden)]
 
 
 def step_kernels(step):

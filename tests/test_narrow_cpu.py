@@ -157,3 +157,57 @@ def test_cluster_forward_refuses_a_layer_count_out_of_range(layers):
     net = NarrowMLP(ParamLayout.from_widths([4, 256, 256, 3]))
     with pytest.raises(ValueError, match=r"layers must be an int in \[1, 3\]"):
         net.cluster_ranks(layers)
+
+
+def _define(options, name):
+    (value,) = [o.split("=", 1)[1] for o in options if o.startswith(f"-D{name}=")]
+    return value
+
+
+@pytest.mark.parametrize("widths, batch, stop", [([4, 256, 256, 3], 256, 2), ([7, 33, 65, 19], 77, 3),
+                                                 ([9, 2], 1, 1), ([5, 64, 200, 256, 19], 1000, 4)])
+def test_fixed_shape_options_spell_the_launch_arguments(widths, batch, stop):
+    """fix_shape's -D constants are the forwards' 15 shape arguments in kernels/narrow.cu's
+    order (batch, layers, w[0..4], w_off[0..3], b_off[0..3], zero past the net), written
+    out here from the layout, plus stop and the cluster size."""
+    layout = ParamLayout.from_widths(widths)
+    net = NarrowMLP(layout)
+    n = len(widths) - 1
+    pad = [0] * (4 - n)
+    want = [batch, n, *widths, *[0] * (5 - len(widths)), *[layout.weight(k).offset for k in range(n)], *pad,
+            *[layout.bias(k).offset for k in range(n)], *pad]
+    options = net.fixed_options(batch, stop)
+    assert [int(v) for v in _define(options, "DT_NARROW_FIXED").split(",")] == want
+    assert int(_define(options, "DT_NARROW_STOP")) == stop
+    assert int(_define(options, "DT_NARROW_RANKS")) == net.cluster_ranks(stop)
+    assert net.fixed_options(batch) == net.fixed_options(batch, n)
+
+
+@pytest.mark.parametrize("batch", [0, -3, 2.0, True, "256", None])
+def test_fixed_shape_refuses_a_batch_that_is_not_a_positive_int(batch):
+    net = NarrowMLP(ParamLayout.from_widths([4, 256, 256, 3]))
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        net.fixed_options(batch, 2)
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        net.fix_shape(batch, 2)
+    assert net.fixed_shapes() == []
+
+
+def test_fixed_shape_refuses_a_layer_count_out_of_range():
+    net = NarrowMLP(ParamLayout.from_widths([4, 256, 256, 3]))
+    with pytest.raises(ValueError, match=r"layers must be an int in \[1, 3\]"):
+        net.fixed_options(256, 4)
+
+
+def test_fixed_shape_build_holds_the_four_forwards_for_sm_90(cache_dir):
+    """The build for one shape compiles to an sm_90 CUBIN with the forwards (per block and
+    in clusters, TF32 and FP32) and nothing else, and it is another CUBIN than the general
+    build's: the shape is in the code."""
+    net = NarrowMLP(ParamLayout.from_widths([7, 33, 65, 19]))
+    fixed = compile_file("narrow.cu", arch="sm_90", options=("-std=c++17",) + net.fixed_options(77, 2))
+    general = compile_file("narrow.cu", arch="sm_90", options=("-std=c++17",))
+    assert cubin_arch(fixed.cubin) == 90
+    sections = elf_sections(fixed.cubin)
+    forwards = [k for k in KERNELS if k.startswith("narrow_forward")]
+    assert sorted(k for k in KERNELS if f".text.{k}" in sections) == sorted(forwards)
+    assert fixed.cubin != general.cubin

@@ -20,6 +20,9 @@ SHAPES = [  # (batch, widths): the DQN nets, odd sizes, unaligned rows, 1 and 4 
     (1000, [5, 64, 200, 256, 19]),
     (33, [9, 2]),
 ]
+# Each (batch, widths, layers) of a fixed shape is an NVRTC build (seconds): a subset.
+FIXED_SHAPES = [(256, [4, 256, 256, 3]), (1, [4, 128, 128, 3]), (77, [7, 33, 65, 19]), (1000, [5, 64, 200, 256, 19]),
+                (33, [9, 2])]
 TF32_BOUND, F32_BOUND, GRAD_BOUND = 2e-3, 1e-5, 1e-5
 NAN_BITS = 0xFFFFFFFF  # what DeviceBuffer.poison writes
 
@@ -135,6 +138,45 @@ def test_first_layers_of_three_passes_match_float64(device, stream, rng, batch, 
         for i, (fwd, p, x) in enumerate(zip(fwds, params, xs)):
             assert len(fwd.activations) == stop + 1 and fwd.output.shape == (batch, widths[stop])
             check_forward(fwd, p.to_numpy(), x, n, bound, what=f"layers={stop} pass {i} ")
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["blocks", "clusters"])
+@pytest.mark.parametrize("tf32, bound", [(True, TF32_BOUND), (False, F32_BOUND)], ids=["tf32", "f32"])
+@pytest.mark.parametrize("batch, widths", FIXED_SHAPES)
+def test_kernels_fixed_to_a_shape_give_the_general_kernels_bits(device, stream, rng, batch, widths, tf32, bound,
+                                                               cluster):
+    """fix_shape(batch, k) for every k: forward_many of that batch and k launches the kernels
+    compiled for it, whose outputs match float64 and are bit for bit the general kernels';
+    another batch or another k still runs (the general kernels) and matches float64."""
+    layout = ParamLayout.from_widths(widths)
+    general, fixed = NarrowMLP(layout, tf32=tf32), NarrowMLP(layout, tf32=tf32)
+    n = len(layout.layers)
+    other = batch + 3
+    for stop in range(1, n + 1):
+        fixed.fix_shape(batch, stop)
+        assert (batch, stop) in fixed.fixed_shapes()
+        name = "forward_cluster" if cluster else "forward"
+        assert fixed._forward_kernel(name, batch, stop) is not general._forward_kernel(name, batch, stop)
+        params = [random_params(layout, rng) for _ in range(3)]
+        xs = [random_input(rng, batch, widths[0]) for _ in range(3)]
+        outs = []
+        for net in (general, fixed):
+            arena = poisoned_arena(net, batch, 3, stream)
+            fwds = net.forward_many(params, [DeviceBuffer.from_numpy(x) for x in xs], arena=arena, stream=stream,
+                                    layers=stop, cluster=cluster)
+            outs.append([[y.to_numpy() for y in f.activations[1:]] for f in fwds])
+            for i, (fwd, p, x) in enumerate(zip(fwds, params, xs)):
+                check_forward(fwd, p.to_numpy(), x, n, bound, what=f"layers={stop} pass {i} ")
+        for i, (a, b) in enumerate(zip(*outs)):
+            for k, (ya, yb) in enumerate(zip(a, b)):
+                assert ya.tobytes() == yb.tobytes(), f"layers={stop} pass {i} layer {k}: fixed != general"
+        # A shape it was not fixed to: the general kernels (a fixed one would trap).
+        x = random_input(rng, other, widths[0])
+        arena = poisoned_arena(fixed, other, 1, stream)
+        fwd, = fixed.forward_many(params[:1], [DeviceBuffer.from_numpy(x)], arena=arena, stream=stream,
+                                  layers=stop, cluster=cluster)
+        check_forward(fwd, params[0].to_numpy(), x, n, bound, what=f"batch {other} layers={stop} ")
+    assert fixed.fixed_shapes() == [(batch, stop) for stop in range(1, n + 1)]
 
 
 @pytest.mark.parametrize("tf32", [True, False], ids=["tf32", "f32"])

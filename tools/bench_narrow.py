@@ -7,6 +7,7 @@ layer is dqn_head's). Each way is timed as a captured chain of launches, ordinar
 dependent, in microseconds per forward of the three passes:
 - `NarrowMLP.forward_many(cluster=True)`: one launch of thread block clusters;
 - `NarrowMLP.forward_many()`: one launch, a block per 16 rows running every layer;
+- both again after `NarrowMLP.fix_shape`: kernels compiled for this batch and depth;
 - `MLP.forward`: a GEMM launch per layer and pass, all on one stream.
 Also prints the cluster launch's plan: blocks per cluster, shared memory, and how many
 clusters fit at once against how many the launch needs.
@@ -39,17 +40,22 @@ def main(argv=None) -> int:
     s, s2 = (DeviceBuffer.from_numpy(rng.standard_normal((BATCH, WIDTHS[0])).astype(np.float32)) for _ in range(2))
     params, xs = [online, online, target], [s, s2, s2]
     net, mlp = NarrowMLP(layout, tf32=True), MLP(layout, tf32=True)
+    fixed = NarrowMLP(layout, tf32=True)
+    fixed.fix_shape(BATCH, HIDDEN)
     arena = Arena(3 * mlp.scratch_bytes(BATCH) + 3 * net.forward_bytes(BATCH))
     stream = Stream()
     ways = (
         ("clusters", lambda: net.forward_many(params, xs, arena=arena, stream=stream, layers=HIDDEN, cluster=True)),
+        ("clusters, fixed shape",
+         lambda: fixed.forward_many(params, xs, arena=arena, stream=stream, layers=HIDDEN, cluster=True)),
         ("per block", lambda: net.forward_many(params, xs, arena=arena, stream=stream, layers=HIDDEN)),
+        ("per block, fixed shape", lambda: fixed.forward_many(params, xs, arena=arena, stream=stream, layers=HIDDEN)),
         ("per layer", lambda: [mlp.forward(p, x, arena=arena, stream=stream, layers=HIDDEN) for p, x in zip(params, xs)]),
     )
     rows = []
     hopper = tuple(dev.compute_capability) >= (9, 0)
     for name, enqueue in ways:
-        if name == "clusters" and not hopper:
+        if name.startswith("clusters") and not hopper:
             continue
         for dependent in (False, True) if hopper else (False,):
             with dependent_launches(dependent):

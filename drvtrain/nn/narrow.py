@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernel import builtin_module
+from ..compiler import DEFAULT_OPTIONS
+from ..kernel import builtin_module, load_module
 from ..memory import Arena, DeviceBuffer
 from .layout import FlatBuffer, ParamLayout
 from .mlp import Forward, _check_input, layer_count
@@ -76,6 +77,7 @@ class NarrowMLP:
                        *[layout.bias(k).offset for k in range(self.layers)], *[0] * pad)
         self.tiles = sum(_cdiv(o, TILE) * _cdiv(i, TILE) for o, i in layout.layers)
         self._kernels = None  # loaded at the first launch, so sizes can be asked for without a GPU
+        self._fixed = {}  # (batch, stop) -> the forward kernels compiled for that shape (fix_shape)
 
     # ------------------------------------------------------------ what it takes
     @staticmethod
@@ -144,6 +146,48 @@ class NarrowMLP:
                 "weight_grads": module.kernel("narrow_weight_grads", _BACKWARD_SIGNATURE, fixed_block=True),
             }
         return self._kernels[name]
+
+    # ------------------------------------------------------------ kernels for one shape
+    def fixed_options(self, batch: int, layers: int | None = None) -> tuple[str, ...]:
+        """The NVRTC options that compile kernels/narrow.cu's forwards for ``batch`` rows and
+        the first ``layers`` layers of this layout: the kernels' shape arguments, in their
+        order, as -D constants (see :meth:`fix_shape`)."""
+        stop = self._stop(layers)
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        shape = ",".join(str(v) for v in (batch, *self._shape))
+        return (f"-DDT_NARROW_FIXED={shape}", f"-DDT_NARROW_STOP={stop}",
+                f"-DDT_NARROW_RANKS={self.cluster_ranks(stop)}")
+
+    def fix_shape(self, batch: int, layers: int | None = None) -> None:
+        """Compile (through the kernel cache) and load forward kernels for exactly ``batch``
+        rows and the first ``layers`` layers; from then on every ``forward_many`` of that
+        batch and ``layers`` launches them, and any other shape the general kernels.
+
+        The shape becomes a compile-time constant, so the kernels drop the arithmetic on
+        it (the layer selects, the split of tiles over warps, the bounds checks): the same
+        bits, about a fifth faster on the small DQN net (docs/perf-notes.md). Call it
+        outside a stream capture: it compiles and loads a module. A fixed kernel launched
+        with another shape traps rather than compute with the wrong one."""
+        options = self.fixed_options(batch, layers)
+        key = (batch, self._stop(layers))
+        if key in self._fixed:
+            return
+        module = load_module("narrow.cu", options=DEFAULT_OPTIONS + options)
+        suffix = "" if self.tf32 else "_f32"
+        self._fixed[key] = {
+            "forward": module.kernel("narrow_forward" + suffix, _FORWARD_SIGNATURE, fixed_block=True),
+            "forward_cluster": module.kernel("narrow_forward_cluster" + suffix, _FORWARD_SIGNATURE,
+                                             fixed_block=True),
+        }
+
+    def fixed_shapes(self) -> list[tuple[int, int]]:
+        """The (batch, layers) pairs that :meth:`fix_shape` has loaded kernels for."""
+        return sorted(self._fixed)
+
+    def _forward_kernel(self, name: str, batch: int, stop: int):
+        fixed = self._fixed.get((batch, stop))
+        return fixed[name] if fixed is not None else self._kernel(name)
 
     # ------------------------------------------------------------ cluster forward
     def cluster_ranks(self, layers: int | None = None) -> int:
@@ -229,11 +273,11 @@ class NarrowMLP:
         args = (*params_list, *fill, *x_list, *fill, *blocks, *fill, batch, *self._shape,
                 gate if gate is not None else 0, stop)
         if cluster:
-            kernel, ranks = self._kernel("forward_cluster"), self.cluster_ranks(stop)
+            kernel, ranks = self._forward_kernel("forward_cluster", batch, stop), self.cluster_ranks(stop)
             kernel.launch((ranks * _cdiv(batch, CLUSTER_ROWS), passes), kernel.block, *args, stream=stream,
                           cluster=(ranks, 1, 1), shared_mem=self.cluster_shared_bytes(stop))
         else:
-            kernel = self._kernel("forward")
+            kernel = self._forward_kernel("forward", batch, stop)
             kernel.launch((_cdiv(batch, ROWS), passes), kernel.block, *args, stream=stream)
         return [Forward((x, *self._views(block, batch, widths))) for x, block in zip(x_list, blocks)]
 

@@ -344,10 +344,21 @@ class DQNStep:
                 warnings.warn(f"fused_head=True: the output layers take {self._head_shared} bytes of shared "
                               f"memory in a dqn_head block, this device allows {head.max_dynamic_shared()}; "
                               "the output layer, the loss and its dX run as separate kernels", stacklevel=2)
+        # The step's forwards always run this batch through the same layers: when a narrow
+        # net runs them, its kernels are compiled for that one shape (the same bits, fewer
+        # instructions: NarrowMLP.fix_shape).
+        forward_net = self.narrow if self.narrow is not None else self.cluster_net
+        if forward_net is not None:
+            forward_net.fix_shape(b, self._forward_layers())
         self.last = _Captured()
         self.graph: Graph | None = None
 
     # ------------------------------------------------------------------ setup
+    def _forward_layers(self) -> int:
+        """The layers the step's forward passes run: all but the output layer when
+        dqn_head runs that one."""
+        return len(self.layout.layers) - (self._head is not None)
+
     def _cluster_forward_net(self, cfg, device) -> NarrowMLP | None:
         """The NarrowMLP whose cluster kernel runs the three forwards, or None (see
         DQNConfig.cluster_forward)."""
@@ -415,7 +426,7 @@ class DQNStep:
                                    beta_out=self._beta_used, gate=gate)
         capturing = bool(active_captures())
         head = self._head
-        hidden_layers = len(self.layout.layers) - (head is not None)  # dqn_head runs the output layer
+        hidden_layers = self._forward_layers()
         if self.narrow is not None or self.cluster_net is not None:  # all three passes in one launch
             net = self.narrow if self.narrow is not None else self.cluster_net
             f_online, f_next, f_target = net.forward_many(
