@@ -367,7 +367,7 @@ __device__ __forceinline__ void forward_block(const float* params, const float* 
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     long long y_off = 0;
-    #pragma unroll
+#pragma unroll
     for (int l = 0; l < stop; ++l) {
         const int K = s.width(l), N = s.width(l + 1), np = round_up(N, 8);
         const float* w = params + s.w_off(l);
@@ -843,7 +843,7 @@ __device__ __forceinline__ void forward_cluster_block(const float* params, const
     // inputs of even layers, of odd layers, the slice partials, then per layer its
     // weight rows and its bias slice.
     int even = 0, odd = 0;
-    #pragma unroll
+#pragma unroll
     for (int l = 0; l < stop; ++l) {
         if (l & 1) odd = max(odd, cl_stride(s.width(l)));
         else even = max(even, cl_stride(s.width(l)));
@@ -857,7 +857,7 @@ __device__ __forceinline__ void forward_cluster_block(const float* params, const
         const int k = s.width(0);
         cl_copy_rows(act0, cl_stride(k), x, k, row0, CL_ROWS, batch, k, (k & 3) == 0 && aligned16(x));
         float* at = slices0;
-        #pragma unroll
+#pragma unroll
         for (int l = 0; l < stop; ++l) {
             const int K = s.width(l), N = s.width(l + 1), tb = cl_tiles(N, ranks);
             const float* w = params + s.w_off(l);
@@ -891,7 +891,7 @@ __device__ __forceinline__ void forward_cluster_block(const float* params, const
     }
     const float* wl = slices0;
     long long y_off = 0;
-    #pragma unroll
+#pragma unroll
     for (int l = 0; l < stop; ++l) {
         const int K = s.width(l), N = s.width(l + 1), S = cl_stride(K), tb = cl_tiles(N, ranks);
         const int first_tile = rank * tb, mine = max(0, min(tb, round_up(N, 8) / 8 - first_tile));
