@@ -30,6 +30,27 @@ def mlp_forward(named: dict, x: np.ndarray, layers: int) -> list[np.ndarray]:
     return acts
 
 
+def forward_scales(named: dict, acts: list[np.ndarray]) -> list[np.ndarray]:
+    """Per layer, the size of what its outputs sum: |W| |a| + |b| elementwise, from the
+    float64 activations ``acts`` of mlp_forward. A rounding error in the products (TF32
+    operands) is a fraction of this, however much the terms cancel in the result."""
+    out = []
+    for k in range(len(acts) - 1):
+        w = np.abs(named[f"layer{k}.weight"].astype(np.float64))
+        b = np.abs(named[f"layer{k}.bias"].astype(np.float64))
+        out.append(np.abs(acts[k]) @ w.T + b)
+    return out
+
+
+def scaled_rel(got, want, scale) -> float:
+    """||got - want|| / ||scale||: the error against the size of the summands (forward_scales)
+    rather than of a result they may cancel to; NaN anywhere fails."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if np.isnan(got).any():
+        return float("inf")
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(scale), 1e-300))
+
+
 def mlp_backward(named: dict, acts: list[np.ndarray], dout: np.ndarray, masks=None) -> dict:
     """Gradients of a loss whose derivative by the output is ``dout``. ``masks``: the ReLU
     decisions of the hidden layers (one boolean array per hidden layer) to use instead of

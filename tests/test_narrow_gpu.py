@@ -6,7 +6,7 @@ import pytest
 from drvtrain import Arena, DeviceBuffer, capture
 from drvtrain.nn import MLP, FlatBuffer, ParamLayout
 from drvtrain.nn.narrow import NarrowMLP
-from nn_reference import mlp_backward, mlp_forward, rel
+from nn_reference import forward_scales, mlp_backward, mlp_forward, rel, scaled_rel
 
 pytestmark = pytest.mark.gpu
 
@@ -61,10 +61,18 @@ def poison_arena(arena, stream):
 
 
 def check_forward(fwd, named, x, layers, bound, what=""):
+    """Every layer's outputs against float64. In TF32 the error is measured against the size
+    of the summands (forward_scales): a layer whose few outputs nearly cancel (batch 1, 3
+    outputs) would otherwise fail a relative bound for a correct result, in about 1.6% of
+    draws on 4-128-128-3."""
     ref = mlp_forward(named, x, layers)
+    scales = forward_scales(named, ref)
     for k, (got, want) in enumerate(zip(fwd.activations[1:], ref[1:])):
-        err = rel(got.to_numpy(), want)
-        assert err < bound, f"{what}layer {k} output: rel {err:.3g} >= {bound}"
+        if bound >= TF32_BOUND:
+            err, kind = scaled_rel(got.to_numpy(), want, scales[k]), "error / summand size"
+        else:
+            err, kind = rel(got.to_numpy(), want), "rel"
+        assert err < bound, f"{what}layer {k} output: {kind} {err:.3g} >= {bound}"
 
 
 def check_grads(grads, named, fwd, dout):

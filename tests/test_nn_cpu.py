@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from drvtrain.nn.layout import ParamLayout
-from nn_reference import adamw, clip_scale, f32_round, mlp_backward, mlp_forward, mse, rel
+from nn_reference import adamw, clip_scale, f32_round, forward_scales, mlp_backward, mlp_forward, mse, rel, scaled_rel
 
 SMALL = [(256, 4), (256, 256), (3, 256)]
 
@@ -115,6 +115,32 @@ def test_clip_and_adamw_references(rng):
     bump = rng.uniform(-1, 1, theta.size)
     assert np.isclose(rel(theta + 1e-3 * bump, theta), 1e-3 * np.linalg.norm(bump) / np.linalg.norm(theta))
     assert rel(np.array([np.nan, 1.0]), np.array([1.0, 1.0])) == float("inf")
+
+
+def test_forward_scales_and_the_error_against_them(rng):
+    """forward_scales is |W| |a| + |b| per layer, written out element by element here; it
+    bounds every output; with nothing cancelling it is the output itself, so scaled_rel is
+    rel; where the terms cancel it stays the summands' size while rel grows."""
+    named = {"layer0.weight": rng.standard_normal((5, 3)), "layer0.bias": rng.standard_normal(5),
+             "layer1.weight": rng.standard_normal((2, 5)), "layer1.bias": rng.standard_normal(2)}
+    x = rng.standard_normal((4, 3))
+    acts = mlp_forward(named, x, 2)
+    scales = forward_scales(named, acts)
+    for k, (w, b) in enumerate([(named["layer0.weight"], named["layer0.bias"]),
+                                (named["layer1.weight"], named["layer1.bias"])]):
+        want = np.array([[sum(abs(w[i, j]) * abs(acts[k][r, j]) for j in range(w.shape[1])) + abs(b[i])
+                          for i in range(w.shape[0])] for r in range(4)])
+        np.testing.assert_allclose(scales[k], want, rtol=1e-12)
+        assert np.all(np.abs(acts[k + 1]) <= scales[k] * (1 + 1e-12))
+    positive = {"layer0.weight": np.abs(named["layer0.weight"]), "layer0.bias": np.abs(named["layer0.bias"])}
+    a = mlp_forward(positive, np.abs(x), 1)
+    got = a[1] * (1 + 1e-3 * rng.uniform(-1, 1, a[1].shape))
+    assert np.isclose(scaled_rel(got, a[1], forward_scales(positive, a)[0]), rel(got, a[1]), rtol=1e-12)
+    cancel = {"layer0.weight": np.array([[1.0, -1.0]]), "layer0.bias": np.zeros(1)}
+    c = mlp_forward(cancel, np.array([[1.0, 1.0 - 1e-6]]), 1)
+    err = np.array([[c[1][0, 0] + 1e-9]])
+    assert rel(err, c[1]) > 1e-4 and scaled_rel(err, c[1], forward_scales(cancel, c)[0]) < 1e-8
+    assert scaled_rel(np.array([np.nan]), np.array([1.0]), np.array([1.0])) == float("inf")
 
 
 def test_f32_round_rounds_once_and_to_even(rng):
