@@ -32,7 +32,8 @@
 //   zeroed on exit); with splits == 1 both may be 0.
 // Built with -DDT_NARROW_FIXED=<the 15 shape arguments> -DDT_NARROW_STOP=<stop>
 // -DDT_NARROW_RANKS=<C> (narrow.py's fix_shape), the file holds only the four forwards,
-// compiled for that one shape: the same bits, fewer instructions; other arguments trap.
+// compiled for that one shape: the same bits, fewer instructions; a launch with another
+// shape, stop or cluster size traps.
 // gate (every kernel; may be 0): while it points at a non-zero word the kernel writes nothing.
 //   The word must not change while the kernel runs (it is written by earlier work, read after
 //   dt_wait_prior_grid): in the cluster forward every block of a cluster must leave together.
@@ -986,7 +987,8 @@ __device__ __forceinline__ void forward_cluster_block(const float* params, const
 // shape arguments), -DDT_NARROW_STOP=stop and, for the cluster kernels,
 // -DDT_NARROW_RANKS=C. The shape is then a compile-time constant, so the selects, the
 // split of tiles over warps and the bounds checks fold away. The arguments must still
-// match: a launch with any other shape traps.
+// match: a launch with another shape or stop traps (and, in the cluster kernels, another
+// cluster size).
 #ifdef DT_NARROW_FIXED
 #define DT_NARROW_FORWARD_SHAPE                                                                        \
     constexpr NetShape shape{DT_NARROW_FIXED};                                                         \

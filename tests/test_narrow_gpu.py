@@ -60,7 +60,7 @@ def poison_arena(arena, stream):
     arena.reset()
 
 
-def check_forward(fwd, named, x, layers, bound, what=""):
+def check_forward(fwd, named, x, layers, bound, tf32, what=""):
     """Every layer's outputs against float64. In TF32 the error is measured against the size
     of the summands (forward_scales): a layer whose few outputs nearly cancel (batch 1, 3
     outputs) would otherwise fail a relative bound for a correct result, in about 1.6% of
@@ -68,7 +68,7 @@ def check_forward(fwd, named, x, layers, bound, what=""):
     ref = mlp_forward(named, x, layers)
     scales = forward_scales(named, ref)
     for k, (got, want) in enumerate(zip(fwd.activations[1:], ref[1:])):
-        if bound >= TF32_BOUND:
+        if tf32:
             err, kind = scaled_rel(got.to_numpy(), want, scales[k]), "error / summand size"
         else:
             err, kind = rel(got.to_numpy(), want), "rel"
@@ -97,7 +97,7 @@ def test_forward_matches_float64(device, stream, rng, batch, widths, tf32, bound
     arena = poisoned_arena(net, batch, 1, stream)
     fwd = net.forward(params, DeviceBuffer.from_numpy(x), arena=arena, stream=stream)
     assert fwd.batch == batch and fwd.output.shape == (batch, widths[-1])
-    check_forward(fwd, params.to_numpy(), x, len(layout.layers), bound)
+    check_forward(fwd, params.to_numpy(), x, len(layout.layers), bound, tf32)
 
 
 @pytest.mark.parametrize("batch, widths", SHAPES)
@@ -123,7 +123,7 @@ def test_three_passes_each_match_float64(device, stream, rng, batch, widths, tf3
     fwds = net.forward_many(params, [DeviceBuffer.from_numpy(x) for x in xs], arena=arena, stream=stream)
     assert len(fwds) == 3
     for i, (fwd, p, x) in enumerate(zip(fwds, params, xs)):
-        check_forward(fwd, p.to_numpy(), x, len(layout.layers), bound, what=f"pass {i} ")
+        check_forward(fwd, p.to_numpy(), x, len(layout.layers), bound, tf32, what=f"pass {i} ")
 
 
 @pytest.mark.parametrize("cluster", [False, True], ids=["blocks", "clusters"])
@@ -145,7 +145,7 @@ def test_first_layers_of_three_passes_match_float64(device, stream, rng, batch, 
         assert arena.offset == 3 * sum(4 * (-(-batch * w // 64) * 64) for w in widths[1: stop + 1])
         for i, (fwd, p, x) in enumerate(zip(fwds, params, xs)):
             assert len(fwd.activations) == stop + 1 and fwd.output.shape == (batch, widths[stop])
-            check_forward(fwd, p.to_numpy(), x, n, bound, what=f"layers={stop} pass {i} ")
+            check_forward(fwd, p.to_numpy(), x, n, bound, tf32, what=f"layers={stop} pass {i} ")
 
 
 @pytest.mark.parametrize("cluster", [False, True], ids=["blocks", "clusters"])
@@ -174,7 +174,7 @@ def test_kernels_fixed_to_a_shape_give_the_general_kernels_bits(device, stream, 
                                     layers=stop, cluster=cluster)
             outs.append([[y.to_numpy() for y in f.activations[1:]] for f in fwds])
             for i, (fwd, p, x) in enumerate(zip(fwds, params, xs)):
-                check_forward(fwd, p.to_numpy(), x, n, bound, what=f"layers={stop} pass {i} ")
+                check_forward(fwd, p.to_numpy(), x, n, bound, tf32, what=f"layers={stop} pass {i} ")
         for i, (a, b) in enumerate(zip(*outs)):
             for k, (ya, yb) in enumerate(zip(a, b)):
                 assert ya.tobytes() == yb.tobytes(), f"layers={stop} pass {i} layer {k}: fixed != general"
@@ -183,7 +183,7 @@ def test_kernels_fixed_to_a_shape_give_the_general_kernels_bits(device, stream, 
         arena = poisoned_arena(fixed, other, 1, stream)
         fwd, = fixed.forward_many(params[:1], [DeviceBuffer.from_numpy(x)], arena=arena, stream=stream,
                                   layers=stop, cluster=cluster)
-        check_forward(fwd, params[0].to_numpy(), x, n, bound, what=f"batch {other} layers={stop} ")
+        check_forward(fwd, params[0].to_numpy(), x, n, bound, tf32, what=f"batch {other} layers={stop} ")
     assert fixed.fixed_shapes() == [(batch, stop) for stop in range(1, n + 1)]
 
 
@@ -280,7 +280,7 @@ def test_gate_skips_every_write(device, stream, rng, cluster):
     fwds = net.forward_many(params, dxs, arena=arena, stream=stream, gate=gate, cluster=cluster)
     net.backward(params[0], grads, fwds[0], d, arena=arena, stream=stream, gate=gate)
     for i, (fwd, p, x) in enumerate(zip(fwds, params, xs)):
-        check_forward(fwd, p.to_numpy(), x, len(layout.layers), TF32_BOUND, what=f"pass {i} ")
+        check_forward(fwd, p.to_numpy(), x, len(layout.layers), TF32_BOUND, True, what=f"pass {i} ")
     check_grads(grads, params[0].to_numpy(), fwds[0], dout)
 
 

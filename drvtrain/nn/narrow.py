@@ -152,12 +152,16 @@ class NarrowMLP:
         """The NVRTC options that compile kernels/narrow.cu's forwards for ``batch`` rows and
         the first ``layers`` layers of this layout: the kernels' shape arguments, in their
         order, as -D constants (see :meth:`fix_shape`)."""
-        stop = self._stop(layers)
-        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        batch, stop = self._fixed_key(batch, layers)
         shape = ",".join(str(v) for v in (batch, *self._shape))
         return (f"-DDT_NARROW_FIXED={shape}", f"-DDT_NARROW_STOP={stop}",
                 f"-DDT_NARROW_RANKS={self.cluster_ranks(stop)}")
+
+    def _fixed_key(self, batch, layers) -> tuple[int, int]:
+        """(batch, stop) as plain ints, checked: the key of a fixed build."""
+        if not isinstance(batch, (int, np.integer)) or isinstance(batch, (bool, np.bool_)) or batch < 1:
+            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        return int(batch), self._stop(layers)
 
     def fix_shape(self, batch: int, layers: int | None = None) -> None:
         """Compile (through the kernel cache) and load forward kernels for exactly ``batch``
@@ -168,9 +172,10 @@ class NarrowMLP:
         it (the layer selects, the split of tiles over warps, the bounds checks): the same
         bits, about a fifth faster on the small DQN net (docs/perf-notes.md). Call it
         outside a stream capture: it compiles and loads a module. A fixed kernel launched
-        with another shape traps rather than compute with the wrong one."""
+        with another shape, depth or cluster size traps rather than compute with the wrong
+        one."""
         options = self.fixed_options(batch, layers)
-        key = (batch, self._stop(layers))
+        key = self._fixed_key(batch, layers)
         if key in self._fixed:
             return
         module = load_module("narrow.cu", options=DEFAULT_OPTIONS + options)
