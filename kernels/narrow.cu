@@ -983,12 +983,9 @@ __device__ __forceinline__ void forward_cluster_block(const float* params, const
         int bo0, int bo1, int bo2, int bo3
 #define DT_NARROW_SHAPE_VALUE NetShape{batch, layers, w0, w1, w2, w3, w4, wo0, wo1, wo2, wo3, bo0, bo1, bo2, bo3}
 
-// A forward compiled for one shape: -DDT_NARROW_FIXED=batch,layers,w0,...,bo3 (the 15
-// shape arguments), -DDT_NARROW_STOP=stop and, for the cluster kernels,
-// -DDT_NARROW_RANKS=C. The shape is then a compile-time constant, so the selects, the
-// split of tiles over warps and the bounds checks fold away. The arguments must still
-// match: a launch with another shape or stop traps (and, in the cluster kernels, another
-// cluster size).
+// The build for one shape (see the file's header): the shape a compile-time constant, so
+// the selects, the split of tiles over warps and the bounds checks fold away; the
+// arguments checked against it.
 #ifdef DT_NARROW_FIXED
 #define DT_NARROW_FORWARD_SHAPE                                                                        \
     constexpr NetShape shape{DT_NARROW_FIXED};                                                         \
