@@ -194,6 +194,7 @@ def test_kernels_fixed_to_a_shape_give_the_general_kernels_bits(device, stream, 
     assert fixed.fixed_shapes() == [(batch, stop) for stop in range(1, n + 1)]
 
 
+@pytest.mark.provokes_driver_errors
 def test_a_fixed_kernel_launched_with_another_shape_traps(device):
     """The device's own check of a fixed build: launched (past the host's routing) with a
     batch it was not built for, the kernel traps and the launch fails, rather than compute
