@@ -297,9 +297,10 @@ __device__ __forceinline__ void dt_mbar_wait(unsigned int bar, unsigned int pari
 
 // Shared memory of this block (`src`, shared window) to shared memory of a block of the
 // cluster (`dst` and its mbarrier `bar`, shared::cluster addresses: dt_cluster_address).
-// The source's earlier writes through ordinary stores must first be made visible to the
-// copy engine (dt_fence_proxy_async, after the block barrier that orders them), and the
-// source must not be written again before dt_bulk_wait_read.
+// Every thread that wrote the source through ordinary stores first makes its writes
+// visible to the copy engine (dt_fence_proxy_async), then a block barrier orders them
+// before the copy; the source must not be written again before the issuing thread's
+// dt_bulk_wait_read.
 __device__ __forceinline__ void dt_bulk_push(unsigned int dst, unsigned int src, unsigned int bytes,
                                              unsigned int bar) {
     DT_CLUSTER_ONLY(asm volatile(

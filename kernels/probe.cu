@@ -66,7 +66,8 @@ extern "C" __global__ void sync_cluster(unsigned int* errors, int rounds) {
 // launch, 256 threads a block, dynamic shared memory 2 x C x 4 KB: two halves, used in
 // turn). In round r every block hands its 4 KB slice (1024 words, word i = r << 13 |
 // rank << 10 | i) to the same place of every block of its cluster, and then every thread
-// checks one word of every block's slice; a stale word counts in *errors.
+// checks one word of every block's slice: errors[0] counts the stale words, errors[1] the
+// words checked.
 //   mode 0: remote 8-byte stores by every thread, then a cluster barrier;
 //   mode 1: remote 16-byte stores, then a cluster barrier;
 //   mode 2: the block writes its slice into its own shared memory and one thread pushes it
@@ -124,10 +125,10 @@ extern "C" __global__ void __launch_bounds__(256) sync_handover(unsigned int* er
         } else {
             const unsigned int w = 4 * t;
             *reinterpret_cast<uint4*>(&halves[mine + w]) = make_uint4(tag | w, tag | (w + 1), tag | (w + 2), tag | (w + 3));
+            dt_fence_proxy_async();  // this thread's words, visible to the bulk copies
             __syncthreads();  // the slice is written, and every thread has checked round r - 1
             const unsigned int bar = bars + 8 * (r & 1);
             if (t == 0) {
-                dt_fence_proxy_async();
                 dt_mbar_arrive_expect(bar, (size - 1) * HO_WORDS * 4);
                 for (unsigned int q = 0; q < size; ++q)
                     if (q != rank)
@@ -143,5 +144,6 @@ extern "C" __global__ void __launch_bounds__(256) sync_handover(unsigned int* er
         if (mode == 2 && t == 0) dt_bulk_wait_read();  // the slice may be written again two rounds on
     }
     if (bad) atomicAdd(errors, bad);
+    atomicAdd(errors + 1, (unsigned int)rounds * size);
 }
 
