@@ -265,7 +265,8 @@ __device__ __forceinline__ void dt_cluster_store4(unsigned int addr, float4 v) {
 //   initialisation (dt_mbar_init_fence); a block barrier (a cluster barrier, where other
 //   blocks copy into it) then stands between that and the first copy naming it;
 // - its owner arrives once a phase, naming the bytes that will land in it
-//   (dt_mbar_arrive_expect), before or after the copies complete;
+//   (dt_mbar_arrive_expect), before or after the copies complete (until that arrival the
+//   phase stays open, whatever the byte count);
 // - dt_mbar_wait(bar, parity) returns once phase `parity` (0, 1, 0, ... on successive
 //   phases) has completed: the arrival made and every byte landed and visible.
 // A bulk copy moves `bytes` (a multiple of 16, both ends 16-byte aligned) with one
@@ -299,8 +300,10 @@ __device__ __forceinline__ void dt_mbar_wait(unsigned int bar, unsigned int pari
 // cluster (`dst` and its mbarrier `bar`, shared::cluster addresses: dt_cluster_address).
 // Every thread that wrote the source through ordinary stores first makes its writes
 // visible to the copy engine (dt_fence_proxy_async), then a block barrier orders them
-// before the copy; the source must not be written again before the issuing thread's
-// dt_bulk_wait_read.
+// before the copy. Only the receiver's mbarrier tells when the copy is done, reading as
+// well as writing: the sender may write the source again, or exit, only once it knows
+// the receiver's wait has passed (a reply that depends on it, or a cluster barrier that
+// every receiver reaches after its wait).
 __device__ __forceinline__ void dt_bulk_push(unsigned int dst, unsigned int src, unsigned int bytes,
                                              unsigned int bar) {
     DT_CLUSTER_ONLY(asm volatile(
@@ -310,14 +313,6 @@ __device__ __forceinline__ void dt_bulk_push(unsigned int dst, unsigned int src,
 
 __device__ __forceinline__ void dt_fence_proxy_async() {
     DT_CLUSTER_ONLY(asm volatile("fence.proxy.async.shared::cta;" ::: "memory"));
-}
-
-// The bulk copies this thread issued since the last commit form a group.
-__device__ __forceinline__ void dt_bulk_commit() { DT_CLUSTER_ONLY(asm volatile("cp.async.bulk.commit_group;" ::: "memory")); }
-
-// Returns once every committed group of this thread has finished reading its source.
-__device__ __forceinline__ void dt_bulk_wait_read() {
-    DT_CLUSTER_ONLY(asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"));
 }
 
 // ---------------------------------------------------------------- grid barrier

@@ -66,25 +66,28 @@ extern "C" __global__ void sync_cluster(unsigned int* errors, int rounds) {
 // launch, 256 threads a block, dynamic shared memory 2 x C x 4 KB: two halves, used in
 // turn). In round r every block hands its 4 KB slice (1024 words, word i = r << 13 |
 // rank << 10 | i) to the same place of every block of its cluster, and then every thread
-// checks one word of every block's slice: errors[0] counts the stale words, errors[1] the
+// checks one word of every block's slice: *errors counts the stale words, *checked the
 // words checked.
 //   mode 0: remote 8-byte stores by every thread, then a cluster barrier;
 //   mode 1: remote 16-byte stores, then a cluster barrier;
 //   mode 2: the block writes its slice into its own shared memory and one thread pushes it
 //           to every other block with a bulk copy that completes on the receiver's mbarrier
 //           for that half; a block waits on its own mbarrier, and no cluster barrier runs.
-// Mode 2 needs no barrier per round: a block pushes round r + 2 into a half only after its
-// wait of round r + 1, which needs every block's round r + 1 push, which each block issues
-// only after a block barrier that follows its checks of round r.
+// Mode 2 needs no barrier per round: a block pushes round r + 2 into a half (and rewrites
+// its own slice there) only after its wait of round r + 1, which needs every block's round
+// r + 1 push, which each block issues only after its wait of round r (so its round r copies
+// have landed) and a block barrier that follows its checks of round r. A cluster barrier
+// at the end keeps every block until every copy has landed.
 constexpr unsigned int HO_WORDS = 1024;
 
-extern "C" __global__ void __launch_bounds__(256) sync_handover(unsigned int* errors, int rounds, int mode) {
+extern "C" __global__ void __launch_bounds__(256) sync_handover(unsigned int* errors, unsigned long long* checked,
+                                                                int rounds, int mode) {
     extern __shared__ __align__(128) unsigned int halves[];  // [2][C][HO_WORDS]
     __shared__ __align__(8) unsigned long long landed[2];    // mode 2: an mbarrier per half
     dt_wait_prior_grid();
     dt_allow_dependents();
     const unsigned int rank = dt_cluster_rank(), size = dt_cluster_blocks(), t = threadIdx.x;
-    if (size > 8) __trap();
+    if (size > 8 || mode < 0 || mode > 2) __trap();
     const unsigned int base = (unsigned int)__cvta_generic_to_shared(halves);
     const unsigned int bars = (unsigned int)__cvta_generic_to_shared(landed);
     if (t == 0) {
@@ -93,12 +96,9 @@ extern "C" __global__ void __launch_bounds__(256) sync_handover(unsigned int* er
         dt_mbar_init_fence();
     }
     dt_cluster_barrier();  // every block has started, its mbarriers initialised
-    unsigned int remote[8], remote_bars[8];
+    unsigned int remote[8];
 #pragma unroll
-    for (int q = 0; q < 8; ++q) {
-        remote[q] = q < (int)size ? dt_cluster_address(base, q) : 0u;
-        remote_bars[q] = q < (int)size ? dt_cluster_address(bars, q) : 0u;
-    }
+    for (int q = 0; q < 8; ++q) remote[q] = q < (int)size ? dt_cluster_address(base, q) : 0u;
     unsigned int bad = 0;
     for (int r = 0; r < rounds; ++r) {
         const unsigned int half = (r & 1) * size * HO_WORDS;
@@ -132,8 +132,8 @@ extern "C" __global__ void __launch_bounds__(256) sync_handover(unsigned int* er
                 dt_mbar_arrive_expect(bar, (size - 1) * HO_WORDS * 4);
                 for (unsigned int q = 0; q < size; ++q)
                     if (q != rank)
-                        dt_bulk_push(remote[q] + 4 * mine, base + 4 * mine, HO_WORDS * 4, remote_bars[q] + 8 * (r & 1));
-                dt_bulk_commit();
+                        dt_bulk_push(dt_cluster_address(base + 4 * mine, q), base + 4 * mine, HO_WORDS * 4,
+                                     dt_cluster_address(bar, q));
             }
             dt_mbar_wait(bar, (r >> 1) & 1);
         }
@@ -141,9 +141,8 @@ extern "C" __global__ void __launch_bounds__(256) sync_handover(unsigned int* er
             const unsigned int w = (4 * t + (r & 3)) % HO_WORDS;
             if (((volatile unsigned int*)halves)[half + q * HO_WORDS + w] != ((unsigned int)r << 13 | q << 10 | w)) ++bad;
         }
-        if (mode == 2 && t == 0) dt_bulk_wait_read();  // the slice may be written again two rounds on
     }
     if (bad) atomicAdd(errors, bad);
-    atomicAdd(errors + 1, (unsigned int)rounds * size);
+    atomicAdd(checked, (unsigned long long)rounds * size);
+    dt_cluster_barrier();  // no block leaves while a copy may still read or write its shared memory
 }
-

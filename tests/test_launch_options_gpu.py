@@ -263,11 +263,10 @@ extern "C" __global__ void __launch_bounds__(256) gather(float* out, const float
         const unsigned int mine = base + rank * 1024;
         for (unsigned int q = 0; q < size; ++q)
             if (q != rank) dt_bulk_push(dt_cluster_address(mine, q), mine, 1024, dt_cluster_address(bar, q));
-        dt_bulk_commit();
     }
     dt_mbar_wait(bar, 0);
     for (unsigned int i = t; i < size * 256; i += 256) out[blockIdx.x * 2048 + i] = all[i];
-    if (t == 0) dt_bulk_wait_read();  // no block leaves while its copies still read its slice
+    dt_cluster_barrier();  // every block has its slices: no copy still reads or writes shared memory
 }
 """
 
