@@ -180,10 +180,10 @@ class NarrowMLP:
         outside a stream capture: it compiles and loads a module. A fixed kernel launched
         with another shape, depth or cluster size traps rather than compute with the wrong
         one."""
-        options = self.fixed_options(batch, layers)
         key = self._fixed_key(batch, layers)
         if key in self._fixed:
             return
+        options = self.fixed_options(*key)
         if active_captures():
             raise RuntimeError("fix_shape compiles and loads a module: call it before the capture, not during it")
         device = get_device()
