@@ -36,6 +36,7 @@ class KernelNode:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_mem: int
+    handle: int = 0  # the CUfunction, as an int: tells apart two builds of one kernel name
 
 
 _PROGRAMMATIC = int(cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
@@ -94,7 +95,7 @@ class Graph:
             except DriverError:
                 name = "?"
             out.append(KernelNode(node, name, (p.gridDimX, p.gridDimY, p.gridDimZ),
-                                  (p.blockDimX, p.blockDimY, p.blockDimZ), p.sharedMemBytes))
+                                  (p.blockDimX, p.blockDimY, p.blockDimZ), p.sharedMemBytes, int(p.func)))
         return out
 
     def _edge_list(self) -> list[tuple[int, int, bool]]:

@@ -252,6 +252,69 @@ __device__ __forceinline__ void dt_cluster_store2(unsigned int addr, float a, fl
     DT_CLUSTER_ONLY(asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory"));
 }
 
+// `addr` 16-byte aligned.
+__device__ __forceinline__ void dt_cluster_store4(unsigned int addr, float4 v) {
+    DT_CLUSTER_ONLY(asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(v.x), "f"(v.y),
+                                 "f"(v.z), "f"(v.w) : "memory"));
+}
+
+// ---------------------------------------------------------------- mbarriers and bulk copies
+// (compute capability 9.0+; trap below, as the cluster helpers.) An mbarrier is an
+// 8-byte aligned shared word that counts arrivals and bytes. The pattern here:
+// - one thread initialises it for one arrival (dt_mbar_init) and fences the
+//   initialisation (dt_mbar_init_fence); a block barrier (a cluster barrier, where other
+//   blocks copy into it) then stands between that and the first copy naming it;
+// - its owner arrives once a phase, naming the bytes that will land in it
+//   (dt_mbar_arrive_expect), before or after the copies complete (until that arrival the
+//   phase stays open, whatever the byte count);
+// - dt_mbar_wait(bar, parity) returns once phase `parity` (0, 1, 0, ... on successive
+//   phases) has completed: the arrival made and every byte landed and visible.
+// A bulk copy moves `bytes` (a multiple of 16, both ends 16-byte aligned) with one
+// instruction and completes on an mbarrier of the receiving block.
+__device__ __forceinline__ void dt_mbar_init(unsigned int bar, unsigned int arrivals) {
+    DT_CLUSTER_ONLY(asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory"));
+}
+
+__device__ __forceinline__ void dt_mbar_init_fence() {
+    DT_CLUSTER_ONLY(asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"));
+}
+
+__device__ __forceinline__ void dt_mbar_arrive_expect(unsigned int bar, unsigned int bytes) {
+    DT_CLUSTER_ONLY(asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                                 : "memory"));
+}
+
+__device__ __forceinline__ void dt_mbar_wait(unsigned int bar, unsigned int parity) {
+    unsigned int done = 1;
+    do {
+        DT_CLUSTER_ONLY(asm volatile("{\n"
+                                     ".reg .pred p;\n"
+                                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                                     "selp.u32 %0, 1, 0, p;\n"
+                                     "}\n"
+                                     : "=r"(done) : "r"(bar), "r"(parity) : "memory"));
+    } while (!done);
+}
+
+// Shared memory of this block (`src`, shared window) to shared memory of a block of the
+// cluster (`dst` and its mbarrier `bar`, shared::cluster addresses: dt_cluster_address).
+// Every thread that wrote the source through ordinary stores first makes its writes
+// visible to the copy engine (dt_fence_proxy_async), then a block barrier orders them
+// before the copy. Only the receiver's mbarrier tells when the copy is done, reading as
+// well as writing: the sender may write the source again, or exit, only once it knows
+// the receiver's wait has passed (a reply that depends on it, or a cluster barrier that
+// every receiver reaches after its wait).
+__device__ __forceinline__ void dt_bulk_push(unsigned int dst, unsigned int src, unsigned int bytes,
+                                             unsigned int bar) {
+    DT_CLUSTER_ONLY(asm volatile(
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+        "r"(src), "r"(bytes), "r"(bar) : "memory"));
+}
+
+__device__ __forceinline__ void dt_fence_proxy_async() {
+    DT_CLUSTER_ONLY(asm volatile("fence.proxy.async.shared::cta;" ::: "memory"));
+}
+
 // ---------------------------------------------------------------- grid barrier
 // Every block of the grid waits here until all blocks have arrived, and every
 // global write before it is visible to every thread after it. Only for a

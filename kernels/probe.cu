@@ -61,3 +61,88 @@ extern "C" __global__ void sync_cluster(unsigned int* errors, int rounds) {
     }
     dt_cluster_barrier();  // no block leaves while another may still write into it
 }
+
+// sync_handover: `rounds` all-to-all hand-overs in clusters of C <= 8 blocks (a cluster
+// launch, 256 threads a block, dynamic shared memory 2 x C x 4 KB: two halves, used in
+// turn). In round r every block hands its 4 KB slice (1024 words, word i = r << 13 |
+// rank << 10 | i) to the same place of every block of its cluster, and then every thread
+// checks one word of every block's slice: *errors counts the stale words, *checked the
+// words checked.
+//   mode 0: remote 8-byte stores by every thread, then a cluster barrier;
+//   mode 1: remote 16-byte stores, then a cluster barrier;
+//   mode 2: the block writes its slice into its own shared memory and one thread pushes it
+//           to every other block with a bulk copy that completes on the receiver's mbarrier
+//           for that half; a block waits on its own mbarrier, and no cluster barrier runs.
+// Mode 2 needs no barrier per round: a block pushes round r + 2 into a half (and rewrites
+// its own slice there) only after its wait of round r + 1, which needs every block's round
+// r + 1 push, which each block issues only after its wait of round r (so its round r copies
+// have landed) and a block barrier that follows its checks of round r. A cluster barrier
+// at the end keeps every block until every copy has landed.
+constexpr unsigned int HO_WORDS = 1024;
+
+extern "C" __global__ void __launch_bounds__(256) sync_handover(unsigned int* errors, unsigned long long* checked,
+                                                                int rounds, int mode) {
+    extern __shared__ __align__(128) unsigned int halves[];  // [2][C][HO_WORDS]
+    __shared__ __align__(8) unsigned long long landed[2];    // mode 2: an mbarrier per half
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    const unsigned int rank = dt_cluster_rank(), size = dt_cluster_blocks(), t = threadIdx.x;
+    if (size > 8 || mode < 0 || mode > 2) __trap();
+    const unsigned int base = (unsigned int)__cvta_generic_to_shared(halves);
+    const unsigned int bars = (unsigned int)__cvta_generic_to_shared(landed);
+    if (t == 0) {
+        dt_mbar_init(bars, 1);
+        dt_mbar_init(bars + 8, 1);
+        dt_mbar_init_fence();
+    }
+    dt_cluster_barrier();  // every block has started, its mbarriers initialised
+    unsigned int remote[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) remote[q] = q < (int)size ? dt_cluster_address(base, q) : 0u;
+    unsigned int bad = 0;
+    for (int r = 0; r < rounds; ++r) {
+        const unsigned int half = (r & 1) * size * HO_WORDS;
+        const unsigned int mine = half + rank * HO_WORDS;  // this block's slice, in words, in every block
+        const unsigned int tag = (unsigned int)r << 13 | rank << 10;
+        if (mode == 0) {
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                const unsigned int w = 2 * (t + 256 * p);
+#pragma unroll
+                for (int q = 0; q < 8; ++q)
+                    if (q < (int)size) dt_cluster_store2(remote[q] + 4 * (mine + w), __uint_as_float(tag | w),
+                                                         __uint_as_float(tag | (w + 1)));
+            }
+            dt_cluster_barrier();
+        } else if (mode == 1) {
+            const unsigned int w = 4 * t;
+            const float4 v = make_float4(__uint_as_float(tag | w), __uint_as_float(tag | (w + 1)),
+                                         __uint_as_float(tag | (w + 2)), __uint_as_float(tag | (w + 3)));
+#pragma unroll
+            for (int q = 0; q < 8; ++q)
+                if (q < (int)size) dt_cluster_store4(remote[q] + 4 * (mine + w), v);
+            dt_cluster_barrier();
+        } else {
+            const unsigned int w = 4 * t;
+            *reinterpret_cast<uint4*>(&halves[mine + w]) = make_uint4(tag | w, tag | (w + 1), tag | (w + 2), tag | (w + 3));
+            dt_fence_proxy_async();  // this thread's words, visible to the bulk copies
+            __syncthreads();  // the slice is written, and every thread has checked round r - 1
+            const unsigned int bar = bars + 8 * (r & 1);
+            if (t == 0) {
+                dt_mbar_arrive_expect(bar, (size - 1) * HO_WORDS * 4);
+                for (unsigned int q = 0; q < size; ++q)
+                    if (q != rank)
+                        dt_bulk_push(dt_cluster_address(base + 4 * mine, q), base + 4 * mine, HO_WORDS * 4,
+                                     dt_cluster_address(bar, q));
+            }
+            dt_mbar_wait(bar, (r >> 1) & 1);
+        }
+        for (unsigned int q = 0; q < size; ++q) {
+            const unsigned int w = (4 * t + (r & 3)) % HO_WORDS;
+            if (((volatile unsigned int*)halves)[half + q * HO_WORDS + w] != ((unsigned int)r << 13 | q << 10 | w)) ++bad;
+        }
+    }
+    if (bad) atomicAdd(errors, bad);
+    atomicAdd(checked, (unsigned long long)rounds * size);
+    dt_cluster_barrier();  // no block leaves while a copy may still read or write its shared memory
+}

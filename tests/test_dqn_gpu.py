@@ -171,15 +171,22 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
         "small-cluster-forward", "odd-shapes-fused-head-cluster-forward"])
 def test_one_fp32_step_matches_float64(device, rng, overrides):
     step, _ = one_step(DQNConfig(seed=int(rng.integers(1 << 30)), **overrides), rng)
-    names = {k.function for k in step_kernels(step)}
+    nodes = step_kernels(step)
+    names = {k.function for k in nodes}
     want_cluster = bool(overrides.get("cluster_forward"))
     assert (step.cluster_net is not None) == want_cluster
     assert ("narrow_forward_cluster_f32" in names) == want_cluster, names
-    # A narrow net running the three forwards runs kernels compiled for the step's shape.
+    # A narrow net running the three forwards runs kernels compiled for the step's shape:
+    # the captured forward node is that build's function, not the general one.
     forward_net = step.narrow if step.narrow is not None else step.cluster_net
     if forward_net is not None:
         hidden = len(step.layout.layers) - (step._head is not None)
         assert forward_net.fixed_shapes() == [(step.config.batch, hidden)]
+        which = "forward_cluster" if want_cluster else "forward"
+        fixed = forward_net._fixed[(step.config.batch, hidden)][which]
+        forwards = [k for k in nodes if k.function == fixed.name]
+        assert len(forwards) == 1 and forwards[0].handle == int(fixed.function), forwards
+        assert forwards[0].handle != int(forward_net._kernel(which).function)
 
 
 def step_kernels(step):

@@ -240,6 +240,51 @@ def test_cluster_ranks_ids_and_distributed_shared_memory(rng, stream, grid, clus
     np.testing.assert_array_equal(neighbours.to_numpy(), x[(peer_y * gx + peer_x).reshape(-1)])
 
 
+# Every block of a cluster gathers the cluster's slices (256 floats each, from `in`) in its
+# shared memory: its own by a store, every other pushed by its owner with one bulk copy
+# (dt_bulk_push) that completes on the receiver's mbarrier; then writes what it gathered.
+BULK_SOURCE = r"""
+#include "common.cuh"
+extern "C" __global__ void __launch_bounds__(256) gather(float* out, const float* in) {
+    __shared__ __align__(128) float all[8 * 256];
+    __shared__ __align__(8) unsigned long long landed;
+    const unsigned int rank = dt_cluster_rank(), size = dt_cluster_blocks(), t = threadIdx.x;
+    const unsigned int base = (unsigned int)__cvta_generic_to_shared(all);
+    const unsigned int bar = (unsigned int)__cvta_generic_to_shared(&landed);
+    if (t == 0) {
+        dt_mbar_init(bar, 1);
+        dt_mbar_init_fence();
+    }
+    all[rank * 256 + t] = in[blockIdx.x * 256 + t];
+    dt_fence_proxy_async();
+    dt_cluster_barrier();  // every block started, its mbarrier initialised, its slice written
+    if (t == 0) {
+        dt_mbar_arrive_expect(bar, (size - 1) * 1024);
+        const unsigned int mine = base + rank * 1024;
+        for (unsigned int q = 0; q < size; ++q)
+            if (q != rank) dt_bulk_push(dt_cluster_address(mine, q), mine, 1024, dt_cluster_address(bar, q));
+    }
+    dt_mbar_wait(bar, 0);
+    for (unsigned int i = t; i < size * 256; i += 256) out[blockIdx.x * 2048 + i] = all[i];
+    dt_cluster_barrier();  // every block has its slices: no copy still reads or writes shared memory
+}
+"""
+
+
+@pytest.mark.parametrize("blocks, size", [(16, 2), (32, 4), (64, 8), (8, 1)])
+def test_bulk_copies_gather_a_cluster_on_mbarriers(rng, stream, blocks, size):
+    kern = load_source(BULK_SOURCE, "bulk.cu").kernel("gather", "ptr, ptr")
+    x = rng.standard_normal((blocks, 256)).astype(np.float32)
+    out = DeviceBuffer((blocks, 2048))
+    out.poison(stream=stream)
+    kern.launch(blocks, 256, out, DeviceBuffer.from_numpy(x), stream=stream, cluster=(size, 1, 1))
+    got = out.to_numpy()
+    for b in range(blocks):
+        first = b // size * size
+        np.testing.assert_array_equal(got[b, : size * 256], x[first: first + size].reshape(-1), err_msg=f"block {b}")
+        assert np.all(got[b, size * 256:].view(np.uint32) == 0xFFFFFFFF), f"block {b} wrote past its cluster"
+
+
 def test_cluster_bound_launch_replays_in_a_graph(rng, stream):
     kern = load_source(CLUSTER_SOURCE, "cluster.cu").kernel("cluster_exchange", "ptr, ptr, ptr, ptr")
     blocks = 64

@@ -217,3 +217,18 @@ def test_fixed_shape_build_holds_the_four_forwards_for_sm_90(cache_dir):
     sections = elf_sections(fixed.cubin)
     forwards = [k for k in KERNELS if k.startswith("narrow_forward")]
     assert sorted(k for k in KERNELS if f".text.{k}" in sections) == sorted(forwards)
+
+
+def test_fix_shape_refuses_to_build_during_a_capture():
+    """Loading a module has no place in a stream capture: fix_shape says so before it
+    compiles or touches the device."""
+    from drvtrain.driver import active_captures
+    net = NarrowMLP(ParamLayout.from_widths([4, 256, 256, 3]))
+    captures = active_captures()
+    captures.append(object())
+    try:
+        with pytest.raises(RuntimeError, match="before the capture"):
+            net.fix_shape(256, 2)
+    finally:
+        captures.pop()
+    assert net.fixed_shapes() == []

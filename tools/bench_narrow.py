@@ -75,9 +75,10 @@ def main(argv=None) -> int:
     for name, launch, us in rows:
         print(f"| {name} | {launch} | {us:.2f} |")
     if hopper:
-        ranks, smem, fit = net.cluster_ranks(HIDDEN), net.cluster_shared_bytes(HIDDEN), net.clusters_at_once(HIDDEN)
-        print(f"\nclusters of {ranks} blocks, {smem} bytes of shared memory a block; {fit} clusters fit at once, "
-              f"the launch has {3 * -(-BATCH // CLUSTER_ROWS)}")
+        ranks, smem = net.cluster_ranks(HIDDEN), net.cluster_shared_bytes(HIDDEN)
+        fit, fit_fixed = net.clusters_at_once(HIDDEN), fixed.clusters_at_once(HIDDEN, BATCH)
+        print(f"\nclusters of {ranks} blocks, {smem} bytes of shared memory a block; {fit} clusters fit at once "
+              f"({fit_fixed} of the fixed-shape build), the launch has {3 * -(-BATCH // CLUSTER_ROWS)}")
     return 0
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What one synchronisation costs on the device: a kernel boundary, a grid barrier, a cluster barrier.
+"""What one synchronisation costs on the device: a kernel boundary, a grid barrier, a cluster barrier, a hand-over.
 
 Each is timed in a captured graph and divided by its count:
 - a kernel boundary: a chain of 200 launches of `sync_chain` (kernels/probe.cu), each
@@ -9,7 +9,12 @@ Each is timed in a captured graph and divided by its count:
   each after a write the next block reads, over 1 to 264 blocks;
 - a cluster barrier: one launch of `sync_cluster` with 1000 cluster barriers, each
   after a write into the next block's shared memory, for clusters of 1 to 8 blocks, one
-  cluster and 16 side by side (compute capability 9.0+).
+  cluster and 16 side by side (compute capability 9.0+);
+- an all-to-all hand-over in a cluster of 8: `sync_handover` with 1000 rounds, in each
+  of which every block hands a 4 KB slice to every block of its cluster (32 KB arrive in
+  each), by 8-byte or 16-byte remote stores and a cluster barrier, or by one bulk copy
+  per receiving block completing on its mbarrier; one cluster, and 24 side by side (the
+  small DQN step's cluster forward).
 Every hand-over is checked; a stale read fails the run (exit 1).
 """
 import sys
@@ -21,6 +26,8 @@ from drvtrain import DeviceBuffer, Stream, builtin_module, capture, get_device
 from drvtrain.timing import time_graph
 
 NODES, ROUNDS = 200, 1000
+HANDOVER_MODES = ((0, "8-byte remote stores, cluster barrier"), (1, "16-byte remote stores, cluster barrier"),
+                  (2, "a bulk copy a block, mbarrier"))
 
 
 def timed(stream, enqueue, replays: int, repeats: int) -> float:
@@ -71,8 +78,20 @@ def main(argv=None) -> int:
                                                        cluster=(size, 1, 1)), 5, args.repeats) / ROUNDS
                 rows.append((f"cluster barrier, {clusters} cluster(s) of {size}", us))
         print("  cluster barriers timed", flush=True)
+        handover = mod.kernel("sync_handover", "ptr ptr i32 i32")
+        checked = DeviceBuffer.zeros(1, np.uint64)
+        for mode, way in HANDOVER_MODES:
+            for clusters in (1, 24):
+                us = timed(stream, lambda: handover.launch(8 * clusters, 256, errors, checked, ROUNDS, mode,
+                                                           stream=stream, cluster=(8, 1, 1),
+                                                           shared_mem=2 * 8 * 4096), 5, args.repeats) / ROUNDS
+                rows.append((f"hand-over of a 4 KB slice to each of 8 blocks, {clusters} cluster(s): {way}", us))
+        print("  hand-overs timed", flush=True)
     stream.synchronize()
     stale = int(errors.to_numpy()[0])
+    if hopper and int(checked.to_numpy()[0]) == 0:
+        print("the hand-overs checked nothing", file=sys.stderr)
+        return 1
     print(f"\n{dev.name} ({dev.arch}, {dev.sm_count} SMs), 256 threads a block; us per synchronisation, "
           f"median of {args.repeats} repeats\n")
     print("| synchronisation | us |")

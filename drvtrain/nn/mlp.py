@@ -414,7 +414,7 @@ class MLP:
         layers = layer_count(layers, n)
         acts = [x]
         last = n - 1
-        for k, (out, inp) in enumerate(self.layout.layers[:int(layers)]):
+        for k, (out, inp) in enumerate(self.layout.layers[:layers]):
             y = arena.array((batch, out), np.float32)
             self.forward_kernels.launch("forward" if k == last else "forward_relu", acts[-1], inp, params.weight(k),
                                         inp, y, out, batch, out, inp, arena=arena, stream=stream, gate=gate,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiler import DEFAULT_OPTIONS
+from ..driver import active_captures, get_device
 from ..kernel import builtin_module, load_module
 from ..memory import Arena, DeviceBuffer
 from .layout import FlatBuffer, ParamLayout
@@ -43,6 +44,11 @@ CLUSTER_WARPS = CLUSTER_THREADS // 32
 CLUSTER_MAX = 8  # blocks per cluster: the portable size
 CLUSTER_TILES = 4  # n8 output tiles a block of the cluster forward aims for (2 warps per tile)
 _BACKWARD_SIGNATURE = " ".join(["ptr"] * 10 + ["i32"] * 15 + ["ptr"] * 3)
+
+
+# The forwards built for one shape, loaded once a process and device: every NarrowMLP (and
+# DQN step) of that layout, batch and depth shares the module.
+_fixed_modules: dict = {}
 
 
 def _round_up(n: int, m: int) -> int:
@@ -174,11 +180,17 @@ class NarrowMLP:
         outside a stream capture: it compiles and loads a module. A fixed kernel launched
         with another shape, depth or cluster size traps rather than compute with the wrong
         one."""
-        options = self.fixed_options(batch, layers)
         key = self._fixed_key(batch, layers)
         if key in self._fixed:
             return
-        module = load_module("narrow.cu", options=DEFAULT_OPTIONS + options)
+        options = self.fixed_options(*key)
+        if active_captures():
+            raise RuntimeError("fix_shape compiles and loads a module: call it before the capture, not during it")
+        device = get_device()
+        module = _fixed_modules.get((device.ordinal, options))
+        if module is None:
+            module = _fixed_modules[(device.ordinal, options)] = load_module(
+                "narrow.cu", options=DEFAULT_OPTIONS + options, device=device)
         suffix = "" if self.tf32 else "_f32"
         self._fixed[key] = {
             "forward": module.kernel("narrow_forward" + suffix, _FORWARD_SIGNATURE, fixed_block=True),
@@ -220,12 +232,16 @@ class NarrowMLP:
             floats += rows * stride(inp) + _round_up(rows, 4)
         return 4 * floats
 
-    def clusters_at_once(self, layers: int | None = None) -> int:
+    def clusters_at_once(self, layers: int | None = None, batch: int | None = None) -> int:
         """How many clusters of the cluster forward of the first ``layers`` layers run on
         the device at once (``Kernel.max_active_clusters``); a launch of more runs in waves.
-        Loads the kernels, so it needs the GPU."""
+        With ``batch``, of the kernel that a launch of that batch runs (the build of
+        :meth:`fix_shape` where there is one; it may take fewer registers). Loads the
+        kernels, so it needs the GPU."""
         stop = self._stop(layers)
-        return self._kernel("forward_cluster").max_active_clusters((self.cluster_ranks(stop), 1, 1), CLUSTER_THREADS,
+        kernel = self._kernel("forward_cluster") if batch is None else \
+            self._forward_kernel("forward_cluster", self._fixed_key(batch, stop)[0], stop)
+        return kernel.max_active_clusters((self.cluster_ranks(stop), 1, 1), CLUSTER_THREADS,
                                                                    self.cluster_shared_bytes(stop))
 
     def _stop(self, layers) -> int:

@@ -316,9 +316,7 @@ class DQNStep:
         self._skipped_step.view()[:] = 0
         self.narrow = NarrowMLP(self.layout, tf32=cfg.tf32) if cfg.fused and NarrowMLP.supports(self.layout) \
             else None
-        self.cluster_net = None
-        if self.narrow is None:
-            self.cluster_net = self._cluster_forward_net(cfg, device)
+        self.cluster_net = self._cluster_forward_net(cfg, device)
         if self.narrow is not None:
             net_bytes, zeroed = self.narrow.scratch_bytes(b, 3), self.narrow.zeroed_bytes(b)
         else:
@@ -347,9 +345,9 @@ class DQNStep:
         # The step's forwards always run this batch through the same layers: when a narrow
         # net runs them, its kernels are compiled for that one shape (the same bits, fewer
         # instructions: NarrowMLP.fix_shape).
-        forward_net = self.narrow if self.narrow is not None else self.cluster_net
-        if forward_net is not None:
-            forward_net.fix_shape(b, self._forward_layers())
+        self._forward_net = self.narrow if self.narrow is not None else self.cluster_net  # None: per-layer GEMMs
+        if self._forward_net is not None:
+            self._forward_net.fix_shape(b, self._forward_layers())
         self.last = _Captured()
         self.graph: Graph | None = None
 
@@ -427,8 +425,8 @@ class DQNStep:
         capturing = bool(active_captures())
         head = self._head
         hidden_layers = self._forward_layers()
-        if self.narrow is not None or self.cluster_net is not None:  # all three passes in one launch
-            net = self.narrow if self.narrow is not None else self.cluster_net
+        net = self._forward_net
+        if net is not None:  # all three passes in one launch
             f_online, f_next, f_target = net.forward_many(
                 [self.params, self.params, self.target], [batch.obs, batch.next_obs, batch.next_obs],
                 arena=arena, stream=stream, gate=gate, layers=hidden_layers, cluster=net is self.cluster_net)
