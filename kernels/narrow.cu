@@ -929,8 +929,8 @@ __device__ __forceinline__ void forward_cluster_block(const float* params, const
         const bool hidden = l + 1 < layers, more = l + 1 < stop;
         if (more && l == 0) dt_cluster_wait();  // every block of the cluster has started
         if (sh.slice == 0) {
-            // Bias, ReLU (keeping NaN, as torch.relu); into the next layer's input rows of
-            // every block (0 in the padding columns up to a multiple of 8).
+            // Bias, ReLU (keeping NaN, as torch.relu); to global memory, and into the next
+            // layer's input rows of every block (0 in the padding columns up to a multiple of 8).
             const int SN = cl_stride(N);
             unsigned int remote[CL_MAX];  // the next layer's input rows in every block of the cluster
             if (ranks > CL_MAX) __trap();     // narrow.py launches at most the portable 8
@@ -948,17 +948,18 @@ __device__ __forceinline__ void forward_cluster_block(const float* params, const
                 for (int m = 0; m < 2; ++m)
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const int r = 16 * m + g + 8 * h;
+                        const int r = 16 * m + g + 8 * h, row = row0 + r;
                         float v0 = 0.0f, v1 = 0.0f;
                         if (col < N) {
                             v0 = acc[m][j][2 * h] + b0;
                             if (hidden) v0 = v0 < 0.0f ? 0.0f : v0 + 0.0f;
+                            if (row < batch) y[(long long)row * N + col] = v0;
                         }
                         if (col + 1 < N) {
                             v1 = acc[m][j][2 * h + 1] + b1;
                             if (hidden) v1 = v1 < 0.0f ? 0.0f : v1 + 0.0f;
+                            if (row < batch) y[(long long)row * N + col + 1] = v1;
                         }
-                        acc[m][j][2 * h] = v0, acc[m][j][2 * h + 1] = v1;  // stored below
                         if (more) {
                             const unsigned int at = 4u * (unsigned int)(r * SN + col);
                             const float n0 = TF32 ? __uint_as_float(to_tf32(v0)) : v0;
@@ -971,24 +972,6 @@ __device__ __forceinline__ void forward_cluster_block(const float* params, const
             }
         }
         if (more) dt_cluster_barrier();  // the next layer's inputs are complete in every block
-        // The outputs to global memory once the barrier is passed: its release then waits
-        // for the remote stores alone, and these stores overlap the next layer.
-        if (sh.slice == 0) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                if (!sh.on[j]) continue;
-                const int col = 8 * first_tile + 8 * sh.tile[j] + 2 * t;
-#pragma unroll
-                for (int m = 0; m < 2; ++m)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int row = row0 + 16 * m + g + 8 * h;
-                        if (row >= batch) continue;
-                        if (col < N) y[(long long)row * N + col] = acc[m][j][2 * h];
-                        if (col + 1 < N) y[(long long)row * N + col + 1] = acc[m][j][2 * h + 1];
-                    }
-            }
-        }
         wl = bl + round_up(tb * 8, 4);
     }
 }
