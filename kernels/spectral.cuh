@@ -84,6 +84,40 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 
 }  // namespace
 
+// The end of a columns-phase block, once thread t holds its sums `acc` of
+// w * u over its rows, in row order, for columns j0 .. j0 + 3 (j0 = 16 block +
+// 4 (t % 4)): they are summed over the block and written as
+// dt_spectral_columns_block writes them. Every thread of the block calls it.
+__device__ __forceinline__ void dt_spectral_columns_finish(double (&acc)[4], const DtSpectralMatrix& mat, int block,
+                                                           int index, float* v_all, double* partials) {
+    __shared__ double warp_sums[SPECTRAL_WARPS][DT_SPECTRAL_COLS_PER_BLOCK];
+    __shared__ double squares[DT_SPECTRAL_COLS_PER_BLOCK];
+    const int cols = mat.cols;
+    // Sum over the row lanes: the 8 of a warp by a fixed butterfly, then the
+    // warps in order.
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int off = SPECTRAL_QUADS; off < 32; off <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane < SPECTRAL_QUADS)
+        for (int e = 0; e < 4; ++e) warp_sums[warp][4 * lane + e] = acc[e];
+    __syncthreads();
+    if (threadIdx.x < DT_SPECTRAL_COLS_PER_BLOCK) {
+        double x = 0.0;
+        for (int w = 0; w < SPECTRAL_WARPS; ++w) x += warp_sums[w][threadIdx.x];
+        const int j = block * DT_SPECTRAL_COLS_PER_BLOCK + threadIdx.x;
+        if (j < cols) v_all[mat.v_offset + j] = (float)x;
+        squares[threadIdx.x] = j < cols ? x * x : 0.0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (int c = 0; c < DT_SPECTRAL_COLS_PER_BLOCK; ++c) s += squares[c];
+        partials[index] = s;
+    }
+}
+
 // spectral_columns: x = W^T u for DT_SPECTRAL_COLS_PER_BLOCK (16) columns per
 //   block, all rows. Thread t takes column quad t % 4 and rows t / 4, t / 4 + 64, ...
 //   so a warp reads 8 rows x 64 contiguous bytes. Writes v_all[v_offset + j] = x_j
@@ -99,8 +133,6 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
     DtSpectralMatrix mat;
     int block = 0;
     if (spectral_find(mats, n_mats, true, index, mat, block) < 0) return;
-    __shared__ double warp_sums[SPECTRAL_WARPS][DT_SPECTRAL_COLS_PER_BLOCK];
-    __shared__ double squares[DT_SPECTRAL_COLS_PER_BLOCK];
 
     const int rows = mat.rows, cols = mat.cols;
     const float* W = params + mat.w_offset;
@@ -130,29 +162,7 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
         }
     }
     if (skipped) return;  // block-uniform; checked once the loads are in
-    // Sum over the row lanes: the 8 of a warp by a fixed butterfly, then the
-    // warps in order.
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-#pragma unroll
-        for (int off = SPECTRAL_QUADS; off < 32; off <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (lane < SPECTRAL_QUADS)
-        for (int e = 0; e < 4; ++e) warp_sums[warp][4 * lane + e] = acc[e];
-    __syncthreads();
-    if (threadIdx.x < DT_SPECTRAL_COLS_PER_BLOCK) {
-        double x = 0.0;
-        for (int w = 0; w < SPECTRAL_WARPS; ++w) x += warp_sums[w][threadIdx.x];
-        const int j = block * DT_SPECTRAL_COLS_PER_BLOCK + threadIdx.x;
-        if (j < cols) v_all[mat.v_offset + j] = (float)x;
-        squares[threadIdx.x] = j < cols ? x * x : 0.0;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double s = 0.0;
-        for (int c = 0; c < DT_SPECTRAL_COLS_PER_BLOCK; ++c) s += squares[c];
-        partials[index] = s;
-    }
+    dt_spectral_columns_finish(acc, mat, block, index, v_all, partials);
 }
 
 // spectral_rows: y = W v for DT_SPECTRAL_ROWS_PER_BLOCK (16) rows per block;
