@@ -150,11 +150,11 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
 //   for bit: the same per-element AdamW, and the same sums of W^T u in the same
 //   order over the updated W.
 // Grid: column_blocks + R blocks of SPECTRAL_THREADS (256), column_blocks =
-//   sum_m ceil(cols_m / 16) (spectral_columns' grid), R >= 1. Block b <
-//   column_blocks is spectral_columns' block b: it updates its 16 columns of
-//   W (every row; thread t the elements of the column quad t % 4 in rows t / 4,
-//   t / 4 + 64, ..., the ones its columns phase reads) and sums them into x as
-//   they are stored, with no reload. The R other blocks stride over the flat
+//   sum_m ceil(cols_m / 4) (spectral_columns' grid), R >= 1 (adamw_step's grid).
+//   Block b < column_blocks is spectral_columns' block b: it updates its 4
+//   columns of W (every row; thread t the float4 of rows t, t + 256, ..., the
+//   ones its columns phase reads; four rows' operands in flight at a time) and
+//   sums them into x as they are stored, with no reload. The R other blocks stride over the flat
 //   buffer and update every element outside the matrices (biases, layers not
 //   projected, the padding); a float4 that holds both is done element by element.
 // Operands: adamw_step's, then spectral_columns' (no counters). n a multiple of

@@ -42,7 +42,7 @@ METRIC_FIELDS = ("loss", "grad_norm", "clip_scale", "mean_q", "mean_abs_td", "si
 # The table of spectral matrices, byte for byte as kernels/dqn.cuh lays it out.
 _SPECTRAL_DTYPE = np.dtype([("w_offset", "<i8"), ("rows", "<i4"), ("cols", "<i4"), ("u_offset", "<i4"),
                             ("v_offset", "<i4"), ("first_block_cols", "<i4"), ("first_block_rows", "<i4")])
-_SPECTRAL_COLS_PER_BLOCK = 16  # DT_SPECTRAL_COLS_PER_BLOCK
+_SPECTRAL_COLS_PER_BLOCK = 4  # DT_SPECTRAL_COLS_PER_BLOCK
 MAX_ACTIONS = 64  # DQN_MAX_ACTIONS in kernels/dqn.cu: the loss kernel stages rows in shared memory
 _SPECTRAL_ROWS_PER_BLOCK = 16  # DT_SPECTRAL_ROWS_PER_BLOCK
 _HEAD_ROWS = 4  # DQN_HEAD_ROWS in kernels/dqn.cu: batch rows per dqn_head block
