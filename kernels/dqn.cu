@@ -382,7 +382,7 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
 
 // ============================================================== spectral projection
 // The two phases of spectral.cuh, one phase block per block of the grid.
-// spectral_columns: grid = sum_m ceil(cols_m / 4), block SPECTRAL_THREADS (256);
+// spectral_columns: grid = sum_m ceil(cols_m / 16), block SPECTRAL_THREADS (256);
 //   `counters` is unused and may be null.
 // spectral_rows: grid = sum_m ceil(rows_m / 16), block SPECTRAL_THREADS, after
 //   spectral_columns on the same stream.

@@ -29,9 +29,7 @@ struct DtSpectralMatrix {
 };
 static_assert(sizeof(DtSpectralMatrix) == 32, "the host fills this table byte for byte");
 
-// Columns of W^T u per spectral_columns block: 4, one float4 wide, so that the phase has
-// as many blocks as AdamW has (adamw_spectral_columns updates W in them).
-constexpr int DT_SPECTRAL_COLS_PER_BLOCK = 4;
+constexpr int DT_SPECTRAL_COLS_PER_BLOCK = 16;  // columns of W^T u per spectral_columns block
 constexpr int DT_SPECTRAL_ROWS_PER_BLOCK = 16;  // rows of W v per spectral_rows block
 
 __device__ __forceinline__ int dt_spectral_column_blocks(int cols) {

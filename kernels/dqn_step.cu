@@ -1,8 +1,7 @@
-// The last kernels of the Double-DQN step. adamw_spectral_columns (below):
-// AdamW and the spectral projection's first phase in one launch. dqn_finish: the
-// spectral scaling, the target network update, the step counter and the metrics
-// slot, in one pass. dqn_tail (below): the gradient norm, the priority update,
-// AdamW, the spectral power iteration and that pass in one cooperative launch.
+// The last kernels of the Double-DQN step. dqn_finish: the spectral scaling,
+// the target network update, the step counter and the metrics slot, in one
+// pass. dqn_tail (below): the gradient norm, the priority update, AdamW, the
+// spectral power iteration and that pass in one cooperative launch.
 //
 // dqn_finish, over the flat parameter buffer of n floats (n a multiple of 4):
 //   - unless the step was skipped (*skip != 0, the NaN guard):
@@ -144,121 +143,6 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
 }
 
 }  // namespace
-
-// adamw_spectral_columns: adamw_step (optim.cu) and then spectral_columns
-//   (dqn.cu) in one launch, with the results of the two launches in a row, bit
-//   for bit: the same per-element AdamW, and the same sums of W^T u in the same
-//   order over the updated W.
-// Grid: column_blocks + R blocks of SPECTRAL_THREADS (256), column_blocks =
-//   sum_m ceil(cols_m / 4) (spectral_columns' grid), R >= 1 (adamw_step's grid).
-//   Block b < column_blocks is spectral_columns' block b: it updates its 4
-//   columns of W (every row; thread t the float4 of rows t, t + 256, ..., the
-//   ones its columns phase reads; four rows' operands in flight at a time) and
-//   sums them into x as they are stored, with no reload. The R other blocks stride over the flat
-//   buffer and update every element outside the matrices (biases, layers not
-//   projected, the padding); a float4 that holds both is done element by element.
-// Operands: adamw_step's, then spectral_columns' (no counters). n a multiple of
-//   4; params, grads, m and v 16-byte aligned, with one layout.
-// skip non-null and *skip != 0: nothing is written.
-extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) adamw_spectral_columns(
-        float* params, const float* grads, float* m, float* v, long long n, float lr, double beta1, double beta2,
-        float eps, float weight_decay, const float* clip, const int* step, const int* skip,
-        const DtSpectralMatrix* mats, int n_mats, int column_blocks, const float* u_all, float* v_all,
-        double* partials) {
-    dt_wait_prior_grid();
-    dt_allow_dependents();
-    const int skipped = skip != nullptr ? *skip : 0;
-    const float scale = clip[1];
-    const int t = *step;
-    DtSpectralMatrix mat;
-    int block = 0;
-    const bool strip = (int)blockIdx.x < column_blocks &&
-                       spectral_find(mats, n_mats, true, (int)blockIdx.x, mat, block) >= 0;
-    dt_issued(skipped);
-    dt_issued(scale);
-    dt_issued(t);
-    if (skipped) return;
-    const DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, scale, t);
-    if ((int)blockIdx.x < column_blocks) {
-        if (!strip) return;
-        const int rows = mat.rows, cols = mat.cols;
-        const long long w = mat.w_offset;
-        const float* u = u_all + mat.u_offset;
-        const int quad = threadIdx.x % SPECTRAL_QUADS, lane_row = threadIdx.x / SPECTRAL_QUADS;
-        const int j0 = block * DT_SPECTRAL_COLS_PER_BLOCK + 4 * quad;
-        double acc[4] = {0.0, 0.0, 0.0, 0.0};
-        if (j0 < cols && cols % 4 == 0 && w % 4 == 0) {
-            // Four rows' operands in flight at a time; then each row's update, its
-            // stores, and its terms of x in row order, as spectral_columns adds them.
-            constexpr int BATCH = 4;
-            for (int i0 = lane_row; i0 < rows; i0 += BATCH * SPECTRAL_ROW_LANES) {
-                DtAdamWFloat4 x[BATCH];
-                double ui[BATCH];
-#pragma unroll
-                for (int r = 0; r < BATCH; ++r) {
-                    const int i = i0 + r * SPECTRAL_ROW_LANES;
-                    if (i < rows) {
-                        x[r] = dt_adamw_load((w + (long long)i * cols + j0) / 4, params, grads, m, v);
-                        ui[r] = u[i];
-                    }
-                }
-#pragma unroll
-                for (int r = 0; r < BATCH; ++r) {
-                    const int i = i0 + r * SPECTRAL_ROW_LANES;
-                    if (i >= rows) break;
-                    DtAdamWFloat4& e = x[r];
-                    dt_adamw_one(a, e.p.x, e.m.x, e.v.x, e.g.x);
-                    dt_adamw_one(a, e.p.y, e.m.y, e.v.y, e.g.y);
-                    dt_adamw_one(a, e.p.z, e.m.z, e.v.z, e.g.z);
-                    dt_adamw_one(a, e.p.w, e.m.w, e.v.w, e.g.w);
-                    const long long q = (w + (long long)i * cols + j0) / 4;
-                    reinterpret_cast<float4*>(params)[q] = e.p;
-                    reinterpret_cast<float4*>(m)[q] = e.m;
-                    reinterpret_cast<float4*>(v)[q] = e.v;
-                    acc[0] += (double)e.p.x * ui[r];
-                    acc[1] += (double)e.p.y * ui[r];
-                    acc[2] += (double)e.p.z * ui[r];
-                    acc[3] += (double)e.p.w * ui[r];
-                }
-            }
-        } else if (j0 < cols) {
-            const int count = min(4, cols - j0);
-            for (int i = lane_row; i < rows; i += SPECTRAL_ROW_LANES) {
-                const double ui = u[i];
-                for (int e = 0; e < count; ++e) {
-                    const long long k = w + (long long)i * cols + j0 + e;
-                    float pk = params[k], mk = m[k], vk = v[k];
-                    dt_adamw_one(a, pk, mk, vk, grads[k]);
-                    params[k] = pk, m[k] = mk, v[k] = vk;
-                    acc[e] += (double)pk * ui;
-                }
-            }
-        }
-        dt_spectral_columns_finish(acc, mat, block, (int)blockIdx.x, v_all, partials);
-        return;
-    }
-    // The elements outside every matrix.
-    const long long stride = (long long)(gridDim.x - column_blocks) * blockDim.x;
-    for (long long i = (long long)(blockIdx.x - column_blocks) * blockDim.x + threadIdx.x; i < n / 4; i += stride) {
-        int inside = 0;  // bit e: element 4 i + e belongs to a matrix (its strip block updates it)
-        for (int k = 0; k < n_mats; ++k) {
-            const long long lo = mats[k].w_offset, hi = lo + (long long)mats[k].rows * mats[k].cols;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) inside |= (4 * i + e >= lo && 4 * i + e < hi) << e;
-        }
-        if (inside == 0) {
-            dt_adamw_store(a, dt_adamw_load(i, params, grads, m, v), i, params, m, v);
-        } else if (inside != 15) {
-            for (int e = 0; e < 4; ++e) {
-                if (inside >> e & 1) continue;
-                const long long k = 4 * i + e;
-                float pk = params[k], mk = m[k], vk = v[k];
-                dt_adamw_one(a, pk, mk, vk, grads[k]);
-                params[k] = pk, m[k] = mk, v[k] = vk;
-            }
-        }
-    }
-}
 
 extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
         float* params, float* target, long long n, const DtSpectralMatrix* mats, int n_mats,

@@ -25,7 +25,7 @@
 // Scratch (the same `partials` buffer goes to both kernels):
 //   partials: GC + GR doubles, GC = spectral_columns' grid, GR = spectral_rows'
 //     grid. Phase 1 writes [0, GC); phase 2 reads them and writes [GC, GC + GR).
-//     Phase 2 finds GC from the table as max_m(first_block_cols + ceil(cols / 4)).
+//     Phase 2 finds GC from the table as max_m(first_block_cols + ceil(cols / 16)).
 //   v_all: sum(cols) floats (v_offset); no y scratch: y is staged in u_all.
 //   counters: n_mats uints, zero on entry and left zero; used by
 //     spectral_rows only (spectral_columns ignores its argument, which may be null).
@@ -84,47 +84,11 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 
 }  // namespace
 
-// The end of a columns-phase block, once thread t holds its sums `acc` of
-// w * u over its rows, in row order, for columns j0 .. j0 + 3 (j0 =
-// DT_SPECTRAL_COLS_PER_BLOCK block + 4 (t % SPECTRAL_QUADS)): they are summed over the block and written as
-// dt_spectral_columns_block writes them. Every thread of the block calls it.
-__device__ __forceinline__ void dt_spectral_columns_finish(double (&acc)[4], const DtSpectralMatrix& mat, int block,
-                                                           int index, float* v_all, double* partials) {
-    __shared__ double warp_sums[SPECTRAL_WARPS][DT_SPECTRAL_COLS_PER_BLOCK];
-    __shared__ double squares[DT_SPECTRAL_COLS_PER_BLOCK];
-    const int cols = mat.cols;
-    // Sum over the row lanes: the 8 of a warp by a fixed butterfly, then the
-    // warps in order.
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-#pragma unroll
-        for (int off = SPECTRAL_QUADS; off < 32; off <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (lane < SPECTRAL_QUADS)
-        for (int e = 0; e < 4; ++e) warp_sums[warp][4 * lane + e] = acc[e];
-    __syncthreads();
-    if (threadIdx.x < DT_SPECTRAL_COLS_PER_BLOCK) {
-        double x = 0.0;
-        for (int w = 0; w < SPECTRAL_WARPS; ++w) x += warp_sums[w][threadIdx.x];
-        const int j = block * DT_SPECTRAL_COLS_PER_BLOCK + threadIdx.x;
-        if (j < cols) v_all[mat.v_offset + j] = (float)x;
-        squares[threadIdx.x] = j < cols ? x * x : 0.0;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double s = 0.0;
-        for (int c = 0; c < DT_SPECTRAL_COLS_PER_BLOCK; ++c) s += squares[c];
-        partials[index] = s;
-    }
-}
-
-// spectral_columns: x = W^T u for DT_SPECTRAL_COLS_PER_BLOCK (4) columns per
-//   block, all rows. Thread t takes column quad t % SPECTRAL_QUADS (one quad: the
-//   block's float4 of every row) and rows t / SPECTRAL_QUADS, then every
-//   SPECTRAL_ROW_LANES (256) rows, so a warp reads 32 rows x 16 bytes. Writes
-//   v_all[v_offset + j] = x_j and partials[index] = sum of x_j^2 over the block's
-//   columns.
-// Blocks: index in [0, sum_m ceil(cols_m / 4)) (matrix m from first_block_cols),
+// spectral_columns: x = W^T u for DT_SPECTRAL_COLS_PER_BLOCK (16) columns per
+//   block, all rows. Thread t takes column quad t % 4 and rows t / 4, t / 4 + 64, ...
+//   so a warp reads 8 rows x 64 contiguous bytes. Writes v_all[v_offset + j] = x_j
+//   and partials[index] = sum of x_j^2 over the block's columns.
+// Blocks: index in [0, sum_m ceil(cols_m / 16)) (matrix m from first_block_cols),
 //   SPECTRAL_THREADS (256) threads, every one of which calls it. `skipped`
 //   (the kernel's skip flag, loaded with the table; 0 in the cooperative tail)
 //   non-zero: it reads but writes nothing.
@@ -135,6 +99,8 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
     DtSpectralMatrix mat;
     int block = 0;
     if (spectral_find(mats, n_mats, true, index, mat, block) < 0) return;
+    __shared__ double warp_sums[SPECTRAL_WARPS][DT_SPECTRAL_COLS_PER_BLOCK];
+    __shared__ double squares[DT_SPECTRAL_COLS_PER_BLOCK];
 
     const int rows = mat.rows, cols = mat.cols;
     const float* W = params + mat.w_offset;
@@ -164,7 +130,29 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
         }
     }
     if (skipped) return;  // block-uniform; checked once the loads are in
-    dt_spectral_columns_finish(acc, mat, block, index, v_all, partials);
+    // Sum over the row lanes: the 8 of a warp by a fixed butterfly, then the
+    // warps in order.
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int off = SPECTRAL_QUADS; off < 32; off <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane < SPECTRAL_QUADS)
+        for (int e = 0; e < 4; ++e) warp_sums[warp][4 * lane + e] = acc[e];
+    __syncthreads();
+    if (threadIdx.x < DT_SPECTRAL_COLS_PER_BLOCK) {
+        double x = 0.0;
+        for (int w = 0; w < SPECTRAL_WARPS; ++w) x += warp_sums[w][threadIdx.x];
+        const int j = block * DT_SPECTRAL_COLS_PER_BLOCK + threadIdx.x;
+        if (j < cols) v_all[mat.v_offset + j] = (float)x;
+        squares[threadIdx.x] = j < cols ? x * x : 0.0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (int c = 0; c < DT_SPECTRAL_COLS_PER_BLOCK; ++c) s += squares[c];
+        partials[index] = s;
+    }
 }
 
 // spectral_rows: y = W v for DT_SPECTRAL_ROWS_PER_BLOCK (16) rows per block;

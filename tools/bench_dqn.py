@@ -10,8 +10,6 @@ one thing:
 - the output layer's forwards, the loss and its dX forced into one kernel or
   forced apart (DQNConfig(fused_head=True / False); the default picks by the
   layer's size);
-- AdamW and the spectral projection's first phase as two launches
-  (DQNConfig(fused_update=False); the default runs them as one);
 - everything after the backward as one cooperative launch
   (DQNConfig(fused_tail=True));
 - the three forwards as one launch of thread block clusters
@@ -70,7 +68,6 @@ VARIANTS = (
     ("no dependent launch", {"dependent_launch": False}),
     ("output layer fused (dqn_head)", {"fused_head": True}),
     ("output layer separate", {"fused_head": False}),
-    ("AdamW and projection apart", {"fused_update": False}),
     ("cooperative tail", {"fused_tail": True}),
     ("three forwards in clusters", {"cluster_forward": True}),
     ("fused narrow kernels", {"fused": True}),

@@ -42,7 +42,7 @@ METRIC_FIELDS = ("loss", "grad_norm", "clip_scale", "mean_q", "mean_abs_td", "si
 # The table of spectral matrices, byte for byte as kernels/dqn.cuh lays it out.
 _SPECTRAL_DTYPE = np.dtype([("w_offset", "<i8"), ("rows", "<i4"), ("cols", "<i4"), ("u_offset", "<i4"),
                             ("v_offset", "<i4"), ("first_block_cols", "<i4"), ("first_block_rows", "<i4")])
-_SPECTRAL_COLS_PER_BLOCK = 4  # DT_SPECTRAL_COLS_PER_BLOCK
+_SPECTRAL_COLS_PER_BLOCK = 16  # DT_SPECTRAL_COLS_PER_BLOCK
 MAX_ACTIONS = 64  # DQN_MAX_ACTIONS in kernels/dqn.cu: the loss kernel stages rows in shared memory
 _SPECTRAL_ROWS_PER_BLOCK = 16  # DT_SPECTRAL_ROWS_PER_BLOCK
 _HEAD_ROWS = 4  # DQN_HEAD_ROWS in kernels/dqn.cu: batch rows per dqn_head block
@@ -104,13 +104,6 @@ class DQNConfig:
     kernel with grid barriers between the phases (``dqn_tail``) instead of six
     launches: the same bits, five fewer nodes on the step's chain. Off by
     default: on the H200 it measured no faster (docs/perf-notes.md).
-    ``fused_update`` (without ``fused_tail``, with the spectral projection on)
-    runs AdamW and the projection's first phase (``x = W^T u``) as one launch
-    (``adamw_spectral_columns``): each block of that phase updates its columns of
-    a projected weight and sums them as it stores them, the other blocks update
-    the rest of the parameters. The same bits as the two launches, one node
-    fewer on the step's chain. ``False`` runs ``adamw_step`` and
-    ``spectral_columns``.
     ``fused_head`` runs the output layer's three forwards, the loss and the
     output layer's data gradient as one row-parallel kernel (``dqn_head``, in
     FP32) instead of three forward products, ``dqn_loss`` and a dX product:
@@ -162,7 +155,6 @@ class DQNConfig:
     fused: bool = False
     dependent_launch: bool = True
     fused_tail: bool = False
-    fused_update: bool = True
     fused_head: bool | None = None
     cluster_forward: bool = False
 
@@ -216,8 +208,7 @@ class DQNConfig:
         _positive_int("seed", self.seed, 0, 2**63 - 1)
         if self.fused_head is not None and not isinstance(self.fused_head, (bool, np.bool_)):
             raise ValueError(f"fused_head must be True, False or None, got {self.fused_head!r}")
-        for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail", "fused_update",
-                     "cluster_forward"):
+        for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail", "cluster_forward"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 
@@ -410,15 +401,6 @@ class DQNStep:
         self._spectral_columns = mod.kernel("spectral_columns", "ptr ptr i32 ptr ptr ptr ptr ptr", fixed_block=True)
         self._spectral_rows = mod.kernel("spectral_rows", "ptr ptr i32 ptr ptr f32 ptr ptr ptr ptr ptr",
                                          fixed_block=True)
-        self._update = None
-        if layers and cfg.fused_update and not cfg.fused_tail:
-            self._update = builtin_module("dqn_step.cu").kernel(
-                "adamw_spectral_columns", "ptr ptr ptr ptr i64 f32 f64 f64 f32 f32 ptr ptr ptr ptr i32 i32 ptr ptr ptr",
-                fixed_block=True)
-            # The column blocks, then one float4 a thread for the elements outside
-            # the matrices (adamw_step's grid).
-            n = self.layout.size
-            self._update_grid = cb + max(1, min(4 * get_device().sm_count, -(-n // (4 * self._update.block))))
 
     # ------------------------------------------------------------------ the step
     def enqueue(self, *, stream, uniforms=None, gate=None) -> None:
@@ -498,11 +480,7 @@ class DQNStep:
         if self._tail is not None:
             self._enqueue_tail(batch, priorities, stream, gate)
         else:
-            if self._update is not None:
-                self.optimizer.clip_grad_norm(stream=stream, gate=gate)
-                self._enqueue_update(stream)
-            else:
-                self.optimizer.step(stream=stream, gate=gate)
+            self.optimizer.step(stream=stream, gate=gate)
             update_stream = self.streams[1] if self.streams else stream
             if update_stream is not stream:
                 fork(stream, update_stream)
@@ -530,21 +508,13 @@ class DQNStep:
             self.metrics.slots, self.skips.counts, self.skips.published, self._skipped_step.ptr, self._tail_barrier,
             stream=stream, cooperative=True)
 
-    def _enqueue_update(self, stream) -> None:
-        opt = self.optimizer
-        self._update.launch(self._update_grid, self._update.block, self.params, self.grads, opt.m, opt.v,
-                            self.layout.size, opt.lr, opt.betas[0], opt.betas[1], opt.eps, opt.weight_decay,
-                            opt.clip, opt.t, opt.skip, self._spectral_mats, self.n_spectral,
-                            self._spectral_grids[0], self.u, self._v, self._spectral_partials, stream=stream)
-
     def _enqueue_spectral_and_finish(self, stream) -> None:
         cfg, skip = self.config, self.optimizer.skip
         if self.n_spectral:
             cb, rb = self._spectral_grids
-            if self._update is None:  # else adamw_spectral_columns ran the first phase
-                self._spectral_columns.launch(cb, self._spectral_columns.block, self.params, self._spectral_mats,
-                                              self.n_spectral, self.u, self._v, self._spectral_partials,
-                                              self._spectral_counters, skip, stream=stream)
+            self._spectral_columns.launch(cb, self._spectral_columns.block, self.params, self._spectral_mats,
+                                          self.n_spectral, self.u, self._v, self._spectral_partials,
+                                          self._spectral_counters, skip, stream=stream)
             self._spectral_rows.launch(rb, self._spectral_rows.block, self.params, self._spectral_mats,
                                        self.n_spectral, self.u, self._v, float(cfg.spectral_c), self.sigma,
                                        self.spectral_scale, self._spectral_partials, self._spectral_counters,
