@@ -242,7 +242,7 @@ class NarrowMLP:
         kernel = self._kernel("forward_cluster") if batch is None else \
             self._forward_kernel("forward_cluster", self._fixed_key(batch, stop)[0], stop)
         return kernel.max_active_clusters((self.cluster_ranks(stop), 1, 1), CLUSTER_THREADS,
-                                                                   self.cluster_shared_bytes(stop))
+                                          self.cluster_shared_bytes(stop))
 
     def _stop(self, layers) -> int:
         return layer_count(layers, self.layers)
