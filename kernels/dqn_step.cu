@@ -15,6 +15,7 @@
 //   - block 0, thread 0: step = ++*step_counter (every step, skipped or
 //     not); the metrics slot `step mod ring_slots` gets
 //     {loss, grad_norm, clip_scale, mean_q, mean_abs_td, sigma_max, beta}
+//     (clip_scale and sigma_max 0 on a skipped step: nothing was applied)
 //     and then, after a system fence, the step itself, so a slot whose step
 //     matches is complete. A skipped step raises flag 0 of
 //     (skip_counts, skip_published) and publishes its number in
@@ -95,10 +96,10 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
         float* slot = ring + (long long)(METRIC_FIELDS + 1) * (step % ring_slots);
         slot[0] = scalars[0];
         slot[1] = clip[0];
-        slot[2] = clip[1];
+        slot[2] = skipped ? 0.0f : clip[1];  // nothing was applied
         slot[3] = scalars[1];
         slot[4] = scalars[2];
-        slot[5] = sigma_max;
+        slot[5] = skipped ? 0.0f : sigma_max;  // sigma[] is the last applied step's
         slot[6] = *beta;
         if (skipped) {
             reinterpret_cast<volatile long long*>(skipped_step)[0] = step;

@@ -378,6 +378,33 @@ def test_nan_reward_skips_the_step_and_is_reported(device, rng):
     assert step.state_numpy()["t"] == before["t"] + 1 and step.steps_done() == 3
 
 
+@pytest.mark.parametrize("fused_tail", [False, True], ids=["six-tail-kernels", "cooperative-tail"])
+def test_a_skipped_steps_metrics_say_nothing_was_applied(device, rng, fused_tail):
+    """docs/step-spec.md, metrics: on a skipped step clip_scale and sigma_max are 0 (a NaN
+    norm alone would give a scale of 1, and sigma[] still holds the step before's)."""
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), fused_tail=fused_tail, **ODD)
+    stream = Stream()
+    step = DQNStep(cfg)
+    data = fill(step, rng, stream)
+    exe = step.capture(stream=stream)
+    exe.launch(stream)
+    step.metrics.record(stream)
+    bad = data["reward"].copy()
+    bad[:] = np.nan
+    stream.synchronize()
+    step.replay.reward.copy_from_numpy(bad)
+    exe.launch(stream)
+    step.metrics.record(stream)
+    stream.synchronize()
+    good, skipped = step.metrics.poll()
+    assert (good.step, skipped.step) == (1, 2)
+    assert np.isfinite(good.loss) and 0 < good.clip_scale <= 1 and good.sigma_max > 0
+    assert np.isnan(skipped.loss) and np.isnan(skipped.grad_norm)
+    assert skipped.clip_scale == 0.0 and skipped.sigma_max == 0.0
+    with pytest.raises(TrainingError, match="step 2 was skipped"):
+        step.check_errors()
+
+
 def test_hard_copy_every_k_steps_decided_on_the_device(device, rng):
     cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tau=None, target_period=3, **ODD)
     stream = Stream()
