@@ -82,7 +82,7 @@ def _as_pointer(value, index: int) -> int:
 
 def _as_tensor_map(value, index: int) -> bytes:
     raw = getattr(value, "raw", value)
-    if not isinstance(raw, (bytes, bytearray)):
+    if not isinstance(raw, bytes):  # immutable, so a repeated launch may reuse its packing
         raise TypeError(f"argument {index}: expected a TensorMap (drvtrain.tma) for tmap, got {type(value).__name__}")
     if len(raw) != _SIZES["tmap"]:
         raise ValueError(f"argument {index}: a tensor map is {_SIZES['tmap']} bytes, got {len(raw)}")

@@ -22,7 +22,7 @@ import ctypes
 import numpy as np
 from cuda.bindings import driver as cu
 
-from .driver import check
+from .driver import NoDeviceError, get_device, raise_status
 
 __all__ = ["TensorMap", "tensor_map_2d", "SWIZZLE_BYTES"]
 
@@ -45,17 +45,26 @@ TENSOR_MAP_BYTES = 128
 
 
 class TensorMap:
-    """An encoded 2-D tensor map: ``raw`` (128 bytes) is what the kernel receives."""
+    """An encoded 2-D tensor map: ``raw`` (128 bytes) is what the kernel receives.
 
-    __slots__ = ("raw", "buffer", "shape", "ld", "box", "dtype", "swizzle", "oob")
+    Read-only: a launch that is given the same map again may reuse what it packed."""
+
+    __slots__ = ("_raw", "buffer", "shape", "ld", "box", "dtype", "swizzle", "oob")
 
     def __init__(self, raw: bytes, buffer, shape, ld, box, dtype, swizzle, oob):
         if len(raw) != TENSOR_MAP_BYTES:
             raise ValueError(f"a tensor map is {TENSOR_MAP_BYTES} bytes, got {len(raw)}")
-        self.raw = bytes(raw)
-        self.buffer = buffer  # keeps the memory the map points at alive
-        self.shape, self.ld, self.box = shape, ld, box
-        self.dtype, self.swizzle, self.oob = dtype, swizzle, oob
+        values = dict(_raw=bytes(raw), buffer=buffer, shape=tuple(shape), ld=ld, box=tuple(box), dtype=dtype,
+                      swizzle=swizzle, oob=oob)  # buffer: keeps the memory the map points at alive
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a TensorMap is read-only; encode another with tensor_map_2d")
+
+    @property
+    def raw(self) -> bytes:
+        return self._raw
 
     @property
     def box_bytes(self) -> int:
@@ -86,10 +95,12 @@ def tensor_map_2d(buffer, box, *, shape=None, ld: int | None = None, swizzle: st
     ``ld`` elements apart (default ``cols``). One copy moves the ``box = (box_rows,
     box_cols)`` tile whose top-left element is at the coordinates it is given (column
     first, as the PTX names them), laid out in shared memory with ``swizzle``: "none"
-    (row after row), or "32B", "64B", "128B", where the box's byte offset L lands at
-    ``L ^ (((L >> 7) & m) << 4)`` for m = 1, 3, 7 (so with 128-byte box rows and "128B",
-    the 16-byte chunk c of row r is at chunk ``c ^ (r % 8)``: the layout wgmma's 128-byte
-    swizzled operands use). A box row may not be wider than the swizzle's span. Elements
+    (row after row), or "32B", "64B", "128B". With box rows as wide as the swizzle's span
+    (the case the GPU tests check), the box's byte offset L lands at
+    ``L ^ (((L >> 7) & m) << 4)`` for m = 1, 3, 7 from a destination aligned to 256, 512
+    or 1024 bytes (so with "128B" the 16-byte chunk c of row r is at chunk ``c ^ (r % 8)``:
+    the layout wgmma's 128-byte swizzled operands use). A box row may not be wider than
+    the swizzle's span. Elements
     outside the matrix arrive as 0 (``oob="zero"``) or as NaN (``"nan"``, floating point
     only).
 
@@ -139,11 +150,40 @@ def tensor_map_2d(buffer, box, *, shape=None, ld: int | None = None, swizzle: st
     return TensorMap(raw, buffer, (rows, cols), ld, (box_rows, box_cols), dtype, swizzle, oob)
 
 
+_libcuda = None
+
+
+def _driver_library():
+    """The driver library itself, for the one entry point called through ctypes."""
+    global _libcuda
+    if _libcuda is None:
+        try:
+            _libcuda = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise NoDeviceError(f"libcuda.so.1: {exc}") from None
+        fn = _libcuda.cuTensorMapEncodeTiled
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                       ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                       ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return _libcuda
+
+
 def _encode(dtype, ptr, rows, cols, ld, box_rows, box_cols, swizzle, oob) -> bytes:
+    # The driver writes the map to an address that must be 64-byte aligned; the binding's
+    # own CUtensorMap object need not be, so the map is encoded into an aligned window of
+    # a buffer of ours, through the driver's entry point.
+    get_device()  # the driver initialised (or NoDeviceError)
+    lib = _driver_library()
+    space = (ctypes.c_uint8 * (2 * TENSOR_MAP_BYTES))()
+    out = ctypes.addressof(space) + (-ctypes.addressof(space)) % 64
     item = dtype.itemsize
-    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
-    tmap = check(cu.cuTensorMapEncodeTiled, _DTYPES[dtype], 2, ptr, [u64(cols), u64(rows)], [u64(ld * item)],
-                 [u32(box_cols), u32(box_rows)], [u32(1), u32(1)],
-                 cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-                 _SWIZZLE[swizzle], cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B, _OOB[oob])
-    return ctypes.string_at(int(tmap.getPtr()), TENSOR_MAP_BYTES)
+    status = lib.cuTensorMapEncodeTiled(
+        out, int(_DTYPES[dtype]), 2, ptr, (ctypes.c_uint64 * 2)(cols, rows), (ctypes.c_uint64 * 1)(ld * item),
+        (ctypes.c_uint32 * 2)(box_cols, box_rows), (ctypes.c_uint32 * 2)(1, 1),
+        int(cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE), int(_SWIZZLE[swizzle]),
+        int(cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B), int(_OOB[oob]))
+    if status:
+        raise_status("cuTensorMapEncodeTiled", cu.CUresult(status))
+    return ctypes.string_at(out, TENSOR_MAP_BYTES)

@@ -7,8 +7,8 @@
 //
 // dt_tma_load_2d(dst, &map, x, y, bar): one thread copies the map's box whose top-left
 // element is column x, row y of the matrix into shared memory at `dst` (a shared::cta
-// address, aligned to 128 bytes, or 1024 with the 128-byte swizzle, whose pattern
-// repeats every 8 rows of 128 bytes), completing on the mbarrier `bar` of this block
+// address, aligned to 128 bytes; to 256, 512 or 1024 with the 32, 64 or 128-byte
+// swizzle, whose pattern repeats that often), completing on the mbarrier `bar` of this block
 // (common.cuh: the owner arrives once with the phase's bytes, dt_mbar_arrive_expect,
 // and every thread that reads the box waits, dt_mbar_wait). Elements outside the
 // matrix arrive as the map's fill. x and y may be negative or past the end.

@@ -53,8 +53,12 @@ def test_a_tensor_map_of_the_wrong_size_or_kind_is_refused_by_both_paths(rng):
         pack.pack((bytes(127), 3))
     with pytest.raises(TypeError, match="argument 0: expected a TensorMap"):
         pack.pack((12345, 3))
+    with pytest.raises(TypeError, match="argument 0: expected a TensorMap"):
+        pack.pack((bytearray(128), 3))  # mutable: a repeated launch could not trust its packing
     with pytest.raises(ValueError, match="128 bytes"):
         fake_map(bytes(100))
+    with pytest.raises(AttributeError, match="read-only"):
+        good.raw = bytes(128)
     assert pack.refs == ()  # a failed pack names no arguments
 
 
