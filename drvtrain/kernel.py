@@ -37,12 +37,16 @@ _OPTIONS_CC = (9, 0)  # programmatic dependent launch and clusters: Hopper and n
 __all__ = ["dependent_launches", "Module", "Kernel", "ArgPack", "BoundLaunch", "load_module", "load_source",
            "parse_signature", "builtin_module"]
 
-# Argument kinds: their struct format and size. Every argument gets an 8-byte
-# slot, so each is naturally aligned.
-_KINDS = {"ptr": "Q", "i32": "i", "u32": "I", "i64": "q", "u64": "Q", "f32": "f", "f64": "d"}
+# Argument kinds: their struct format and size. Every argument gets a slot of
+# 8 bytes, or of its size where larger (a tensor map's 128), so each is aligned.
+# (The driver copies each argument from its own host address into the kernel's
+# parameter space at the kernel's own offsets; the host slots only must not overlap.)
+_KINDS = {"ptr": "Q", "i32": "i", "u32": "I", "i64": "q", "u64": "Q", "f32": "f", "f64": "d", "tmap": "128s"}
 _SIZES = {k: struct.calcsize(f) for k, f in _KINDS.items()}
+_SLOTS = {k: max(8, s) for k, s in _SIZES.items()}
 _ALIASES = {"pointer": "ptr", "int": "i32", "int32": "i32", "uint32": "u32", "int64": "i64",
-            "uint64": "u64", "float": "f32", "float32": "f32", "double": "f64", "float64": "f64"}
+            "uint64": "u64", "float": "f32", "float32": "f32", "double": "f64", "float64": "f64",
+            "tensor_map": "tmap", "CUtensorMap": "tmap"}
 _INT_RANGE = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1), "i64": (-2**63, 2**63 - 1),
               "u64": (0, 2**64 - 1)}
 
@@ -76,9 +80,20 @@ def _as_pointer(value, index: int) -> int:
     raise TypeError(f"argument {index}: expected a device buffer or address, got {type(value).__name__}")
 
 
+def _as_tensor_map(value, index: int) -> bytes:
+    raw = getattr(value, "raw", value)
+    if not isinstance(raw, bytes):  # immutable, so a repeated launch may reuse its packing
+        raise TypeError(f"argument {index}: expected a TensorMap (drvtrain.tma) for tmap, got {type(value).__name__}")
+    if len(raw) != _SIZES["tmap"]:
+        raise ValueError(f"argument {index}: a tensor map is {_SIZES['tmap']} bytes, got {len(raw)}")
+    return bytes(raw)
+
+
 def _convert(kind: str, value, index: int):
     if kind == "ptr":
         return _as_pointer(value, index)
+    if kind == "tmap":
+        return _as_tensor_map(value, index)
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"argument {index}: expected a number for {kind}, got {type(value).__name__}")
     if kind in ("f32", "f64"):
@@ -104,11 +119,12 @@ class ArgPack:
         self.signature = signature
         n = len(signature)
         self._struct = struct.Struct("<" + "".join(
-            _KINDS[k] + "x" * (8 - _SIZES[k]) for k in signature))
-        self._buffer = bytearray(max(8, 8 * n))
+            _KINDS[k] + "x" * (_SLOTS[k] - _SIZES[k]) for k in signature))
+        self._offsets = [sum(_SLOTS[k] for k in signature[:i]) for i in range(n)]
+        self._buffer = bytearray(max(8, self._struct.size))
         self._view = (ctypes.c_char * len(self._buffer)).from_buffer(self._buffer)
         base = ctypes.addressof(self._view)
-        self._pointers = (ctypes.c_void_p * max(1, n))(*[base + 8 * i for i in range(n)])
+        self._pointers = (ctypes.c_void_p * max(1, n))(*[base + off for off in self._offsets])
         self.address = ctypes.addressof(self._pointers) if n else 0
         self.fast_pack = _fast_packer(signature, self._struct.pack_into, self._buffer)
         self.refs: tuple = ()  # the Python objects behind the packed arguments
@@ -142,7 +158,7 @@ class ArgPack:
         """Rewrite one argument in place."""
         kind = self.signature[index]
         value_packed = _convert(kind, value, index)
-        struct.pack_into("<" + _KINDS[kind], self._buffer, 8 * index, value_packed)
+        struct.pack_into("<" + _KINDS[kind], self._buffer, self._offsets[index], value_packed)
         refs = list(self.refs)
         refs[index] = value
         self.refs = tuple(refs)
@@ -156,14 +172,15 @@ def _fast_packer(signature: tuple[str, ...], pack_into, buffer):
     """A function that packs ``args`` with one ``pack_into`` call, unrolled for the signature.
 
     Generated because this runs on every launch: no per-argument loop, and a
-    pointer argument costs one ``getattr``. It does not check the count or
+    pointer argument costs one ``getattr`` (a tensor map one size check). It does not check the count or
     the kinds; anything it cannot pack raises, and ``ArgPack.pack`` retries on
     the validating path.
     """
-    terms = [f"getattr(args[{i}], 'ptr', args[{i}])" if k == "ptr" else f"args[{i}]"
+    terms = [f"getattr(args[{i}], 'ptr', args[{i}])" if k == "ptr" else
+             f"tmap(args[{i}], {i})" if k == "tmap" else f"args[{i}]"
              for i, k in enumerate(signature)]
     return eval(f"lambda args, pack_into=pack_into, buffer=buffer: pack_into(buffer, 0, {', '.join(terms)})",
-                {}, {"pack_into": pack_into, "buffer": buffer})
+                {"tmap": _as_tensor_map}, {"pack_into": pack_into, "buffer": buffer})
 
 
 def _dims(value, what: str) -> tuple[int, int, int]:
