@@ -102,7 +102,9 @@ def tensor_map_2d(buffer, box, *, shape=None, ld: int | None = None, swizzle: st
     the layout wgmma's 128-byte swizzled operands use). A box row may not be wider than
     the swizzle's span. Elements
     outside the matrix arrive as 0 (``oob="zero"``) or as NaN (``"nan"``, floating point
-    only).
+    only). The box may start before or past the matrix, but the kernel's column coordinate
+    times the element size must be a multiple of 16 bytes: an unaligned copy is an illegal
+    instruction on the device, which ends the context.
 
     Raises ValueError or TypeError for anything the driver would refuse (each limit is
     named), and NoDeviceError where there is no driver to encode with.

@@ -11,7 +11,9 @@
 // swizzle, whose pattern repeats that often), completing on the mbarrier `bar` of this block
 // (common.cuh: the owner arrives once with the phase's bytes, dt_mbar_arrive_expect,
 // and every thread that reads the box waits, dt_mbar_wait). Elements outside the
-// matrix arrive as the map's fill. x and y may be negative or past the end.
+// matrix arrive as the map's fill. x and y may be negative or past the end, but x times
+// the element size must be a multiple of 16 bytes: an unaligned first column is an
+// illegal instruction (CUDA_ERROR_ILLEGAL_INSTRUCTION), which ends the context.
 #pragma once
 #include "common.cuh"
 

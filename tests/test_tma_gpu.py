@@ -72,7 +72,8 @@ def test_a_box_lands_in_the_swizzle_it_names(rng, stream, swizzle, where):
     rows, cols, box = 300, 200, (128, WIDEST[swizzle])
     a = rng.standard_normal((rows, cols)).astype(np.float32)
     tm = tensor_map_2d(DeviceBuffer.from_numpy(a), box, swizzle=swizzle)
-    x, y = {"inside": (int(rng.integers(0, cols - box[1])), int(rng.integers(0, rows - box[0]))),
+    # x: a multiple of 4 floats, as the copy needs (its first column 16-byte aligned); y: any row
+    x, y = {"inside": (4 * int(rng.integers(0, (cols - box[1]) // 4)), int(rng.integers(0, rows - box[0]))),
             "past the corner": (cols - box[1] // 2, rows - 50),
             "before the start": (-4, -9)}[where]
     kern = kernel()
