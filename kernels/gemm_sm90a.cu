@@ -8,7 +8,9 @@
 // the same contract as gemm.cu's kernels of those roles with 16-byte copies (its
 // header: arguments and operand layouts, split-k workspace and counters, the gate,
 // dependent launch), with a 128x128 block tile, and one more way to split k: a
-// launch in clusters of a tile's splits needs no workspace (finish_tile).
+// launch in clusters of a tile's splits needs no workspace (finish_tile). The
+// forward takes its operands as tensor maps instead of pointers (at its kernels
+// below).
 // drvtrain.nn.mlp chooses them for the wide products on compute capability 9.0
 // and falls back to gemm.cu's mma.sync kernels everywhere else (and when forced).
 //
@@ -22,10 +24,10 @@
 // nearest; rounding in shared memory measured 3.5 us slower on 512x1024x1024).
 // The backward splits its operands as gemm.cu's 3xTF32 does: FP32 accuracy.
 // Non-finite operands stay non-finite.
-// Forward pipeline: 4 stages of 32-deep k tiles, copied by cp.async in 16-byte
-// pieces (lda, ldb multiples of 4 floats, X and W 16-byte aligned: the host
-// checks) two tiles ahead, while one tile's MMAs are in flight and the next
-// tile's are issued. The backward's pipeline is described at backward() below.
+// Forward pipeline: 5 stages of 32-deep k tiles, each copied by two TMA copies
+// (one thread issues them, the stage's mbarrier counts their bytes) three tiles
+// ahead, while one tile's MMAs are in flight and the next tile's are issued. The
+// backward's pipeline is described at backward() below.
 // Shared layout of one MMA operand tile, 128 rows x 32 deep: 128-byte rows, the
 // 16-byte chunk c of row r at 128 r + 16 (c ^ r % 8) (the 128-byte swizzle, in
 // 1024-byte atoms of 8 rows): a warp's copies and the MMAs' reads are free of
@@ -36,6 +38,7 @@
 #include "common.cuh"
 #include "epilogue.cuh"
 #include "tf32.cuh"
+#include "tma.cuh"
 
 // Built for any other target than sm_90a (a compile-everything check, say) the
 // wgmma instructions do not exist: the kernels trap, and the host never loads
@@ -47,13 +50,16 @@
 #if DT_WGMMA
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = 32, STAGES = 4, THREADS = 256;
+constexpr int BM = 128, BN = 128, BK = 32, THREADS = 256;
 constexpr int TILE_FLOATS = 128 * BK;                 // one operand's k tile
 constexpr int STAGE_FLOATS = 2 * TILE_FLOATS;         // A then B
 constexpr int PER_THREAD = TILE_FLOATS / 4 / THREADS; // 16-byte pieces per thread and operand tile: 4
 constexpr int ACC = BN / 2;                           // accumulators per thread: 64 x 128 / 128
-constexpr int LEAD = STAGES - 2;                      // k tiles copied ahead; one more is in the MMAs
-// 128 KB of stages, plus 1 KB to align them to the 1024-byte swizzle atom.
+// The forward: 5 stages (measured on the H200, 512x1024x1024 in 3 clustered splits:
+// 4 stages 8.9 us, 5 stages 8.4, 6 stages 8.5), 3 k tiles copied ahead, one more in
+// the MMAs; 160 KB, plus 1 KB to align them to the 1024-byte swizzle atom.
+constexpr int STAGES = 5;
+constexpr int LEAD = STAGES - 2;
 constexpr unsigned int SHARED_BYTES = STAGES * STAGE_FLOATS * 4 + 1024;
 
 // A matrix descriptor at shared byte address `addr` for the 128-byte swizzled
@@ -347,47 +353,48 @@ struct Setup {
     __device__ __forceinline__ float* stage() const { return reinterpret_cast<float*>(raw + (smem0 - raw0)); }
 };
 
+// The operand tiles arrive by TMA: thread 0 issues tile kt's two copies (A's 128
+// rows, then B's, each 128 x 32 floats in the 128-byte swizzle, which is the MMA
+// layout above) on the stage's mbarrier, which completes when their bytes have
+// landed. Depths past K and rows past M or N arrive as zeros from the maps; a
+// split's range is whole k tiles but for the last split's end, so no tile reads
+// another split's depths.
 template <int EPI>
-__device__ __forceinline__ void forward(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
+__device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap* tb, float* C, int ldc, int M,
                                         int N, int K, const float* bias, float* workspace, unsigned int* counters) {
     extern __shared__ __align__(128) char smem_raw[];
+    __shared__ __align__(8) unsigned long long landed[STAGES];
     const Setup su(smem_raw, SHARED_BYTES, K);
-    const unsigned int smem0 = su.smem0;
-    const int kb = su.kb, ke = su.ke, tiles = su.tiles;
+    const unsigned int smem0 = su.smem0, bars = (unsigned int)__cvta_generic_to_shared(landed);
+    const int kb = su.kb, tiles = su.tiles;
     const int tid = threadIdx.x, wg = tid / 128;
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
-
-    const Pieces pa(A, lda, i0, M, kb), pb(B, ldb, j0, N, kb);
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) dt_mbar_init(bars + 8u * s, 1);
+        dt_mbar_init_fence();
+    }
+    __syncthreads();
+    const auto load = [&](int kt) {  // thread 0 only
+        const int slot = kt % STAGES;
+        const unsigned int tile = smem0 + slot * STAGE_FLOATS * 4, bar = bars + 8u * slot;
+        dt_mbar_arrive_expect(bar, STAGE_FLOATS * 4);
+        dt_tma_load_2d(tile, ta, kb + kt * BK, i0, bar);
+        dt_tma_load_2d(tile + TILE_FLOATS * 4, tb, kb + kt * BK, j0, bar);
+    };
+    if (tid == 0)
+        for (int s = 0; s < LEAD && s < tiles; ++s) load(s);
     float acc[ACC];
 #pragma unroll
     for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
-
-    // Every thread commits one copy group per k tile slot, empty or not, so the
-    // wait counts stay uniform.
-#pragma unroll
-    for (int s = 0; s < LEAD; ++s) {
-        if (s < tiles) {
-            pa.load(smem0 + s * STAGE_FLOATS * 4, kb + s * BK, ke);
-            pb.load(smem0 + (s * STAGE_FLOATS + TILE_FLOATS) * 4, kb + s * BK, ke);
-        }
-        dt_cp_async_commit();
-    }
     for (int kt = 0; kt < tiles; ++kt) {
         const int slot = kt % STAGES;
-        dt_cp_async_wait<LEAD - 1>();  // this thread's copies of tile kt
-        // The copies (generic proxy) before the MMAs' reads (async proxy).
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        // Tile kt is complete, and both warpgroups' MMAs of tile kt - 2, whose slot
-        // the next copies overwrite, are done (the wait at the end of the last
-        // iteration left only tile kt - 1's in flight).
+        dt_mbar_wait(bars + 8u * slot, (unsigned int)(kt / STAGES) & 1u);  // tile kt has landed
+        // Both warpgroups' MMAs of tile kt - 2 are done (the wait at the end of the
+        // last iteration left only tile kt - 1's in flight), so the slot of tile
+        // kt + LEAD (that of kt - 2) is free for its copies.
         __syncthreads();
-        const int next = kt + LEAD;
-        if (next < tiles) {
-            const int ns = next % STAGES;
-            pa.load(smem0 + ns * STAGE_FLOATS * 4, kb + next * BK, ke);
-            pb.load(smem0 + (ns * STAGE_FLOATS + TILE_FLOATS) * 4, kb + next * BK, ke);
-        }
-        dt_cp_async_commit();
+        if (tid == 0 && kt + LEAD < tiles) load(kt + LEAD);
         const unsigned int a_tile = smem0 + slot * STAGE_FLOATS * 4 + wg * 64 * 128;  // this warpgroup's 64 rows
         const unsigned int b_tile = smem0 + (slot * STAGE_FLOATS + TILE_FLOATS) * 4;
         fence_accumulators(acc);
@@ -401,7 +408,6 @@ __device__ __forceinline__ void forward(const float* A, int lda, const float* B,
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     fence_accumulators(acc);
-    dt_cp_async_wait<0>();
     dt_allow_dependents();
 
     finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias,
@@ -679,24 +685,31 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
 }  // namespace
 #endif
 
-// gemm.cu's signature, so the host launches every product alike; mask, ldm and
-// col_sum are unused (0). With S > 1 splits, launched in clusters (1, 1, S) the
-// kernels need no workspace or counters (finish_tile); launched without,
-// workspace holds gridDim.x * gridDim.y * S * 128 * 128 floats and counters one
-// zeroed uint per tile. Dynamic shared memory: SHARED_BYTES (129 KB).
+// The forward's own signature: X [M, K] and W [N, K] as tensor maps of 128 x 32
+// float boxes in the 128-byte swizzle over exactly K columns (the fill past K is the
+// zeros the last k tile needs; drvtrain.nn.mlp encodes them), then gemm.cu's
+// arguments less the operands and the backward's epilogue inputs. With S > 1 splits,
+// launched in clusters (1, 1, S) the kernels need no workspace or counters
+// (finish_tile); launched without, workspace holds gridDim.x * gridDim.y * S * 128 *
+// 128 floats and counters one zeroed uint per tile. Dynamic shared memory:
+// SHARED_BYTES (161 KB). Thread 0 fetches the maps before waiting for the prior grid:
+// they are the launch's own.
 #define DT_WGMMA_FORWARD(NAME, EPI)                                                                          \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                  \
-            const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \
-            const float* bias, const float* mask, int ldm, float* col_sum, float* workspace,                 \
-            unsigned int* counters, const int* gate) {                                                      \
+            const __grid_constant__ DtTensorMap A, const __grid_constant__ DtTensorMap B, float* C, int ldc, \
+            int M, int N, int K, const float* bias, float* workspace, unsigned int* counters,                \
+            const int* gate) {                                                                               \
+        if (threadIdx.x == 0) {                                                                              \
+            dt_tma_prefetch_map(&A);                                                                         \
+            dt_tma_prefetch_map(&B);                                                                         \
+        }                                                                                                    \
         dt_wait_prior_grid();                                                                                \
         if (gate != nullptr && *gate) return;                                                                \
-        (void)mask, (void)ldm, (void)col_sum;                                                                \
         DT_WGMMA_BODY(EPI);                                                                                  \
     }
 
 #if DT_WGMMA
-#define DT_WGMMA_BODY(EPI) forward<EPI>(A, lda, B, ldb, C, ldc, M, N, K, bias, workspace, counters)
+#define DT_WGMMA_BODY(EPI) forward<EPI>(&A, &B, C, ldc, M, N, K, bias, workspace, counters)
 #else
 #define DT_WGMMA_BODY(EPI) __trap()
 #endif

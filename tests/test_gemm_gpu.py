@@ -264,16 +264,25 @@ def test_wgmma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same
     assert rel(clustered[0][:, :n], prod.want) < bound
 
 
-def test_gate_skips_every_write(device, stream, rng):
-    kernels = kernels_for("grad_weight", device)
-    prod = Product("grad_weight", 256, 3, 256, 16, rng)
-    arena, _ = arena_for(kernels, "grad_weight", 256, 3, 256, None)
+@pytest.mark.parametrize("role, tile", [("grad_weight", None), ("forward", WGMMA_TILE)], ids=["dW", "wgmma-forward"])
+def test_gate_skips_every_write(device, stream, rng, role, tile):
+    skip_unless_compiled(device, tile)
+    kernels = kernels_for(role, device)
+    m, n, k = (256, 3, 256) if tile is None else (300, 260, 1024)
+    prod = Product(role, m, n, k, 16, rng)
+    arena, _ = arena_for(kernels, role, m, n, k, tile)
     gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
-    prod.poison(stream)
-    kernels.launch("grad_weight", prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, 256, 3, 256, arena=arena,
-                   stream=stream, gate=gate, **prod.epilogue)
-    c, sums = prod.outputs()
-    assert np.isnan(c).all() and np.isnan(sums).all()
+    for closed in (1, 0):  # closed: nothing written; open: the product
+        gate.copy_from_numpy(np.full(1, closed, np.int32))
+        prod.poison(stream)
+        arena.reset()
+        kernel = kernels.launch(role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=arena,
+                                stream=stream, gate=gate, tile=tile, **prod.epilogue)
+        c, sums = prod.outputs()
+        if closed:
+            assert np.isnan(c).all() and (sums is None or np.isnan(sums).all()), kernel.name
+        else:
+            assert rel(c[:, :n], prod.want) < (TF32_BOUND if role == "forward" else X3_BOUND), kernel.name
 
 
 def test_forced_16_byte_copies_on_unaligned_operands_are_refused(device, stream, rng):

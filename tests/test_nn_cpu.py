@@ -262,6 +262,10 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
         return SimpleNamespace(block=256, launch=launch, max_active_clusters=lambda c, b, shared: 8 * (16 // c[2]))
 
     monkeypatch.setattr(mlp_module, "_load_kernel", load)
+    # The wgmma forward's tensor maps, as what they describe: (address, (rows, cols), ld, box).
+    monkeypatch.setattr(mlp_module, "tensor_map_2d", lambda span, box, *, shape, ld: SimpleNamespace(
+        raw=(span.ptr, shape, ld, box, span.nbytes)))
+    monkeypatch.setattr(mlp_module, "_operand_maps", {})
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90-wgmma"])
@@ -305,11 +309,19 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         assert rounded(arena.offset) + 1024 == model.scratch_bytes(batch)
         assert rounded(arena.zeroed_offset) == model.zeroed_bytes(batch)
     assert len(kernels) == len(model._products(batch))
+    params_end = (1 << 38) + 4 * layout.size
     for (name, grid, args, stream, shared_mem, cluster), (m, n, k) in zip(kernels, model._products(batch)):
-        assert args[6:9] == (m, n, k)
-        want_shared = (129 if "_forward_" in name else 225) * 1024 if "_wgmma_" in name else 0
+        if "_wgmma_" in name and "_forward" in name:  # X and W as tensor maps of 128 x 32 boxes over m x k, n x k
+            map_a, map_b, _, _, *mnk, _, workspace, counters, _ = args
+            col_sum = 0
+            assert map_a[1:5] == ((m, k), k, (128, 32), 4 * m * k) and map_b[1:5] == ((n, k), k, (128, 32), 4 * n * k)
+            assert (1 << 38) <= map_b[0] and map_b[0] + map_b[4] <= params_end  # W: a weight of the parameters
+        else:
+            mnk = args[6:9]
+            workspace, counters, col_sum = args[13], args[14], args[12]
+        assert tuple(mnk) == (m, n, k)
+        want_shared = (161 if "_forward_" in name else 225) * 1024 if "_wgmma_" in name else 0
         assert shared_mem == want_shared, name
-        workspace, counters, col_sum = args[13], args[14], args[12]
         splits = grid[2]
         # dW of every layer but the first beside the dX chain; the first layer's dW
         # follows the last dX on the main stream.

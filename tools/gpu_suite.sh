@@ -42,7 +42,7 @@ if [ "${SANITIZE:-1}" = 1 ] && { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",saniti
   # so are those that count free device memory, which the sanitizer moves.
   san_files="test_kernel_gpu test_memory_gpu test_graph_gpu test_nn_gpu test_sumtree_gpu test_replay_gpu
              test_hardening_gpu test_dqn_gpu test_envs_gpu test_gemm_gpu test_narrow_gpu
-             test_launch_options_gpu"
+             test_launch_options_gpu test_tma_gpu"
   mkdir -p "$logs/sanitizer"
   pids=()
   for f in $san_files; do

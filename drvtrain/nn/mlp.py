@@ -9,13 +9,17 @@ from ..driver import get_device
 from ..kernel import PORTABLE_CLUSTER_SIZE, builtin_module
 from ..memory import Arena, DeviceBuffer
 from ..stream import fork, join
+from ..tma import tensor_map_2d
 from .layout import FlatBuffer, ParamLayout
 
 __all__ = ["MLP", "Forward", "GemmKernel", "LinearKernels", "Plan", "Tile", "TILES", "FFMA_TILE", "WGMMA_TILE",
-           "wgmma_available", "gemm",
+           "wgmma_available", "gemm", "operand_map",
            "choose_tile", "kernel_name", "plan", "split_count", "vector_width"]
 
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
+# gemm_sm90a.cu's forward: X and W as tensor maps, then C, ldc, M, N, K, bias,
+# workspace, counters, gate.
+_WGMMA_FORWARD_SIGNATURE = "tmap tmap ptr i32 i32 i32 i32 ptr ptr ptr ptr"
 _MAX_TILES = 4096  # output tiles a split-k product may have (one counter each)
 
 
@@ -40,10 +44,11 @@ FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
 # kernels/gemm_sm90a.cu: every role on wgmma (the forward in TF32, the backward in
 # 3xTF32), compute capability 9.0 only, 16-byte copies only; one block per SM.
 WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1)
-# Dynamic shared memory: the forward's 4 stages of two 128 x 32 float tiles; the
+# Dynamic shared memory: the forward's 5 stages of two 128 x 32 float tiles; the
 # backward's 2 sets of four (A and B, big and small) and 3 raw stages of two; 1 KB
 # to align them.
-WGMMA_SHARED_BYTES = 4 * 2 * 128 * 32 * 4 + 1024
+WGMMA_SHARED_BYTES = 5 * 2 * 128 * 32 * 4 + 1024
+WGMMA_OPERAND_BOX = (128, 32)  # the forward's tensor maps: 128 rows x 32 floats, 128-byte swizzle
 WGMMA_BACKWARD_SHARED_BYTES = (2 * 4 + 3 * 2) * 128 * 32 * 4 + 1024
 _WGMMA_CC = (9, 0)
 
@@ -177,8 +182,40 @@ def vector_width(a, lda: int, b, ldb: int) -> int:
 
 def _load_kernel(name: str):
     if "_wgmma_" in name:
-        return builtin_module("gemm_sm90a.cu", arch_specific=True).kernel(name, _SIGNATURE, fixed_block=True)
+        signature = _WGMMA_FORWARD_SIGNATURE if name.startswith("linear_forward") else _SIGNATURE
+        return builtin_module("gemm_sm90a.cu", arch_specific=True).kernel(name, signature, fixed_block=True)
     return builtin_module("gemm.cu").kernel(name, _SIGNATURE, fixed_block=True)
+
+
+class _Extent:
+    """An operand's address and the bytes it spans, for a tensor map over memory the
+    caller vouches for (a raw address or a buffer)."""
+    __slots__ = ("ptr", "nbytes")
+    dtype = np.float32
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.ptr, self.nbytes = ptr, nbytes
+
+
+_operand_maps: dict = {}
+_OPERAND_MAPS_KEPT = 4096
+
+
+def operand_map(a, ld: int, rows: int, cols: int) -> bytes:
+    """The wgmma forward's tensor map of the row-major float32 operand at ``a`` (a
+    buffer or an address): ``rows`` x ``cols``, rows ``ld`` floats apart, boxes of
+    :data:`WGMMA_OPERAND_BOX` in the 128-byte swizzle, zeros outside. A map's bytes
+    depend on nothing but these numbers, so each is encoded once and reused."""
+    ptr = _address(a)
+    key = (ptr, rows, cols, ld)
+    raw = _operand_maps.get(key)
+    if raw is None:
+        if len(_operand_maps) >= _OPERAND_MAPS_KEPT:
+            _operand_maps.clear()
+        span = _Extent(ptr, ((rows - 1) * ld + cols) * 4)
+        raw = tensor_map_2d(span, WGMMA_OPERAND_BOX, shape=(rows, cols), ld=ld).raw
+        _operand_maps[key] = raw
+    return raw
 
 
 def wgmma_available(device=None) -> bool:
@@ -216,6 +253,12 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     if cluster and tile is not WGMMA_TILE:
         raise ValueError(f"{kernel.name} does not reduce its splits in a cluster")
     dims = (1, 1, splits) if cluster and splits > 1 else None
+    if tile is WGMMA_TILE and kernel.role.startswith("forward"):  # X [m, k] and W [n, k] as tensor maps
+        kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block,
+                             operand_map(a, lda, m, k), operand_map(b, ldb, n, k), c, ldc, m, n, k, bias, workspace,
+                             counters, gate if gate is not None else 0, stream=stream,
+                             shared_mem=kernel.shared_bytes, cluster=dims)
+        return
     kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block, a, lda, b, ldb, c, ldc,
                          m, n, k, bias, mask, ldm, col_sum, workspace, counters, gate if gate is not None else 0,
                          stream=stream, shared_mem=kernel.shared_bytes, cluster=dims)
