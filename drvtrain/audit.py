@@ -1,8 +1,9 @@
 """The hot-loop audit: every driver call drvtrain makes while a loop runs, and a lint of a graph.
 
 ``count_driver_calls`` installs a counting wrapper around ``cuda.bindings.driver``
-as drvtrain's modules see it (each module's ``cu`` name and the launch
-function bound once in ``kernel.py``), runs the loop, and restores everything.
+as drvtrain's modules see it (each module's ``cu`` name, the launch function
+bound once in ``kernel.py`` and the tensor-map encoder that ``tma.py`` calls
+through ctypes), runs the loop, and restores everything.
 It counts calls; it does not grep source code, so a call hidden behind any
 helper is still seen.
 """
@@ -27,6 +28,7 @@ _CATEGORIES = {
                               "cuMemFreeHost", "cuMemAllocAsync", "cuMemFreeAsync", "cuMemAllocHost"),
     "kernel launches outside a graph": ("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel"),
     "memsets": ("cuMemsetD8", "cuMemsetD32", "cuMemsetD8Async", "cuMemsetD32Async"),
+    "tensor maps encoded": ("cuTensorMapEncodeTiled",),
 }
 
 
@@ -77,9 +79,16 @@ def count_driver_calls():
         if (name == "drvtrain" or name.startswith("drvtrain.")) and getattr(module, "cu", None) is _real_driver:
             patched.append((module, "cu", _real_driver))
             module.cu = proxy
-    from . import kernel
+    from . import kernel, tma
     patched.append((kernel, "_cuLaunchKernel", kernel._cuLaunchKernel))
     kernel._cuLaunchKernel = getattr(proxy, "cuLaunchKernel")
+    encode = tma._encode_tiled
+
+    def counted_encode(*args):
+        calls["cuTensorMapEncodeTiled"] += 1
+        return encode(*args)
+    patched.append((tma, "_encode_tiled", encode))
+    tma._encode_tiled = counted_encode
     try:
         yield calls
     finally:

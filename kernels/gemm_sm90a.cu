@@ -6,11 +6,11 @@
 //   linear_grad_weight_wgmma_3xtf32    dW = dY^T X, db = sum_m dY
 //
 // the same contract as gemm.cu's kernels of those roles with 16-byte copies (its
-// header: arguments and operand layouts, split-k workspace and counters, the gate,
-// dependent launch), with a 128x128 block tile, and one more way to split k: a
-// launch in clusters of a tile's splits needs no workspace (finish_tile). The
-// forward takes its operands as tensor maps instead of pointers (at its kernels
-// below).
+// header: operand layouts, split-k workspace and counters, the gate, dependent
+// launch), with a 128x128 block tile, and one more way to split k: a launch in
+// clusters of a tile's splits needs no workspace (finish_tile). The backward takes
+// gemm.cu's arguments; the forward takes its operands as tensor maps instead of
+// pointers (at its kernels below).
 // drvtrain.nn.mlp chooses them for the wide products on compute capability 9.0
 // and falls back to gemm.cu's mma.sync kernels everywhere else (and when forced).
 //
@@ -30,8 +30,8 @@
 // backward's pipeline is described at backward() below.
 // Shared layout of one MMA operand tile, 128 rows x 32 deep: 128-byte rows, the
 // 16-byte chunk c of row r at 128 r + 16 (c ^ r % 8) (the 128-byte swizzle, in
-// 1024-byte atoms of 8 rows): a warp's copies and the MMAs' reads are free of
-// bank conflicts. (The unswizzled layout measured 26 us against 17.)
+// 1024-byte atoms of 8 rows), which TMA writes for the forward and the
+// backward's threads write conflict-free, and which the MMAs read conflict-free. (The unswizzled layout measured 26 us against 17.)
 // Determinism: every output is one thread's accumulation in a fixed k order
 // (the tensor core's own, fixed per shape) plus a fixed z order over the splits,
 // the same in a cluster as through the workspace.
@@ -58,8 +58,10 @@ constexpr int ACC = BN / 2;                           // accumulators per thread
 // The forward: 5 stages (measured on the H200, 512x1024x1024 in 3 clustered splits:
 // 4 stages 8.9 us, 5 stages 8.4, 6 stages 8.5), 3 k tiles copied ahead, one more in
 // the MMAs; 160 KB, plus 1 KB to align them to the 1024-byte swizzle atom.
-constexpr int STAGES = 5;
-constexpr int LEAD = STAGES - 2;
+constexpr int STAGES = 5, LEAD = 3;
+// forward() copies tile kt + LEAD into the slot of tile kt - 2, whose MMAs the last
+// iteration's wait finished: that holds only with exactly two tiles not copied ahead.
+static_assert(LEAD == STAGES - 2, "the forward's slot reuse");
 constexpr unsigned int SHARED_BYTES = STAGES * STAGE_FLOATS * 4 + 1024;
 
 // A matrix descriptor at shared byte address `addr` for the 128-byte swizzled

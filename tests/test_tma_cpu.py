@@ -105,3 +105,50 @@ def test_a_valid_request_reaches_the_driver(rng):
             assert "no CUDA driver/GPU found" in str(exc)
         else:
             assert len(tm.raw) == 128 and tm.buffer is buf
+
+
+def test_the_audit_counts_an_encode(monkeypatch):
+    """The encoder is called through ctypes, not the binding: the audit still sees it."""
+    import drvtrain.tma as tma
+    from drvtrain.audit import CallCounts, count_driver_calls
+    monkeypatch.setattr(tma, "get_device", lambda: None)
+    monkeypatch.setattr(tma, "_driver_library", lambda: type("Lib", (), {
+        "cuTensorMapEncodeTiled": staticmethod(lambda *args: 0)})())
+    with count_driver_calls() as calls:
+        tensor_map_2d(fake_matrix(1 << 20, 64, 64), (32, 32))
+        tensor_map_2d(fake_matrix(1 << 21, 64, 64), (32, 32))
+    counts = CallCounts(calls, 2)
+    assert calls["cuTensorMapEncodeTiled"] == 2 and counts.category("tensor maps encoded") == 2
+    tensor_map_2d(fake_matrix(1 << 20, 64, 64), (32, 32))
+    assert calls["cuTensorMapEncodeTiled"] == 2  # counted inside the block only
+
+
+def test_the_forwards_operand_maps_are_encoded_once_per_address_and_shape(monkeypatch, rng):
+    import drvtrain.nn.mlp as mlp
+    encoded = []
+
+    def fake(span, box, *, shape, ld):
+        encoded.append((span.ptr, shape, ld, box))
+        return type("Map", (), {"raw": bytes(rng.integers(0, 256, 128, dtype=np.uint8))})()
+    monkeypatch.setattr(mlp, "tensor_map_2d", fake)
+    monkeypatch.setattr(mlp, "_operand_maps", {})
+    x = fake_matrix(1 << 24, 512, 1024)
+    first = mlp.operand_map(x, 1024, 512, 1024, "X")
+    assert mlp.operand_map(x, 1024, 512, 1024, "X") is first and len(encoded) == 1
+    assert mlp.operand_map(x.ptr, 1024, 512, 1024) is first  # a raw address of the same matrix
+    assert mlp.operand_map(x, 1024, 256, 1024) is not first  # another shape, another map
+    assert mlp.operand_map(x, 1024, 512, 1020) is not first and len(encoded) == 3
+    assert encoded[0] == (x.ptr, (512, 1024), 1024, (128, 32))
+    with pytest.raises(ValueError, match=r"^W: 512 rows of 1024 floats 1028 apart need"):
+        mlp.operand_map(x, 1028, 512, 1024, "W")  # past the buffer's end
+    monkeypatch.setattr(mlp, "_OPERAND_MAPS_KEPT", 3)  # full: the next new map starts the cache afresh
+    mlp.operand_map(fake_matrix(1 << 25, 8, 8), 8, 8, 8)
+    assert len(mlp._operand_maps) == 1
+    assert mlp.operand_map(x, 1024, 512, 1024) is not first and len(encoded) == 5
+
+
+def test_an_operand_no_map_can_describe_is_named(monkeypatch):
+    import drvtrain.nn.mlp as mlp
+    monkeypatch.setattr(mlp, "_operand_maps", {})
+    with pytest.raises(ValueError, match=r"^X: the matrix must start on a 16-byte boundary"):
+        mlp.operand_map((1 << 24) + 4, 64, 8, 64, "X")

@@ -4,7 +4,7 @@
 A counting wrapper around cuda.bindings.driver counts every driver call drvtrain
 makes while N captured steps run the way a trainer runs them (graph launch,
 metrics event, metrics poll, error-flag check). Synchronisations, copies,
-allocations and eager launches must all be 0 per step. The graph must have no
+allocations, eager launches and tensor-map encodes must all be 0 per step. The graph must have no
 single-block kernel, no memset or memcpy node, the spectral projection in at
 most 2 kernels, forwards on TF32 and backwards on FP32 kernels, and the target
 forward concurrent with the online forward. Exit 0 when every row passes.

@@ -201,19 +201,28 @@ _operand_maps: dict = {}
 _OPERAND_MAPS_KEPT = 4096
 
 
-def operand_map(a, ld: int, rows: int, cols: int) -> bytes:
+def operand_map(a, ld: int, rows: int, cols: int, name: str = "operand") -> bytes:
     """The wgmma forward's tensor map of the row-major float32 operand at ``a`` (a
     buffer or an address): ``rows`` x ``cols``, rows ``ld`` floats apart, boxes of
     :data:`WGMMA_OPERAND_BOX` in the 128-byte swizzle, zeros outside. A map's bytes
-    depend on nothing but these numbers, so each is encoded once and reused."""
+    depend on nothing but these numbers, so each is encoded once and reused. A buffer
+    smaller than the matrix, or a matrix no map can describe, is a ValueError that
+    names the operand (``name``)."""
     ptr = _address(a)
+    extent = ((rows - 1) * ld + cols) * 4
+    nbytes = getattr(a, "nbytes", None)
+    if nbytes is not None and extent > nbytes:
+        raise ValueError(f"{name}: {rows} rows of {cols} floats {ld} apart need {extent} bytes; "
+                         f"the buffer has {nbytes}")
     key = (ptr, rows, cols, ld)
     raw = _operand_maps.get(key)
     if raw is None:
         if len(_operand_maps) >= _OPERAND_MAPS_KEPT:
             _operand_maps.clear()
-        span = _Extent(ptr, ((rows - 1) * ld + cols) * 4)
-        raw = tensor_map_2d(span, WGMMA_OPERAND_BOX, shape=(rows, cols), ld=ld).raw
+        try:
+            raw = tensor_map_2d(_Extent(ptr, extent), WGMMA_OPERAND_BOX, shape=(rows, cols), ld=ld).raw
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
         _operand_maps[key] = raw
     return raw
 
@@ -255,7 +264,7 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     dims = (1, 1, splits) if cluster and splits > 1 else None
     if tile is WGMMA_TILE and kernel.role.startswith("forward"):  # X [m, k] and W [n, k] as tensor maps
         kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block,
-                             operand_map(a, lda, m, k), operand_map(b, ldb, n, k), c, ldc, m, n, k, bias, workspace,
+                             operand_map(a, lda, m, k, "X"), operand_map(b, ldb, n, k, "W"), c, ldc, m, n, k, bias, workspace,
                              counters, gate if gate is not None else 0, stream=stream,
                              shared_mem=kernel.shared_bytes, cluster=dims)
         return
