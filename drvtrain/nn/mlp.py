@@ -263,9 +263,9 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
         raise ValueError(f"{kernel.name} does not reduce its splits in a cluster")
     dims = (1, 1, splits) if cluster and splits > 1 else None
     if tile is WGMMA_TILE and kernel.role.startswith("forward"):  # X [m, k] and W [n, k] as tensor maps
-        kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block,
-                             operand_map(a, lda, m, k, "X"), operand_map(b, ldb, n, k, "W"), c, ldc, m, n, k, bias, workspace,
-                             counters, gate if gate is not None else 0, stream=stream,
+        maps = operand_map(a, lda, m, k, "X"), operand_map(b, ldb, n, k, "W")
+        kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block, *maps, c, ldc, m, n,
+                             k, bias, workspace, counters, gate if gate is not None else 0, stream=stream,
                              shared_mem=kernel.shared_bytes, cluster=dims)
         return
     kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block, a, lda, b, ldb, c, ldc,
