@@ -30,8 +30,9 @@
 // backward's pipeline is described at backward() below.
 // Shared layout of one MMA operand tile, 128 rows x 32 deep: 128-byte rows, the
 // 16-byte chunk c of row r at 128 r + 16 (c ^ r % 8) (the 128-byte swizzle, in
-// 1024-byte atoms of 8 rows), which TMA writes for the forward and the
-// backward's threads write conflict-free, and which the MMAs read conflict-free. (The unswizzled layout measured 26 us against 17.)
+// 1024-byte atoms of 8 rows), which TMA writes for the forward and the backward's
+// threads write free of bank conflicts, and which the MMAs read free of them. (The
+// unswizzled layout measured 26 us against 17.)
 // Determinism: every output is one thread's accumulation in a fixed k order
 // (the tensor core's own, fixed per shape) plus a fixed z order over the splits,
 // the same in a cluster as through the workspace.
