@@ -262,16 +262,13 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     if cluster and tile is not WGMMA_TILE:
         raise ValueError(f"{kernel.name} does not reduce its splits in a cluster")
     dims = (1, 1, splits) if cluster and splits > 1 else None
+    grid = (-(-n // tile.bn), -(-m // tile.bm), splits)
     if tile is WGMMA_TILE and kernel.role.startswith("forward"):  # X [m, k] and W [n, k] as tensor maps
-        maps = operand_map(a, lda, m, k, "X"), operand_map(b, ldb, n, k, "W")
-        kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block, *maps, c, ldc, m, n,
-                             k, bias, workspace, counters, gate if gate is not None else 0, stream=stream,
-                             shared_mem=kernel.shared_bytes, cluster=dims)
-        return
-    kernel.kernel.launch((-(-n // tile.bn), -(-m // tile.bm), splits), kernel.kernel.block, a, lda, b, ldb, c, ldc,
-                         m, n, k, bias, mask, ldm, col_sum, workspace, counters, gate if gate is not None else 0,
+        operands = (operand_map(a, lda, m, k, "X"), operand_map(b, ldb, n, k, "W"), c, ldc, m, n, k, bias)
+    else:
+        operands = (a, lda, b, ldb, c, ldc, m, n, k, bias, mask, ldm, col_sum)
+    kernel.kernel.launch(grid, kernel.kernel.block, *operands, workspace, counters, gate if gate is not None else 0,
                          stream=stream, shared_mem=kernel.shared_bytes, cluster=dims)
-
 
 class LinearKernels:
     """The kernels of one arithmetic for some roles, every tile and copy width, loaded
