@@ -746,3 +746,213 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
 
 DT_WGMMA_BACKWARD(linear_grad_input_wgmma_3xtf32, true, false, EPI_MASK)
 DT_WGMMA_BACKWARD(linear_grad_weight_wgmma_3xtf32, false, false, EPI_NONE)
+
+// ---------------------------------------------------------------- pre-split 3xTF32 backward
+// The backward above splits every operand tile into TF32 big and small parts in each
+// block that reads it: the 8 column blocks of dX all split the same dY tiles, and every
+// row-fast operand is transposed on the way. When the operands are split once instead,
+// into K-major big and small matrices in global memory (tf32_split, a pass that can run
+// beside other work), a product needs no conversion at all: four TMA copies a k tile
+// and the same MMAs as backward(), in the same order, so the same bits for dX. The host
+// (drvtrain.nn.mlp) chooses this path for the wide products and places the passes.
+
+// TF32 parts stored as clean TF32 values (the 13 low bits the tensor cores ignore are
+// cleared), so that big + small in FP32 is within 2^-22 of x; infinities and NaNs pass
+// whole, with small = 0, as dt_tf32_split keeps them.
+__device__ __forceinline__ void clean_split(float x, unsigned int& big, unsigned int& small) {
+    dt_tf32_split<true>(x, big, small);
+    if ((__float_as_uint(x) & 0x7f800000u) != 0x7f800000u) big &= 0xffffe000u, small &= 0xffffe000u;
+}
+
+// The TF32 parts of X (rows x cols, rows ld floats apart): with `big` and `small`, as X
+// lies (row r, column c at r ld_out + c); with `big_t` and `small_t`, transposed
+// (column c, row r at c ld_t + r). Either pair may be null. Block 256, grid
+// (ceil(cols / 32), ceil(rows / 32)): a block's 32 x 32 tile goes through shared memory
+// so that both stores are coalesced, each warp taking every 8th row. Padding past cols
+// (or rows, transposed) is not written.
+extern "C" __global__ void __launch_bounds__(256) tf32_split(const float* X, int ld, int rows, int cols,
+                                                             unsigned int* big, unsigned int* small, int ld_out,
+                                                             unsigned int* big_t, unsigned int* small_t, int ld_t,
+                                                             const int* gate) {
+    __shared__ float tile[32][33];
+    dt_wait_prior_grid();
+    if (gate != nullptr && *gate) return;
+    dt_allow_dependents();
+    const int r0 = blockIdx.y * 32, c0 = blockIdx.x * 32, tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+    for (int i = ty; i < 32; i += 8) {
+        const int r = r0 + i, c = c0 + tx;
+        const bool in = r < rows && c < cols;
+        const float x = in ? X[(long long)r * ld + c] : 0.0f;
+        tile[i][tx] = x;
+        if (big != nullptr && in) {
+            unsigned int b, s;
+            clean_split(x, b, s);
+            big[(long long)r * ld_out + c] = b, small[(long long)r * ld_out + c] = s;
+        }
+    }
+    if (big_t == nullptr) return;
+    __syncthreads();
+    for (int i = ty; i < 32; i += 8) {
+        const int c = c0 + i, r = r0 + tx;
+        if (c < cols && r < rows) {
+            unsigned int b, s;
+            clean_split(tile[tx][i], b, s);
+            big_t[(long long)c * ld_t + r] = b, small_t[(long long)c * ld_t + r] = s;
+        }
+    }
+}
+
+#if DT_WGMMA
+namespace {
+
+// Three stages of a k tile's four operand tiles (A big, A small, B big, B small: 64 KB
+// a stage), all three copied ahead; 193 KB with the alignment.
+constexpr int PRESPLIT_STAGES = 3;
+constexpr unsigned int PRESPLIT_STAGE_BYTES = 4 * TILE_BYTES;
+constexpr unsigned int PRESPLIT_SHARED_BYTES = PRESPLIT_STAGES * PRESPLIT_STAGE_BYTES + 1024;
+// The k tiles a split may have: the loop below is unrolled to this bound (ptxas
+// serializes wgmma whose accumulators stay in flight across a loop's back edge), and
+// drvtrain.nn.mlp plans the splits to keep under it (PRESPLIT_MAX_TILES there).
+constexpr int PRESPLIT_MAX_TILES = 16;
+
+// C = A B^T in 3xTF32 from the split operands (A [M, K] and B [N, K], K-major, each
+// as big and small maps), with the epilogue EPI. Tile kt's 12 MMAs a warpgroup go into
+// fragment kt % 2 (the order and the fresh fragment of backward()); while they run, the
+// fragment of tile kt - 1 is waited for and added to the accumulators (k order kept),
+// and a barrier hands its stage back for tile kt + 2. `sums` (grad-weight, grid column
+// 0): row sums of A (db) from big + small, each thread summing half a row of each tile
+// while the tile's MMAs run, in k order.
+template <int EPI>
+__device__ __forceinline__ void presplit(const DtTensorMap* ab, const DtTensorMap* as, const DtTensorMap* bb,
+                                         const DtTensorMap* bs, float* C, int ldc, int M, int N, int K,
+                                         const float* mask, int ldm, float* col_sum, float* workspace,
+                                         unsigned int* counters) {
+    extern __shared__ __align__(128) char smem_raw[];
+    __shared__ __align__(8) unsigned long long landed[PRESPLIT_STAGES];
+    const Setup su(smem_raw, PRESPLIT_SHARED_BYTES, K);
+    if (su.tiles > PRESPLIT_MAX_TILES) __trap();  // the host plans more splits
+    const unsigned int smem0 = su.smem0, bars = (unsigned int)__cvta_generic_to_shared(landed);
+    const int kb = su.kb, tiles = su.tiles;
+    const int tid = threadIdx.x, wg = tid / 128;
+    const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
+    const bool sums = EPI == EPI_NONE && col_sum != nullptr && blockIdx.x == 0;
+    if (tid == 0) {
+        for (int s = 0; s < PRESPLIT_STAGES; ++s) dt_mbar_init(bars + 8u * s, 1);
+        dt_mbar_init_fence();
+    }
+    __syncthreads();
+    const auto load = [&](int kt) {  // thread 0 only
+        const int slot = kt % PRESPLIT_STAGES;
+        const unsigned int t = smem0 + slot * PRESPLIT_STAGE_BYTES, bar = bars + 8u * slot;
+        dt_mbar_arrive_expect(bar, PRESPLIT_STAGE_BYTES);
+        const int k = kb + kt * BK;
+        dt_tma_load_2d(t, ab, k, i0, bar);
+        dt_tma_load_2d(t + TILE_BYTES, as, k, i0, bar);
+        dt_tma_load_2d(t + 2 * TILE_BYTES, bb, k, j0, bar);
+        dt_tma_load_2d(t + 3 * TILE_BYTES, bs, k, j0, bar);
+    };
+    if (tid == 0)
+        for (int s = 0; s < PRESPLIT_STAGES && s < tiles; ++s) load(s);
+    float acc[ACC], part0[ACC], part1[ACC], row_part = 0.0f;
+#pragma unroll
+    for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
+    const int sum_row = tid / 2, sum_half = tid % 2;
+    const auto issue = [&](int kt, float (&part)[ACC]) {
+        const int slot = kt % PRESPLIT_STAGES;
+        dt_mbar_wait(bars + 8u * slot, (unsigned int)(kt / PRESPLIT_STAGES) & 1u);
+        const unsigned int t = smem0 + slot * PRESPLIT_STAGE_BYTES;
+        const unsigned int a_big = t + wg * 64 * 128, a_small = a_big + TILE_BYTES;  // this warpgroup's 64 rows
+        const unsigned int b_big = t + 2 * TILE_BYTES, b_small = t + 3 * TILE_BYTES;
+        fence_accumulators(part);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < BK / 8; ++kk) {  // per 8 deep, small terms first, as backward()
+            if (kk == 0) wgmma_m64n128k8<0>(part, descriptor(a_small), descriptor(b_big));
+            else wgmma_m64n128k8(part, descriptor(a_small + kk * 32), descriptor(b_big + kk * 32));
+            wgmma_m64n128k8(part, descriptor(a_big + kk * 32), descriptor(b_small + kk * 32));
+            wgmma_m64n128k8(part, descriptor(a_big + kk * 32), descriptor(b_big + kk * 32));
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        if (sums) {  // chunks 4 h .. 4 h + 3 of row r, in depth order
+#pragma unroll
+            for (int c = 4 * sum_half; c < 4 * sum_half + 4; ++c) {
+                const unsigned int at = 128u * sum_row + 16u * (c ^ (sum_row & 7));
+                const float4 b = lds4(t + at), s = lds4(t + TILE_BYTES + at);
+                row_part += b.x + s.x, row_part += b.y + s.y, row_part += b.z + s.z, row_part += b.w + s.w;
+            }
+        }
+    };
+    const auto retire = [&](int kt, float (&part)[ACC], bool last) {
+        if (last) asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        else asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        fence_accumulators(part);
+#pragma unroll
+        for (int q = 0; q < ACC; ++q) acc[q] += part[q];
+        __syncthreads();  // both warpgroups are done with tile kt's stage
+        if (tid == 0 && kt + PRESPLIT_STAGES < tiles) load(kt + PRESPLIT_STAGES);
+    };
+    if (tiles > 0) issue(0, part0);
+#pragma unroll
+    for (int kt = 1; kt < PRESPLIT_MAX_TILES; ++kt) {
+        if (kt < tiles) {
+            if (kt & 1) {
+                issue(kt, part1);
+                retire(kt - 1, part0, false);
+            } else {
+                issue(kt, part0);
+                retire(kt - 1, part1, false);
+            }
+        }
+    }
+    if (tiles > 0) {
+        if ((tiles - 1) & 1) retire(tiles - 1, part1, true);
+        else retire(tiles - 1, part0, true);
+    }
+    dt_allow_dependents();
+    float row_sum = 0.0f;
+    if (sums) {  // the two halves of row tid, in order
+        float* red = su.stage();
+        red[tid] = row_part;
+        __syncthreads();
+        if (tid < BM) row_sum = red[2 * tid] + red[2 * tid + 1];
+    }
+    finish_tile<EPI>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N, nullptr, mask, ldm, col_sum, workspace,
+                     counters);
+}
+
+}  // namespace
+#endif
+
+// dX = (dY W) * (X > 0) and dW = dY^T X with db = sum_m dY (col_sum, grid column 0)
+// from split operands: A's and B's big and small parts as tensor maps of 128 x 32 boxes
+// in the 128-byte swizzle over K-major matrices (A [M, K], B [N, K]: dY as it lies and
+// W transposed for dX; dY and X transposed for dW), then gemm.cu's contract from C on
+// (bias unused, so not passed). Split and launched as the wgmma forward; at most
+// PRESPLIT_MAX_TILES k tiles a split (more is a trap). Dynamic shared memory:
+// PRESPLIT_SHARED_BYTES (193 KB).
+#define DT_WGMMA_PRESPLIT(NAME, EPI)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                             \
+            const __grid_constant__ DtTensorMap ab, const __grid_constant__ DtTensorMap as,                 \
+            const __grid_constant__ DtTensorMap bb, const __grid_constant__ DtTensorMap bs, float* C,      \
+            int ldc, int M, int N, int K, const float* mask, int ldm, float* col_sum, float* workspace,    \
+            unsigned int* counters, const int* gate) {                                                     \
+        if (threadIdx.x == 0) {                                                                            \
+            dt_tma_prefetch_map(&ab);                                                                      \
+            dt_tma_prefetch_map(&as);                                                                      \
+            dt_tma_prefetch_map(&bb);                                                                      \
+            dt_tma_prefetch_map(&bs);                                                                      \
+        }                                                                                                  \
+        dt_wait_prior_grid();                                                                              \
+        if (gate != nullptr && *gate) return;                                                              \
+        DT_WGMMA_PRESPLIT_BODY(EPI);                                                                       \
+    }
+
+#if DT_WGMMA
+#define DT_WGMMA_PRESPLIT_BODY(EPI) \
+    presplit<EPI>(&ab, &as, &bb, &bs, C, ldc, M, N, K, mask, ldm, col_sum, workspace, counters)
+#else
+#define DT_WGMMA_PRESPLIT_BODY(EPI) __trap()
+#endif
+
+DT_WGMMA_PRESPLIT(linear_grad_input_wgmma_presplit_3xtf32, EPI_MASK)
+DT_WGMMA_PRESPLIT(linear_grad_weight_wgmma_presplit_3xtf32, EPI_NONE)

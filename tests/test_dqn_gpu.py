@@ -157,6 +157,9 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False, fused=True),
     dict(ODD, tf32=False, n_actions=1, batch=102, fused_head=True),
     dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=4096, tf32=False, fused_head=True),
+    dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=4096, tf32=False, presplit=True),
+    dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=4096, tf32=False, fused_head=True,
+         presplit=True, dual_stream=False),
     dict(ODD, tf32=False, batch=102, fused_head=True),
     # Projected layers wider than the spectral kernels' 1024-column chunk: float4 and scalar rows.
     dict(obs_dim=3, hidden=(1100, 40), n_actions=3, batch=64, capacity=1024, tf32=False),
@@ -166,7 +169,8 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False, cluster_forward=True),
     dict(ODD, tf32=False, batch=102, fused_head=True, cluster_forward=True),
 ], ids=["odd-shapes", "one-action", "hard-copy-spectral-c", "no-spectral-clipped", "small", "large",
-        "odd-shapes-fused", "small-fused", "one-action-fused-head", "large-fused-head",
+        "odd-shapes-fused", "small-fused", "one-action-fused-head", "large-fused-head", "large-presplit",
+        "large-fused-head-presplit-one-stream",
         "odd-shapes-fused-head", "wide-rows-float4", "wide-rows-scalar", "odd-shapes-cluster-forward",
         "small-cluster-forward", "odd-shapes-fused-head-cluster-forward"])
 def test_one_fp32_step_matches_float64(device, rng, overrides):
@@ -461,11 +465,37 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     assert step.cluster_net is None and not any(n.startswith("narrow_") for n in names)
     assert [r.measured for r in rows if r.name.startswith("output layer's forwards")] == (["1"] if fused else [])
     assert ("dqn_head" in names) == fused and ("dqn_loss" in names) != fused
+    # Pre-split products only when asked for (DQNConfig.presplit).
+    assert not names & PRESPLIT_KERNELS
     if fused_tail:  # one cooperative node instead of the six
         assert [r.measured for r in rows if r.name.startswith("norm, priority update")] == ["1"]
         assert "dqn_tail" in names and not separate & names
     else:
         assert "dqn_tail" not in names and separate <= names
+
+
+PRESPLIT_KERNELS = {"tf32_split", "linear_grad_input_wgmma_presplit_3xtf32",
+                    "linear_grad_weight_wgmma_presplit_3xtf32"}
+
+
+@pytest.mark.parametrize("dual_stream", [True, False])
+def test_audit_of_the_large_step_with_the_presplit_backward_passes(device, rng, dual_stream):
+    """The 1024 x 1024 backward on split operands: the weights' split at the step's
+    start on the target stream (dual_stream) or in the backward; either way no host
+    synchronisation, copy or allocation per step, and the pre-split kernels in the graph."""
+    cfg = DQNConfig.large(capacity=8192, seed=int(rng.integers(1 << 30)), dual_stream=dual_stream, presplit=True)
+    stream = Stream()
+    step = DQNStep(cfg)
+    fill(step, rng, stream)
+    rows, counts = audit_step(step, stream=stream, iterations=20)
+    failed = [r for r in rows if not r.passed]
+    assert not failed, failed
+    assert counts.per_iteration("cuGraphLaunch") == 1
+    names = [k.function for k in step.graph.kernel_nodes()]
+    assert PRESPLIT_KERNELS <= set(names)
+    # dual stream: W^T first (on the target stream), X^T, then dY both ways; one stream: the same three
+    assert names.count("tf32_split") == 3
+    step.close()
 
 
 def test_audit_of_the_small_step_with_the_cluster_forward_passes(device, rng):

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from drvtrain import Arena, DeviceBuffer, Stream, capture
+from drvtrain.stream import fork
 from drvtrain.nn import MLP, FlatBuffer, ParamLayout
 from drvtrain.nn.mlp import TILES, WGMMA_TILE, LinearKernels, plan, wgmma_available
 from nn_reference import mlp_backward, rel
@@ -252,8 +253,8 @@ def test_wgmma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same
     work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
     prod.poison(stream)
     gemm(kernels.kernels[(role, WGMMA_TILE, 16)], prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k,
-         stream, splits=p.splits, workspace=work.array(floats, np.float32), counters=work.zeroed(rows * cols, np.uint32),
-         cluster=False, **prod.epilogue)
+         stream, splits=p.splits, workspace=work.array(floats, np.float32),
+         counters=work.zeroed(rows * cols, np.uint32), cluster=False, **prod.epilogue)
     through_memory = prod.outputs()
     assert not np.isnan(clustered[0][:, :n]).any()
     assert clustered[0].tobytes() == through_memory[0].tobytes()
@@ -295,30 +296,40 @@ def test_forced_16_byte_copies_on_unaligned_operands_are_refused(device, stream,
                        stream=stream, vector=16, bias=prod.bias)
 
 
+@pytest.mark.parametrize("presplit", [True, False], ids=["presplit", "tile-split"])
 @pytest.mark.parametrize("graph", [False, True])
-def test_backward_on_a_weight_stream_matches_one_stream_bitwise(device, rng, graph):
+def test_backward_on_a_weight_stream_matches_one_stream_bitwise(device, rng, graph, presplit):
     """dW/db on their own stream, overlapping the dX chain: the same bits as on one
-    stream, and float64 to 1e-5 (3xTF32), for a net with 1024-wide layers."""
+    stream, and float64 to 1e-5 (3xTF32), for a net with 1024-wide layers. Pre-split,
+    also with the weights split ahead on a third stream (MLP.split_weights)."""
     widths, batch = [128, 1024, 1024, 19], 512
     layout = ParamLayout.from_widths(widths)
     params = FlatBuffer(layout, layout.init_numpy(int(rng.integers(1 << 30))))
     x = rng.standard_normal((batch, widths[0])).astype(np.float32)
     dout = rng.standard_normal((batch, widths[-1])).astype(np.float32)
     xd, dd = DeviceBuffer.from_numpy(x), DeviceBuffer.from_numpy(dout)
-    mlp = MLP(layout, tf32=False)
+    mlp = MLP(layout, tf32=False, presplit=presplit)
     assert mlp.backward_precision == "3xtf32"
+    if wgmma_available(device):
+        assert mlp.presplit_layers(batch) == ({1: (True, True)} if presplit else {})
     arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)
-    main, side = Stream(), Stream()
+    main, side, early = Stream(), Stream(), Stream()
     results, activations = [], []
-    for weight_stream in (None, side):
+    runs = [(None, False), (side, False)] + ([(side, True)] if mlp.presplit_layers(batch) else [])
+    for weight_stream, ahead in runs:
         grads = FlatBuffer(layout)
         grads.buffer.poison(stream=main)
 
         def enqueue():
             arena.reset()
+            splits = None
+            if ahead:
+                fork(main, early)
+                splits = mlp.split_weights(params, batch, arena=arena, stream=early)
             fwd = mlp.forward(params, xd, arena=arena, stream=main)
             activations[:] = fwd.activations
-            mlp.backward(params, grads, fwd, dd, arena=arena, stream=main, weight_stream=weight_stream)
+            mlp.backward(params, grads, fwd, dd, arena=arena, stream=main, weight_stream=weight_stream,
+                         weight_splits=splits)
 
         if graph:
             with capture(main) as g:
@@ -328,7 +339,8 @@ def test_backward_on_a_weight_stream_matches_one_stream_bitwise(device, rng, gra
             enqueue()
         main.synchronize()
         results.append(grads.buffer.to_numpy())
-    assert results[0].tobytes() == results[1].tobytes()
+    for other in results[1:]:
+        assert results[0].tobytes() == other.tobytes()
     named = params.to_numpy()
     # The reference backward starts from the device's activations (still in the arena):
     # at 512 x 1024 a pre-activation or two land within FP32 rounding of zero, and a ReLU
@@ -339,3 +351,177 @@ def test_backward_on_a_weight_stream_matches_one_stream_bitwise(device, rng, gra
     for name, w in want.items():
         err = rel(got[name], w)
         assert err < X3_BOUND, f"{name}: rel {err:.3g}"
+
+
+# ---------------------------------------------------------------- the pre-split backward
+
+def tf32_parts(x):
+    """float64-free numpy statement of tf32_split's parts: big = x rounded to TF32 (to
+    nearest, ties away from zero), small = (x - big) rounded the same way, both with
+    the 13 low bits clear; infinities and NaNs pass whole, with small = 0."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    finite = (u & 0x7F800000) != 0x7F800000
+    big = np.where(finite, (u + np.uint32(0x1000)) & np.uint32(0xFFFFE000), u).astype(np.uint32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        rest = (x.astype(np.float32) - big.view(np.float32)).astype(np.float32).view(np.uint32)
+    small = np.where(finite, (rest + np.uint32(0x1000)) & np.uint32(0xFFFFE000), 0).astype(np.uint32)
+    return big, small
+
+
+def test_tf32_parts_reference_bounds(rng):
+    """The reference itself: big + small is x to 2^-21 relative (float64), each part
+    a TF32 value, big within half a TF32 unit of x."""
+    x = (rng.standard_normal(100000) * np.exp2(rng.integers(-60, 60, 100000))).astype(np.float32)
+    big, small = tf32_parts(x)
+    assert not (big & 0x1FFF).any() and not (small & 0x1FFF).any()
+    b, s = big.view(np.float32).astype(np.float64), small.view(np.float32).astype(np.float64)
+    xd = x.astype(np.float64)
+    assert (np.abs(xd - b) <= np.abs(xd) * 2.0 ** -11).all()
+    assert (np.abs(xd - b - s) <= np.abs(xd) * 2.0 ** -21).all()
+
+
+@pytest.mark.parametrize("as_is, transposed", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("rows, cols, ld", [(77, 45, 48), (512, 1024, 1024), (33, 130, 131)])
+def test_split_writes_the_tf32_parts_as_is_and_transposed(device, stream, rng, rows, cols, ld, as_is, transposed):
+    """tf32_split against the reference bit for bit, infinities, NaNs, subnormals and
+    values next to a rounding tie included; the padding of every row untouched."""
+    skip_unless_compiled(device, WGMMA_TILE)
+    kernels = kernels_for("grad_input", device)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    flat = x.reshape(-1)
+    picks = rng.choice(flat.size, 12, replace=False)
+    flat[picks[:4]] = [np.inf, -np.inf, np.nan, 1e-40]
+    flat[picks[4:8]] = np.array([0x3F801000, 0x3F800FFF, 0xBF803000, 0x7F7FEFFF], np.uint32).view(np.float32)
+    xd = device_matrix(x, ld)
+    arena = Arena(split_bytes_of(rows, cols) + 4096)
+    a, t = kernels.split(xd, ld, rows, cols, arena=arena, stream=stream, as_is=as_is, transposed=transposed)
+    assert (a is not None) == as_is and (t is not None) == transposed
+    for part in (a, t):
+        if part is not None:
+            part.big.poison(stream=stream)
+            part.small.poison(stream=stream)
+    arena.reset()
+    a2, t2 = kernels.split(xd, ld, rows, cols, arena=arena, stream=stream, as_is=as_is, transposed=transposed)
+    assert [p.big.ptr for p in (a2, t2) if p] == [p.big.ptr for p in (a, t) if p]
+    big, small = tf32_parts(x)
+    for part, want_big, want_small in ((a, big, small), (t, big.T, small.T)):
+        if part is None:
+            continue
+        r, k = want_big.shape
+        assert (part.rows, part.k) == (r, k) and part.ld % 4 == 0 and k <= part.ld < k + 4
+        got_big = part.big.to_numpy().view(np.uint32)
+        got_small = part.small.to_numpy().view(np.uint32)
+        assert (got_big[:, :k] == want_big).all() and (got_small[:, :k] == want_small).all()
+        assert (got_big[:, k:] == 0xFFFFFFFF).all() and (got_small[:, k:] == 0xFFFFFFFF).all()
+
+
+def split_bytes_of(rows, cols):
+    from drvtrain.nn.mlp import split_bytes
+    return split_bytes(rows, cols) + split_bytes(cols, rows)
+
+
+PRESPLIT_CASES = [  # (m, n, k, forced splits or None for the rule)
+    (512, 1024, 1024, None), (1024, 1024, 512, None), (300, 260, 1000, 2), (300, 260, 1000, 3), (300, 260, 1000, 8),
+    (129, 129, 33, 1)]
+
+
+@pytest.mark.parametrize("role", ["grad_input", "grad_weight"])
+@pytest.mark.parametrize("m, n, k, splits", PRESPLIT_CASES, ids=["x".join(map(str, c[:3])) + f"-s{c[3]}"
+                                                                  for c in PRESPLIT_CASES])
+def test_presplit_product_matches_float64_and_the_tile_splitting_kernel(device, stream, rng, role, m, n, k, splits):
+    """The pre-split dX and dW (+ db) against float64 (3xTF32: 1e-5), no output left
+    unwritten, the padding untouched; and dX and dW bit for bit the wgmma kernel that
+    splits each tile as it loads it (the same parts, the same MMA order, the same
+    split sums). 1000 deep in 2 splits is 16 k tiles a split, the kernel's bound."""
+    skip_unless_compiled(device, WGMMA_TILE)
+    kernels = kernels_for(role, device)
+    prod = Product(role, m, n, k, 16, rng)
+    p = kernels.plan_presplit(role, m, n, k, splits=splits)
+    assert p is not None and p.tile is WGMMA_TILE
+    arena = Arena(split_bytes_of(m, k) + split_bytes_of(n, k) + 4 * p.workspace_floats + 8192,
+                  zeroed_bytes=4 * p.counters + 256)
+    prod.poison(stream)
+    kernel = kernels.launch(role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=arena,
+                            stream=stream, presplit=True, splits=p.splits, **prod.epilogue)
+    assert kernel.name == f"linear_{role}_wgmma_presplit_3xtf32"
+    c, sums = prod.outputs()
+    got = c[:, :n]
+    assert not np.isnan(got).any(), f"{np.isnan(got).sum()} outputs unwritten ({p.splits} splits)"
+    assert (c[:, n:].view(np.uint32) == 0xFFFFFFFF).all(), "the output's padding was written"
+    err = rel(got, prod.want)
+    assert err < X3_BOUND, f"{kernel.name} {m}x{n}x{k}, {p.splits} splits: rel {err:.3g}"
+    if prod.ref_sums is not None:
+        err = rel(sums, prod.ref_sums)
+        assert err < X3_BOUND, f"db {m}x{n}x{k}, {p.splits} splits: rel {err:.3g}"
+    prod.poison(stream)
+    other = Arena(4 * 64 * 128 * 128 * 8 + 8192, zeroed_bytes=4 * 4096)
+    kernels.launch(role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=other, stream=stream,
+                   tile=WGMMA_TILE, vector=16, splits=p.splits, **prod.epilogue)
+    tiles_split, _ = prod.outputs()
+    assert c.tobytes() == tiles_split.tobytes(), f"{np.sum(c != tiles_split)} outputs differ"
+
+
+@pytest.mark.parametrize("role", ["grad_input", "grad_weight"])
+def test_presplit_splits_summed_in_a_cluster_or_through_global_memory_give_the_same_bits(device, stream, rng, role):
+    from drvtrain.nn.mlp import gemm_presplit
+    skip_unless_compiled(device, WGMMA_TILE)
+    m, n, k, splits = 300, 260, 1000, 3
+    kernels = kernels_for(role, device)
+    prod = Product(role, m, n, k, 16, rng)
+    arena = Arena(split_bytes_of(m, k) + split_bytes_of(n, k) + 8192)
+    outputs = []
+    for cluster in (True, False):
+        arena.reset()
+        prod.poison(stream)
+        if cluster:  # the rule's launch: 9 clusters of 3 fit at once
+            assert kernels.plan_presplit(role, m, n, k, splits=splits).cluster
+            kernels.launch(role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=arena,
+                           stream=stream, presplit=True, splits=splits, **prod.epilogue)
+        else:
+            if role == "grad_input":
+                a, _ = kernels.split(prod.a, prod.lda, m, k, arena=arena, stream=stream)
+            else:
+                _, a = kernels.split(prod.a, prod.lda, k, m, arena=arena, stream=stream, as_is=False, transposed=True)
+            _, b = kernels.split(prod.b, prod.ldb, k, n, arena=arena, stream=stream, as_is=False, transposed=True)
+            rows, cols = -(-m // 128), -(-n // 128)
+            floats = rows * cols * splits * 128 * 128 + rows * splits * 128
+            work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
+            gemm_presplit(kernels.presplit[role], a, b, prod.c, prod.ldc, m, n, k, stream, splits=splits,
+                          workspace=work.array(floats, np.float32), counters=work.zeroed(rows * cols, np.uint32),
+                          cluster=False, **prod.epilogue)
+        outputs.append(prod.outputs())
+    (c1, s1), (c2, s2) = outputs
+    assert not np.isnan(c1[:, :n]).any() and c1.tobytes() == c2.tobytes()
+    if s1 is not None:
+        assert s1.tobytes() == s2.tobytes() and rel(s1, prod.ref_sums) < X3_BOUND
+    assert rel(c1[:, :n], prod.want) < X3_BOUND
+
+
+def test_presplit_gate_skips_every_write(device, stream, rng):
+    skip_unless_compiled(device, WGMMA_TILE)
+    m, n, k = 512, 1024, 1024
+    kernels = kernels_for("grad_weight", device)
+    prod = Product("grad_weight", m, n, k, 16, rng)
+    arena = Arena(split_bytes_of(m, k) + split_bytes_of(n, k) + 8192)
+    gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
+    for closed in (1, 0):
+        gate.copy_from_numpy(np.full(1, closed, np.int32))
+        arena.reset()
+        prod.poison(stream)
+        kernels.launch("grad_weight", prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=arena,
+                       stream=stream, gate=gate, presplit=True, **prod.epilogue)
+        c, sums = prod.outputs()
+        if closed:
+            assert np.isnan(c).all() and np.isnan(sums).all()
+        else:
+            assert rel(c[:, :n], prod.want) < X3_BOUND and rel(sums, prod.ref_sums) < X3_BOUND
+
+
+def test_presplit_refuses_more_k_tiles_a_split_than_its_bound(device, stream, rng):
+    skip_unless_compiled(device, WGMMA_TILE)
+    kernels = kernels_for("grad_input", device)
+    with pytest.raises(ValueError, match="more than 16 a split"):
+        kernels.plan_presplit("grad_input", 512, 1024, 1024, splits=1)
+    assert kernels.plan_presplit("grad_input", 512, 1024, 1024, splits=2) is not None
+    # One tile wide: nothing to share, the rule keeps the tile-splitting kernel.
+    assert kernels.plan_presplit("grad_input", 16384, 64, 512) is None

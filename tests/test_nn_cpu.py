@@ -250,6 +250,28 @@ class _FakeFlat:
         return self._view(self.layout.bias(k))
 
 
+class _FakeEvent:
+    def __init__(self, launches):
+        self.launches = launches
+
+    def record(self, stream):
+        self.launches.append(("record", stream))
+        return self
+
+
+class _FakeStream:
+    """Logs the events it is made to wait for."""
+
+    def __init__(self, launches, name):
+        self.launches, self.name = launches, name
+
+    def wait(self, event):
+        self.launches.append(("wait", self, event))
+
+    def __repr__(self):
+        return f"<stream {self.name}>"
+
+
 def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
     monkeypatch.setattr(mlp_module, "get_device", lambda: SimpleNamespace(sm_count=132, compute_capability=cc))
     monkeypatch.setattr(mlp_module, "fork", lambda parent, *children: launches.append(("fork", children)))
@@ -262,46 +284,58 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
         return SimpleNamespace(block=256, launch=launch, max_active_clusters=lambda c, b, shared: 8 * (16 // c[2]))
 
     monkeypatch.setattr(mlp_module, "_load_kernel", load)
+    monkeypatch.setattr(mlp_module, "Event", lambda: _FakeEvent(launches))
     # The wgmma forward's tensor maps, as what they describe: (address, (rows, cols), ld, box).
     monkeypatch.setattr(mlp_module, "tensor_map_2d", lambda span, box, *, shape, ld: SimpleNamespace(
         raw=(span.ptr, shape, ld, box, span.nbytes)))
     monkeypatch.setattr(mlp_module, "_operand_maps", {})
 
 
+@pytest.mark.parametrize("presplit", [True, False], ids=["presplit", "no-presplit"])
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90-wgmma"])
 @pytest.mark.parametrize("tf32, backward", [(True, "3xtf32"), (False, "f32"), (False, "3xtf32")])
 @pytest.mark.parametrize("widths, batch", [([4, 256, 256, 3], 256), ([128, 1024, 1024, 19], 512),
                                            ([129, 1000, 4], 7), ([33, 65, 7], 1000), ([258, 64, 5], 16384)])
-def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths, batch, tf32, backward, cc):
+def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths, batch, tf32, backward, cc,
+                                                             presplit):
     """Exactly, unless a product runs on the wgmma tile: then the accounting leaves
-    room for gemm.cu's fallback too (an operand that turns out misaligned)."""
+    room for gemm.cu's fallback too (an operand that turns out misaligned). Every
+    launch's arguments, stream and workspace, the pre-split products' split passes
+    included."""
     launches = []
     _fake_kernels(monkeypatch, launches, cc)
     layout = ParamLayout.from_widths(widths)
-    model = mlp_module.MLP(layout, tf32=tf32, backward=backward)
+    model = mlp_module.MLP(layout, tf32=tf32, backward=backward, presplit=presplit)
     arena = _FakeArena()
     params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
     x = DeviceBuffer._view(None, 1 << 37, (batch, widths[0]), np.float32)
     dout = DeviceBuffer._view(None, 1 << 36, (batch, widths[-1]), np.float32)
-    main, side = object(), object()
+    main, side = _FakeStream(launches, "main"), _FakeStream(launches, "side")
     fwd = model.forward(params, x, arena=arena, stream=main)
     model.backward(params, grads, fwd, dout, arena=arena, stream=main, weight_stream=side)
     rounded = lambda nbytes: -(-nbytes // 256) * 256
-    kernels = [entry for entry in launches if entry[0] not in ("fork", "join")]
+    kernels = [entry for entry in launches if entry[0] not in ("fork", "join", "record", "wait")]
+    splits_run = [entry for entry in kernels if entry[0] == "tf32_split"]
+    kernels = [entry for entry in kernels if entry[0] != "tf32_split"]
     on_wgmma = [entry[0] for entry in kernels if "_wgmma_" in entry[0]]
     if cc != (9, 0):
         assert not on_wgmma
     for name in on_wgmma:  # the TF32 forward and the 3xTF32 backward have wgmma kernels, FFMA has none
         assert (tf32 if "_forward_" in name else backward == "3xtf32"), name
-    if cc == (9, 0) and backward == "3xtf32" and widths[1] == 1024:
-        assert {"linear_grad_input_wgmma_3xtf32", "linear_grad_weight_wgmma_3xtf32"} <= set(on_wgmma)
+    wide = cc == (9, 0) and backward == "3xtf32" and widths[1] == 1024
+    if wide:
+        kind = "presplit_" if presplit else ""
+        assert {f"linear_grad_input_wgmma_{kind}3xtf32", f"linear_grad_weight_wgmma_{kind}3xtf32"} <= set(on_wgmma)
+        assert model.presplit_layers(batch) == ({1: (True, True)} if presplit else {})
+    else:
+        assert not splits_run and model.presplit_layers(batch) == {}
     if cc == (9, 0) and tf32 and widths[0] == 258:
         # 16384 x 64 x 258 plans wgmma unsplit, but rows of 258 floats forbid 16-byte
         # copies: it runs on gemm.cu's 2-way split, which the accounting made room for.
         assert model.forward_kernels.plan("forward_relu", batch, 64, 258).tile.name == "wgmma"
         name, grid = kernels[0][0], kernels[0][1]
         assert "_wgmma_" not in name and grid[2] == 2
-    wgmma_planned = any(p.tile.name == "wgmma" for _, _, _, p in model._plans(batch))
+    wgmma_planned = any(p.tile.name == "wgmma" for *_, p, _ in model._plans(batch))
     if wgmma_planned:
         assert rounded(arena.offset) + 1024 <= model.scratch_bytes(batch)
         assert rounded(arena.zeroed_offset) <= model.zeroed_bytes(batch)
@@ -310,17 +344,58 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         assert rounded(arena.zeroed_offset) == model.zeroed_bytes(batch)
     assert len(kernels) == len(model._products(batch))
     params_end = (1 << 38) + 4 * layout.size
+    in_arena = lambda address, nbytes: (1 << 40) <= address and address + nbytes <= (1 << 40) + arena.offset
+    splits_of = {}  # the address of a split's big part: (rows, k, ld), as the split pass wrote it
+    for name, grid, args, stream, shared_mem, cluster in splits_run:
+        src, ld, rows, cols, big, small, ld_a, big_t, small_t, ld_t, gate = args
+        assert name == "tf32_split" and grid == (-(-cols // 32), -(-rows // 32)) and shared_mem == 0
+        assert gate == 0 and cluster is None
+        for b, sm, r, c, l in ((big, small, rows, cols, ld_a), (big_t, small_t, cols, rows, ld_t)):
+            if b:
+                assert l % 4 == 0 and c <= l < c + 4 and b.shape == sm.shape == (r, l)
+                assert in_arena(b.ptr, b.nbytes) and in_arena(sm.ptr, sm.nbytes) and b.ptr != sm.ptr
+                splits_of[b.ptr] = (r, c, l, src.ptr, sm.ptr)
+            else:
+                assert not sm and l == 0
+        activations = [a.ptr for a in fwd.activations]
+        if (1 << 38) <= src.ptr < params_end:  # a weight, transposed for dX: beside the chain
+            assert stream is side and not big and big_t and (rows, cols) == (widths[2], widths[1])
+        elif src.ptr in activations:  # a layer's input, transposed for dW: beside the chain
+            assert stream is side and not big and big_t and (rows, cols) == (batch, widths[1])
+        else:  # the layer's dY, both ways (dX and dW), on the chain
+            assert stream is main and big and big_t and (rows, cols) == (batch, widths[2])
     for (name, grid, args, stream, shared_mem, cluster), (m, n, k) in zip(kernels, model._products(batch)):
         if "_wgmma_" in name and "_forward" in name:  # X and W as tensor maps of 128 x 32 boxes over m x k, n x k
             map_a, map_b, _, _, *mnk, _, workspace, counters, _ = args
             col_sum = 0
             assert map_a[1:5] == ((m, k), k, (128, 32), 4 * m * k) and map_b[1:5] == ((n, k), k, (128, 32), 4 * n * k)
             assert (1 << 38) <= map_b[0] and map_b[0] + map_b[4] <= params_end  # W: a weight of the parameters
+        elif "_presplit_" in name:  # A's and B's big and small parts as maps over m x k and n x k, K-major
+            maps, mnk = args[:4], args[6:9]
+            col_sum, workspace, counters = args[11], args[12], args[13]
+            for mp, rows in zip(maps, (m, m, n, n)):
+                assert mp[0] in splits_of or any(mp[0] == v[4] for v in splits_of.values()), name
+                ld = mp[2]
+                assert mp[1] == (rows, k) and mp[3] == (128, 32) and ld % 4 == 0 and k <= ld < k + 4
+            big_a = splits_of[maps[0][0]]
+            big_b = splits_of[maps[2][0]]
+            assert big_a[4] == maps[1][0] and big_b[4] == maps[3][0]  # each big part with its own small part
+            dy = big_a[3]
+            if "grad_input" in name:  # A: dY as it lies; B: this layer's weight, transposed
+                assert (1 << 38) <= big_b[3] < params_end
+                assert args[9] is not None and args[10] == n  # the ReLU mask, [m, n]
+            else:  # A: dY transposed; B: the layer's input X, transposed
+                assert col_sum and col_sum.shape == (m,)
+                assert not (1 << 38) <= big_b[3] < params_end
+            assert not (1 << 38) <= dy < params_end
         else:
             mnk = args[6:9]
             workspace, counters, col_sum = args[13], args[14], args[12]
         assert tuple(mnk) == (m, n, k)
-        want_shared = (161 if "_forward_" in name else 225) * 1024 if "_wgmma_" in name else 0
+        if "_presplit_" in name:
+            want_shared = 193 * 1024
+        else:
+            want_shared = (161 if "_forward_" in name else 225) * 1024 if "_wgmma_" in name else 0
         assert shared_mem == want_shared, name
         splits = grid[2]
         # dW of every layer but the first beside the dX chain; the first layer's dW
@@ -332,6 +407,8 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         if cluster is not None:
             assert "_wgmma_" in name and splits > 1 and cluster == (1, 1, splits), name
             assert grid[:2] == (-(-n // 128), -(-m // 128)) and grid[0] * grid[1] <= 8 * (16 // splits)
+        if "_presplit_" in name:  # every split within the kernel's bound of k tiles
+            assert -(-(-(-k // 32)) // splits) <= mlp_module.PRESPLIT_MAX_TILES
         if splits == 1 or cluster is not None:
             assert workspace == 0 and counters == 0
             continue
@@ -344,8 +421,15 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         assert grid[:2] == (-(-n // bn), -(-m // bm))
         assert workspace.size == need, name
         assert counters.size == grid[0] * grid[1], name
-    assert [e[0] for e in launches].count("fork") == len(layout.layers) - 1
+    pre = bool(model.presplit_layers(batch))
+    assert [e[0] for e in launches].count("fork") == len(layout.layers) - 1 + pre
     assert launches[-1][0] == "join"
+    if pre:  # the weights' split is recorded on the side stream, and the chain waits for it before dX
+        events = [i for i, e in enumerate(launches) if e[0] in ("record", "wait")]
+        assert [launches[i][0] for i in events] == ["record", "wait"]
+        assert launches[events[0]][1] is side and launches[events[1]][1] is main
+        dx = next(i for i, e in enumerate(launches) if e[0] == "linear_grad_input_wgmma_presplit_3xtf32")
+        assert events[1] < dx
 
 
 def test_a_requested_split_count_never_leaves_a_split_empty():
@@ -473,3 +557,32 @@ def test_forward_layers_and_backward_dx_last(monkeypatch):
                  DeviceBuffer._view(None, 1 << 36, (64, 3), np.float32), arena=arena, stream=main,
                  weight_stream=side)
     assert [e[0] for e in launches if e[0] in ("fork", "join")] == []  # nothing forked, nothing joined
+
+
+def test_backward_checks_weight_splits_before_queuing_anything(monkeypatch):
+    launches = []
+    _fake_kernels(monkeypatch, launches, (9, 0))
+    layout = ParamLayout.from_widths([128, 1024, 1024, 19])
+    model = mlp_module.MLP(layout, tf32=False, presplit=True)
+    arena = _FakeArena()
+    params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
+    x = DeviceBuffer._view(None, 1 << 37, (512, 128), np.float32)
+    dout = DeviceBuffer._view(None, 1 << 36, (512, 19), np.float32)
+    main, side = _FakeStream(launches, "main"), _FakeStream(launches, "side")
+    fwd = model.forward(params, x, arena=arena, stream=main)
+    ws = model.split_weights(params, 512, arena=arena, stream=side)
+    assert set(ws.weights) == {1} and ws.event is not None and ws.stream is side
+    (w1,) = ws.weights.values()
+    assert (w1.rows, w1.k) == (1024, 1024)  # layer 1's W [1024 out, 1024 in], transposed
+    queued = len(launches)
+    with pytest.raises(ValueError, match="batch of 256, not 512"):
+        model.backward(params, grads, fwd, dout, arena=arena, stream=main,
+                       weight_splits=mlp_module.WeightSplits(256, ws.weights, side, ws.event))
+    with pytest.raises(ValueError, match=r"layer\(s\) \[1\]"):
+        model.backward(params, grads, fwd, dout, arena=arena, stream=main,
+                       weight_splits=mlp_module.WeightSplits(512, {}, side, ws.event))
+    assert len(launches) == queued
+    model.backward(params, grads, fwd, dout, arena=arena, stream=main, weight_splits=ws)
+    names = [e[0] for e in launches[queued:]]
+    assert names.count("tf32_split") == 2  # X^T, then dY both ways; W^T was given
+    assert ("wait", main, ws.event) in launches[queued:]

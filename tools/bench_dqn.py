@@ -15,7 +15,9 @@ one thing:
 - the three forwards as one launch of thread block clusters
   (DQNConfig(cluster_forward=True)) and the fused narrow kernels
   (DQNConfig(fused=True)): small only, the large net is too wide for them;
-- everything on one stream.
+- everything on one stream;
+- the wide backward products on operands split once into TF32 parts
+  (DQNConfig(presplit=True)): large only, the small net has none.
 With torch installed, the same step written plainly in PyTorch
 (tools/torch_dqn.py), eager and CUDA-graph captured. Goals: <= 15 us (small)
 and <= 50 us (large).
@@ -24,7 +26,7 @@ import sys
 
 import _common
 from drvtrain import Stream
-from drvtrain.nn import ParamLayout
+from drvtrain.nn import MLP, ParamLayout
 from drvtrain.nn.narrow import NarrowMLP
 from drvtrain.rl import DQNConfig, DQNStep
 from drvtrain.timing import time_graph
@@ -72,6 +74,7 @@ VARIANTS = (
     ("three forwards in clusters", {"cluster_forward": True}),
     ("fused narrow kernels", {"fused": True}),
     ("one stream", {"dual_stream": False}),
+    ("pre-split wide backward", {"presplit": True}),
 )
 
 
@@ -94,6 +97,9 @@ def main(argv=None) -> int:
             if (overrides.get("fused") or "cluster_forward" in overrides) and \
                     not NarrowMLP.supports(ParamLayout.from_widths(cfg.widths)):
                 continue
+            if "presplit" in overrides and \
+                    not MLP(ParamLayout.from_widths(cfg.widths), presplit=True).presplit_layers(cfg.batch):
+                continue  # no product of this net runs pre-split: the default already is this
             rows.append((name, label, *measure(cfg, args)))
         torch_us = None if args.no_torch else torch_times(getattr(DQNConfig, name)(), args)
         if torch_us:

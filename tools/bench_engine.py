@@ -3,11 +3,14 @@
 
 For every linear layer: the forward (TF32, bias and ReLU fused) and the backward
 (dW with db, and dX with the ReLU mask; 3xTF32 tensor cores at FP32 accuracy) as
-replayed graphs, each product launched as MLP launches it (tile, split-k), with
-achieved TFLOP/s; the whole backward on one stream and with dW on a second stream;
+replayed graphs, each product launched on the kernels that split each operand tile as
+they load it (tile, split-k), with achieved TFLOP/s; the whole backward on one stream
+and with dW on a second stream, without and with the pre-split products; the
+512x1024x1024 products pre-split (the products alone, and each split pass alone);
 then the full step (forward, MSE, backward, clip, AdamW, metrics) as one replayed
 graph: us/step and its node count (default: per-layer GEMMs, ordinary launches;
-with dependent launches; with the fused narrow kernels). Goals: full step <= 10 us (small), <= 45 us
+with dependent launches; with the fused narrow kernels; with the pre-split
+products). Goals: full step <= 10 us (small), <= 45 us
 (large); forward TF32 GEMM 512x1024x1024 >= 150 TFLOP/s; its backward products
 (dW with db, dX) >= 3x faster than the FP32 FFMA kernels' 143 us.
 """
@@ -32,9 +35,11 @@ def graph_of(stream, arena, body):
     return g.instantiate(), g
 
 
-def plan_text(kernels, role, m, n, k, tile=None) -> str:
+def plan_text(kernels, role, m, n, k, tile=None, presplit=False) -> str:
     """tile/splits, and "c" when the splits meet in a cluster."""
-    p = kernels.plan(role, m, n, k, tile=tile)
+    p = kernels.plan_presplit(role, m, n, k) if presplit else kernels.plan(role, m, n, k, tile=tile)
+    if p is None:
+        return "none"
     return f"{p.tile.name}/{p.splits}{'c' if p.cluster else ''}"
 
 
@@ -123,9 +128,12 @@ def main(argv=None) -> int:
         params = FlatBuffer(layout, layout.init_numpy(1))
         grads = FlatBuffer(layout)
         mlp = MLP(layout, tf32=True)
+        presplit = MLP(layout, tf32=True, presplit=True)
         fk, bk = mlp.forward_kernels, mlp.backward_kernels
         arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)  # the activations
-        work = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)  # each graph's scratch
+        # each graph's scratch
+        work = Arena(max(mlp.scratch_bytes(batch), presplit.scratch_bytes(batch)),
+                     zeroed_bytes=max(mlp.zeroed_bytes(batch), presplit.zeroed_bytes(batch)) + 256)
         x = DeviceBuffer.from_numpy(rng.standard_normal((batch, obs)).astype(np.float32))
         fwd_result = mlp.forward(params, x, arena=arena, stream=stream)
         acts = fwd_result.activations
@@ -158,16 +166,22 @@ def main(argv=None) -> int:
                          f"{flops / fwd / 1e6:7.2f}", bwd_plan, f"{bwd:7.2f}", f"{bwd_flops / bwd / 1e6:7.2f}"))
         # The whole backward, dW/db on the chain's stream or on a stream of their own.
         dout = DeviceBuffer.from_numpy(rng.standard_normal((batch, 1 + actions)).astype(np.float32))
-        for weight_stream in (None, side):
-            exe, _ = graph_of(stream, work, lambda: mlp.backward(params, grads, fwd_result, dout, arena=work,
-                                                                 stream=stream, weight_stream=weight_stream))
-            backwards.append((name, "two streams" if weight_stream else "one stream", timed(exe)))
+        for net in (mlp, presplit):
+            if net is presplit and not presplit.presplit_layers(batch):
+                continue  # no product runs pre-split: the rows above already are this
+            for weight_stream in (None, side):
+                exe, _ = graph_of(stream, work, lambda: net.backward(params, grads, fwd_result, dout, arena=work,
+                                                                     stream=stream, weight_stream=weight_stream))
+                how = ("two streams" if weight_stream else "one stream") + (", pre-split" if net is presplit else "")
+                backwards.append((name, how, timed(exe)))
         x = rng.standard_normal((batch, obs)).astype(np.float32)
         y = rng.standard_normal((batch, 1 + actions)).astype(np.float32)
         for how, options in (("default", {}), ("dependent launch", {"dependent_launch": True}),
-                             ("fused narrow kernels", {"fused": True})):
+                             ("fused narrow kernels", {"fused": True}), ("pre-split", {"presplit": True})):
             if options.get("fused") and not NarrowMLP.supports(layout):
                 continue  # a wide net has no fused path: the default already is per-layer
+            if "presplit" in options and not presplit.presplit_layers(batch):
+                continue  # nothing runs pre-split: the default already is this
             step = RegressionStep(layout, batch, lr=1e-4, weight_decay=1e-2, max_norm=10.0, **options)
             step.x.copy_from_numpy(x)
             step.target.copy_from_numpy(y)
@@ -176,7 +190,7 @@ def main(argv=None) -> int:
             steps.append((name, how, us, len(step.graph.nodes()), "<= 10" if name == "small" else "<= 45"))
     # The products the goals name: 512 x 1024 x 1024 forward (TF32) and its backward (3xTF32).
     layout = ParamLayout([(1024, 1024)])
-    mlp = MLP(layout)
+    mlp = MLP(layout, presplit=True)  # its pre-split kernels too
     big = DeviceBuffer.from_numpy(rng.standard_normal((512, 1024)).astype(np.float32))
     mask = DeviceBuffer.from_numpy(np.maximum(rng.standard_normal((512, 1024)), 0).astype(np.float32))
     w = DeviceBuffer.from_numpy((rng.standard_normal((1024, 1024)) / 32).astype(np.float32))
@@ -205,6 +219,27 @@ def main(argv=None) -> int:
                                                        arena=arena, stream=stream, mask=mask, ldm=1024,
                                                        tile=TILES[0]))
     t_dx_mma = timed(exe)
+    # Pre-split: the products on split operands alone (the passes queued once, outside
+    # the graph), and the passes alone.
+    split_arena, pre_arena = Arena(32 << 20), Arena(32 << 20)  # 20 MB of split operands; each graph's
+    _, dyt = bk.split(big, 1024, 512, 1024, arena=split_arena, stream=stream, as_is=False, transposed=True)
+    _, xt = bk.split(mask, 1024, 512, 1024, arena=split_arena, stream=stream, as_is=False, transposed=True)
+    dys, _ = bk.split(big, 1024, 512, 1024, arena=split_arena, stream=stream)
+    _, wt = bk.split(w, 1024, 1024, 1024, arena=split_arena, stream=stream, as_is=False, transposed=True)
+    pre = dict(arena=pre_arena, stream=stream)
+    exe, _ = graph_of(stream, pre_arena, lambda: bk.launch_presplit("grad_weight", dyt, xt, dwb, 1024, 1024, 1024,
+                                                                    512, col_sum=b, **pre))
+    t_dw_pre = timed(exe)
+    exe, _ = graph_of(stream, pre_arena, lambda: bk.launch_presplit("grad_input", dys, wt, dxb, 1024, 512, 1024,
+                                                                    1024, mask=mask, ldm=1024, **pre))
+    t_dx_pre = timed(exe)
+    exe, _ = graph_of(stream, pre_arena, lambda: bk.split(big, 1024, 512, 1024, transposed=True, **pre))
+    t_split_dy = timed(exe)
+    exe, _ = graph_of(stream, pre_arena, lambda: bk.split(w, 1024, 1024, 1024, as_is=False, transposed=True, **pre))
+    t_split_w = timed(exe)
+    exe, _ = graph_of(stream, pre_arena, lambda: bk.split(mask, 1024, 512, 1024, as_is=False, transposed=True,
+                                                          **pre))
+    t_split_x = timed(exe)
     flops = 2.0 * 512 * 1024 * 1024
 
     print(f"\ndevice: {dev.name} ({dev.arch}, {dev.sm_count} SMs); us per replayed graph, median of {args.repeats}; "
@@ -225,6 +260,11 @@ def main(argv=None) -> int:
           f"kernels' 143 us (goal >= 3x); on mma.sync ({plan_text(bk, 'grad_weight', 1024, 1024, 512, TILES[0])} + "
           f"{plan_text(bk, 'grad_input', 512, 1024, 1024, TILES[0])}): {t_dw_mma:.2f} + {t_dx_mma:.2f} = "
           f"{t_dw_mma + t_dx_mma:.2f} us")
+    print(f"pre-split 3xTF32 512x1024x1024: dW+db ({plan_text(bk, 'grad_weight', 1024, 1024, 512, presplit=True)}) "
+          f"{t_dw_pre:.2f} us {flops / t_dw_pre / 1e6:.1f} TFLOP/s, dX "
+          f"({plan_text(bk, 'grad_input', 512, 1024, 1024, presplit=True)}) {t_dx_pre:.2f} us "
+          f"{flops / t_dx_pre / 1e6:.1f} TFLOP/s; together {t_dw_pre + t_dx_pre:.2f} us; the passes: dY both ways "
+          f"{t_split_dy:.2f} us, W transposed {t_split_w:.2f} us, X transposed {t_split_x:.2f} us")
     print("\nconfig | whole backward | us")
     for name, how, us in backwards:
         print(f"{name:<6} | {how:<14} | {us:.2f}")

@@ -8,18 +8,23 @@ from dataclasses import dataclass
 from ..driver import get_device
 from ..kernel import PORTABLE_CLUSTER_SIZE, builtin_module
 from ..memory import Arena, DeviceBuffer
-from ..stream import fork, join
+from ..stream import Event, fork, join
 from ..tma import tensor_map_2d
 from .layout import FlatBuffer, ParamLayout
 
-__all__ = ["MLP", "Forward", "GemmKernel", "LinearKernels", "Plan", "Tile", "TILES", "FFMA_TILE", "WGMMA_TILE",
-           "wgmma_available", "gemm", "operand_map",
-           "choose_tile", "kernel_name", "plan", "split_count", "vector_width"]
+__all__ = ["MLP", "Forward", "GemmKernel", "LinearKernels", "Plan", "SplitOperand", "Tile", "TILES", "FFMA_TILE",
+           "WGMMA_TILE", "PRESPLIT_MAX_TILES", "WeightSplits", "wgmma_available", "gemm", "gemm_presplit",
+           "operand_map", "choose_tile", "kernel_name", "plan", "split_bytes", "split_count", "vector_width"]
 
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
 # gemm_sm90a.cu's forward: X and W as tensor maps, then C, ldc, M, N, K, bias,
 # workspace, counters, gate.
 _WGMMA_FORWARD_SIGNATURE = "tmap tmap ptr i32 i32 i32 i32 ptr ptr ptr ptr"
+# Its pre-split backward: A's and B's big and small parts as tensor maps, then C, ldc,
+# M, N, K, mask, ldm, col_sum, workspace, counters, gate.
+_PRESPLIT_SIGNATURE = "tmap tmap tmap tmap ptr i32 i32 i32 i32 ptr i32 ptr ptr ptr ptr"
+# tf32_split: X, ld, rows, cols, big, small, ld_out, big_t, small_t, ld_t, gate.
+_SPLIT_SIGNATURE = "ptr i32 i32 i32 ptr ptr i32 ptr ptr i32 ptr"
 _MAX_TILES = 4096  # output tiles a split-k product may have (one counter each)
 
 
@@ -50,6 +55,9 @@ WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1)
 WGMMA_SHARED_BYTES = 5 * 2 * 128 * 32 * 4 + 1024
 WGMMA_OPERAND_BOX = (128, 32)  # the forward's tensor maps: 128 rows x 32 floats, 128-byte swizzle
 WGMMA_BACKWARD_SHARED_BYTES = (2 * 4 + 3 * 2) * 128 * 32 * 4 + 1024
+# The pre-split backward: 3 stages of four 128 x 32 float tiles (A and B, big and small).
+WGMMA_PRESPLIT_SHARED_BYTES = 3 * 4 * 128 * 32 * 4 + 1024
+PRESPLIT_MAX_TILES = 16  # k tiles a split of the pre-split backward may have (gemm_sm90a.cu)
 _WGMMA_CC = (9, 0)
 
 _ROLES = ("forward", "forward_relu", "grad_input", "grad_weight")
@@ -57,13 +65,19 @@ _PRECISIONS = {"forward": ("tf32", "f32"), "forward_relu": ("tf32", "f32"),
                "grad_input": ("3xtf32", "f32"), "grad_weight": ("3xtf32", "f32")}
 
 
-def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16) -> str:
+def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16, presplit: bool = False) -> str:
     """The name in kernels/gemm.cu (gemm_sm90a.cu for the wgmma tile) of ``role`` in
-    ``precision`` with ``tile`` and ``vector``-byte copies."""
+    ``precision`` with ``tile`` and ``vector``-byte copies; ``presplit``: the wgmma
+    backward that takes its operands split (:meth:`LinearKernels.split`)."""
     if role not in _ROLES:
         raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
     if precision not in _PRECISIONS[role]:
         raise ValueError(f"{role} runs in {' or '.join(_PRECISIONS[role])}, not {precision!r}")
+    if presplit:
+        if tile is not WGMMA_TILE or precision != "3xtf32":
+            raise ValueError(f"only the wgmma tile's 3xTF32 backward takes split operands, not {role} in "
+                             f"{precision} on tile {tile.name}")
+        return f"linear_{role}_wgmma_presplit_{precision}"
     if precision == "f32":
         return f"linear_{role}_f32"
     if tile is WGMMA_TILE:
@@ -181,8 +195,13 @@ def vector_width(a, lda: int, b, ldb: int) -> int:
 
 
 def _load_kernel(name: str):
+    if name == "tf32_split":
+        return builtin_module("gemm_sm90a.cu", arch_specific=True).kernel(name, _SPLIT_SIGNATURE, fixed_block=True)
     if "_wgmma_" in name:
-        signature = _WGMMA_FORWARD_SIGNATURE if name.startswith("linear_forward") else _SIGNATURE
+        if name.startswith("linear_forward"):
+            signature = _WGMMA_FORWARD_SIGNATURE
+        else:
+            signature = _PRESPLIT_SIGNATURE if "_presplit_" in name else _SIGNATURE
         return builtin_module("gemm_sm90a.cu", arch_specific=True).kernel(name, signature, fixed_block=True)
     return builtin_module("gemm.cu").kernel(name, _SIGNATURE, fixed_block=True)
 
@@ -234,14 +253,18 @@ def wgmma_available(device=None) -> bool:
 
 
 class GemmKernel:
-    """A kernel of kernels/gemm.cu (or gemm_sm90a.cu) with the tile its grid is cut in."""
+    """A kernel of kernels/gemm.cu (or gemm_sm90a.cu) with the tile its grid is cut in;
+    ``presplit``: the wgmma backward on split operands (:func:`gemm_presplit`)."""
 
-    def __init__(self, role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16):
+    def __init__(self, role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16, presplit: bool = False):
         self.role, self.precision, self.tile, self.vector = role, precision, tile, vector
-        self.name = kernel_name(role, precision, tile, vector)
+        self.presplit = presplit
+        self.name = kernel_name(role, precision, tile, vector, presplit)
         self.kernel = _load_kernel(self.name)
         if tile is not WGMMA_TILE:
             self.shared_bytes = 0
+        elif presplit:
+            self.shared_bytes = WGMMA_PRESPLIT_SHARED_BYTES
         else:
             self.shared_bytes = WGMMA_SHARED_BYTES if role.startswith("forward") else WGMMA_BACKWARD_SHARED_BYTES
 
@@ -259,6 +282,8 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     block cluster, which sums them in distributed shared memory and needs no
     workspace or counters (:attr:`Plan.cluster` says when)."""
     tile = kernel.tile
+    if kernel.presplit:
+        raise ValueError(f"{kernel.name} takes split operands: launch it with gemm_presplit")
     if cluster and tile is not WGMMA_TILE:
         raise ValueError(f"{kernel.name} does not reduce its splits in a cluster")
     dims = (1, 1, splits) if cluster and splits > 1 else None
@@ -270,6 +295,53 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     kernel.kernel.launch(grid, kernel.kernel.block, *operands, workspace, counters, gate if gate is not None else 0,
                          stream=stream, shared_mem=kernel.shared_bytes, cluster=dims)
 
+
+@dataclass(frozen=True)
+class SplitOperand:
+    """A matrix's TF32 big and small parts (kernels/gemm_sm90a.cu's tf32_split), stored
+    K-major as the pre-split backward reads them: ``rows`` x ``k`` floats each, rows
+    ``ld`` floats apart (a multiple of 4, for the tensor maps). big + small is the
+    matrix to within 2^-22 relative; each part is an exact TF32 value."""
+    big: DeviceBuffer
+    small: DeviceBuffer
+    rows: int
+    k: int
+    ld: int
+
+    def maps(self, name: str) -> tuple[bytes, bytes]:
+        """The tensor maps of the big and the small part (:func:`operand_map`)."""
+        return (operand_map(self.big, self.ld, self.rows, self.k, f"{name} (big)"),
+                operand_map(self.small, self.ld, self.rows, self.k, f"{name} (small)"))
+
+
+def split_bytes(rows: int, cols: int) -> int:
+    """Arena bytes of one :class:`SplitOperand` of a ``rows`` x ``cols`` matrix (K-major:
+    ``cols`` deep, either way round the caller stores it)."""
+    return 2 * _rounded(rows * (-(-cols // 4) * 4))
+
+
+def gemm_presplit(kernel: GemmKernel, a: SplitOperand, b: SplitOperand, c, ldc, m, n, k, stream, *, mask=0, ldm=0,
+                  col_sum=0, splits=1, workspace=0, counters=0, gate=0, cluster=False):
+    """C[m, n] = sum_k A(i, k) B(j, k) in 3xTF32 from split operands (``a`` m x k and
+    ``b`` n x k, K-major) with the epilogue of ``kernel``'s role (dX: times the mask;
+    dW: col_sum gets A's row sums, db). Split and clustered as :func:`gemm`; a split
+    may have at most :data:`PRESPLIT_MAX_TILES` k tiles."""
+    if not kernel.presplit:
+        raise ValueError(f"{kernel.name} does not take split operands")
+    if (a.rows, a.k, b.rows, b.k) != (m, k, n, k):
+        raise ValueError(f"split operands of {a.rows} x {a.k} and {b.rows} x {b.k} do not make an "
+                         f"{m} x {n} x {k} product")
+    k_tiles = -(-k // WGMMA_TILE.bk)
+    if -(-k_tiles // splits) > PRESPLIT_MAX_TILES:
+        raise ValueError(f"{kernel.name}: {k_tiles} k tiles in {splits} splits is more than "
+                         f"{PRESPLIT_MAX_TILES} a split")
+    dims = (1, 1, splits) if cluster and splits > 1 else None
+    grid = (-(-n // WGMMA_TILE.bn), -(-m // WGMMA_TILE.bm), splits)
+    kernel.kernel.launch(grid, kernel.kernel.block, *a.maps("A"), *b.maps("B"), c, ldc, m, n, k, mask, ldm, col_sum,
+                         workspace, counters, gate if gate is not None else 0, stream=stream,
+                         shared_mem=kernel.shared_bytes, cluster=dims)
+
+
 class LinearKernels:
     """The kernels of one arithmetic for some roles, every tile and copy width, loaded
     up front (never during a capture), and the launch of a product through them.
@@ -277,9 +349,11 @@ class LinearKernels:
     ``wgmma``: the products may run on kernels/gemm_sm90a.cu's wgmma tile (pass
     True only where :func:`wgmma_available`, which is not checked here; FFMA
     precision and operands that do not allow 16-byte copies use gemm.cu's
-    kernels)."""
+    kernels). ``presplit`` (with ``wgmma``, 3xTF32): also load the pre-split
+    backward and its split pass (:meth:`split`, :meth:`launch_presplit`); whether a
+    product runs that way is the caller's choice."""
 
-    def __init__(self, roles, precision: str, sm_count: int, *, wgmma: bool = False):
+    def __init__(self, roles, precision: str, sm_count: int, *, wgmma: bool = False, presplit: bool = True):
         self.precision = precision
         self.sm_count = sm_count
         if precision == "f32":
@@ -291,6 +365,10 @@ class LinearKernels:
         self.wgmma = bool(wgmma and precision != "f32")
         for role in roles if self.wgmma else ():
             self.kernels[(role, WGMMA_TILE, 16)] = GemmKernel(role, precision, WGMMA_TILE, 16)
+        # The pre-split backward (wgmma, 3xTF32): the role's kernel, keyed by role.
+        self.presplit = {role: GemmKernel(role, precision, WGMMA_TILE, 16, presplit=True)
+                         for role in roles if self.wgmma and presplit and precision == "3xtf32"}
+        self.split_kernel = _load_kernel("tf32_split") if self.presplit else None
 
     def plan(self, role, m, n, k, *, tile=None, splits=None, vector=16) -> Plan:
         """The launch of ``role``'s m x n x k product (grad-weight also sums db) with
@@ -302,13 +380,93 @@ class LinearKernels:
         return plan(m, n, k, self.sm_count, precision=self.precision, sums=role == "grad_weight", tile=tile,
                     splits=splits, wgmma=self.wgmma and vector == 16, max_clusters=limit)
 
+    def split(self, x, ld: int, rows: int, cols: int, *, arena: Arena, stream, gate=None, as_is: bool = True,
+              transposed: bool = False):
+        """Split the float32 ``rows`` x ``cols`` matrix at ``x`` (rows ``ld`` floats
+        apart, any alignment) into TF32 parts in ``arena``, in one launch on ``stream``
+        (kernels/gemm_sm90a.cu's tf32_split): ``as_is`` gives the :class:`SplitOperand`
+        that is ``rows`` x ``cols`` (an operand reduced along its rows, such as dY for
+        dX), ``transposed`` the one that is ``cols`` x ``rows`` (W for dX; dY and X for
+        dW). Returns the pair (as_is or None, transposed or None)."""
+        if self.split_kernel is None:
+            raise ValueError("no pre-split kernels here (wgmma 3xTF32 backward only)")
+        if not (as_is or transposed):
+            raise ValueError("split needs as_is, transposed or both")
+        if rows < 1 or cols < 1 or ld < cols:
+            raise ValueError(f"a {rows} x {cols} matrix with rows {ld} floats apart cannot be split")
+        pad = lambda v: -(-v // 4) * 4
+        a = t = None
+        if as_is:
+            a = SplitOperand(arena.array((rows, pad(cols)), np.float32), arena.array((rows, pad(cols)), np.float32),
+                             rows, cols, pad(cols))
+        if transposed:
+            t = SplitOperand(arena.array((cols, pad(rows)), np.float32), arena.array((cols, pad(rows)), np.float32),
+                             cols, rows, pad(rows))
+        kernel = self.split_kernel
+        kernel.launch((-(-cols // 32), -(-rows // 32)), kernel.block, x, ld, rows, cols,
+                      a.big if a else 0, a.small if a else 0, a.ld if a else 0,
+                      t.big if t else 0, t.small if t else 0, t.ld if t else 0,
+                      gate if gate is not None else 0, stream=stream, shared_mem=0)
+        return a, t
+
+    def plan_presplit(self, role, m, n, k, *, splits=None) -> Plan | None:
+        """The launch of ``role``'s m x n x k product on split operands, or None where it
+        does not run that way: no pre-split kernels here, a product the rule gives to
+        another tile, one whose tiles of A or of B are each read by one block only (a
+        grid one tile wide or high: splitting them once saves nothing), or more than
+        :data:`PRESPLIT_MAX_TILES` k tiles a split even at 8 splits. The wgmma rule's
+        split, raised where a split would exceed that bound; ``splits`` forces one
+        (tests, benchmarks; the other conditions still hold)."""
+        kernel = self.presplit.get(role)
+        if kernel is None or m <= WGMMA_TILE.bm or n <= WGMMA_TILE.bn:
+            return None
+        p = self.plan(role, m, n, k, splits=splits) if splits is None else None
+        if p is not None and p.tile is not WGMMA_TILE:
+            return None
+        k_tiles = -(-k // WGMMA_TILE.bk)
+        want = splits if splits is not None else p.splits
+        if -(-k_tiles // want) > PRESPLIT_MAX_TILES:
+            if splits is not None:
+                raise ValueError(f"{k_tiles} k tiles in {splits} splits is more than {PRESPLIT_MAX_TILES} a split")
+            want = -(-k_tiles // PRESPLIT_MAX_TILES)
+            if want > WGMMA_TILE.max_splits:
+                return None
+        limit = lambda s: kernel.kernel.max_active_clusters((1, 1, s), kernel.kernel.block, kernel.shared_bytes)
+        q = plan(m, n, k, self.sm_count, precision=self.precision, sums=role == "grad_weight", tile=WGMMA_TILE,
+                 splits=want, wgmma=True, max_clusters=limit)
+        return q if -(-k_tiles // q.splits) <= PRESPLIT_MAX_TILES else None
+
+    def launch_presplit(self, role, a: SplitOperand, b: SplitOperand, c, ldc, m, n, k, *, arena: Arena, stream,
+                        gate=None, splits=None, **epilogue) -> GemmKernel:
+        """Plan (:meth:`plan_presplit`, which must not be None) and launch ``role``'s
+        product on split operands: dX's ``a`` is dY as it lies and ``b`` W transposed;
+        dW's ``a`` is dY transposed and ``b`` X transposed."""
+        p = self.plan_presplit(role, m, n, k, splits=splits)
+        if p is None:
+            raise ValueError(f"no pre-split launch of {role} {m}x{n}x{k} here")
+        kernel = self.presplit[role]
+        workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
+        counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
+        gemm_presplit(kernel, a, b, c, ldc, m, n, k, stream, splits=p.splits, workspace=workspace,
+                      counters=counters, gate=gate, cluster=p.cluster, **epilogue)
+        return kernel
+
     def launch(self, role, a, lda, b, ldb, c, ldc, m, n, k, *, arena: Arena, stream, gate=None, tile=None,
-               vector=None, splits=None, **epilogue) -> GemmKernel:
+               vector=None, splits=None, presplit=False, **epilogue) -> GemmKernel:
         """Plan the product, take its workspace and counters from ``arena``, launch it.
 
         ``tile``, ``vector`` and ``splits`` force a variant (tests, benchmarks); a
-        forced 16-byte copy the operands do not allow is refused. Returns the
-        kernel that ran."""
+        forced 16-byte copy the operands do not allow is refused. ``presplit``: split
+        both operands into ``arena`` first and run the pre-split kernel (which must
+        plan, :meth:`plan_presplit`). Returns the kernel that ran."""
+        if presplit:
+            if role == "grad_input":  # A = dY [m, k] as it lies, B = W [k, n] transposed
+                sa, _ = self.split(a, lda, m, k, arena=arena, stream=stream, gate=gate)
+            else:  # A = dY [k, m] transposed, B = X [k, n] transposed
+                _, sa = self.split(a, lda, k, m, arena=arena, stream=stream, gate=gate, as_is=False, transposed=True)
+            _, sb = self.split(b, ldb, k, n, arena=arena, stream=stream, gate=gate, as_is=False, transposed=True)
+            return self.launch_presplit(role, sa, sb, c, ldc, m, n, k, arena=arena, stream=stream, gate=gate,
+                                        splits=splits, **epilogue)
         allowed = vector_width(a, lda, b, ldb) if self.precision != "f32" else 16
         if vector is None:
             vector = allowed
@@ -325,6 +483,17 @@ class LinearKernels:
         gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=p.splits, workspace=workspace,
              counters=counters, gate=gate, cluster=p.cluster, **epilogue)
         return kernel
+
+
+@dataclass(frozen=True)
+class WeightSplits:
+    """What :meth:`MLP.split_weights` queued: the split transposed weight of each layer
+    whose dX runs pre-split at ``batch`` rows, the stream it ran on and the event
+    recorded after it (None when no layer needs one)."""
+    batch: int
+    weights: dict
+    stream: object
+    event: object
 
 
 @dataclass(frozen=True)
@@ -372,6 +541,11 @@ class MLP:
     ``"3xtf32"`` (tensor cores at FP32 accuracy) or ``"f32"`` (FFMA).
     ``wgmma``: on compute capability 9.0 the wide tensor-core products run on
     kernels/gemm_sm90a.cu (wgmma); ``False`` forces gemm.cu's mma.sync kernels.
+    ``presplit``: the wide 3xTF32 backward products split each operand once into
+    TF32 parts (a pass per operand) and run on those (:meth:`presplit_layers`)
+    instead of on the wgmma kernels that split every tile as they load it. Off by
+    default: on the H200 the products run 25-30% faster, but the passes, as
+    kernels of their own, cost more than that saves (docs/perf-notes.md).
 
     Stateless between calls: ``forward`` returns a :class:`Forward` holding its
     activations (arena slices) and ``backward`` takes it, so two forwards of
@@ -383,7 +557,8 @@ class MLP:
     the ReLU of the layer's input in another.
     """
 
-    def __init__(self, layout: ParamLayout, *, tf32: bool = True, backward: str = "3xtf32", wgmma: bool = True):
+    def __init__(self, layout: ParamLayout, *, tf32: bool = True, backward: str = "3xtf32", wgmma: bool = True,
+                 presplit: bool = False):
         if backward not in ("3xtf32", "f32"):
             raise ValueError(f"backward must be '3xtf32' or 'f32', got {backward!r}")
         self.layout = layout
@@ -394,7 +569,9 @@ class MLP:
         self.forward_kernels = LinearKernels(("forward", "forward_relu"), "tf32" if tf32 else "f32", self._sm_count,
                                              wgmma=wgmma and tf32 and wgmma_available(device))
         self.backward_kernels = LinearKernels(("grad_input", "grad_weight"), backward, self._sm_count,
-                                              wgmma=wgmma and backward == "3xtf32" and wgmma_available(device))
+                                              wgmma=wgmma and backward == "3xtf32" and wgmma_available(device),
+                                              presplit=presplit)
+        self._split_event = None
 
     @property
     def in_features(self) -> int:
@@ -427,21 +604,62 @@ class MLP:
                 q = kernels.plan(role, m, n, k, vector=4)
                 p = Plan(p.tile, max(p.splits, q.splits), max(p.workspace_floats, q.workspace_floats),
                          max(p.counters, q.counters), p.cluster)
-            yield role, m, n, p
+            s = kernels.plan_presplit(role, m, n, k) if role.startswith("grad") else None
+            if s is not None:  # it runs pre-split (its split operands): room for its workspace too
+                p = Plan(s.tile, s.splits, max(p.workspace_floats, s.workspace_floats), max(p.counters, s.counters),
+                         s.cluster)
+            yield role, m, n, k, p, s is not None
+
+    def presplit_layers(self, batch: int) -> dict:
+        """{layer: (dX pre-split, dW pre-split)} for the layers with a product that runs
+        on split operands at this batch size (the wide 3xTF32 products on compute
+        capability 9.0; see :meth:`LinearKernels.plan_presplit`). A first layer's dX is
+        never launched."""
+        kernels, out = self.backward_kernels, {}
+        if not kernels.presplit:
+            return out
+        for k, (o, i) in enumerate(self.layout.layers):
+            dx = k > 0 and kernels.plan_presplit("grad_input", batch, i, o) is not None
+            dw = kernels.plan_presplit("grad_weight", o, i, batch) is not None
+            if dx or dw:
+                out[k] = (dx, dw)
+        return out
 
     def zeroed_bytes(self, batch: int) -> int:
         """``arena.zeroed`` bytes (tile counters) one forward and backward take."""
-        return sum(_rounded(p.counters) for _, _, _, p in self._plans(batch) if p.counters)
+        return sum(_rounded(p.counters) for *_, p, _ in self._plans(batch) if p.counters)
 
     def scratch_bytes(self, batch: int) -> int:
-        """Arena bytes one forward and backward take at this batch size, plus 1024."""
+        """Arena bytes one forward and backward take at this batch size, plus 1024:
+        activations, data gradients, split-k workspaces and the split operands of the
+        pre-split products (:meth:`split_weights` included)."""
         total = 0
-        for role, m, n, p in self._plans(batch):
+        for role, m, n, k, p, presplit in self._plans(batch):
             if role != "grad_weight":  # activations and their gradients; dW goes to grads
                 total += _rounded(m * n)
             if p.workspace_floats:
                 total += _rounded(p.workspace_floats)
+            if presplit:  # dX: dY [m, k] as it lies and W^T [n, k]; dW: dY^T [m, k] and X^T [n, k]
+                total += split_bytes(m, k) + split_bytes(n, k)
         return total + 1024
+
+    def split_weights(self, params: FlatBuffer, batch: int, *, arena: Arena, stream, gate=None) -> "WeightSplits":
+        """Queue on ``stream`` the split of every weight that a pre-split dX reads (W
+        transposed, :meth:`presplit_layers`), for a backward at ``batch`` rows, and
+        record an event after them. A caller with a stream to spare queues this early
+        (it needs only the parameters) and passes the result to :meth:`backward`,
+        which then waits for the event instead of splitting the weights itself."""
+        if params.layout != self.layout:
+            raise ValueError("params were made for another layout")
+        weights = {}
+        for k, (dx, _) in self.presplit_layers(batch).items():
+            if dx:
+                out, inp = self.layout.layers[k]
+                _, weights[k] = self.backward_kernels.split(params.weight(k), inp, out, inp, arena=arena,
+                                                            stream=stream, gate=gate, as_is=False, transposed=True)
+        if self._split_event is None:
+            self._split_event = Event()
+        return WeightSplits(batch, weights, stream, self._split_event.record(stream) if weights else None)
 
     def forward(self, params: FlatBuffer, x: DeviceBuffer, *, arena: Arena, stream, gate=None,
                 layers: int | None = None) -> Forward:
@@ -472,7 +690,8 @@ class MLP:
         return Forward(tuple(acts))
 
     def backward(self, params: FlatBuffer, grads: FlatBuffer, forward: Forward, dout: DeviceBuffer, *,
-                 arena: Arena, stream, gate=None, weight_stream=None, dx_last: DeviceBuffer | None = None) -> None:
+                 arena: Arena, stream, gate=None, weight_stream=None, dx_last: DeviceBuffer | None = None,
+                 weight_splits: WeightSplits | None = None) -> None:
         """Gradients of the loss whose derivative by ``forward.output`` is ``dout``, into ``grads``.
 
         ``dx_last``: the last layer's data gradient (by its input, the ReLU mask
@@ -484,7 +703,13 @@ class MLP:
         overlaps the rest of the dX chain. The first layer's runs on ``stream``
         right after the last dX: nothing is left there for it to overlap, and
         queued behind the other dW products it would wait for them. Everything
-        is joined back into ``stream`` before return."""
+        is joined back into ``stream`` before return.
+
+        Pre-split products (:meth:`presplit_layers`): a layer's dY is split on
+        ``stream`` in one pass for both of its products; the splits of its input X
+        (for dW) and of its weight (for dX) run first on ``weight_stream`` when
+        given, beside the chain, else on ``stream``. ``weight_splits``: the weights
+        already split (:meth:`split_weights`, same batch); dX then waits for its event."""
         if not isinstance(forward, Forward) or len(forward.activations) != len(self.layout.layers) + 1:
             raise TypeError("backward takes the Forward that this MLP's forward returned")
         if grads.layout != self.layout or params.layout != self.layout:
@@ -496,22 +721,67 @@ class MLP:
                 raise ValueError("dx_last needs a hidden layer: a one-layer net has no data gradient to chain")
             _check_input("dx_last", dx_last, (batch, self.layout.layers[-1][1]))
         kernels = self.backward_kernels
-        dy = dout
         last = len(self.layout.layers) - 1
+        presplit = self.presplit_layers(batch)
+        if dx_last is not None and last in presplit:  # the last layer's dX is not launched
+            presplit[last] = (False, presplit[last][1])
+        presplit = {k: (dx, dw) for k, (dx, dw) in presplit.items() if dx or dw}
+        if weight_splits is not None:  # checked before anything is queued
+            if weight_splits.batch != batch:
+                raise ValueError(f"weight_splits were made for a batch of {weight_splits.batch}, not {batch}")
+            missing = [k for k, (dx, _) in presplit.items() if dx and k not in weight_splits.weights]
+            if missing:
+                raise ValueError(f"weight_splits holds no split of the weight of layer(s) {missing}")
+        inputs = {}  # layer: its input X, split transposed (dW)
+        forked = False
+        if presplit:
+            aside = weight_stream if weight_stream is not None else stream
+            if weight_stream is not None:
+                fork(stream, weight_stream)
+                forked = True
+            if weight_splits is None and any(dx for dx, _ in presplit.values()):
+                weight_splits = self.split_weights(params, batch, arena=arena, stream=aside, gate=gate)
+            for k, (_, dw) in presplit.items():
+                if dw:
+                    inp = self.layout.layers[k][1]
+                    _, inputs[k] = kernels.split(forward.activations[k], inp, batch, inp, arena=arena, stream=aside,
+                                                 gate=gate, as_is=False, transposed=True)
+        waited = False
+        dy = dout
         for k in range(last, -1, -1):
             out, inp = self.layout.layers[k]
             x = forward.activations[k]
+            split_dx, split_dw = presplit.get(k, (False, False))
+            split_dx = split_dx and k > 0
+            dy_split = dyt_split = None
+            if split_dx or split_dw:  # dY [batch, out]: as it lies for dX, transposed for dW
+                dy_split, dyt_split = kernels.split(dy, out, batch, out, arena=arena, stream=stream, gate=gate,
+                                                    as_is=split_dx, transposed=split_dw)
             side = weight_stream if k > 0 else None
             if side is not None:
                 fork(stream, side)
-            kernels.launch("grad_weight", dy, out, x, inp, grads.weight(k), inp, out, inp, batch, arena=arena,
-                           stream=stream if side is None else side, gate=gate, col_sum=grads.bias(k))
+                forked = True
+            if split_dw:
+                kernels.launch_presplit("grad_weight", dyt_split, inputs[k], grads.weight(k), inp, out, inp, batch,
+                                        arena=arena, stream=stream if side is None else side, gate=gate,
+                                        col_sum=grads.bias(k))
+            else:
+                kernels.launch("grad_weight", dy, out, x, inp, grads.weight(k), inp, out, inp, batch, arena=arena,
+                               stream=stream if side is None else side, gate=gate, col_sum=grads.bias(k))
             if k == last and dx_last is not None:  # a hidden layer exists: checked above
                 dy = dx_last
             elif k > 0:
                 dx = arena.array((batch, inp), np.float32)
-                kernels.launch("grad_input", dy, out, params.weight(k), inp, dx, inp, batch, inp, out, arena=arena,
-                               stream=stream, gate=gate, mask=x, ldm=inp)
+                if split_dx:
+                    w_split = weight_splits.weights[k]  # split above, or checked above
+                    if not waited and weight_splits.stream is not stream:
+                        stream.wait(weight_splits.event)
+                        waited = True
+                    kernels.launch_presplit("grad_input", dy_split, w_split, dx, inp, batch, inp, out, arena=arena,
+                                            stream=stream, gate=gate, mask=x, ldm=inp)
+                else:
+                    kernels.launch("grad_input", dy, out, params.weight(k), inp, dx, inp, batch, inp, out,
+                                   arena=arena, stream=stream, gate=gate, mask=x, ldm=inp)
                 dy = dx
-        if weight_stream is not None and last > 0:  # else nothing was forked
+        if weight_stream is not None and forked:  # else nothing was forked
             join(stream, weight_stream)

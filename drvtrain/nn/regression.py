@@ -27,12 +27,12 @@ class RegressionStep:
     def __init__(self, layout: ParamLayout, batch: int, *, lr: float = 1e-3, weight_decay: float = 0.0,
                  max_norm: float = 10.0, tf32: bool = True, seed: int = 0, arena_active: bool = True,
                  metrics_slots: int = 1024, params: np.ndarray | None = None,
-                 dependent_launch: bool = False, fused: bool = False):
+                 dependent_launch: bool = False, fused: bool = False, presplit: bool = False):
         self.layout, self.batch = layout, int(batch)
         self.dependent_launch = bool(dependent_launch)
         self.params = FlatBuffer(layout, layout.init_numpy(seed) if params is None else params)
         self.grads = FlatBuffer(layout)
-        self.mlp = MLP(layout, tf32=tf32)
+        self.mlp = MLP(layout, tf32=tf32, presplit=presplit)  # MLP's docstring; off by default
         # fused: a narrow net in one forward kernel and two backward kernels (drvtrain.nn.narrow);
         # off by default, the per-layer GEMMs measure faster (docs/perf-notes.md).
         self.net = NarrowMLP(layout, tf32=tf32) if fused and NarrowMLP.supports(layout) else self.mlp

@@ -130,6 +130,12 @@ class DQNConfig:
     measured slower than the per-layer products on three streams
     (docs/perf-notes.md). ``fused`` takes precedence: with it set,
     ``cluster_forward`` is ignored.
+    ``presplit``: the wide 3xTF32 backward products (compute capability 9.0) run
+    on operands split once into TF32 parts (``MLP(presplit=True)``); with
+    ``dual_stream`` the weights' split runs on the target stream beside the
+    sampler. The same dX and dW bits; db rounds differently, within FP32. Off by
+    default: on the H200 the large step measured 9 us slower with it, the split
+    passes costing more than the faster products save (docs/perf-notes.md).
     """
     obs_dim: int
     n_actions: int
@@ -157,6 +163,7 @@ class DQNConfig:
     fused_tail: bool = False
     fused_head: bool | None = None
     cluster_forward: bool = False
+    presplit: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "hidden", tuple(self.hidden))
@@ -208,7 +215,7 @@ class DQNConfig:
         _positive_int("seed", self.seed, 0, 2**63 - 1)
         if self.fused_head is not None and not isinstance(self.fused_head, (bool, np.bool_)):
             raise ValueError(f"fused_head must be True, False or None, got {self.fused_head!r}")
-        for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail", "cluster_forward"):
+        for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail", "cluster_forward", "presplit"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 
@@ -274,7 +281,7 @@ class DQNStep:
         self.params = FlatBuffer(self.layout, init)
         self.target = FlatBuffer(self.layout, init)
         self.grads = FlatBuffer(self.layout)
-        self.online_mlp = MLP(self.layout, tf32=cfg.tf32)
+        self.online_mlp = MLP(self.layout, tf32=cfg.tf32, presplit=cfg.presplit)
         self.metrics = Metrics(metrics_slots, METRIC_FIELDS)
         # scalars: loss, mean Q, mean |td| (the loss kernel), then the sampler's beta.
         self._scalars = DeviceBuffer.from_numpy(np.zeros(4, np.float32))
@@ -327,6 +334,10 @@ class DQNStep:
         self.arena = Arena(self.replay.scratch_bytes(b) + net_bytes + 2 * out_bytes + 8 * b + 4096,
                            zeroed_bytes=zeroed + 1024, active=arena_active)
         self.streams = (Stream(), Stream()) if cfg.dual_stream and self.narrow is None else ()
+        # The weights a pre-split dX reads are split at the step's start on the target
+        # stream, beside the sampler (MLP.split_weights).
+        self._early_weight_splits = bool(self.streams) and any(
+            dx for dx, _ in self.online_mlp.presplit_layers(b).values())
         self._head = None
         head_weights = (1 + a) * self.layout.layers[-1][1]
         fuse_head = cfg.fused_head if cfg.fused_head is not None else \
@@ -420,6 +431,10 @@ class DQNStep:
         b, a = cfg.batch, cfg.n_actions
         arena, mlp = self.arena, self.online_mlp
         arena.reset()
+        weight_splits = None
+        if self._early_weight_splits:  # joined by the backward's wait for its event
+            fork(stream, self.streams[1])
+            weight_splits = mlp.split_weights(self.params, b, arena=arena, stream=self.streams[1], gate=gate)
         batch = self.replay.sample(b, stream=stream, beta=cfg.beta, arena=arena, uniforms=uniforms,
                                    beta_out=self._beta_used, gate=gate)
         capturing = bool(active_captures())
@@ -473,7 +488,8 @@ class DQNStep:
             self.narrow.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate)
         else:
             mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
-                         weight_stream=self.streams[0] if self.streams else None, dx_last=dh)
+                         weight_stream=self.streams[0] if self.streams else None, dx_last=dh,
+                         weight_splits=weight_splits)
         # The priority update needs the loss's priorities and the norm's NaN guard; on
         # a second stream, forked once the norm and AdamW are queued, it runs beside
         # the spectral launches and the finish pass, off the chain.
