@@ -4,6 +4,9 @@
 //   linear_forward[_relu]_wgmma_tf32   Y = X W^T + b (+ ReLU), X [M, K] and W [N, K] k-fast
 //   linear_grad_input_wgmma_3xtf32     dX = (dY W) * (X > 0)
 //   linear_grad_weight_wgmma_3xtf32    dW = dY^T X, db = sum_m dY
+//   linear_grad_{input,weight}_wgmma_presplit_3xtf32, tf32_split
+//                                      the same backward on operands split once
+//                                      into TF32 parts (at the end of this file)
 //
 // the same contract as gemm.cu's kernels of those roles with 16-byte copies (its
 // header: operand layouts, split-k workspace and counters, the gate, dependent

@@ -92,7 +92,8 @@ VARIANTS = [pytest.param(role, tile, vector, id=f"{role}-{tile.name}-cp{vector}"
 def kernels_for(role, device):
     if role.startswith("forward"):
         return LinearKernels(("forward", "forward_relu"), "tf32", device.sm_count, wgmma=wgmma_available(device))
-    return LinearKernels(("grad_input", "grad_weight"), "3xtf32", device.sm_count, wgmma=wgmma_available(device))
+    return LinearKernels(("grad_input", "grad_weight"), "3xtf32", device.sm_count, wgmma=wgmma_available(device),
+                         presplit=True)
 
 
 def skip_unless_compiled(device, tile):
@@ -296,13 +297,15 @@ def test_forced_16_byte_copies_on_unaligned_operands_are_refused(device, stream,
                        stream=stream, vector=16, bias=prod.bias)
 
 
+@pytest.mark.parametrize("widths", [[128, 1024, 1024, 19], [512, 1024, 1024, 19]], ids=["128-in", "512-in"])
 @pytest.mark.parametrize("presplit", [True, False], ids=["presplit", "tile-split"])
 @pytest.mark.parametrize("graph", [False, True])
-def test_backward_on_a_weight_stream_matches_one_stream_bitwise(device, rng, graph, presplit):
+def test_backward_on_a_weight_stream_matches_one_stream_bitwise(device, rng, graph, presplit, widths):
     """dW/db on their own stream, overlapping the dX chain: the same bits as on one
-    stream, and float64 to 1e-5 (3xTF32), for a net with 1024-wide layers. Pre-split,
-    also with the weights split ahead on a third stream (MLP.split_weights)."""
-    widths, batch = [128, 1024, 1024, 19], 512
+    stream, and float64 to 1e-5 (3xTF32), for nets with 1024-wide layers. Pre-split,
+    also with the weights split ahead on a third stream (MLP.split_weights); with a
+    512-wide input the first layer's dW runs pre-split too, on the main stream."""
+    batch = 512
     layout = ParamLayout.from_widths(widths)
     params = FlatBuffer(layout, layout.init_numpy(int(rng.integers(1 << 30))))
     x = rng.standard_normal((batch, widths[0])).astype(np.float32)
@@ -311,7 +314,8 @@ def test_backward_on_a_weight_stream_matches_one_stream_bitwise(device, rng, gra
     mlp = MLP(layout, tf32=False, presplit=presplit)
     assert mlp.backward_precision == "3xtf32"
     if wgmma_available(device):
-        assert mlp.presplit_layers(batch) == ({1: (True, True)} if presplit else {})
+        want = {1: (True, True)} | ({0: (False, True)} if widths[0] == 512 else {})
+        assert mlp.presplit_layers(batch) == (want if presplit else {})
     arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)
     main, side, early = Stream(), Stream(), Stream()
     results, activations = [], []

@@ -255,7 +255,7 @@ class _FakeEvent:
         self.launches = launches
 
     def record(self, stream):
-        self.launches.append(("record", stream))
+        self.launches.append(("record", stream, self))
         return self
 
 
@@ -586,3 +586,105 @@ def test_backward_checks_weight_splits_before_queuing_anything(monkeypatch):
     names = [e[0] for e in launches[queued:]]
     assert names.count("tf32_split") == 2  # X^T, then dY both ways; W^T was given
     assert ("wait", main, ws.event) in launches[queued:]
+
+
+@pytest.mark.parametrize("weight_stream", [True, False], ids=["weight-stream", "one-stream"])
+def test_every_presplit_product_follows_its_splits_on_its_own_stream(monkeypatch, weight_stream):
+    """A first layer 512 -> 1024 runs its dW pre-split on the main stream: its input's
+    split goes there too, ahead of it (not beside the chain, where nothing would order
+    the two). Every pre-split product's operands are split earlier on the product's
+    stream, or on a stream it waited for."""
+    launches = []
+    _fake_kernels(monkeypatch, launches, (9, 0))
+    layout = ParamLayout.from_widths([512, 1024, 1024, 19])
+    model = mlp_module.MLP(layout, tf32=False, presplit=True)
+    assert model.presplit_layers(512) == {0: (False, True), 1: (True, True)}
+    arena = _FakeArena()
+    params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
+    x = DeviceBuffer._view(None, 1 << 37, (512, 512), np.float32)
+    dout = DeviceBuffer._view(None, 1 << 36, (512, 19), np.float32)
+    main, side = _FakeStream(launches, "main"), _FakeStream(launches, "side")
+    fwd = model.forward(params, x, arena=arena, stream=main)
+    start = len(launches)
+    model.backward(params, grads, fwd, dout, arena=arena, stream=main, weight_stream=side if weight_stream else None)
+    log = launches[start:]
+    # What each stream is ordered after: the split parts it wrote, or was made to wait for
+    # (a fork orders the child after main; a join or an event wait orders main after them).
+    seen = {main: set(), side: set()}
+    snapshots = {}
+    for entry in log:
+        if entry[0] == "tf32_split":
+            args, stream = entry[2], entry[3]
+            seen[stream] |= {part.ptr for part in (args[4], args[5], args[7], args[8]) if part}
+        elif entry[0] == "fork":
+            for child in entry[1]:
+                seen[child] |= seen[main]
+        elif entry[0] == "join":
+            for child in entry[1]:
+                seen[main] |= seen[child]
+        elif entry[0] == "record":
+            snapshots[id(entry[2])] = set(seen[entry[1]])
+        elif entry[0] == "wait":
+            seen[entry[1]] |= snapshots[id(entry[2])]
+        elif "_presplit_" in entry[0]:
+            for m in entry[2][:4]:  # every map's part split before, in this stream's order
+                assert m[0] in seen[entry[3]], (entry[0], entry[3])
+    dws = [e for e in log if e[0] == "linear_grad_weight_wgmma_presplit_3xtf32"]
+    assert len(dws) == 2 and dws[-1][3] is main  # the first layer's dW, on the chain
+    first_input = fwd.activations[0].ptr
+    split_of_x = [e for e in log if e[0] == "tf32_split" and e[2][0].ptr == first_input]
+    assert len(split_of_x) == 1 and split_of_x[0][3] is main and log.index(split_of_x[0]) < log.index(dws[-1])
+
+
+def test_weight_splits_not_needed_are_still_waited_for(monkeypatch):
+    """Given dx_last, the last layer's dX is not launched, so split_weights skips its
+    weight; weights split on another stream that no dX reads are still joined."""
+    launches = []
+    _fake_kernels(monkeypatch, launches, (9, 0))
+    layout = ParamLayout.from_widths([4, 256, 256])
+    model = mlp_module.MLP(layout, tf32=False, presplit=True)
+    batch = 8192
+    assert model.presplit_layers(batch)[1][0] and model.dx_presplit_layers(batch, dx_last=True) == []
+    arena = _FakeArena()
+    params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
+    main, early = _FakeStream(launches, "main"), _FakeStream(launches, "early")
+    assert model.split_weights(params, batch, arena=arena, stream=early, dx_last=True).weights == {}
+    ws = model.split_weights(params, batch, arena=arena, stream=early)  # every layer's: the last one's too
+    assert set(ws.weights) == {1}
+    x = DeviceBuffer._view(None, 1 << 37, (batch, 4), np.float32)
+    fwd = model.forward(params, x, arena=arena, stream=main)
+    dout = DeviceBuffer._view(None, 1 << 36, (batch, 256), np.float32)
+    dx_last = DeviceBuffer._view(None, 1 << 35, (batch, 256), np.float32)
+    start = len(launches)
+    model.backward(params, grads, fwd, dout, arena=arena, stream=main, dx_last=dx_last, weight_splits=ws)
+    assert ("wait", main, ws.event) in launches[start:]
+    assert not any(e[0] == "linear_grad_input_wgmma_presplit_3xtf32" for e in launches[start:])
+
+
+def test_presplit_launch_refuses_before_queuing_anything(monkeypatch):
+    launches = []
+    _fake_kernels(monkeypatch, launches, (9, 0))
+    kernels = mlp_module.LinearKernels(("grad_input", "grad_weight"), "3xtf32", 132, wgmma=True, presplit=True)
+    arena = _FakeArena()
+    a = DeviceBuffer._view(None, 1 << 37, (16384, 512), np.float32)
+    b = DeviceBuffer._view(None, 1 << 36, (512, 64), np.float32)
+    c = DeviceBuffer._view(None, 1 << 35, (16384, 64), np.float32)
+    with pytest.raises(ValueError, match="no pre-split launch"):  # one tile wide: nothing to share
+        kernels.launch("grad_input", a, 512, b, 64, c, 64, 16384, 64, 512, arena=arena, stream=None, presplit=True)
+    with pytest.raises(ValueError, match="no tile or vector"):
+        kernels.launch("grad_input", a, 512, b, 64, c, 64, 16384, 64, 512, arena=arena, stream=None, presplit=True,
+                       vector=16)
+    assert launches == [] and arena.offset == 0
+    assert mlp_module.LinearKernels(("grad_input",), "3xtf32", 132, wgmma=True).presplit == {}  # off unless asked
+    with pytest.raises(ValueError, match="at most"):
+        kernels.split(a, 512, 65535 * 32 + 1, 4, arena=arena, stream=None)
+
+
+def test_the_presplit_bound_is_the_kernels():
+    import re
+    from drvtrain.compiler import kernel_dir
+    source = (kernel_dir() / "gemm_sm90a.cu").read_text()
+    (bound,) = re.findall(r"constexpr int PRESPLIT_MAX_TILES = (\d+);", source)
+    assert int(bound) == mlp_module.PRESPLIT_MAX_TILES
+    (stages,) = re.findall(r"constexpr int PRESPLIT_STAGES = (\d+);", source)
+    assert mlp_module.WGMMA_PRESPLIT_SHARED_BYTES == int(stages) * 4 * 128 * 32 * 4 + 1024

@@ -62,8 +62,8 @@ def main(argv=None) -> int:
                         help="the step's configuration (default small)")
     parser.add_argument("--replays", type=int, default=30, help="replays traced (default 30)")
     parser.add_argument("--skip", type=int, default=5, help="first traced replays left out (default 5)")
-    parser.add_argument("--no-presplit", action="store_true",
-                        help="the wide backward on the kernels that split each tile (DQNConfig(presplit=False))")
+    parser.add_argument("--presplit", action="store_true",
+                        help="the wide backward on operands split once (DQNConfig(presplit=True))")
     args = parser.parse_args(argv)
     if args.replays < 1 or not 0 <= args.skip < args.replays:
         parser.error("need --replays >= 1 and 0 <= --skip < --replays")
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     except ImportError:
         print("trace_step: needs PyTorch (its profiler drives CUPTI); install torch", file=sys.stderr)
         return 2
-    cfg = getattr(DQNConfig, args.config)(presplit=not args.no_presplit)
+    cfg = getattr(DQNConfig, args.config)(presplit=args.presplit)
     stream = Stream()
     step = DQNStep(cfg)
     print(f"{args.config}: filling {cfg.capacity} transitions, capturing ...", flush=True)

@@ -58,6 +58,7 @@ WGMMA_BACKWARD_SHARED_BYTES = (2 * 4 + 3 * 2) * 128 * 32 * 4 + 1024
 # The pre-split backward: 3 stages of four 128 x 32 float tiles (A and B, big and small).
 WGMMA_PRESPLIT_SHARED_BYTES = 3 * 4 * 128 * 32 * 4 + 1024
 PRESPLIT_MAX_TILES = 16  # k tiles a split of the pre-split backward may have (gemm_sm90a.cu)
+_SPLIT_MAX_ROWS = 65535 * 32  # tf32_split: a block per 32 rows on the grid's y axis
 _WGMMA_CC = (9, 0)
 
 _ROLES = ("forward", "forward_relu", "grad_input", "grad_weight")
@@ -353,7 +354,7 @@ class LinearKernels:
     backward and its split pass (:meth:`split`, :meth:`launch_presplit`); whether a
     product runs that way is the caller's choice."""
 
-    def __init__(self, roles, precision: str, sm_count: int, *, wgmma: bool = False, presplit: bool = True):
+    def __init__(self, roles, precision: str, sm_count: int, *, wgmma: bool = False, presplit: bool = False):
         self.precision = precision
         self.sm_count = sm_count
         if precision == "f32":
@@ -394,6 +395,8 @@ class LinearKernels:
             raise ValueError("split needs as_is, transposed or both")
         if rows < 1 or cols < 1 or ld < cols:
             raise ValueError(f"a {rows} x {cols} matrix with rows {ld} floats apart cannot be split")
+        if rows > _SPLIT_MAX_ROWS:
+            raise ValueError(f"a matrix of {rows} rows cannot be split in one launch (at most {_SPLIT_MAX_ROWS})")
         pad = lambda v: -(-v // 4) * 4
         a = t = None
         if as_is:
@@ -414,11 +417,12 @@ class LinearKernels:
         does not run that way: no pre-split kernels here, a product the rule gives to
         another tile, one whose tiles of A or of B are each read by one block only (a
         grid one tile wide or high: splitting them once saves nothing), or more than
-        :data:`PRESPLIT_MAX_TILES` k tiles a split even at 8 splits. The wgmma rule's
+        :data:`PRESPLIT_MAX_TILES` k tiles a split even at 8 splits (or a dimension past
+        what one split launch takes, 65535 x 32 rows). The wgmma rule's
         split, raised where a split would exceed that bound; ``splits`` forces one
         (tests, benchmarks; the other conditions still hold)."""
         kernel = self.presplit.get(role)
-        if kernel is None or m <= WGMMA_TILE.bm or n <= WGMMA_TILE.bn:
+        if kernel is None or m <= WGMMA_TILE.bm or n <= WGMMA_TILE.bn or max(m, n, k) > _SPLIT_MAX_ROWS:
             return None
         p = self.plan(role, m, n, k, splits=splits) if splits is None else None
         if p is not None and p.tile is not WGMMA_TILE:
@@ -460,6 +464,10 @@ class LinearKernels:
         both operands into ``arena`` first and run the pre-split kernel (which must
         plan, :meth:`plan_presplit`). Returns the kernel that ran."""
         if presplit:
+            if tile is not None or vector is not None:
+                raise ValueError("presplit runs the wgmma tile's pre-split kernel: no tile or vector to force")
+            if self.plan_presplit(role, m, n, k, splits=splits) is None:  # before anything is queued
+                raise ValueError(f"no pre-split launch of {role} {m}x{n}x{k} here")
             if role == "grad_input":  # A = dY [m, k] as it lies, B = W [k, n] transposed
                 sa, _ = self.split(a, lda, m, k, arena=arena, stream=stream, gate=gate)
             else:  # A = dY [k, m] transposed, B = X [k, n] transposed
@@ -544,8 +552,9 @@ class MLP:
     ``presplit``: the wide 3xTF32 backward products split each operand once into
     TF32 parts (a pass per operand) and run on those (:meth:`presplit_layers`)
     instead of on the wgmma kernels that split every tile as they load it. Off by
-    default: on the H200 the products run 25-30% faster, but the passes, as
-    kernels of their own, cost more than that saves (docs/perf-notes.md).
+    default: on the H200 the 512x1024x1024 products take 32% (dX) and 18% (dW) less
+    time, but the passes, as kernels of their own, cost more than that saves
+    (docs/perf-notes.md).
 
     Stateless between calls: ``forward`` returns a :class:`Forward` holding its
     activations (arena slices) and ``backward`` takes it, so two forwards of
@@ -571,7 +580,6 @@ class MLP:
         self.backward_kernels = LinearKernels(("grad_input", "grad_weight"), backward, self._sm_count,
                                               wgmma=wgmma and backward == "3xtf32" and wgmma_available(device),
                                               presplit=presplit)
-        self._split_event = None
 
     @property
     def in_features(self) -> int:
@@ -643,23 +651,29 @@ class MLP:
                 total += split_bytes(m, k) + split_bytes(n, k)
         return total + 1024
 
-    def split_weights(self, params: FlatBuffer, batch: int, *, arena: Arena, stream, gate=None) -> "WeightSplits":
+    def split_weights(self, params: FlatBuffer, batch: int, *, arena: Arena, stream, gate=None,
+                      dx_last: bool = False) -> "WeightSplits":
         """Queue on ``stream`` the split of every weight that a pre-split dX reads (W
         transposed, :meth:`presplit_layers`), for a backward at ``batch`` rows, and
-        record an event after them. A caller with a stream to spare queues this early
-        (it needs only the parameters) and passes the result to :meth:`backward`,
-        which then waits for the event instead of splitting the weights itself."""
+        record a new event after them. A caller with a stream to spare queues this
+        early (it needs only the parameters) and passes the result to
+        :meth:`backward`, which then waits for the event (joining ``stream``) instead
+        of splitting the weights itself. ``dx_last``: the backward will be given
+        ``dx_last``, so the last layer's dX is not launched and its weight not split."""
         if params.layout != self.layout:
             raise ValueError("params were made for another layout")
         weights = {}
-        for k, (dx, _) in self.presplit_layers(batch).items():
-            if dx:
-                out, inp = self.layout.layers[k]
-                _, weights[k] = self.backward_kernels.split(params.weight(k), inp, out, inp, arena=arena,
-                                                            stream=stream, gate=gate, as_is=False, transposed=True)
-        if self._split_event is None:
-            self._split_event = Event()
-        return WeightSplits(batch, weights, stream, self._split_event.record(stream) if weights else None)
+        for k in self.dx_presplit_layers(batch, dx_last=dx_last):
+            out, inp = self.layout.layers[k]
+            _, weights[k] = self.backward_kernels.split(params.weight(k), inp, out, inp, arena=arena, stream=stream,
+                                                        gate=gate, as_is=False, transposed=True)
+        return WeightSplits(batch, weights, stream, Event().record(stream) if weights else None)
+
+    def dx_presplit_layers(self, batch: int, *, dx_last: bool = False) -> list:
+        """The layers whose dX runs pre-split in a backward at ``batch`` rows (given
+        ``dx_last`` or not): those whose weight :meth:`split_weights` splits."""
+        last = len(self.layout.layers) - 1
+        return [k for k, (dx, _) in self.presplit_layers(batch).items() if dx and not (dx_last and k == last)]
 
     def forward(self, params: FlatBuffer, x: DeviceBuffer, *, arena: Arena, stream, gate=None,
                 layers: int | None = None) -> Forward:
@@ -706,10 +720,12 @@ class MLP:
         is joined back into ``stream`` before return.
 
         Pre-split products (:meth:`presplit_layers`): a layer's dY is split on
-        ``stream`` in one pass for both of its products; the splits of its input X
-        (for dW) and of its weight (for dX) run first on ``weight_stream`` when
-        given, beside the chain, else on ``stream``. ``weight_splits``: the weights
-        already split (:meth:`split_weights`, same batch); dX then waits for its event."""
+        ``stream`` in one pass for both of its products. With ``weight_stream`` the
+        weights' splits (for dX) and the inputs' splits of the layers whose dW runs
+        there run first on it, beside the chain; every other split runs on
+        ``stream`` ahead of its product. ``weight_splits``: the weights already split
+        (:meth:`split_weights`, same batch and ``dx_last``); ``stream`` waits for its
+        event before the first pre-split dX (or before return, if none runs)."""
         if not isinstance(forward, Forward) or len(forward.activations) != len(self.layout.layers) + 1:
             raise TypeError("backward takes the Forward that this MLP's forward returned")
         if grads.layout != self.layout or params.layout != self.layout:
@@ -733,6 +749,9 @@ class MLP:
             if missing:
                 raise ValueError(f"weight_splits holds no split of the weight of layer(s) {missing}")
         inputs = {}  # layer: its input X, split transposed (dW)
+        split_input = lambda k, on: kernels.split(forward.activations[k], self.layout.layers[k][1], batch,
+                                                  self.layout.layers[k][1], arena=arena, stream=on, gate=gate,
+                                                  as_is=False, transposed=True)[1]
         forked = False
         if presplit:
             aside = weight_stream if weight_stream is not None else stream
@@ -740,13 +759,12 @@ class MLP:
                 fork(stream, weight_stream)
                 forked = True
             if weight_splits is None and any(dx for dx, _ in presplit.values()):
-                weight_splits = self.split_weights(params, batch, arena=arena, stream=aside, gate=gate)
+                weight_splits = self.split_weights(params, batch, arena=arena, stream=aside, gate=gate,
+                                                   dx_last=dx_last is not None)
             for k, (_, dw) in presplit.items():
-                if dw:
-                    inp = self.layout.layers[k][1]
-                    _, inputs[k] = kernels.split(forward.activations[k], inp, batch, inp, arena=arena, stream=aside,
-                                                 gate=gate, as_is=False, transposed=True)
-        waited = False
+                if dw and k > 0 and weight_stream is not None:  # their dW runs on weight_stream: split there
+                    inputs[k] = split_input(k, weight_stream)
+        waited = weight_splits is None or weight_splits.event is None or weight_splits.stream is stream
         dy = dout
         for k in range(last, -1, -1):
             out, inp = self.layout.layers[k]
@@ -762,6 +780,8 @@ class MLP:
                 fork(stream, side)
                 forked = True
             if split_dw:
+                if k not in inputs:  # its dW runs on stream (the first layer's, or no weight_stream): split there
+                    inputs[k] = split_input(k, stream)
                 kernels.launch_presplit("grad_weight", dyt_split, inputs[k], grads.weight(k), inp, out, inp, batch,
                                         arena=arena, stream=stream if side is None else side, gate=gate,
                                         col_sum=grads.bias(k))
@@ -774,7 +794,7 @@ class MLP:
                 dx = arena.array((batch, inp), np.float32)
                 if split_dx:
                     w_split = weight_splits.weights[k]  # split above, or checked above
-                    if not waited and weight_splits.stream is not stream:
+                    if not waited:
                         stream.wait(weight_splits.event)
                         waited = True
                     kernels.launch_presplit("grad_input", dy_split, w_split, dx, inp, batch, inp, out, arena=arena,
@@ -783,5 +803,7 @@ class MLP:
                     kernels.launch("grad_input", dy, out, params.weight(k), inp, dx, inp, batch, inp, out,
                                    arena=arena, stream=stream, gate=gate, mask=x, ldm=inp)
                 dy = dx
+        if not waited:  # weight splits queued elsewhere and not needed after all: still joined
+            stream.wait(weight_splits.event)
         if weight_stream is not None and forked:  # else nothing was forked
             join(stream, weight_stream)

@@ -334,10 +334,6 @@ class DQNStep:
         self.arena = Arena(self.replay.scratch_bytes(b) + net_bytes + 2 * out_bytes + 8 * b + 4096,
                            zeroed_bytes=zeroed + 1024, active=arena_active)
         self.streams = (Stream(), Stream()) if cfg.dual_stream and self.narrow is None else ()
-        # The weights a pre-split dX reads are split at the step's start on the target
-        # stream, beside the sampler (MLP.split_weights).
-        self._early_weight_splits = bool(self.streams) and any(
-            dx for dx, _ in self.online_mlp.presplit_layers(b).values())
         self._head = None
         head_weights = (1 + a) * self.layout.layers[-1][1]
         fuse_head = cfg.fused_head if cfg.fused_head is not None else \
@@ -353,6 +349,10 @@ class DQNStep:
                 warnings.warn(f"fused_head=True: the output layers take {self._head_shared} bytes of shared "
                               f"memory in a dqn_head block, this device allows {head.max_dynamic_shared()}; "
                               "the output layer, the loss and its dX run as separate kernels", stacklevel=2)
+        # The weights a pre-split dX reads are split at the step's start on the target
+        # stream, beside the sampler (MLP.split_weights; dqn_head computes the last dX).
+        self._early_weight_splits = bool(self.streams) and bool(
+            self.online_mlp.dx_presplit_layers(b, dx_last=self._head is not None))
         # The step's forwards always run this batch through the same layers: when a narrow
         # net runs them, its kernels are compiled for that one shape (the same bits, fewer
         # instructions: NarrowMLP.fix_shape).
@@ -434,7 +434,8 @@ class DQNStep:
         weight_splits = None
         if self._early_weight_splits:  # joined by the backward's wait for its event
             fork(stream, self.streams[1])
-            weight_splits = mlp.split_weights(self.params, b, arena=arena, stream=self.streams[1], gate=gate)
+            weight_splits = mlp.split_weights(self.params, b, arena=arena, stream=self.streams[1], gate=gate,
+                                              dx_last=self._head is not None)
         batch = self.replay.sample(b, stream=stream, beta=cfg.beta, arena=arena, uniforms=uniforms,
                                    beta_out=self._beta_used, gate=gate)
         capturing = bool(active_captures())
