@@ -559,17 +559,25 @@ def test_forward_layers_and_backward_dx_last(monkeypatch):
     assert [e[0] for e in launches if e[0] in ("fork", "join")] == []  # nothing forked, nothing joined
 
 
-def test_backward_checks_weight_splits_before_queuing_anything(monkeypatch):
+def _presplit_net(monkeypatch, widths, batch):
+    """A pre-split MLP on the fakes (compute capability 9.0), with its parameters and
+    gradients, a main and a side stream, a forward queued on main, dout, and the log."""
     launches = []
     _fake_kernels(monkeypatch, launches, (9, 0))
-    layout = ParamLayout.from_widths([128, 1024, 1024, 19])
+    layout = ParamLayout.from_widths(widths)
     model = mlp_module.MLP(layout, tf32=False, presplit=True)
     arena = _FakeArena()
     params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
-    x = DeviceBuffer._view(None, 1 << 37, (512, 128), np.float32)
-    dout = DeviceBuffer._view(None, 1 << 36, (512, 19), np.float32)
     main, side = _FakeStream(launches, "main"), _FakeStream(launches, "side")
+    x = DeviceBuffer._view(None, 1 << 37, (batch, widths[0]), np.float32)
     fwd = model.forward(params, x, arena=arena, stream=main)
+    dout = DeviceBuffer._view(None, 1 << 36, (batch, widths[-1]), np.float32)
+    return launches, model, arena, params, grads, main, side, fwd, dout
+
+
+def test_backward_checks_weight_splits_before_queuing_anything(monkeypatch):
+    launches, model, arena, params, grads, main, side, fwd, dout = _presplit_net(monkeypatch, [128, 1024, 1024, 19],
+                                                                                 512)
     ws = model.split_weights(params, 512, arena=arena, stream=side)
     assert set(ws.weights) == {1} and ws.event is not None and ws.stream is side
     (w1,) = ws.weights.values()
@@ -594,17 +602,9 @@ def test_every_presplit_product_follows_its_splits_on_its_own_stream(monkeypatch
     split goes there too, ahead of it (not beside the chain, where nothing would order
     the two). Every pre-split product's operands are split earlier on the product's
     stream, or on a stream it waited for."""
-    launches = []
-    _fake_kernels(monkeypatch, launches, (9, 0))
-    layout = ParamLayout.from_widths([512, 1024, 1024, 19])
-    model = mlp_module.MLP(layout, tf32=False, presplit=True)
+    launches, model, arena, params, grads, main, side, fwd, dout = _presplit_net(monkeypatch, [512, 1024, 1024, 19],
+                                                                                 512)
     assert model.presplit_layers(512) == {0: (False, True), 1: (True, True)}
-    arena = _FakeArena()
-    params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
-    x = DeviceBuffer._view(None, 1 << 37, (512, 512), np.float32)
-    dout = DeviceBuffer._view(None, 1 << 36, (512, 19), np.float32)
-    main, side = _FakeStream(launches, "main"), _FakeStream(launches, "side")
-    fwd = model.forward(params, x, arena=arena, stream=main)
     start = len(launches)
     model.backward(params, grads, fwd, dout, arena=arena, stream=main, weight_stream=side if weight_stream else None)
     log = launches[start:]
@@ -639,21 +639,12 @@ def test_every_presplit_product_follows_its_splits_on_its_own_stream(monkeypatch
 def test_weight_splits_not_needed_are_still_waited_for(monkeypatch):
     """Given dx_last, the last layer's dX is not launched, so split_weights skips its
     weight; weights split on another stream that no dX reads are still joined."""
-    launches = []
-    _fake_kernels(monkeypatch, launches, (9, 0))
-    layout = ParamLayout.from_widths([4, 256, 256])
-    model = mlp_module.MLP(layout, tf32=False, presplit=True)
     batch = 8192
+    launches, model, arena, params, grads, main, early, fwd, dout = _presplit_net(monkeypatch, [4, 256, 256], batch)
     assert model.presplit_layers(batch)[1][0] and model.dx_presplit_layers(batch, dx_last=True) == []
-    arena = _FakeArena()
-    params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
-    main, early = _FakeStream(launches, "main"), _FakeStream(launches, "early")
     assert model.split_weights(params, batch, arena=arena, stream=early, dx_last=True).weights == {}
     ws = model.split_weights(params, batch, arena=arena, stream=early)  # every layer's: the last one's too
     assert set(ws.weights) == {1}
-    x = DeviceBuffer._view(None, 1 << 37, (batch, 4), np.float32)
-    fwd = model.forward(params, x, arena=arena, stream=main)
-    dout = DeviceBuffer._view(None, 1 << 36, (batch, 256), np.float32)
     dx_last = DeviceBuffer._view(None, 1 << 35, (batch, 256), np.float32)
     start = len(launches)
     model.backward(params, grads, fwd, dout, arena=arena, stream=main, dx_last=dx_last, weight_splits=ws)
@@ -688,3 +679,15 @@ def test_the_presplit_bound_is_the_kernels():
     assert int(bound) == mlp_module.PRESPLIT_MAX_TILES
     (stages,) = re.findall(r"constexpr int PRESPLIT_STAGES = (\d+);", source)
     assert mlp_module.WGMMA_PRESPLIT_SHARED_BYTES == int(stages) * 4 * 128 * 32 * 4 + 1024
+
+
+def test_split_parts_rows_are_padded_to_16_bytes_and_counted(monkeypatch):
+    launches = []
+    _fake_kernels(monkeypatch, launches, (9, 0))
+    kernels = mlp_module.LinearKernels(("grad_input",), "3xtf32", 132, wgmma=True, presplit=True)
+    arena = _FakeArena()
+    x = DeviceBuffer._view(None, 1 << 37, (77, 45), np.float32)
+    a, t = kernels.split(x, 45, 77, 45, arena=arena, stream=None, transposed=True)
+    assert (a.rows, a.k, a.ld) == (77, 45, 48) and (t.rows, t.k, t.ld) == (45, 77, 80)
+    assert a.big.shape == a.small.shape == (77, 48) and t.big.shape == t.small.shape == (45, 80)
+    assert -(-arena.offset // 256) * 256 == mlp_module.split_bytes(77, 45) + mlp_module.split_bytes(45, 77)
