@@ -6,6 +6,7 @@ import pytest
 
 from drvtrain import DeviceBuffer, Stream, capture
 from drvtrain.rl import DQNConfig, DQNStep, TrainingError
+from drvtrain.nn.mlp import wgmma_available
 from drvtrain.rl.dqn import audit_step
 from dqn_reference import dqn_loss, dqn_step, dueling_q
 from nn_reference import mlp_backward, mlp_forward, rel
@@ -220,13 +221,23 @@ def test_terminal_transitions_and_duplicate_indices(device, rng):
         assert np.min(np.abs(written[idx == i] - leaves[i]) / written[idx == i]) < 1e-6
 
 
-@pytest.mark.parametrize("cluster_forward", [False, True], ids=["per-layer-forward", "cluster-forward"])
-@pytest.mark.parametrize("fused_head", [False, True], ids=["separate-head", "fused-head"])
-def test_tf32_step_matches_float64_at_tf32_accuracy(device, rng, fused_head, cluster_forward):
+LARGE = dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=4096)
+
+
+@pytest.mark.parametrize("fused_head, cluster_forward, shape", [
+    (False, False, ODD), (True, False, ODD), (False, True, ODD), (True, True, ODD), (False, False, LARGE)],
+    ids=["separate-head", "fused-head", "cluster-forward", "fused-head-cluster-forward", "large"])
+def test_tf32_step_matches_float64_at_tf32_accuracy(device, rng, fused_head, cluster_forward, shape):
     cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tf32=True, fused_head=fused_head,
-                    cluster_forward=cluster_forward, **ODD)
+                    cluster_forward=cluster_forward, **shape)
     stream = Stream()
     step = DQNStep(cfg)
+    if shape is LARGE and wgmma_available(device):
+        # The three forwards run side by side, each planned for a third of the SMs: the
+        # 1024-wide layers on the wgmma tile unsplit, the output layer on it in 8 splits.
+        assert step._forward_sms == device.sm_count // 3
+        grids = sorted(tuple(k.grid) for k in step_kernels(step) if k.function == "linear_forward_relu_wgmma_tf32")
+        assert grids == [(8, 4, 1)] * 6, grids
     data = fill(step, rng, stream)
     before = ref_state(step)
     step.enqueue(stream=stream)

@@ -291,17 +291,18 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
     monkeypatch.setattr(mlp_module, "_operand_maps", {})
 
 
+@pytest.mark.parametrize("sms", [None, 44], ids=["whole-device", "third"])
 @pytest.mark.parametrize("presplit", [True, False], ids=["presplit", "no-presplit"])
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90-wgmma"])
 @pytest.mark.parametrize("tf32, backward", [(True, "3xtf32"), (False, "f32"), (False, "3xtf32")])
 @pytest.mark.parametrize("widths, batch", [([4, 256, 256, 3], 256), ([128, 1024, 1024, 19], 512),
                                            ([129, 1000, 4], 7), ([33, 65, 7], 1000), ([258, 64, 5], 16384)])
 def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths, batch, tf32, backward, cc,
-                                                             presplit):
+                                                             presplit, sms):
     """Exactly, unless a product runs on the wgmma tile: then the accounting leaves
     room for gemm.cu's fallback too (an operand that turns out misaligned). Every
     launch's arguments, stream and workspace, the pre-split products' split passes
-    included."""
+    included; with a forward planned for a third of the SMs (``sms``) too."""
     launches = []
     _fake_kernels(monkeypatch, launches, cc)
     layout = ParamLayout.from_widths(widths)
@@ -311,7 +312,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     x = DeviceBuffer._view(None, 1 << 37, (batch, widths[0]), np.float32)
     dout = DeviceBuffer._view(None, 1 << 36, (batch, widths[-1]), np.float32)
     main, side = _FakeStream(launches, "main"), _FakeStream(launches, "side")
-    fwd = model.forward(params, x, arena=arena, stream=main)
+    fwd = model.forward(params, x, arena=arena, stream=main, sms=sms)
     model.backward(params, grads, fwd, dout, arena=arena, stream=main, weight_stream=side)
     rounded = lambda nbytes: -(-nbytes // 256) * 256
     kernels = [entry for entry in launches if entry[0] not in ("fork", "join", "record", "wait")]
@@ -329,20 +330,25 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         assert model.presplit_layers(batch) == ({1: (True, True)} if presplit else {})
     else:
         assert not splits_run and model.presplit_layers(batch) == {}
-    if cc == (9, 0) and tf32 and widths[0] == 258:
+    if cc == (9, 0) and tf32 and widths[0] == 258 and sms is None:
         # 16384 x 64 x 258 plans wgmma unsplit, but rows of 258 floats forbid 16-byte
         # copies: it runs on gemm.cu's 2-way split, which the accounting made room for.
         assert model.forward_kernels.plan("forward_relu", batch, 64, 258).tile.name == "wgmma"
         name, grid = kernels[0][0], kernels[0][1]
         assert "_wgmma_" not in name and grid[2] == 2
-    wgmma_planned = any(p.tile.name == "wgmma" for *_, p, _ in model._plans(batch))
+    wgmma_planned = any(p.tile.name == "wgmma" for *_, p, _ in model._plans(batch, sms))
     if wgmma_planned:
-        assert rounded(arena.offset) + 1024 <= model.scratch_bytes(batch)
-        assert rounded(arena.zeroed_offset) <= model.zeroed_bytes(batch)
+        assert rounded(arena.offset) + 1024 <= model.scratch_bytes(batch, sms)
+        assert rounded(arena.zeroed_offset) <= model.zeroed_bytes(batch, sms)
     else:
-        assert rounded(arena.offset) + 1024 == model.scratch_bytes(batch)
-        assert rounded(arena.zeroed_offset) == model.zeroed_bytes(batch)
+        assert rounded(arena.offset) + 1024 == model.scratch_bytes(batch, sms)
+        assert rounded(arena.zeroed_offset) == model.zeroed_bytes(batch, sms)
     assert len(kernels) == len(model._products(batch))
+    if cc == (9, 0) and tf32 and widths[1] == 1024 and sms is not None:
+        # A third of the SMs: each forward product takes fewer, longer blocks. The
+        # 1024-wide layers run unsplit on the wgmma tile (32 blocks: two thirds of 44).
+        forwards = [e for e in kernels if "_forward" in e[0]]
+        assert [(e[0], e[1]) for e in forwards[:2]] == [("linear_forward_relu_wgmma_tf32", (8, 4, 1))] * 2
     params_end = (1 << 38) + 4 * layout.size
     in_arena = lambda address, nbytes: (1 << 40) <= address and address + nbytes <= (1 << 40) + arena.offset
     splits_of = {}  # the address of a split's big part: (rows, k, ld), as the split pass wrote it
@@ -466,6 +472,18 @@ def test_the_wgmma_tile_is_chosen_for_the_wide_tensor_core_products_only():
         assert p.splits > 8 and not p.cluster and p.workspace_floats > 0
     # The large net's dW: 64 tiles, two splits.
     assert plan(1024, 1024, 512, 132, precision="3xtf32", sums=True, wgmma=True).splits == 2
+    # 24 tiles in four splits, 96 blocks: two thirds of 132 SMs, enough for the wgmma tile.
+    assert choose_tile(384, 1024, 512, 132, "tf32", wgmma=True) is WGMMA_TILE
+    assert choose_tile(384, 1024, 512, 132, "tf32", wgmma=False).name == "64x64"
+    # Planned for a third of the SMs (three forwards side by side): the large net's
+    # forwards take the wgmma tile unsplit, 32 blocks, and the output layer's 4 tiles
+    # in 8 clustered splits; on the whole device they plan as before.
+    h200 = {2: 66, 3: 39, 4: 30, 8: 15}.get
+    for m, n, k, share, want in [(512, 1024, 128, 44, ("wgmma", 1, False)), (512, 1024, 1024, 44, ("wgmma", 1, False)),
+                                 (512, 19, 1024, 44, ("wgmma", 8, True)), (512, 1024, 128, 132, ("64x64", 1, False)),
+                                 (512, 19, 1024, 132, ("32x32", 8, False))]:
+        p = plan(m, n, k, share, precision="tf32", wgmma=True, max_clusters=h200)
+        assert (p.tile.name, p.splits, p.cluster) == want, (m, n, k, share)
     assert choose_tile(1024, 1024, 512, 132, "3xtf32", wgmma=True) is WGMMA_TILE
     assert choose_tile(512, 1024, 1024, 132, "tf32", wgmma=False).name == "64x64"
     assert choose_tile(512, 1024, 1024, 132, "3xtf32", wgmma=False).name == "64x64"
@@ -662,9 +680,13 @@ def test_presplit_launch_refuses_before_queuing_anything(monkeypatch):
     c = DeviceBuffer._view(None, 1 << 35, (16384, 64), np.float32)
     with pytest.raises(ValueError, match="no pre-split launch"):  # one tile wide: nothing to share
         kernels.launch("grad_input", a, 512, b, 64, c, 64, 16384, 64, 512, arena=arena, stream=None, presplit=True)
-    with pytest.raises(ValueError, match="no tile or vector"):
-        kernels.launch("grad_input", a, 512, b, 64, c, 64, 16384, 64, 512, arena=arena, stream=None, presplit=True,
-                       vector=16)
+    for forced in ({"vector": 16}, {"sms": 66}):
+        with pytest.raises(ValueError, match="no tile, vector or sms"):
+            kernels.launch("grad_input", a, 512, b, 64, c, 64, 16384, 64, 512, arena=arena, stream=None,
+                           presplit=True, **forced)
+    for sms in (0, 133, 1.5, True):  # not a share of this device's 132 SMs
+        with pytest.raises(ValueError, match=r"sms must be an int in \[1, 132\]"):
+            kernels.launch("grad_input", a, 512, b, 64, c, 64, 16384, 64, 512, arena=arena, stream=None, sms=sms)
     assert launches == [] and arena.offset == 0
     assert mlp_module.LinearKernels(("grad_input",), "3xtf32", 132, wgmma=True).presplit == {}  # off unless asked
     with pytest.raises(ValueError, match="at most"):

@@ -45,11 +45,13 @@ def test_forward_matches_float64(device, stream, rng, batch, widths, tf32, bound
     assert rel(out, ref[-1]) < bound
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["whole-device", "third-of-the-sms"])
 @pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma.sync"])
-def test_wide_forward_on_wgmma_and_on_the_forced_fallback_match_float64(device, stream, rng, wgmma):
+def test_wide_forward_on_wgmma_and_on_the_forced_fallback_match_float64(device, stream, rng, wgmma, share):
     """The large net's 1024-wide layer runs on gemm_sm90a.cu's wgmma tile on
     compute capability 9.0; MLP(wgmma=False) forces gemm.cu's mma.sync kernels.
-    Both agree with float64 to TF32 accuracy."""
+    Both agree with float64 to TF32 accuracy, also planned for a third of the SMs
+    (forward's ``sms``: other tiles and splits, the output layer's included)."""
     from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
     if wgmma and not wgmma_available(device):
         pytest.skip(f"wgmma needs compute capability 9.0; this device is {device.arch}")
@@ -58,11 +60,17 @@ def test_wide_forward_on_wgmma_and_on_the_forced_fallback_match_float64(device, 
     params = random_params(layout, rng)
     x = DeviceBuffer.from_numpy(rng.standard_normal((batch, widths[0])).astype(np.float32))
     mlp = MLP(layout, wgmma=wgmma)
-    assert (mlp.forward_kernels.plan("forward_relu", batch, 1024, 1024).tile is WGMMA_TILE) == wgmma
-    arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)
+    sms = device.sm_count // 3 if share else None
+    fk = mlp.forward_kernels
+    assert (fk.plan("forward_relu", batch, 1024, 1024, sms=sms).tile is WGMMA_TILE) == wgmma
+    if share and wgmma:  # every layer on the wgmma tile, the two wide ones unsplit
+        plans = [fk.plan("forward_relu", batch, 1024, k, sms=sms) for k in (128, 1024)]
+        assert [(p.tile, p.splits) for p in plans] == [(WGMMA_TILE, 1)] * 2
+        assert fk.plan("forward", batch, 19, 1024, sms=sms).tile is WGMMA_TILE
+    arena = Arena(mlp.scratch_bytes(batch, sms), zeroed_bytes=mlp.zeroed_bytes(batch, sms) + 256)
     arena.alloc(arena.capacity - 256).poison(stream=stream)
     arena.reset()
-    fwd = mlp.forward(params, x, arena=arena, stream=stream)
+    fwd = mlp.forward(params, x, arena=arena, stream=stream, sms=sms)
     ref = mlp_forward(params.to_numpy(), x.to_numpy(), len(layout.layers))
     for got, want in zip(fwd.activations[1:], ref[1:]):
         got = got.to_numpy()

@@ -114,14 +114,17 @@ def choose_tile(m: int, n: int, k: int, sm_count: int, precision: str, wgmma: bo
     """With ``wgmma`` (compute capability 9.0, 16-byte copies, tensor-core
     precision) the 128x128 wgmma tile when its blocks, split over k as
     :func:`split_count` would (before :func:`plan` lowers the split to fit
-    clusters), nearly fill the SMs; else 64x64 tiles when theirs do (the 1024-wide products: fewer
-    loads per multiply), 32x32 tiles for the rest, which need the parallelism;
-    FFMA kernels have their own."""
+    clusters), fill at least two thirds of the SMs; else 64x64 tiles when theirs
+    fill three quarters (the 1024-wide products: fewer loads per multiply), 32x32
+    tiles for the rest, which need the parallelism; FFMA kernels have their own.
+    (Measured on the H200: at 96 wgmma blocks on 132 SMs, 73%, five forwards from
+    384x1024x512 to 2048x384x256 took 42-60% of the time of the 64x64 tile's 192-384
+    blocks.)"""
     if precision == "f32":
         return FFMA_TILE
     if wgmma:
         tiles = -(-m // WGMMA_TILE.bm) * -(-n // WGMMA_TILE.bn)
-        if 4 * tiles * split_count(m, n, k, sm_count, WGMMA_TILE) >= 3 * sm_count:
+        if 3 * tiles * split_count(m, n, k, sm_count, WGMMA_TILE) >= 2 * sm_count:
             return WGMMA_TILE
     tiles = -(-m // TILE_64.bm) * -(-n // TILE_64.bn)
     if 4 * tiles * split_count(m, n, k, sm_count, TILE_64) >= 3 * sm_count:
@@ -371,14 +374,26 @@ class LinearKernels:
                          for role in roles if self.wgmma and presplit and precision == "3xtf32"}
         self.split_kernel = _load_kernel("tf32_split") if self.presplit else None
 
-    def plan(self, role, m, n, k, *, tile=None, splits=None, vector=16) -> Plan:
+    def share(self, sms) -> int:
+        """The SMs a product plans for: ``sms`` (an int from 1 to the device's count),
+        or the whole device for None; anything else is a ValueError."""
+        if sms is None:
+            return self.sm_count
+        if isinstance(sms, bool) or not isinstance(sms, (int, np.integer)) or not 1 <= sms <= self.sm_count:
+            raise ValueError(f"sms must be an int in [1, {self.sm_count}] (the device's SMs) or None, got {sms!r}")
+        return int(sms)
+
+    def plan(self, role, m, n, k, *, tile=None, splits=None, vector=16, sms=None) -> Plan:
         """The launch of ``role``'s m x n x k product (grad-weight also sums db) with
-        ``vector``-byte copies (the wgmma tile needs 16)."""
+        ``vector``-byte copies (the wgmma tile needs 16), split and tiled for ``sms``
+        SMs (:meth:`share`). Whether a tile's splits fit as clusters is still judged
+        on the whole device."""
+        sm_count = self.share(sms)
         wgmma = self.kernels.get((role, WGMMA_TILE, 16))
         limit = None
         if wgmma is not None:
             limit = lambda s: wgmma.kernel.max_active_clusters((1, 1, s), wgmma.kernel.block, wgmma.shared_bytes)
-        return plan(m, n, k, self.sm_count, precision=self.precision, sums=role == "grad_weight", tile=tile,
+        return plan(m, n, k, sm_count, precision=self.precision, sums=role == "grad_weight", tile=tile,
                     splits=splits, wgmma=self.wgmma and vector == 16, max_clusters=limit)
 
     def split(self, x, ld: int, rows: int, cols: int, *, arena: Arena, stream, gate=None, as_is: bool = True,
@@ -456,16 +471,19 @@ class LinearKernels:
         return kernel
 
     def launch(self, role, a, lda, b, ldb, c, ldc, m, n, k, *, arena: Arena, stream, gate=None, tile=None,
-               vector=None, splits=None, presplit=False, **epilogue) -> GemmKernel:
+               vector=None, splits=None, presplit=False, sms=None, **epilogue) -> GemmKernel:
         """Plan the product, take its workspace and counters from ``arena``, launch it.
 
         ``tile``, ``vector`` and ``splits`` force a variant (tests, benchmarks); a
-        forced 16-byte copy the operands do not allow is refused. ``presplit``: split
+        forced 16-byte copy the operands do not allow is refused. ``sms``: plan for
+        that many SMs (:meth:`share`; a caller running products side by side). ``presplit``: split
         both operands into ``arena`` first and run the pre-split kernel (which must
-        plan, :meth:`plan_presplit`). Returns the kernel that ran."""
+        plan, :meth:`plan_presplit`; it plans for the whole device). Returns the kernel that ran."""
+        self.share(sms)  # checked before anything is queued
         if presplit:
-            if tile is not None or vector is not None:
-                raise ValueError("presplit runs the wgmma tile's pre-split kernel: no tile or vector to force")
+            if tile is not None or vector is not None or sms is not None:
+                raise ValueError("presplit runs the wgmma tile's pre-split kernel on the whole device: "
+                                 "no tile, vector or sms to force")
             if self.plan_presplit(role, m, n, k, splits=splits) is None:  # before anything is queued
                 raise ValueError(f"no pre-split launch of {role} {m}x{n}x{k} here")
             if role == "grad_input":  # A = dY [m, k] as it lies, B = W [k, n] transposed
@@ -484,7 +502,7 @@ class LinearKernels:
         if tile is WGMMA_TILE and (role, tile, vector) not in self.kernels:
             raise ValueError(f"no wgmma kernel for {role} with {vector}-byte copies here (wgmma: "
                              f"{self.wgmma}; it needs compute capability 9.0, tensor cores and 16-byte copies)")
-        p = self.plan(role, m, n, k, tile=tile, splits=splits, vector=vector)
+        p = self.plan(role, m, n, k, tile=tile, splits=splits, vector=vector, sms=sms)
         kernel = self.kernels[(role, p.tile, vector if self.precision != "f32" else 16)]
         workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
@@ -604,12 +622,16 @@ class MLP:
         """(m, n, k) of every product of a forward and backward, in launch order."""
         return [(m, n, k) for _, m, n, k in self._roles(batch)]
 
-    def _plans(self, batch: int):
+    def _plans(self, batch: int, sms=None):
+        """(role, m, n, k, plan, pre-split) of every product, the forward's planned for
+        ``sms`` SMs (:meth:`forward`)."""
         for role, m, n, k in self._roles(batch):
-            kernels = self.backward_kernels if role.startswith("grad") else self.forward_kernels
-            p = kernels.plan(role, m, n, k)
+            grad = role.startswith("grad")
+            kernels = self.backward_kernels if grad else self.forward_kernels
+            share = None if grad else sms
+            p = kernels.plan(role, m, n, k, sms=share)
             if p.tile is WGMMA_TILE:  # a misaligned input falls back to gemm.cu: room for either
-                q = kernels.plan(role, m, n, k, vector=4)
+                q = kernels.plan(role, m, n, k, vector=4, sms=share)
                 p = Plan(p.tile, max(p.splits, q.splits), max(p.workspace_floats, q.workspace_floats),
                          max(p.counters, q.counters), p.cluster)
             s = kernels.plan_presplit(role, m, n, k) if role.startswith("grad") else None
@@ -633,16 +655,17 @@ class MLP:
                 out[k] = (dx, dw)
         return out
 
-    def zeroed_bytes(self, batch: int) -> int:
-        """``arena.zeroed`` bytes (tile counters) one forward and backward take."""
-        return sum(_rounded(p.counters) for *_, p, _ in self._plans(batch) if p.counters)
+    def zeroed_bytes(self, batch: int, sms=None) -> int:
+        """``arena.zeroed`` bytes (tile counters) one forward (given ``sms``) and backward take."""
+        return sum(_rounded(p.counters) for *_, p, _ in self._plans(batch, sms) if p.counters)
 
-    def scratch_bytes(self, batch: int) -> int:
-        """Arena bytes one forward and backward take at this batch size, plus 1024:
-        activations, data gradients, split-k workspaces and the split operands of the
-        pre-split products (:meth:`split_weights` included)."""
+    def scratch_bytes(self, batch: int, sms=None) -> int:
+        """Arena bytes one forward (given ``sms``, as :meth:`forward` takes it) and
+        backward take at this batch size, plus 1024: activations, data gradients,
+        split-k workspaces and the split operands of the pre-split products
+        (:meth:`split_weights` included)."""
         total = 0
-        for role, m, n, k, p, presplit in self._plans(batch):
+        for role, m, n, k, p, presplit in self._plans(batch, sms):
             if role != "grad_weight":  # activations and their gradients; dW goes to grads
                 total += _rounded(m * n)
             if p.workspace_floats:
@@ -676,7 +699,7 @@ class MLP:
         return [k for k, (dx, _) in self.presplit_layers(batch).items() if dx and not (dx_last and k == last)]
 
     def forward(self, params: FlatBuffer, x: DeviceBuffer, *, arena: Arena, stream, gate=None,
-                layers: int | None = None) -> Forward:
+                layers: int | None = None, sms: int | None = None) -> Forward:
         """Every layer's output into arena slices; ``.output`` is [batch, out].
 
         ``gate``: an int32 device word; while it is non-zero every launch returns
@@ -684,13 +707,21 @@ class MLP:
         the first ``layers`` layers (a caller that computes the rest itself);
         ``.output`` is then that layer's output. :meth:`backward` takes a
         Forward of every layer, so such a caller appends the outputs it
-        computed (``Forward(f.activations + (out,))``)."""
+        computed (``Forward(f.activations + (out,))``).
+
+        ``sms``: the SMs the products are planned for (default: the whole device).
+        A caller that runs several forwards side by side on their own streams (the
+        DQN step's three) gives each its share: each product then takes fewer,
+        longer blocks, and the passes run at once instead of queueing for SMs. The
+        arena's size then comes from :meth:`scratch_bytes` and :meth:`zeroed_bytes`
+        with the same ``sms``."""
         if params.layout != self.layout:
             raise ValueError("params were made for another layout")
         batch = x.shape[0] if x.shape else 0
         _check_input("x", x, (batch, self.in_features))
         if batch < 1:
             raise ValueError("the batch must have at least one row")
+        self.forward_kernels.share(sms)
         n = len(self.layout.layers)
         layers = layer_count(layers, n)
         acts = [x]
@@ -699,7 +730,7 @@ class MLP:
             y = arena.array((batch, out), np.float32)
             self.forward_kernels.launch("forward" if k == last else "forward_relu", acts[-1], inp, params.weight(k),
                                         inp, y, out, batch, out, inp, arena=arena, stream=stream, gate=gate,
-                                        bias=params.bias(k))
+                                        bias=params.bias(k), sms=sms)
             acts.append(y)
         return Forward(tuple(acts))
 

@@ -96,6 +96,11 @@ class DQNConfig:
     (drvtrain.nn.narrow); ``dual_stream`` then has nothing to overlap. Off by
     default: on the H200 the per-layer GEMMs with the two ``s'`` forwards on
     their own streams measure faster (docs/perf-notes.md).
+    ``dual_stream``: the online forward of ``s'`` and the target forward run on
+    streams of their own, beside the online forward of ``s``, and each of the three
+    plans its products for a third of the SMs (``MLP.forward``'s ``sms``), so that
+    their blocks all fit at once; the weight gradients run beside the data
+    gradients' chain.
     ``dependent_launch`` launches every kernel of the step as a programmatic
     dependent launch (compute capability 9.0+; ignored below): each kernel's
     launch overlaps the tail of the one before, and no result changes.
@@ -324,16 +329,22 @@ class DQNStep:
         self.narrow = NarrowMLP(self.layout, tf32=cfg.tf32) if cfg.fused and NarrowMLP.supports(self.layout) \
             else None
         self.cluster_net = self._cluster_forward_net(cfg, device)
+        # With three streams the three forwards run side by side: each plans its products
+        # for a third of the SMs (MLP.forward's sms), so that all their blocks fit at once
+        # (docs/perf-notes.md, eleventh pass).
+        dual = cfg.dual_stream and self.narrow is None
+        self._forward_sms = max(1, device.sm_count // 3) if dual else None
         if self.narrow is not None:
             net_bytes, zeroed = self.narrow.scratch_bytes(b, 3), self.narrow.zeroed_bytes(b)
         else:
-            net_bytes, zeroed = 3 * self.online_mlp.scratch_bytes(b), 3 * self.online_mlp.zeroed_bytes(b)
+            net_bytes = 3 * self.online_mlp.scratch_bytes(b, self._forward_sms)
+            zeroed = 3 * self.online_mlp.zeroed_bytes(b, self._forward_sms)
             if self.cluster_net is not None:
                 net_bytes += 3 * self.cluster_net.forward_bytes(b)
         out_bytes = 4 * b * (1 + a)
         self.arena = Arena(self.replay.scratch_bytes(b) + net_bytes + 2 * out_bytes + 8 * b + 4096,
                            zeroed_bytes=zeroed + 1024, active=arena_active)
-        self.streams = (Stream(), Stream()) if cfg.dual_stream and self.narrow is None else ()
+        self.streams = (Stream(), Stream()) if dual else ()
         self._head = None
         head_weights = (1 + a) * self.layout.layers[-1][1]
         fuse_head = cfg.fused_head if cfg.fused_head is not None else \
@@ -454,12 +465,12 @@ class DQNStep:
             else:
                 next_stream = target_stream = stream
             f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream, gate=gate,
-                                   layers=hidden_layers)
+                                   layers=hidden_layers, sms=self._forward_sms)
             target_leaves = capture_frontier(target_stream) if capturing else []
             f_next = mlp.forward(self.params, batch.next_obs, arena=arena, stream=next_stream, gate=gate,
-                                 layers=hidden_layers)
+                                 layers=hidden_layers, sms=self._forward_sms)
             f_online = mlp.forward(self.params, batch.obs, arena=arena, stream=stream, gate=gate,
-                                   layers=hidden_layers)
+                                   layers=hidden_layers, sms=self._forward_sms)
             online_leaves = capture_frontier(stream) if capturing else []
             if self.streams:
                 join(stream, next_stream, target_stream)
