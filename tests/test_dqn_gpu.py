@@ -176,6 +176,11 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
         "small-cluster-forward", "odd-shapes-fused-head-cluster-forward"])
 def test_one_fp32_step_matches_float64(device, rng, overrides):
     step, _ = one_step(DQNConfig(seed=int(rng.integers(1 << 30)), **overrides), rng)
+    # A share of the SMs for each forward only where three per-layer forwards run side by side.
+    side_by_side = bool(step.streams) and step._forward_net is None
+    assert step._forward_sms == (device.sm_count // 3 if side_by_side else None)
+    assert side_by_side == (overrides.get("dual_stream", True) and not overrides.get("cluster_forward")
+                            and not (overrides.get("fused") and step.narrow is not None))
     nodes = step_kernels(step)
     names = {k.function for k in nodes}
     want_cluster = bool(overrides.get("cluster_forward"))
@@ -236,8 +241,11 @@ def test_tf32_step_matches_float64_at_tf32_accuracy(device, rng, fused_head, clu
         # The three forwards run side by side, each planned for a third of the SMs: the
         # 1024-wide layers on the wgmma tile unsplit, the output layer on it in 8 splits.
         assert step._forward_sms == device.sm_count // 3
-        grids = sorted(tuple(k.grid) for k in step_kernels(step) if k.function == "linear_forward_relu_wgmma_tf32")
+        nodes = step_kernels(step)
+        grids = sorted(tuple(k.grid) for k in nodes if k.function == "linear_forward_relu_wgmma_tf32")
         assert grids == [(8, 4, 1)] * 6, grids
+        grids = [tuple(k.grid) for k in nodes if k.function == "linear_forward_wgmma_tf32"]
+        assert grids == [(1, 4, 8)] * 3, grids
     data = fill(step, rng, stream)
     before = ref_state(step)
     step.enqueue(stream=stream)

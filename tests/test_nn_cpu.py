@@ -336,13 +336,13 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         assert model.forward_kernels.plan("forward_relu", batch, 64, 258).tile.name == "wgmma"
         name, grid = kernels[0][0], kernels[0][1]
         assert "_wgmma_" not in name and grid[2] == 2
-    wgmma_planned = any(p.tile.name == "wgmma" for *_, p, _ in model._plans(batch, sms))
+    wgmma_planned = any(p.tile.name == "wgmma" for *_, p, _ in model._plans(batch, sms=sms))
     if wgmma_planned:
-        assert rounded(arena.offset) + 1024 <= model.scratch_bytes(batch, sms)
-        assert rounded(arena.zeroed_offset) <= model.zeroed_bytes(batch, sms)
+        assert rounded(arena.offset) + 1024 <= model.scratch_bytes(batch, sms=sms)
+        assert rounded(arena.zeroed_offset) <= model.zeroed_bytes(batch, sms=sms)
     else:
-        assert rounded(arena.offset) + 1024 == model.scratch_bytes(batch, sms)
-        assert rounded(arena.zeroed_offset) == model.zeroed_bytes(batch, sms)
+        assert rounded(arena.offset) + 1024 == model.scratch_bytes(batch, sms=sms)
+        assert rounded(arena.zeroed_offset) == model.zeroed_bytes(batch, sms=sms)
     assert len(kernels) == len(model._products(batch))
     if cc == (9, 0) and tf32 and widths[1] == 1024 and sms is not None:
         # A third of the SMs: each forward product takes fewer, longer blocks. The
@@ -475,6 +475,7 @@ def test_the_wgmma_tile_is_chosen_for_the_wide_tensor_core_products_only():
     # 24 tiles in four splits, 96 blocks: two thirds of 132 SMs, enough for the wgmma tile.
     assert choose_tile(384, 1024, 512, 132, "tf32", wgmma=True) is WGMMA_TILE
     assert choose_tile(384, 1024, 512, 132, "tf32", wgmma=False).name == "64x64"
+    assert choose_tile(384, 1024, 512, 132, "3xtf32", wgmma=True).name == "64x64"  # the backward: three quarters
     # Planned for a third of the SMs (three forwards side by side): the large net's
     # forwards take the wgmma tile unsplit, 32 blocks, and the output layer's 4 tiles
     # in 8 clustered splits; on the whole device they plan as before.
@@ -668,6 +669,24 @@ def test_weight_splits_not_needed_are_still_waited_for(monkeypatch):
     model.backward(params, grads, fwd, dout, arena=arena, stream=main, dx_last=dx_last, weight_splits=ws)
     assert ("wait", main, ws.event) in launches[start:]
     assert not any(e[0] == "linear_grad_input_wgmma_presplit_3xtf32" for e in launches[start:])
+
+
+def test_forward_refuses_a_bad_share_before_taking_anything(monkeypatch):
+    launches = []
+    _fake_kernels(monkeypatch, launches, (9, 0))
+    layout = ParamLayout.from_widths([128, 1024, 19])
+    model = mlp_module.MLP(layout)
+    arena = _FakeArena()
+    params = _FakeFlat(layout, 1 << 38)
+    x = DeviceBuffer._view(None, 1 << 37, (512, 128), np.float32)
+    for sms in (0, 133, 1.5, True, "44"):
+        with pytest.raises(ValueError, match=r"sms must be an int in \[1, 132\]"):
+            model.forward(params, x, arena=arena, stream=None, sms=sms)
+        with pytest.raises(ValueError, match=r"sms must be an int"):
+            model.scratch_bytes(512, sms=sms)
+    assert launches == [] and arena.offset == 0 and arena.zeroed_offset == 0
+    with pytest.raises(TypeError):  # a share is named, never a second positional (NarrowMLP's is a pass count)
+        model.scratch_bytes(512, 3)
 
 
 def test_presplit_launch_refuses_before_queuing_anything(monkeypatch):

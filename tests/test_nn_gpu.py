@@ -67,10 +67,11 @@ def test_wide_forward_on_wgmma_and_on_the_forced_fallback_match_float64(device, 
         plans = [fk.plan("forward_relu", batch, 1024, k, sms=sms) for k in (128, 1024)]
         assert [(p.tile, p.splits) for p in plans] == [(WGMMA_TILE, 1)] * 2
         assert fk.plan("forward", batch, 19, 1024, sms=sms).tile is WGMMA_TILE
-    arena = Arena(mlp.scratch_bytes(batch, sms), zeroed_bytes=mlp.zeroed_bytes(batch, sms) + 256)
+    arena = Arena(mlp.scratch_bytes(batch, sms=sms), zeroed_bytes=mlp.zeroed_bytes(batch, sms=sms) + 256)
     arena.alloc(arena.capacity - 256).poison(stream=stream)
     arena.reset()
     fwd = mlp.forward(params, x, arena=arena, stream=stream, sms=sms)
+    assert arena.fallback_count == 0  # the accounting held every slice of the share's plans
     ref = mlp_forward(params.to_numpy(), x.to_numpy(), len(layout.layers))
     for got, want in zip(fwd.activations[1:], ref[1:]):
         got = got.to_numpy()

@@ -117,14 +117,16 @@ def choose_tile(m: int, n: int, k: int, sm_count: int, precision: str, wgmma: bo
     clusters), fill at least two thirds of the SMs; else 64x64 tiles when theirs
     fill three quarters (the 1024-wide products: fewer loads per multiply), 32x32
     tiles for the rest, which need the parallelism; FFMA kernels have their own.
-    (Measured on the H200: at 96 wgmma blocks on 132 SMs, 73%, five forwards from
-    384x1024x512 to 2048x384x256 took 42-60% of the time of the 64x64 tile's 192-384
-    blocks.)"""
+    (Measured on the H200 for the TF32 forward: at 96 wgmma blocks on 132 SMs, 73%,
+    five forwards from 384x1024x512 to 2048x384x256 took 42-60% of the time of the
+    64x64 tile's 192-384 blocks. The 3xTF32 backward, not measured there, keeps the
+    three quarters.)"""
     if precision == "f32":
         return FFMA_TILE
     if wgmma:
         tiles = -(-m // WGMMA_TILE.bm) * -(-n // WGMMA_TILE.bn)
-        if 3 * tiles * split_count(m, n, k, sm_count, WGMMA_TILE) >= 2 * sm_count:
+        num, den = (2, 3) if precision == "tf32" else (3, 4)
+        if den * tiles * split_count(m, n, k, sm_count, WGMMA_TILE) >= num * sm_count:
             return WGMMA_TILE
     tiles = -(-m // TILE_64.bm) * -(-n // TILE_64.bn)
     if 4 * tiles * split_count(m, n, k, sm_count, TILE_64) >= 3 * sm_count:
@@ -622,7 +624,7 @@ class MLP:
         """(m, n, k) of every product of a forward and backward, in launch order."""
         return [(m, n, k) for _, m, n, k in self._roles(batch)]
 
-    def _plans(self, batch: int, sms=None):
+    def _plans(self, batch: int, *, sms=None):
         """(role, m, n, k, plan, pre-split) of every product, the forward's planned for
         ``sms`` SMs (:meth:`forward`)."""
         for role, m, n, k in self._roles(batch):
@@ -655,17 +657,17 @@ class MLP:
                 out[k] = (dx, dw)
         return out
 
-    def zeroed_bytes(self, batch: int, sms=None) -> int:
+    def zeroed_bytes(self, batch: int, *, sms=None) -> int:
         """``arena.zeroed`` bytes (tile counters) one forward (given ``sms``) and backward take."""
-        return sum(_rounded(p.counters) for *_, p, _ in self._plans(batch, sms) if p.counters)
+        return sum(_rounded(p.counters) for *_, p, _ in self._plans(batch, sms=sms) if p.counters)
 
-    def scratch_bytes(self, batch: int, sms=None) -> int:
+    def scratch_bytes(self, batch: int, *, sms=None) -> int:
         """Arena bytes one forward (given ``sms``, as :meth:`forward` takes it) and
         backward take at this batch size, plus 1024: activations, data gradients,
         split-k workspaces and the split operands of the pre-split products
         (:meth:`split_weights` included)."""
         total = 0
-        for role, m, n, k, p, presplit in self._plans(batch, sms):
+        for role, m, n, k, p, presplit in self._plans(batch, sms=sms):
             if role != "grad_weight":  # activations and their gradients; dW goes to grads
                 total += _rounded(m * n)
             if p.workspace_floats:

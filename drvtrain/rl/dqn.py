@@ -99,8 +99,9 @@ class DQNConfig:
     ``dual_stream``: the online forward of ``s'`` and the target forward run on
     streams of their own, beside the online forward of ``s``, and each of the three
     plans its products for a third of the SMs (``MLP.forward``'s ``sms``), so that
-    their blocks all fit at once; the weight gradients run beside the data
-    gradients' chain.
+    their blocks all fit at once (with ``cluster_forward`` one launch runs them
+    all, and nothing is planned that way); the weight gradients run beside the
+    data gradients' chain.
     ``dependent_launch`` launches every kernel of the step as a programmatic
     dependent launch (compute capability 9.0+; ignored below): each kernel's
     launch overlaps the tail of the one before, and no result changes.
@@ -329,16 +330,17 @@ class DQNStep:
         self.narrow = NarrowMLP(self.layout, tf32=cfg.tf32) if cfg.fused and NarrowMLP.supports(self.layout) \
             else None
         self.cluster_net = self._cluster_forward_net(cfg, device)
-        # With three streams the three forwards run side by side: each plans its products
-        # for a third of the SMs (MLP.forward's sms), so that all their blocks fit at once
-        # (docs/perf-notes.md, eleventh pass).
+        # With three streams and per-layer products the three forwards run side by side:
+        # each plans its products for a third of the SMs (MLP.forward's sms), so that all
+        # their blocks fit at once (docs/perf-notes.md, eleventh pass).
         dual = cfg.dual_stream and self.narrow is None
-        self._forward_sms = max(1, device.sm_count // 3) if dual else None
+        side_by_side = dual and self.cluster_net is None
+        self._forward_sms = max(1, device.sm_count // 3) if side_by_side else None
         if self.narrow is not None:
             net_bytes, zeroed = self.narrow.scratch_bytes(b, 3), self.narrow.zeroed_bytes(b)
         else:
-            net_bytes = 3 * self.online_mlp.scratch_bytes(b, self._forward_sms)
-            zeroed = 3 * self.online_mlp.zeroed_bytes(b, self._forward_sms)
+            net_bytes = 3 * self.online_mlp.scratch_bytes(b, sms=self._forward_sms)
+            zeroed = 3 * self.online_mlp.zeroed_bytes(b, sms=self._forward_sms)
             if self.cluster_net is not None:
                 net_bytes += 3 * self.cluster_net.forward_bytes(b)
         out_bytes = 4 * b * (1 + a)
