@@ -36,24 +36,6 @@ constexpr int METRIC_FIELDS = 7;  // the step follows them as an int
 
 namespace {
 
-// A thread's float4s are taken in batches of FINISH_BATCH (elements i, i + stride,
-// ..., i + 3 stride), every load of a batch issued before the first store: one
-// round trip per batch, not one per float4 (the compiler cannot hoist the loads
-// above the stores itself, since as far as it knows params and target overlap).
-constexpr int FINISH_BATCH = 4;
-
-// Loads the batch at float4 element b: params always, target for the Polyak rule.
-__device__ __forceinline__ void finish_load(float4 (&p)[FINISH_BATCH], float4 (&t)[FINISH_BATCH], long long b,
-                                            long long stride, long long quads, bool hard, const float4* p4,
-                                            const float4* t4) {
-#pragma unroll
-    for (int j = 0; j < FINISH_BATCH; ++j) {
-        const long long i = b + j * stride;
-        p[j] = i < quads ? p4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        t[j] = i < quads && !hard ? t4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-}
-
 // The finish pass over float4 elements first, first + stride, ...; `reporter`
 // is the one thread that counts the step and writes the metrics slot.
 __device__ __forceinline__ void finish_pass(long long first, long long stride, bool reporter, float* params,
@@ -63,18 +45,19 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
                                             const float* clip, const float* beta, long long* step_counter,
                                             float* ring, int ring_slots, unsigned int* skip_counts,
                                             unsigned int* skip_published, long long* skipped_step) {
-    // Everything the first batch needs is loaded before anything waits on it:
-    // the flag, t (hard copies), this thread's first FINISH_BATCH float4s of
-    // params (and of target, for the Polyak rule), and the first
-    // FINISH_STAGED_MATS entries of the table with their scales.
+    // Everything the first float4 needs is loaded before anything waits on it:
+    // the flag, t (hard copies), this thread's first float4 of params and target,
+    // and the first FINISH_STAGED_MATS entries of the table with their scales.
     const int skip_value = *skip;
     const bool hard = period > 0;
     const int t_value = hard ? *adam_t : 0;
-    const long long quads = n / 4;
     float4* p4 = reinterpret_cast<float4*>(params);
     float4* t4 = reinterpret_cast<float4*>(target);
-    float4 p[FINISH_BATCH], t[FINISH_BATCH];
-    finish_load(p, t, first, stride, quads, hard, p4, t4);
+    float4 p = {}, t = {};
+    if (first < n / 4) {
+        p = p4[first];
+        t = t4[first];
+    }
     // The table entries and scales are loaded into registers alongside, and
     // staged in shared memory only once every load is issued: one round trip.
     const bool stages = (int)threadIdx.x < min(n_mats, FINISH_STAGED_MATS);
@@ -89,11 +72,8 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
     }
     dt_issued(skip_value);
     dt_issued(t_value);
-#pragma unroll
-    for (int j = 0; j < FINISH_BATCH; ++j) {
-        dt_issued(p[j]);
-        dt_issued(t[j]);
-    }
+    dt_issued(p);
+    dt_issued(t);
     dt_issued(stage_begin);
     dt_issued(stage_rows);
     dt_issued(stage_cols);
@@ -131,36 +111,34 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
     if (skipped) return;
     const bool copy = hard && (t_value % period) == 0;
     if (hard && !copy && n_mats == 0) return;
-    for (long long b = first; b < quads; b += FINISH_BATCH * stride) {
-        if (b != first) finish_load(p, t, b, stride, quads, hard, p4, t4);
-#pragma unroll
-        for (int j = 0; j < FINISH_BATCH; ++j) {
-            const long long i = b + j * stride;
-            if (i >= quads) break;
-            const long long e = 4 * i;
-            for (int m = 0; m < n_mats; ++m) {
-                const bool staged = m < FINISH_STAGED_MATS;
-                const long long begin = staged ? mat_begin[m] : mats[m].w_offset;
-                const long long end = staged ? mat_end[m] : begin + (long long)mats[m].rows * mats[m].cols;
-                if (e >= begin && e < end) {
-                    const float s = staged ? mat_scale[m] : scale[m];
-                    p[j].x *= s;
-                    p[j].y *= s;
-                    p[j].z *= s;
-                    p[j].w *= s;
-                    p4[i] = p[j];
-                    break;
-                }
+    for (long long i = first; i < n / 4; i += stride) {
+        if (i != first) {
+            p = p4[i];
+            if (!hard) t = t4[i];
+        }
+        const long long e = 4 * i;
+        for (int m = 0; m < n_mats; ++m) {
+            const bool staged = m < FINISH_STAGED_MATS;
+            const long long begin = staged ? mat_begin[m] : mats[m].w_offset;
+            const long long end = staged ? mat_end[m] : begin + (long long)mats[m].rows * mats[m].cols;
+            if (e >= begin && e < end) {
+                const float s = staged ? mat_scale[m] : scale[m];
+                p.x *= s;
+                p.y *= s;
+                p.z *= s;
+                p.w *= s;
+                p4[i] = p;
+                break;
             }
-            if (copy) {
-                t4[i] = p[j];
-            } else if (!hard) {
-                t[j].x += tau * (p[j].x - t[j].x);
-                t[j].y += tau * (p[j].y - t[j].y);
-                t[j].z += tau * (p[j].z - t[j].z);
-                t[j].w += tau * (p[j].w - t[j].w);
-                t4[i] = t[j];
-            }
+        }
+        if (copy) {
+            t4[i] = p;
+        } else if (!hard) {
+            t.x += tau * (p.x - t.x);
+            t.y += tau * (p.y - t.y);
+            t.z += tau * (p.z - t.z);
+            t.w += tau * (p.w - t.w);
+            t4[i] = t;
         }
     }
 }

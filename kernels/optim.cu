@@ -49,12 +49,12 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_step(
         double beta2, float eps, float weight_decay, const float* clip, const int* step, const int* skip) {
     dt_wait_prior_grid();
     dt_allow_dependents();
-    // The first batch's operands, the flag, the scale and t are independent
+    // The first float4's operands, the flag, the scale and t are independent
     // loads: all are in flight before any is used (reading params on a skipped
     // step is harmless), and the bias corrections' pow calls run under them.
-    const long long first = dt_thread_index(), stride = dt_grid_stride(), quads = n / 4;
-    DtAdamWFloat4 x[DT_ADAM_BATCH];
-    dt_adamw_load_batch(x, first, stride, quads, params, grads, m, v);
+    const long long first = dt_thread_index(), stride = dt_grid_stride();
+    DtAdamWFloat4 x;
+    if (first < n / 4) x = dt_adamw_load(first, params, grads, m, v);
     const int skipped = skip != nullptr ? *skip : 0;
     const float scale = clip[1];
     const int t = *step;
@@ -63,6 +63,6 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_step(
     dt_issued(t);
     if (skipped) return;
     const DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, scale, t);
-    dt_adamw_store_batch(a, x, first, stride, quads, params, m, v);
-    dt_adamw_elements(a, first + DT_ADAM_BATCH * stride, stride, params, grads, m, v, n);
+    if (first < n / 4) dt_adamw_store(a, x, first, params, m, v);
+    dt_adamw_elements(a, first + stride, stride, params, grads, m, v, n);
 }

@@ -115,38 +115,11 @@ __device__ __forceinline__ void dt_adamw_store(const DtAdamW& a, DtAdamWFloat4 x
     reinterpret_cast<float4*>(v)[i] = x.v;
 }
 
-// A thread's float4s are updated in batches of DT_ADAM_BATCH (elements i, i +
-// stride, ..., i + 3 stride): every load of a batch is issued before the first
-// update, so a thread waits one round trip per batch, not one per float4. (The
-// compiler cannot hoist the next float4's loads above this one's stores itself:
-// as far as it knows, the buffers may overlap.)
-constexpr int DT_ADAM_BATCH = 4;
-
-__device__ __forceinline__ void dt_adamw_load_batch(DtAdamWFloat4 (&x)[DT_ADAM_BATCH], long long first,
-                                                    long long stride, long long quads, const float* params,
-                                                    const float* grads, const float* m, const float* v) {
-#pragma unroll
-    for (int j = 0; j < DT_ADAM_BATCH; ++j)
-        if (first + j * stride < quads) x[j] = dt_adamw_load(first + j * stride, params, grads, m, v);
-}
-
-__device__ __forceinline__ void dt_adamw_store_batch(const DtAdamW& a, const DtAdamWFloat4 (&x)[DT_ADAM_BATCH],
-                                                     long long first, long long stride, long long quads,
-                                                     float* params, float* m, float* v) {
-#pragma unroll
-    for (int j = 0; j < DT_ADAM_BATCH; ++j)
-        if (first + j * stride < quads) dt_adamw_store(a, x[j], first + j * stride, params, m, v);
-}
-
 // The AdamW update of float4 elements first, first + stride, ... below n / 4
-// (n a multiple of 4), in batches.
+// (n a multiple of 4).
 __device__ __forceinline__ void dt_adamw_elements(const DtAdamW& a, long long first, long long stride,
                                                   float* params, const float* grads, float* m, float* v,
                                                   long long n) {
-    const long long quads = n / 4;
-    for (long long b = first; b < quads; b += DT_ADAM_BATCH * stride) {
-        DtAdamWFloat4 x[DT_ADAM_BATCH];
-        dt_adamw_load_batch(x, b, stride, quads, params, grads, m, v);
-        dt_adamw_store_batch(a, x, b, stride, quads, params, m, v);
-    }
+    for (long long i = first; i < n / 4; i += stride)
+        dt_adamw_store(a, dt_adamw_load(i, params, grads, m, v), i, params, m, v);
 }
