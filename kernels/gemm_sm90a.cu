@@ -51,6 +51,9 @@
 #define DT_WGMMA 1
 #endif
 
+// The backward's block: two consumer warpgroups and a producer (backward() below).
+#define DT_BACKWARD_THREADS 384
+
 #if DT_WGMMA
 namespace {
 
@@ -102,9 +105,9 @@ __device__ __forceinline__ void wgmma_m64n128k8(float (&d)[ACC], unsigned long l
         : "l"(a), "l"(b), "n"(ACCUMULATE));
 }
 
-// The 16-byte pieces of one operand's k tile this thread copies: piece q = tid +
-// 256 i (i < 4) is row q / 8, depth chunk q % 8, at byte 128 row + 16 (chunk ^
-// row % 8) of the tile: a warp reads four whole 128-byte rows.
+// The 16-byte pieces of one operand's k tile that thread `tid` (of THREADS) copies:
+// piece q = tid + 256 i (i < 4) is row q / 8, depth chunk q % 8, at byte 128 row +
+// 16 (chunk ^ row % 8) of the tile: a warp reads four whole 128-byte rows.
 struct Pieces {
     const float* base;             // a valid address for the zero-filling copies
     const float* src[PER_THREAD];  // piece i of this thread in the split's first k tile
@@ -112,12 +115,12 @@ struct Pieces {
     int depth[PER_THREAD];         // its depth within a k tile
     int row_ok, k0;                // bit i: the row of piece i is inside the matrix
 
-    __device__ __forceinline__ Pieces(const float* base_, int ld, int row0, int rows, int k_begin)
+    __device__ __forceinline__ Pieces(const float* base_, int ld, int row0, int rows, int k_begin, int tid)
         : base(base_), k0(k_begin) {
         row_ok = 0;
 #pragma unroll
         for (int i = 0; i < PER_THREAD; ++i) {
-            const int q = threadIdx.x + THREADS * i, row = q / 8, chunk = q % 8, r = row0 + row;
+            const int q = tid + THREADS * i, row = q / 8, chunk = q % 8, r = row0 + row;
             dst[i] = 128u * row + 16u * (chunk ^ (row & 7));
             depth[i] = 4 * chunk;
             row_ok |= (r < rows) << i;
@@ -156,19 +159,25 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[ACC]) {
 // 128 holds row tid) after all partials, [tile row][z][128]; the last block of
 // the tile to arrive (dt_last_block) adds the S partials in z order into `acc`
 // and `row_sum` and returns true. Every other block returns false and must exit.
+// A block of BLOCK > THREADS threads calls it with all of them: the first THREADS
+// hold the accumulators, the others only meet the barriers.
+template <int BLOCK = THREADS>
 __device__ __forceinline__ bool reduce_splits(float (&acc)[ACC], float* workspace, unsigned int* counters, bool sums,
                                               float& row_sum) {
     const int tid = threadIdx.x, splits = gridDim.z, z = blockIdx.z;
+    const bool active = BLOCK == THREADS || tid < THREADS;
     const unsigned int tile = blockIdx.y * gridDim.x + blockIdx.x;
     float4* parts = reinterpret_cast<float4*>(workspace) + (size_t)tile * splits * (BM * BN / 4);
     float* row_parts =
         workspace + (size_t)gridDim.x * gridDim.y * splits * BM * BN + (size_t)blockIdx.y * splits * BM;
+    if (active)
 #pragma unroll
-    for (int j = 0; j < ACC / 4; ++j)
-        parts[(size_t)z * (BM * BN / 4) + j * THREADS + tid] =
-            make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+        for (int j = 0; j < ACC / 4; ++j)
+            parts[(size_t)z * (BM * BN / 4) + j * THREADS + tid] =
+                make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
     if (sums && tid < BM) row_parts[z * BM + tid] = row_sum;
     if (!dt_last_block(&counters[tile], splits)) return false;
+    if (!active) return true;
     // Every z's loads go out together: the tail costs `splits` round trips.
     float4 v[ACC / 4];
 #pragma unroll
@@ -286,16 +295,19 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
 //  - Otherwise (S > 1 without clusters, or S == 1): through `workspace` and
 //    `counters` (reduce_splits), the last block to arrive storing the tile.
 // Both add the same values in the same order: the same bits.
-template <int EPI>
+// A block of BLOCK > THREADS threads calls it with all of them: the first THREADS
+// hold the accumulators and do the work, the others only meet the barriers.
+template <int EPI, int BLOCK = THREADS>
 __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bool sums, float* stage,
                                             unsigned int stage_addr, float* C, int ldc, int M, int N,
                                             const float* bias, const float* mask, int ldm, float* col_sum,
                                             float* workspace, unsigned int* counters) {
     const int tid = threadIdx.x, splits = gridDim.z, z = blockIdx.z, i0 = blockIdx.y * BM;
+    const bool active = BLOCK == THREADS || tid < THREADS;
     if (splits > 1 && dt_cluster_blocks() == (unsigned int)splits) {
         if (splits > 8) __trap();  // the portable cluster size, which base[] below holds
         __syncthreads();  // the other warpgroup's MMAs and any earlier use of the stage are over
-        stage_tile(acc, stage);
+        if (active) stage_tile(acc, stage);
         if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
         dt_cluster_barrier();  // every block's partial is staged
         const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows), row_end = min(BM, row_begin + rows);
@@ -314,7 +326,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
                 if (s < splits) v.x += p[s].x, v.y += p[s].y, v.z += p[s].z, v.w += p[s].w;
             return v;
         };
-        store_rows<EPI>(row_begin, row_end, sum, C, ldc, M, N, bias, mask, ldm);
+        if (active) store_rows<EPI>(row_begin, row_end, sum, C, ldc, M, N, bias, mask, ldm);
         if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
             float v = 0.0f;
 #pragma unroll
@@ -326,13 +338,13 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
         return;
     }
     float r = row_sum;
-    if (splits > 1 && !reduce_splits(acc, workspace, counters, sums, r)) return;
+    if (splits > 1 && !reduce_splits<BLOCK>(acc, workspace, counters, sums, r)) return;
     if (sums && tid < BM && i0 + tid < M) col_sum[i0 + tid] = r;
     __syncthreads();
-    stage_tile(acc, stage);
+    if (active) stage_tile(acc, stage);
     __syncthreads();
     const auto staged = [&](int row, int c4) { return *reinterpret_cast<const float4*>(stage + row * STAGE_LD + 4 * c4); };
-    store_rows<EPI>(0, BM, staged, C, ldc, M, N, bias, mask, ldm);
+    if (active) store_rows<EPI>(0, BM, staged, C, ldc, M, N, bias, mask, ldm);
 }
 
 // What every kernel here starts with: its dynamic shared memory (at least `need`
@@ -442,11 +454,12 @@ struct RowPieces {
     int valid[PER_THREAD];         // bytes of it inside the matrix's rows
     long long ld;
 
-    __device__ __forceinline__ RowPieces(const float* base_, long long ld_, int row0, int rows, int k_begin)
+    __device__ __forceinline__ RowPieces(const float* base_, long long ld_, int row0, int rows, int k_begin,
+                                         int tid)
         : base(base_), ld(ld_) {
 #pragma unroll
         for (int i = 0; i < PER_THREAD; ++i) {
-            const int q = threadIdx.x + THREADS * i, d = q / 32, c = q % 32, r = row0 + 4 * c;
+            const int q = tid + THREADS * i, d = q / 32, c = q % 32, r = row0 + 4 * c;
             line[i] = d;
             dst[i] = 512u * d + 16u * (c ^ (2 * (d / 4 % 4)));
             valid[i] = 4 * max(0, min(4, rows - r));
@@ -471,8 +484,8 @@ template <bool KFAST>
 struct Copies;
 template <>
 struct Copies<true> : Pieces {
-    __device__ __forceinline__ Copies(const float* base, int ld, int row0, int rows, int k_begin)
-        : Pieces(base, ld, row0, rows, k_begin) {}
+    __device__ __forceinline__ Copies(const float* base, int ld, int row0, int rows, int k_begin, int tid)
+        : Pieces(base, ld, row0, rows, k_begin, tid) {}
     __device__ __forceinline__ void load(unsigned int tile, int k, int, int k_end, int first = 0,
                                          int count = PER_THREAD) const {
         Pieces::load(tile, k, k_end, first, count);
@@ -480,8 +493,8 @@ struct Copies<true> : Pieces {
 };
 template <>
 struct Copies<false> : RowPieces {
-    __device__ __forceinline__ Copies(const float* base, int ld, int row0, int rows, int k_begin)
-        : RowPieces(base, ld, row0, rows, k_begin) {}
+    __device__ __forceinline__ Copies(const float* base, int ld, int row0, int rows, int k_begin, int tid)
+        : RowPieces(base, ld, row0, rows, k_begin, tid) {}
 };
 
 __device__ __forceinline__ float4 lds4(unsigned int addr) {
@@ -521,8 +534,7 @@ struct Converter {
 
     template <int Q>
     __device__ __forceinline__ void step(unsigned int raw, unsigned int big, unsigned int small, bool sum_rows,
-                                         float (&rows)[4]) {
-        const int tid = threadIdx.x;
+                                         float (&rows)[4], int tid) {
         if (KFAST) {
             const int q = tid + THREADS * Q, row = q / 8, chunk = q % 8;
             const unsigned int at = 128u * row + 16u * (chunk ^ (row & 7));
@@ -561,14 +573,39 @@ constexpr unsigned int TILE_BYTES = TILE_FLOATS * 4, SET_BYTES = 4 * TILE_BYTES,
 constexpr int RAW_STAGES = 3;
 constexpr unsigned int BACKWARD_SHARED_BYTES = 2 * SET_BYTES + RAW_STAGES * RAW_BYTES + 1024;
 
+// The backward's block: two consumer warpgroups, which only issue the MMAs and
+// hold the accumulators (threads 0-255, laid out as the forward's), and one
+// producer warpgroup (threads 256-383), which copies the raw tiles and converts
+// them into TF32 parts. Each producer thread does the copies and the conversion
+// of two of the 256 threads of the layouts above (t and t + 128).
+constexpr int BACKWARD_THREADS = THREADS + 128;
+static_assert(BACKWARD_THREADS == DT_BACKWARD_THREADS, "the kernels' launch bounds");
+// Named barriers (0 is __syncthreads): the producer warpgroup's own; set s
+// converted (the producer arrives, the consumers wait); set s read (the consumers
+// arrive, the producer waits).
+constexpr int BAR_PRODUCER = 1, BAR_FULL = 2, BAR_EMPTY = 4;
+
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 // C = A B in 3xTF32 with the epilogue EPI: A(i, k) and B(k, j) in the layouts
-// A_KFAST, B_KFAST name (gemm.cu's header). The threads convert k tile kt + 1
-// into one set while the MMAs of tile kt read the other, and the copies run
-// three tiles ahead of the MMAs. Each k tile's 12 MMAs per warpgroup (small A big B, big A small
-// B, big A big B per 8 deep) sum into a fresh fragment (scale-d 0 first) that is
-// added to the FP32 accumulators once the group is done: the tensor cores do not
-// round their running sums to nearest, so the error would otherwise grow with k.
-// `sums` (grad-weight, grid column 0): row sums of A (db) as well.
+// A_KFAST, B_KFAST name (gemm.cu's header). The producer warpgroup runs the
+// copies two tiles ahead of its conversion (three raw stages) and converts tile
+// kt into set kt % 2 once the consumers have finished tile kt - 2 there; the
+// consumers issue each tile's MMAs as soon as its set is converted. Each k tile's
+// 12 MMAs per consumer warpgroup (small A big B, big A small B, big A big B per
+// 8 deep) sum into a fresh fragment (scale-d 0 first) that is added to the FP32
+// accumulators once the group is done: the tensor cores do not round their
+// running sums to nearest, so the error would otherwise grow with k.
+// `sums` (grad-weight, grid column 0): row sums of A (db) as well, which the
+// producer adds up as it converts A.
+// (With every warp doing both jobs, an MMA issue that waited on busy tensor cores
+// held up that warp's share of the conversion: 1.59 us a k tile on the H200
+// against 0.85 for the MMAs alone and 1.1 for the copies and conversion alone.)
 template <bool A_KFAST, bool B_KFAST, int EPI>
 __device__ __forceinline__ void backward(const float* A, int lda, const float* B, int ldb, float* C, int ldc,
                                          int M, int N, int K, const float* mask, int ldm, float* col_sum,
@@ -578,114 +615,110 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
     const unsigned int smem0 = su.smem0, stage0 = smem0 + 2 * SET_BYTES;
     const int kb = su.kb, ke = su.ke, tiles = su.tiles;
     const int tid = threadIdx.x, wg = tid / 128;
-    const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const bool sums = EPI == EPI_NONE && col_sum != nullptr && blockIdx.x == 0;
-
-    const Copies<A_KFAST> ca(A, lda, i0, M, kb);
-    const Copies<B_KFAST> cb(B, ldb, j0, N, kb);
-    Converter<A_KFAST> va;
-    Converter<B_KFAST> vb;
-    float acc[ACC], part[ACC], rows[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
     const bool sum_rows = !A_KFAST && sums;
+    // The consumers' accumulators; the producer never sets them (finish_tile
+    // reads only the consumers'), so they take none of its registers.
+    float acc[ACC];
+    float rows[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};  // the producer's, for db
 
-    // Every thread commits one copy group per k tile slot, empty or not, so the
-    // wait counts stay uniform.
+    if (wg < 2) {  // a consumer warpgroup: its 64 rows of the tile
 #pragma unroll
-    for (int s = 0; s < RAW_STAGES; ++s) {
-        if (s < tiles) {
-            ca.load(stage0 + s * RAW_BYTES, kb + s * BK, kb, ke);
-            cb.load(stage0 + s * RAW_BYTES + TILE_BYTES, kb + s * BK, kb, ke);
+        for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
+        float part[ACC];
+        for (int kt = 0; kt < tiles; ++kt) {
+            const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
+            const unsigned int a_big = set + wg * 64 * 128, a_small = a_big + TILE_BYTES;
+            const unsigned int b_big = set + 2 * TILE_BYTES, b_small = set + 3 * TILE_BYTES;
+            named_sync(BAR_FULL + (kt & 1), BACKWARD_THREADS);  // set kt % 2 holds tile kt
+            fence_accumulators(part);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < BK / 8; ++kk) {  // per 8 deep, small terms first: rounding would lose them
+                if (kk == 0) wgmma_m64n128k8<0>(part, descriptor(a_small), descriptor(b_big));
+                else wgmma_m64n128k8(part, descriptor(a_small + kk * 32), descriptor(b_big + kk * 32));
+                wgmma_m64n128k8(part, descriptor(a_big + kk * 32), descriptor(b_small + kk * 32));
+                wgmma_m64n128k8(part, descriptor(a_big + kk * 32), descriptor(b_big + kk * 32));
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            fence_accumulators(part);
+            if (kt + 2 < tiles) named_arrive(BAR_EMPTY + (kt & 1), BACKWARD_THREADS);  // the producer's tile kt + 2
+#pragma unroll
+            for (int q = 0; q < ACC; ++q) acc[q] += part[q];
         }
-        dt_cp_async_commit();
+    } else {  // the producer warpgroup: threads t and t + 128 of the copy and conversion layouts
+        const int t0 = tid - 2 * 128, t1 = t0 + 128;
+        const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
+        const Copies<A_KFAST> ca0(A, lda, i0, M, kb, t0), ca1(A, lda, i0, M, kb, t1);
+        const Copies<B_KFAST> cb0(B, ldb, j0, N, kb, t0), cb1(B, ldb, j0, N, kb, t1);
+        Converter<A_KFAST> va;
+        Converter<B_KFAST> vb;
+        const auto copy = [&](int kt) {  // tile kt into its raw stage; one commit group either way
+            if (kt < tiles) {
+                const unsigned int raw = stage0 + (kt % RAW_STAGES) * RAW_BYTES;
+                const int k = kb + kt * BK;
+                ca0.load(raw, k, kb, ke);
+                ca1.load(raw, k, kb, ke);
+                cb0.load(raw + TILE_BYTES, k, kb, ke);
+                cb1.load(raw + TILE_BYTES, k, kb, ke);
+            }
+            dt_cp_async_commit();
+        };
+        copy(0);
+        copy(1);
+        for (int kt = 0; kt < tiles; ++kt) {
+            dt_cp_async_wait<1>();  // this thread's copies of tile kt
+            // Every producer thread's copies of tile kt have landed, and every one
+            // has converted tile kt - 1, so its raw stage is free for tile kt + 2.
+            named_sync(BAR_PRODUCER, 128);
+            copy(kt + 2);
+            if (kt >= 2) named_sync(BAR_EMPTY + (kt & 1), BACKWARD_THREADS);  // the consumers are done with tile kt - 2
+            const unsigned int a_raw = stage0 + (kt % RAW_STAGES) * RAW_BYTES, b_raw = a_raw + TILE_BYTES;
+            const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
+            const unsigned int a_big = set, a_small = set + TILE_BYTES;
+            const unsigned int b_big = set + 2 * TILE_BYTES, b_small = set + 3 * TILE_BYTES;
+#define DT_CONVERT_QUARTER(Q, H, T)                                            \
+    va.template step<Q>(a_raw, a_big, a_small, sum_rows, rows[H], T);          \
+    vb.template step<Q>(b_raw, b_big, b_small, false, rows[H], T);
+            // Thread t0's half, then t1's: one pair of converters holds its loads.
+            DT_CONVERT_QUARTER(0, 0, t0)
+            DT_CONVERT_QUARTER(1, 0, t0)
+            DT_CONVERT_QUARTER(2, 0, t0)
+            DT_CONVERT_QUARTER(3, 0, t0)
+            DT_CONVERT_QUARTER(0, 1, t1)
+            DT_CONVERT_QUARTER(1, 1, t1)
+            DT_CONVERT_QUARTER(2, 1, t1)
+            DT_CONVERT_QUARTER(3, 1, t1)
+#undef DT_CONVERT_QUARTER
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
+            named_arrive(BAR_FULL + (kt & 1), BACKWARD_THREADS);
+        }
+        dt_cp_async_wait<0>();  // the empty groups
     }
-    if (tiles > 0) {  // tile 0 into set 0
-        dt_cp_async_wait<RAW_STAGES - 1>();
-        __syncthreads();
-        const unsigned int a_raw = stage0, b_raw = stage0 + TILE_BYTES;
-        const unsigned int a_big = smem0, a_small = a_big + TILE_BYTES;
-        const unsigned int b_big = smem0 + 2 * TILE_BYTES, b_small = b_big + TILE_BYTES;
-        va.template step<0>(a_raw, a_big, a_small, sum_rows, rows);
-        vb.template step<0>(b_raw, b_big, b_small, false, rows);
-        va.template step<1>(a_raw, a_big, a_small, sum_rows, rows);
-        vb.template step<1>(b_raw, b_big, b_small, false, rows);
-        va.template step<2>(a_raw, a_big, a_small, sum_rows, rows);
-        vb.template step<2>(b_raw, b_big, b_small, false, rows);
-        va.template step<3>(a_raw, a_big, a_small, sum_rows, rows);
-        vb.template step<3>(b_raw, b_big, b_small, false, rows);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
-        dt_cp_async_wait<RAW_STAGES - 2>();  // and tile 1 landed
-        __syncthreads();
-    }
-    // Iteration kt issues the MMAs of tile kt, and between each 8-deep step's three
-    // MMAs (whose issue stalls while the tensor cores are busy) converts a quarter
-    // of raw tile kt + 1 into the other set and queues a quarter of the copies of
-    // tile kt + 3 into the raw stage tile kt left. One barrier per tile.
-    for (int kt = 0; kt < tiles; ++kt) {
-        const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
-        const unsigned int a_big = set + wg * 64 * 128, a_small = a_big + TILE_BYTES;  // this warpgroup's 64 rows
-        const unsigned int b_big = set + 2 * TILE_BYTES, b_small = set + 3 * TILE_BYTES;
-        const bool convert = kt + 1 < tiles, copy = kt + RAW_STAGES < tiles;
-        const unsigned int a_raw = stage0 + ((kt + 1) % RAW_STAGES) * RAW_BYTES, b_raw = a_raw + TILE_BYTES;
-        const unsigned int next = smem0 + ((kt + 1) & 1) * SET_BYTES;
-        const unsigned int na_big = next, na_small = next + TILE_BYTES;
-        const unsigned int nb_big = next + 2 * TILE_BYTES, nb_small = next + 3 * TILE_BYTES;
-        const unsigned int refill = stage0 + (kt % RAW_STAGES) * RAW_BYTES;
-        const int k_copy = kb + (kt + RAW_STAGES) * BK;
-        fence_accumulators(part);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#define DT_BACKWARD_STEP(KK)                                                                            \
-    {                                                                                                   \
-        if (KK == 0) wgmma_m64n128k8<0>(part, descriptor(a_small), descriptor(b_big));                  \
-        else wgmma_m64n128k8(part, descriptor(a_small + KK * 32), descriptor(b_big + KK * 32));          \
-        wgmma_m64n128k8(part, descriptor(a_big + KK * 32), descriptor(b_small + KK * 32));               \
-        wgmma_m64n128k8(part, descriptor(a_big + KK * 32), descriptor(b_big + KK * 32));                 \
-        if (copy) {                                                                                     \
-            ca.load(refill, k_copy, kb, ke, KK, 1);                                                     \
-            cb.load(refill + TILE_BYTES, k_copy, kb, ke, KK, 1);                                        \
-        }                                                                                               \
-        if (convert) {                                                                                  \
-            va.template step<KK>(a_raw, na_big, na_small, sum_rows, rows);                              \
-            vb.template step<KK>(b_raw, nb_big, nb_small, false, rows);                                 \
-        }                                                                                               \
-    }
-        // Per 8 deep, small terms first: they are the ones rounding would lose.
-        DT_BACKWARD_STEP(0)
-        DT_BACKWARD_STEP(1)
-        DT_BACKWARD_STEP(2)
-        DT_BACKWARD_STEP(3)
-#undef DT_BACKWARD_STEP
-        static_assert(BK / 8 == 4 && PER_THREAD == 4, "four steps, one copy piece and one conversion quarter each");
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        dt_cp_async_commit();
-        if (convert) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        fence_accumulators(part);
-#pragma unroll
-        for (int q = 0; q < ACC; ++q) acc[q] += part[q];
-        dt_cp_async_wait<RAW_STAGES - 2>();  // this thread's copies of tile kt + 2
-        // Set kt + 1 is complete, set kt is free (every warpgroup's MMAs of tile kt
-        // are done), and raw tile kt + 2 has landed.
-        __syncthreads();
-    }
-    dt_cp_async_wait<0>();
     dt_allow_dependents();
 
-    // db: the 8 threads of each row (one per kg) add their sums in kg order.
+    // db: the 8 threads of each row (one per kg) add their sums in kg order. The
+    // stage overlaps the sets: the first barrier waits for the consumers' last MMAs.
     float row_sum = 0.0f;
-    if (!A_KFAST && sums) {
+    if (sum_rows) {
         float* red = su.stage();
-        const int warp = tid / 32, lane = tid % 32;
-        const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
+        __syncthreads();
+        if (wg == 2) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) red[kg * BM + 4 * rg + c] = rows[c];
+            for (int h = 0; h < 2; ++h) {
+                const int t = tid - 2 * 128 + 128 * h, warp = t / 32, lane = t % 32;
+                const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
+#pragma unroll
+                for (int c = 0; c < 4; ++c) red[kg * BM + 4 * rg + c] = rows[h][c];
+            }
+        }
         __syncthreads();
         if (tid < BM)
             for (int g = 0; g < 8; ++g) row_sum += red[g * BM + tid];
     }
-    finish_tile<EPI>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N,
-                     nullptr, mask, ldm, col_sum, workspace, counters);
+    finish_tile<EPI, BACKWARD_THREADS>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N,
+                                       nullptr, mask, ldm, col_sum, workspace, counters);
 }
 
 }  // namespace
@@ -730,7 +763,7 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
 // workspace floats for the row sums. Dynamic shared memory: BACKWARD_SHARED_BYTES
 // (225 KB).
 #define DT_WGMMA_BACKWARD(NAME, A_KFAST, B_KFAST, EPI)                                                       \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                               \
+    extern "C" __global__ void __launch_bounds__(DT_BACKWARD_THREADS, 1) NAME(                               \
             const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \
             const float* bias, const float* mask, int ldm, float* col_sum, float* workspace,                 \
             unsigned int* counters, const int* gate) {                                                      \
