@@ -51,8 +51,8 @@
 #define DT_WGMMA 1
 #endif
 
-// The backward's block: two consumer warpgroups and a producer (backward() below).
-#define DT_BACKWARD_THREADS 384
+// The grad-input backward's block: two consumer warpgroups and a producer (grad_input_ws below).
+#define DT_GRAD_INPUT_THREADS 384
 
 #if DT_WGMMA
 namespace {
@@ -573,39 +573,14 @@ constexpr unsigned int TILE_BYTES = TILE_FLOATS * 4, SET_BYTES = 4 * TILE_BYTES,
 constexpr int RAW_STAGES = 3;
 constexpr unsigned int BACKWARD_SHARED_BYTES = 2 * SET_BYTES + RAW_STAGES * RAW_BYTES + 1024;
 
-// The backward's block: two consumer warpgroups, which only issue the MMAs and
-// hold the accumulators (threads 0-255, laid out as the forward's), and one
-// producer warpgroup (threads 256-383), which copies the raw tiles and converts
-// them into TF32 parts. Each producer thread does the copies and the conversion
-// of two of the 256 threads of the layouts above (t and t + 128).
-constexpr int BACKWARD_THREADS = THREADS + 128;
-static_assert(BACKWARD_THREADS == DT_BACKWARD_THREADS, "the kernels' launch bounds");
-// Named barriers (0 is __syncthreads): the producer warpgroup's own; set s
-// converted (the producer arrives, the consumers wait); set s read (the consumers
-// arrive, the producer waits).
-constexpr int BAR_PRODUCER = 1, BAR_FULL = 2, BAR_EMPTY = 4;
-
-__device__ __forceinline__ void named_sync(int id, int count) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int count) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
 // C = A B in 3xTF32 with the epilogue EPI: A(i, k) and B(k, j) in the layouts
-// A_KFAST, B_KFAST name (gemm.cu's header). The producer warpgroup runs the
-// copies two tiles ahead of its conversion (three raw stages) and converts tile
-// kt into set kt % 2 once the consumers have finished tile kt - 2 there; the
-// consumers issue each tile's MMAs as soon as its set is converted. Each k tile's
-// 12 MMAs per consumer warpgroup (small A big B, big A small B, big A big B per
-// 8 deep) sum into a fresh fragment (scale-d 0 first) that is added to the FP32
-// accumulators once the group is done: the tensor cores do not round their
-// running sums to nearest, so the error would otherwise grow with k.
-// `sums` (grad-weight, grid column 0): row sums of A (db) as well, which the
-// producer adds up as it converts A.
-// (With every warp doing both jobs, an MMA issue that waited on busy tensor cores
-// held up that warp's share of the conversion: 1.59 us a k tile on the H200
-// against 0.85 for the MMAs alone and 1.1 for the copies and conversion alone.)
+// A_KFAST, B_KFAST name (gemm.cu's header). The threads convert k tile kt + 1
+// into one set while the MMAs of tile kt read the other, and the copies run
+// three tiles ahead of the MMAs. Each k tile's 12 MMAs per warpgroup (small A big B, big A small
+// B, big A big B per 8 deep) sum into a fresh fragment (scale-d 0 first) that is
+// added to the FP32 accumulators once the group is done: the tensor cores do not
+// round their running sums to nearest, so the error would otherwise grow with k.
+// `sums` (grad-weight, grid column 0): row sums of A (db) as well.
 template <bool A_KFAST, bool B_KFAST, int EPI>
 __device__ __forceinline__ void backward(const float* A, int lda, const float* B, int ldb, float* C, int ldc,
                                          int M, int N, int K, const float* mask, int ldm, float* col_sum,
@@ -615,53 +590,296 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
     const unsigned int smem0 = su.smem0, stage0 = smem0 + 2 * SET_BYTES;
     const int kb = su.kb, ke = su.ke, tiles = su.tiles;
     const int tid = threadIdx.x, wg = tid / 128;
+    const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const bool sums = EPI == EPI_NONE && col_sum != nullptr && blockIdx.x == 0;
+
+    const Copies<A_KFAST> ca(A, lda, i0, M, kb, tid);
+    const Copies<B_KFAST> cb(B, ldb, j0, N, kb, tid);
+    Converter<A_KFAST> va;
+    Converter<B_KFAST> vb;
+    float acc[ACC], part[ACC], rows[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
     const bool sum_rows = !A_KFAST && sums;
+
+    // Every thread commits one copy group per k tile slot, empty or not, so the
+    // wait counts stay uniform.
+#pragma unroll
+    for (int s = 0; s < RAW_STAGES; ++s) {
+        if (s < tiles) {
+            ca.load(stage0 + s * RAW_BYTES, kb + s * BK, kb, ke);
+            cb.load(stage0 + s * RAW_BYTES + TILE_BYTES, kb + s * BK, kb, ke);
+        }
+        dt_cp_async_commit();
+    }
+    if (tiles > 0) {  // tile 0 into set 0
+        dt_cp_async_wait<RAW_STAGES - 1>();
+        __syncthreads();
+        const unsigned int a_raw = stage0, b_raw = stage0 + TILE_BYTES;
+        const unsigned int a_big = smem0, a_small = a_big + TILE_BYTES;
+        const unsigned int b_big = smem0 + 2 * TILE_BYTES, b_small = b_big + TILE_BYTES;
+        va.template step<0>(a_raw, a_big, a_small, sum_rows, rows, tid);
+        vb.template step<0>(b_raw, b_big, b_small, false, rows, tid);
+        va.template step<1>(a_raw, a_big, a_small, sum_rows, rows, tid);
+        vb.template step<1>(b_raw, b_big, b_small, false, rows, tid);
+        va.template step<2>(a_raw, a_big, a_small, sum_rows, rows, tid);
+        vb.template step<2>(b_raw, b_big, b_small, false, rows, tid);
+        va.template step<3>(a_raw, a_big, a_small, sum_rows, rows, tid);
+        vb.template step<3>(b_raw, b_big, b_small, false, rows, tid);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
+        dt_cp_async_wait<RAW_STAGES - 2>();  // and tile 1 landed
+        __syncthreads();
+    }
+    // Iteration kt issues the MMAs of tile kt, and between each 8-deep step's three
+    // MMAs (whose issue stalls while the tensor cores are busy) converts a quarter
+    // of raw tile kt + 1 into the other set and queues a quarter of the copies of
+    // tile kt + 3 into the raw stage tile kt left. One barrier per tile.
+    for (int kt = 0; kt < tiles; ++kt) {
+        const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
+        const unsigned int a_big = set + wg * 64 * 128, a_small = a_big + TILE_BYTES;  // this warpgroup's 64 rows
+        const unsigned int b_big = set + 2 * TILE_BYTES, b_small = set + 3 * TILE_BYTES;
+        const bool convert = kt + 1 < tiles, copy = kt + RAW_STAGES < tiles;
+        const unsigned int a_raw = stage0 + ((kt + 1) % RAW_STAGES) * RAW_BYTES, b_raw = a_raw + TILE_BYTES;
+        const unsigned int next = smem0 + ((kt + 1) & 1) * SET_BYTES;
+        const unsigned int na_big = next, na_small = next + TILE_BYTES;
+        const unsigned int nb_big = next + 2 * TILE_BYTES, nb_small = next + 3 * TILE_BYTES;
+        const unsigned int refill = stage0 + (kt % RAW_STAGES) * RAW_BYTES;
+        const int k_copy = kb + (kt + RAW_STAGES) * BK;
+        fence_accumulators(part);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#define DT_BACKWARD_STEP(KK)                                                                            \
+    {                                                                                                   \
+        if (KK == 0) wgmma_m64n128k8<0>(part, descriptor(a_small), descriptor(b_big));                  \
+        else wgmma_m64n128k8(part, descriptor(a_small + KK * 32), descriptor(b_big + KK * 32));          \
+        wgmma_m64n128k8(part, descriptor(a_big + KK * 32), descriptor(b_small + KK * 32));               \
+        wgmma_m64n128k8(part, descriptor(a_big + KK * 32), descriptor(b_big + KK * 32));                 \
+        if (copy) {                                                                                     \
+            ca.load(refill, k_copy, kb, ke, KK, 1);                                                     \
+            cb.load(refill + TILE_BYTES, k_copy, kb, ke, KK, 1);                                        \
+        }                                                                                               \
+        if (convert) {                                                                                  \
+            va.template step<KK>(a_raw, na_big, na_small, sum_rows, rows, tid);                              \
+            vb.template step<KK>(b_raw, nb_big, nb_small, false, rows, tid);                                 \
+        }                                                                                               \
+    }
+        // Per 8 deep, small terms first: they are the ones rounding would lose.
+        DT_BACKWARD_STEP(0)
+        DT_BACKWARD_STEP(1)
+        DT_BACKWARD_STEP(2)
+        DT_BACKWARD_STEP(3)
+#undef DT_BACKWARD_STEP
+        static_assert(BK / 8 == 4 && PER_THREAD == 4, "four steps, one copy piece and one conversion quarter each");
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        dt_cp_async_commit();
+        if (convert) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_accumulators(part);
+#pragma unroll
+        for (int q = 0; q < ACC; ++q) acc[q] += part[q];
+        dt_cp_async_wait<RAW_STAGES - 2>();  // this thread's copies of tile kt + 2
+        // Set kt + 1 is complete, set kt is free (every warpgroup's MMAs of tile kt
+        // are done), and raw tile kt + 2 has landed.
+        __syncthreads();
+    }
+    dt_cp_async_wait<0>();
+    dt_allow_dependents();
+
+    // db: the 8 threads of each row (one per kg) add their sums in kg order.
+    float row_sum = 0.0f;
+    if (!A_KFAST && sums) {
+        float* red = su.stage();
+        const int warp = tid / 32, lane = tid % 32;
+        const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) red[kg * BM + 4 * rg + c] = rows[c];
+        __syncthreads();
+        if (tid < BM)
+            for (int g = 0; g < 8; ++g) row_sum += red[g * BM + tid];
+    }
+    finish_tile<EPI>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N,
+                     nullptr, mask, ldm, col_sum, workspace, counters);
+}
+
+// The grad-input product dX = (dY W) * mask (A = dY k-fast, B = W row-fast) in
+// three warpgroups. The two consumers each copy their own 64 rows of A with
+// cp.async (three tiles ahead, four stages), read them into registers, split them
+// there, and issue the MMAs with A from registers; the producer warpgroup (threads
+// 256-383) copies B and converts it into TF32 parts. So A's parts are never stored
+// to shared memory, nor read back by the MMAs: per k tile, 80 KB of the 272 KB that
+// backward() moves through shared memory, which is what bounds it.
+// Named barriers hand B's sets over: the producer arrives when set kt % 2 holds tile
+// kt, the consumers when they are done with it. The MMAs, their order and operands,
+// the fresh fragment per k tile: as backward(), so the same bits.
+constexpr int WS_THREADS = THREADS + 128;
+static_assert(WS_THREADS == DT_GRAD_INPUT_THREADS, "the kernel's launch bounds");
+constexpr int A_STAGES = 4, A_LEAD = 3;  // a consumer's A copies: tile kt + 3 goes where tile kt - 1 was
+constexpr unsigned int A_STAGE_BYTES = 64 * BK * 4;  // 64 rows of one k tile
+constexpr unsigned int WS_SET_BYTES = 2 * TILE_BYTES;  // B big, B small
+constexpr unsigned int WS_SHARED_BYTES =
+    2 * WS_SET_BYTES + RAW_STAGES * TILE_BYTES + 2 * A_STAGES * A_STAGE_BYTES + 1024;
+// Registers: 384 threads start with 168 each (the epilogue's budget, which every
+// thread runs); in the k loop the consumers take 200 and the producer keeps 104
+// (2 x 128 x 200 + 128 x 104 = 384 x 168).
+constexpr int START_REGISTERS = 168, CONSUMER_REGISTERS = 200, PRODUCER_REGISTERS = 104;
+static_assert(2 * 128 * CONSUMER_REGISTERS + 128 * PRODUCER_REGISTERS <= WS_THREADS * START_REGISTERS,
+              "the register file");
+// Named barriers (0 is __syncthreads): the producer's own, each consumer's own,
+// set s converted, set s read.
+constexpr int BAR_PRODUCER = 1, BAR_CONSUMER = 2, BAR_FULL = 4, BAR_EMPTY = 6;
+
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// d (+)= A B for one 64 x 128 x 8 step with A from registers: this thread's
+// fragment a[0..3] = A(16 warp + g, t), A(16 warp + g + 8, t), A(16 warp + g, t + 4),
+// A(16 warp + g + 8, t + 4) (g = lane / 4, t = lane % 4, warp within the warpgroup).
+template <int ACCUMULATE = 1>
+__device__ __forceinline__ void wgmma_m64n128k8_ra(float (&d)[ACC], const unsigned int (&a)[4],
+                                                   unsigned long long b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %69, 0;\n"  // scale-d
+        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+          "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+          "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
+          "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
+          "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE));
+}
+
+// A consumer thread's share of its warpgroup's 64 rows of an A k tile: pieces
+// q = ct + 128 i (i < 4, ct the thread within the warpgroup), row q / 8 = ct / 8 +
+// 16 i, chunk ct % 8, in the 128-byte swizzle (Pieces' layout, 64 rows).
+struct HalfPieces {
+    const float* src;   // piece 0 in the split's first k tile; piece i is 16 i rows on
+    const float* base;  // a valid address for the zero-filling copies
+    long long step;     // 16 rows
+    unsigned int dst;   // piece 0's byte offset; piece i is 2048 i further
+    int row_ok, depth;
+
+    __device__ __forceinline__ HalfPieces(const float* A, int lda, int row0, int rows, int k_begin, int ct) {
+        const int row = ct / 8, chunk = ct % 8;
+        depth = 4 * chunk;
+        dst = 128u * row + 16u * (chunk ^ (row & 7));
+        row_ok = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) row_ok |= (row0 + row + 16 * i < rows) << i;
+        base = A;
+        step = 16ll * lda;
+        src = A + (long long)(row0 + row < rows ? row0 + row : 0) * lda + k_begin + depth;
+    }
+
+    // Queue the copies of the k tile at depth k into the tile at shared byte
+    // address `tile`; depths at or past k_end and rows past the matrix are zero-filled.
+    __device__ __forceinline__ void load(unsigned int tile, int k, int k_begin, int k_end) const {
+        const int bytes = 4 * max(0, min(4, k_end - k - depth));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int b = (row_ok >> i & 1) ? bytes : 0;
+            dt_cp_async16(tile + dst + 2048u * i, b ? src + i * step + (k - k_begin) : base, b);
+        }
+    }
+};
+
+template <int EPI>
+__device__ __forceinline__ void grad_input_ws(const float* A, int lda, const float* B, int ldb, float* C, int ldc,
+                                              int M, int N, int K, const float* mask, int ldm, float* workspace,
+                                              unsigned int* counters) {
+    extern __shared__ __align__(128) char smem_raw[];
+    const Setup su(smem_raw, WS_SHARED_BYTES, K);
+    const unsigned int smem0 = su.smem0, b_raw0 = smem0 + 2 * WS_SET_BYTES;
+    const unsigned int a_raw0 = b_raw0 + RAW_STAGES * TILE_BYTES;
+    const int kb = su.kb, ke = su.ke, tiles = su.tiles;
+    const int tid = threadIdx.x, wg = tid / 128;
+    const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     // The consumers' accumulators; the producer never sets them (finish_tile
     // reads only the consumers'), so they take none of its registers.
     float acc[ACC];
-    float rows[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};  // the producer's, for db
 
     if (wg < 2) {  // a consumer warpgroup: its 64 rows of the tile
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGISTERS));
 #pragma unroll
         for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
+        const int ct = tid % 128, lane = tid % 32, warp = ct / 32, g = lane / 4, t = lane % 4;
+        const HalfPieces pa(A, lda, i0 + 64 * wg, M, kb, ct);
+        const unsigned int a_raw = a_raw0 + wg * A_STAGES * A_STAGE_BYTES;
+        const auto copy = [&](int kt) {  // this warpgroup's rows of tile kt; one commit group either way
+            if (kt < tiles) pa.load(a_raw + (kt % A_STAGES) * A_STAGE_BYTES, kb + kt * BK, kb, ke);
+            dt_cp_async_commit();
+        };
+        // This thread's fragment elements of a tile: rows r and r + 8 (r % 8 = g in
+        // the swizzle), depths 8 kk + t and 8 kk + t + 4 (chunks 2 kk and 2 kk + 1):
+        // free of bank conflicts, the 4 lanes of a g reading one chunk, the 8 g
+        // eight different chunk positions.
+        const unsigned int r = 16 * warp + g, frag = 128u * r + 4u * t;
+#pragma unroll
+        for (int s = 0; s < A_LEAD; ++s) copy(s);
         float part[ACC];
         for (int kt = 0; kt < tiles; ++kt) {
-            const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
-            const unsigned int a_big = set + wg * 64 * 128, a_small = a_big + TILE_BYTES;
-            const unsigned int b_big = set + 2 * TILE_BYTES, b_small = set + 3 * TILE_BYTES;
-            named_sync(BAR_FULL + (kt & 1), BACKWARD_THREADS);  // set kt % 2 holds tile kt
+            dt_cp_async_wait<A_LEAD - 1>();      // this thread's copies of tile kt
+            named_sync(BAR_CONSUMER + wg, 128);  // everyone's; and everyone has read tile kt - 1
+            copy(kt + A_LEAD);
+            const unsigned int at = a_raw + (kt % A_STAGES) * A_STAGE_BYTES + frag;
+            unsigned int big[BK / 8][4], small[BK / 8][4];
+#pragma unroll
+            for (int kk = 0; kk < BK / 8; ++kk) {
+                const unsigned int lo = at + 16u * ((2 * kk) ^ g), hi = at + 16u * ((2 * kk + 1) ^ g);
+                float x[4];
+                asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[0]) : "r"(lo));
+                asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[1]) : "r"(lo + 8u * 128u));
+                asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[2]) : "r"(hi));
+                asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[3]) : "r"(hi + 8u * 128u));
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dt_tf32_split<true>(x[e], big[kk][e], small[kk][e]);
+            }
+            const unsigned int set = smem0 + (kt & 1) * WS_SET_BYTES;
+            const unsigned int b_big = set, b_small = set + TILE_BYTES;
+            named_sync(BAR_FULL + (kt & 1), WS_THREADS);  // set kt % 2 holds B's tile kt
             fence_accumulators(part);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
             for (int kk = 0; kk < BK / 8; ++kk) {  // per 8 deep, small terms first: rounding would lose them
-                if (kk == 0) wgmma_m64n128k8<0>(part, descriptor(a_small), descriptor(b_big));
-                else wgmma_m64n128k8(part, descriptor(a_small + kk * 32), descriptor(b_big + kk * 32));
-                wgmma_m64n128k8(part, descriptor(a_big + kk * 32), descriptor(b_small + kk * 32));
-                wgmma_m64n128k8(part, descriptor(a_big + kk * 32), descriptor(b_big + kk * 32));
+                if (kk == 0) wgmma_m64n128k8_ra<0>(part, small[0], descriptor(b_big));
+                else wgmma_m64n128k8_ra(part, small[kk], descriptor(b_big + kk * 32));
+                wgmma_m64n128k8_ra(part, big[kk], descriptor(b_small + kk * 32));
+                wgmma_m64n128k8_ra(part, big[kk], descriptor(b_big + kk * 32));
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             fence_accumulators(part);
-            if (kt + 2 < tiles) named_arrive(BAR_EMPTY + (kt & 1), BACKWARD_THREADS);  // the producer's tile kt + 2
+            if (kt + 2 < tiles) named_arrive(BAR_EMPTY + (kt & 1), WS_THREADS);  // the producer's tile kt + 2
 #pragma unroll
             for (int q = 0; q < ACC; ++q) acc[q] += part[q];
         }
-    } else {  // the producer warpgroup: threads t and t + 128 of the copy and conversion layouts
+        dt_cp_async_wait<0>();  // the empty groups
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(START_REGISTERS));
+    } else {  // the producer warpgroup: B, as threads t and t + 128 of the copy and conversion layouts
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGISTERS));
         const int t0 = tid - 2 * 128, t1 = t0 + 128;
-        const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
-        const Copies<A_KFAST> ca0(A, lda, i0, M, kb, t0), ca1(A, lda, i0, M, kb, t1);
-        const Copies<B_KFAST> cb0(B, ldb, j0, N, kb, t0), cb1(B, ldb, j0, N, kb, t1);
-        Converter<A_KFAST> va;
-        Converter<B_KFAST> vb;
+        const Copies<false> cb0(B, ldb, j0, N, kb, t0), cb1(B, ldb, j0, N, kb, t1);
+        Converter<false> vb;
+        float unused[4];
         const auto copy = [&](int kt) {  // tile kt into its raw stage; one commit group either way
             if (kt < tiles) {
-                const unsigned int raw = stage0 + (kt % RAW_STAGES) * RAW_BYTES;
-                const int k = kb + kt * BK;
-                ca0.load(raw, k, kb, ke);
-                ca1.load(raw, k, kb, ke);
-                cb0.load(raw + TILE_BYTES, k, kb, ke);
-                cb1.load(raw + TILE_BYTES, k, kb, ke);
+                const unsigned int raw = b_raw0 + (kt % RAW_STAGES) * TILE_BYTES;
+                cb0.load(raw, kb + kt * BK, kb, ke);
+                cb1.load(raw, kb + kt * BK, kb, ke);
             }
             dt_cp_async_commit();
         };
@@ -673,52 +891,26 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
             // has converted tile kt - 1, so its raw stage is free for tile kt + 2.
             named_sync(BAR_PRODUCER, 128);
             copy(kt + 2);
-            if (kt >= 2) named_sync(BAR_EMPTY + (kt & 1), BACKWARD_THREADS);  // the consumers are done with tile kt - 2
-            const unsigned int a_raw = stage0 + (kt % RAW_STAGES) * RAW_BYTES, b_raw = a_raw + TILE_BYTES;
-            const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
-            const unsigned int a_big = set, a_small = set + TILE_BYTES;
-            const unsigned int b_big = set + 2 * TILE_BYTES, b_small = set + 3 * TILE_BYTES;
-#define DT_CONVERT_QUARTER(Q, H, T)                                            \
-    va.template step<Q>(a_raw, a_big, a_small, sum_rows, rows[H], T);          \
-    vb.template step<Q>(b_raw, b_big, b_small, false, rows[H], T);
-            // Thread t0's half, then t1's: one pair of converters holds its loads.
-            DT_CONVERT_QUARTER(0, 0, t0)
-            DT_CONVERT_QUARTER(1, 0, t0)
-            DT_CONVERT_QUARTER(2, 0, t0)
-            DT_CONVERT_QUARTER(3, 0, t0)
-            DT_CONVERT_QUARTER(0, 1, t1)
-            DT_CONVERT_QUARTER(1, 1, t1)
-            DT_CONVERT_QUARTER(2, 1, t1)
-            DT_CONVERT_QUARTER(3, 1, t1)
-#undef DT_CONVERT_QUARTER
+            if (kt >= 2) named_sync(BAR_EMPTY + (kt & 1), WS_THREADS);  // the consumers are done with tile kt - 2
+            const unsigned int raw = b_raw0 + (kt % RAW_STAGES) * TILE_BYTES;
+            const unsigned int big = smem0 + (kt & 1) * WS_SET_BYTES, small = big + TILE_BYTES;
+            vb.template step<0>(raw, big, small, false, unused, t0);
+            vb.template step<1>(raw, big, small, false, unused, t0);
+            vb.template step<2>(raw, big, small, false, unused, t0);
+            vb.template step<3>(raw, big, small, false, unused, t0);
+            vb.template step<0>(raw, big, small, false, unused, t1);
+            vb.template step<1>(raw, big, small, false, unused, t1);
+            vb.template step<2>(raw, big, small, false, unused, t1);
+            vb.template step<3>(raw, big, small, false, unused, t1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
-            named_arrive(BAR_FULL + (kt & 1), BACKWARD_THREADS);
+            named_arrive(BAR_FULL + (kt & 1), WS_THREADS);
         }
         dt_cp_async_wait<0>();  // the empty groups
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(START_REGISTERS));
     }
     dt_allow_dependents();
-
-    // db: the 8 threads of each row (one per kg) add their sums in kg order. The
-    // stage overlaps the sets: the first barrier waits for the consumers' last MMAs.
-    float row_sum = 0.0f;
-    if (sum_rows) {
-        float* red = su.stage();
-        __syncthreads();
-        if (wg == 2) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int t = tid - 2 * 128 + 128 * h, warp = t / 32, lane = t % 32;
-                const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
-#pragma unroll
-                for (int c = 0; c < 4; ++c) red[kg * BM + 4 * rg + c] = rows[h][c];
-            }
-        }
-        __syncthreads();
-        if (tid < BM)
-            for (int g = 0; g < 8; ++g) row_sum += red[g * BM + tid];
-    }
-    finish_tile<EPI, BACKWARD_THREADS>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N,
-                                       nullptr, mask, ldm, col_sum, workspace, counters);
+    finish_tile<EPI, WS_THREADS>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, nullptr, mask, ldm, nullptr,
+                                 workspace, counters);
 }
 
 }  // namespace
@@ -762,8 +954,8 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
 // Split as the forward; a launch without clusters needs gridDim.y * S * 128 more
 // workspace floats for the row sums. Dynamic shared memory: BACKWARD_SHARED_BYTES
 // (225 KB).
-#define DT_WGMMA_BACKWARD(NAME, A_KFAST, B_KFAST, EPI)                                                       \
-    extern "C" __global__ void __launch_bounds__(DT_BACKWARD_THREADS, 1) NAME(                               \
+#define DT_WGMMA_BACKWARD(NAME, A_KFAST, B_KFAST, EPI, BLOCK)                                                \
+    extern "C" __global__ void __launch_bounds__(BLOCK, 1) NAME(                                             \
             const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \
             const float* bias, const float* mask, int ldm, float* col_sum, float* workspace,                 \
             unsigned int* counters, const int* gate) {                                                      \
@@ -774,14 +966,15 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
     }
 
 #if DT_WGMMA
-#define DT_WGMMA_BACKWARD_BODY(A_KFAST, B_KFAST, EPI) \
-    backward<A_KFAST, B_KFAST, EPI>(A, lda, B, ldb, C, ldc, M, N, K, mask, ldm, col_sum, workspace, counters)
+#define DT_WGMMA_BACKWARD_BODY(A_KFAST, B_KFAST, EPI)                                                       \
+    if (A_KFAST) grad_input_ws<EPI>(A, lda, B, ldb, C, ldc, M, N, K, mask, ldm, workspace, counters);        \
+    else backward<A_KFAST, B_KFAST, EPI>(A, lda, B, ldb, C, ldc, M, N, K, mask, ldm, col_sum, workspace, counters)
 #else
 #define DT_WGMMA_BACKWARD_BODY(A_KFAST, B_KFAST, EPI) __trap()
 #endif
 
-DT_WGMMA_BACKWARD(linear_grad_input_wgmma_3xtf32, true, false, EPI_MASK)
-DT_WGMMA_BACKWARD(linear_grad_weight_wgmma_3xtf32, false, false, EPI_NONE)
+DT_WGMMA_BACKWARD(linear_grad_input_wgmma_3xtf32, true, false, EPI_MASK, DT_GRAD_INPUT_THREADS)
+DT_WGMMA_BACKWARD(linear_grad_weight_wgmma_3xtf32, false, false, EPI_NONE, 256)
 
 // ---------------------------------------------------------------- pre-split 3xTF32 backward
 // The backward above splits every operand tile into TF32 big and small parts in each
