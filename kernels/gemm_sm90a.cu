@@ -51,8 +51,8 @@
 #define DT_WGMMA 1
 #endif
 
-// The grad-input backward's block: two consumer warpgroups and a producer (grad_input_ws below).
-#define DT_GRAD_INPUT_THREADS 384
+// The backward's block: two consumer warpgroups and a producer (backward() below).
+#define DT_BACKWARD_THREADS 384
 
 #if DT_WGMMA
 namespace {
@@ -60,7 +60,6 @@ namespace {
 constexpr int BM = 128, BN = 128, BK = 32, THREADS = 256;
 constexpr int TILE_FLOATS = 128 * BK;                 // one operand's k tile
 constexpr int STAGE_FLOATS = 2 * TILE_FLOATS;         // A then B
-constexpr int PER_THREAD = TILE_FLOATS / 4 / THREADS; // 16-byte pieces per thread and operand tile: 4
 constexpr int ACC = BN / 2;                           // accumulators per thread: 64 x 128 / 128
 // The forward: 5 stages (measured on the H200, 512x1024x1024 in 3 clustered splits:
 // 4 stages 8.9 us, 5 stages 8.4, 6 stages 8.5), 3 k tiles copied ahead, one more in
@@ -104,44 +103,6 @@ __device__ __forceinline__ void wgmma_m64n128k8(float (&d)[ACC], unsigned long l
           "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(a), "l"(b), "n"(ACCUMULATE));
 }
-
-// The 16-byte pieces of one operand's k tile that thread `tid` (of THREADS) copies:
-// piece q = tid + 256 i (i < 4) is row q / 8, depth chunk q % 8, at byte 128 row +
-// 16 (chunk ^ row % 8) of the tile: a warp reads four whole 128-byte rows.
-struct Pieces {
-    const float* base;             // a valid address for the zero-filling copies
-    const float* src[PER_THREAD];  // piece i of this thread in the split's first k tile
-    unsigned int dst[PER_THREAD];  // its byte offset within a tile
-    int depth[PER_THREAD];         // its depth within a k tile
-    int row_ok, k0;                // bit i: the row of piece i is inside the matrix
-
-    __device__ __forceinline__ Pieces(const float* base_, int ld, int row0, int rows, int k_begin, int tid)
-        : base(base_), k0(k_begin) {
-        row_ok = 0;
-#pragma unroll
-        for (int i = 0; i < PER_THREAD; ++i) {
-            const int q = tid + THREADS * i, row = q / 8, chunk = q % 8, r = row0 + row;
-            dst[i] = 128u * row + 16u * (chunk ^ (row & 7));
-            depth[i] = 4 * chunk;
-            row_ok |= (r < rows) << i;
-            src[i] = base_ + (long long)(r < rows ? r : 0) * ld + k_begin + depth[i];
-        }
-    }
-
-    // Queue the copies of the k tile starting at depth k into the tile at shared
-    // byte address `tile`; depths at or past k_end are zero-filled.
-    // Pieces first .. first + count - 1 only, with `count` given.
-    __device__ __forceinline__ void load(unsigned int tile, int k, int k_end, int first = 0,
-                                         int count = PER_THREAD) const {
-#pragma unroll
-        for (int i = 0; i < PER_THREAD; ++i) {
-            if (i < first || i >= first + count) continue;
-            const int d = k + depth[i];
-            const int bytes = (row_ok >> i & 1) ? 4 * max(0, min(4, k_end - d)) : 0;
-            dt_cp_async16(tile + dst[i], bytes ? src[i] + (k - k0) : base, bytes);
-        }
-    }
-};
 
 // Keeps the compiler from moving any use of the accumulators across the
 // asynchronous MMAs' issue and wait (no instruction is emitted).
@@ -434,67 +395,50 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
 
 // ---------------------------------------------------------------- 3xTF32 backward
 // TF32 wgmma reads K-major operands only, and the backward's operands are not all
-// K-major (dX reads W, dW reads dY and X with the reduction dimension strided).
-// So each k tile travels in two steps: cp.async copies it as it lies into a raw
-// stage (three stages; iteration kt refills the stage of tile kt with tile kt + 3),
-// and then the threads split it into big
-// and small TF32 parts (tf32.cuh), transposing where needed, into the swizzled
-// K-major tiles the MMAs read (above).
+// K-major: dX = (dY W) * mask reads A = dY k-fast and B = W row-fast, dW = dY^T X
+// (with db) reads A = dY and B = X both row-fast. The products split every operand
+// into big and small TF32 parts (tf32.cuh) as they go: 3 MMAs per 8 deep.
+// A block is three warpgroups. The two consumers (threads 0-255, laid out as the
+// forward's) each copy their own 64 rows of A with cp.async (three tiles ahead,
+// four stages), read their MMA fragments from those raw tiles, split them in
+// registers, and issue the MMAs with A from registers. The producer (threads
+// 256-383) copies B as it lies into raw stages (two tiles ahead, three stages) and
+// converts it into big and small parts in the swizzled K-major layout the MMAs read
+// (above), transposing it. A's parts never touch shared memory. That matters because
+// shared memory bounds the loop: with A split in shared memory too, a k tile moved
+// 272 KB through it and took 1.59 us (dX on the H200, about 89 bytes a clock),
+// against 0.85 us for the MMAs alone; A from registers leaves 192 KB
+// (docs/perf-notes.md, twelfth pass).
 //
-// Raw stage of a k-fast operand (X(r, k) = X[r ld + k]): the MMA layout itself,
-// copied by Pieces. Raw stage of a row-fast operand (X(r, k) = X[r + k ld]): 32
-// lines of 128 rows (512 bytes) per depth, the 16-byte chunk c of line d at
-// 512 d + 16 (c ^ 2 (d / 4 % 4)), so that the conversion's reads below are free
-// of bank conflicts.
-struct RowPieces {
-    const float* base;
-    const float* src[PER_THREAD];  // piece i of this thread in the split's first k tile
-    unsigned int dst[PER_THREAD];  // its byte offset within a raw tile
-    int line[PER_THREAD];          // its depth within a k tile
-    int valid[PER_THREAD];         // bytes of it inside the matrix's rows
-    long long ld;
+// Raw stage of B (B(k, j) = B[j + k ld]): 32 lines of 128 columns (512 bytes) per
+// depth, the 16-byte chunk c of line d at 512 d + 16 (c ^ 2 (d / 4 % 4)), so that
+// the conversion's reads below are free of bank conflicts. The producer thread p
+// copies and converts as the two threads t = p and t = p + 128 of a 256-thread
+// layout: piece q = t + 256 i (i < 4) of a tile is line q / 32 = t / 32 + 8 i,
+// chunk c = t % 32 (columns 4 c .. 4 c + 3).
+struct RawB {
+    const float* src;   // piece 0 in the split's first k tile; piece i is 8 i lines on
+    const float* base;  // a valid address for the zero-filling copies
+    int ld, line, chunk, valid;  // valid: bytes of a piece inside the matrix's columns
 
-    __device__ __forceinline__ RowPieces(const float* base_, long long ld_, int row0, int rows, int k_begin,
-                                         int tid)
-        : base(base_), ld(ld_) {
+    __device__ __forceinline__ RawB(const float* B, int ldb, int col0, int cols, int k_begin, int t)
+        : base(B), ld(ldb) {
+        line = t / 32;
+        chunk = t % 32;
+        valid = 4 * max(0, min(4, cols - (col0 + 4 * chunk)));
+        src = B + (long long)(k_begin + line) * ldb + (valid ? col0 + 4 * chunk : 0);
+    }
+
+    // Queue the copies of the k tile at depth k into the raw tile at shared byte
+    // address `tile`; depths at or past k_end are zero-filled.
+    __device__ __forceinline__ void load(unsigned int tile, int k, int k_begin, int k_end) const {
 #pragma unroll
-        for (int i = 0; i < PER_THREAD; ++i) {
-            const int q = tid + THREADS * i, d = q / 32, c = q % 32, r = row0 + 4 * c;
-            line[i] = d;
-            dst[i] = 512u * d + 16u * (c ^ (2 * (d / 4 % 4)));
-            valid[i] = 4 * max(0, min(4, rows - r));
-            src[i] = base_ + (long long)(k_begin + d) * ld + (valid[i] ? r : 0);
+        for (int i = 0; i < 4; ++i) {
+            const int d = line + 8 * i, bytes = k + d < k_end ? valid : 0;
+            dt_cp_async16(tile + 512u * d + 16u * (chunk ^ (2 * (d / 4 % 4))),
+                          bytes ? src + (long long)(k - k_begin + 8 * i) * ld : base, bytes);
         }
     }
-
-    // Queue the copies of the k tile starting at depth k (tiles after the split's
-    // first are BK lines further on); depths at or past k_end are zero-filled.
-    __device__ __forceinline__ void load(unsigned int tile, int k, int k_begin, int k_end, int first = 0,
-                                         int count = PER_THREAD) const {
-#pragma unroll
-        for (int i = 0; i < PER_THREAD; ++i) {
-            if (i < first || i >= first + count) continue;
-            const int bytes = k + line[i] < k_end ? valid[i] : 0;
-            dt_cp_async16(tile + dst[i], bytes ? src[i] + (long long)(k - k_begin) * ld : base, bytes);
-        }
-    }
-};
-
-template <bool KFAST>
-struct Copies;
-template <>
-struct Copies<true> : Pieces {
-    __device__ __forceinline__ Copies(const float* base, int ld, int row0, int rows, int k_begin, int tid)
-        : Pieces(base, ld, row0, rows, k_begin, tid) {}
-    __device__ __forceinline__ void load(unsigned int tile, int k, int, int k_end, int first = 0,
-                                         int count = PER_THREAD) const {
-        Pieces::load(tile, k, k_end, first, count);
-    }
-};
-template <>
-struct Copies<false> : RowPieces {
-    __device__ __forceinline__ Copies(const float* base, int ld, int row0, int rows, int k_begin, int tid)
-        : RowPieces(base, ld, row0, rows, k_begin, tid) {}
 };
 
 __device__ __forceinline__ float4 lds4(unsigned int addr) {
@@ -517,211 +461,46 @@ __device__ __forceinline__ void store_split(unsigned int big, unsigned int small
                  : "memory");
 }
 
-// One operand's raw k tile into its big and small MMA tiles, in four quarters
-// (step<0> .. step<3>), so that the MMAs' issue can be interleaved with it.
-//   k-fast: quarter Q is piece Q of the thread (row q / 8, chunk q % 8 with q =
-//     tid + 256 Q), at the same offset in all three tiles.
-//   row-fast: a 4 x 4 block, rows 4 rg .. 4 rg + 3 at depths 4 kg .. 4 kg + 3, read
-//     as four 16-byte chunks (quarters 0 and 1) and written transposed as one
-//     chunk per row (quarters 2 and 3), with rg = 8 (warp % 4) + lane / 4 and
-//     kg = 4 (warp / 4) + lane % 4: every 8 consecutive lanes (one wavefront of a
-//     16-byte access) touch 8 different chunk positions, in the raw reads and in
-//     the swizzled stores. `rows` gets this thread's depths of its 4 rows added,
-//     in order (db).
-template <bool KFAST>
-struct Converter {
+// Thread t's share (t < 256) of converting B's raw tile at `raw` into its big and
+// small MMA tiles: a 4 x 4 block, columns 4 rg .. 4 rg + 3 at depths 4 kg .. 4 kg +
+// 3, read as four 16-byte chunks and written transposed as one chunk per column,
+// with rg = 8 (warp % 4) + lane / 4 and kg = 4 (warp / 4) + lane % 4 (warp = t / 32,
+// lane = t % 32): every 8 consecutive lanes (one wavefront of a 16-byte access)
+// touch 8 different chunk positions, in the raw reads and in the swizzled stores.
+__device__ __forceinline__ void convert_b(unsigned int raw, unsigned int big, unsigned int small, int t) {
+    const int warp = t / 32, lane = t % 32;
+    const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
     float4 x[4];
-
-    template <int Q>
-    __device__ __forceinline__ void step(unsigned int raw, unsigned int big, unsigned int small, bool sum_rows,
-                                         float (&rows)[4], int tid) {
-        if (KFAST) {
-            const int q = tid + THREADS * Q, row = q / 8, chunk = q % 8;
-            const unsigned int at = 128u * row + 16u * (chunk ^ (row & 7));
-            const float4 v = lds4(raw + at);
-            store_split(big, small, at, v.x, v.y, v.z, v.w);
-            return;
-        }
-        const int warp = tid / 32, lane = tid % 32;
-        const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
-        if (Q < 2) {
 #pragma unroll
-            for (int e = 2 * Q; e < 2 * Q + 2; ++e) x[e] = lds4(raw + 512u * (4 * kg + e) + 16u * (rg ^ (2 * (kg % 4))));
-            if (Q == 1 && sum_rows) {
+    for (int e = 0; e < 4; ++e) x[e] = lds4(raw + 512u * (4 * kg + e) + 16u * (rg ^ (2 * (kg % 4))));
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    rows[0] += x[e].x, rows[1] += x[e].y, rows[2] += x[e].z, rows[3] += x[e].w;
-            }
-            return;
-        }
-        const int r0 = 4 * rg + 2 * (Q - 2);
-        const unsigned int at0 = 128u * r0 + 16u * (kg ^ (r0 & 7));
-        const unsigned int at1 = 128u * (r0 + 1) + 16u * (kg ^ ((r0 + 1) & 7));
-        if (Q == 2) {
-            store_split(big, small, at0, x[0].x, x[1].x, x[2].x, x[3].x);
-            store_split(big, small, at1, x[0].y, x[1].y, x[2].y, x[3].y);
-        } else {
-            store_split(big, small, at0, x[0].z, x[1].z, x[2].z, x[3].z);
-            store_split(big, small, at1, x[0].w, x[1].w, x[2].w, x[3].w);
-        }
+    for (int h = 0; h < 4; ++h) {
+        const int r = 4 * rg + h;
+        const unsigned int at = 128u * r + 16u * (kg ^ (r & 7));
+        if (h == 0) store_split(big, small, at, x[0].x, x[1].x, x[2].x, x[3].x);
+        if (h == 1) store_split(big, small, at, x[0].y, x[1].y, x[2].y, x[3].y);
+        if (h == 2) store_split(big, small, at, x[0].z, x[1].z, x[2].z, x[3].z);
+        if (h == 3) store_split(big, small, at, x[0].w, x[1].w, x[2].w, x[3].w);
     }
-};
-
-// Shared memory of the backward: two sets of four MMA tiles (A big, A small, B
-// big, B small; 64 KB each), then three raw stages of A and B (32 KB each).
-constexpr unsigned int TILE_BYTES = TILE_FLOATS * 4, SET_BYTES = 4 * TILE_BYTES, RAW_BYTES = 2 * TILE_BYTES;
-constexpr int RAW_STAGES = 3;
-constexpr unsigned int BACKWARD_SHARED_BYTES = 2 * SET_BYTES + RAW_STAGES * RAW_BYTES + 1024;
-
-// C = A B in 3xTF32 with the epilogue EPI: A(i, k) and B(k, j) in the layouts
-// A_KFAST, B_KFAST name (gemm.cu's header). The threads convert k tile kt + 1
-// into one set while the MMAs of tile kt read the other, and the copies run
-// three tiles ahead of the MMAs. Each k tile's 12 MMAs per warpgroup (small A big B, big A small
-// B, big A big B per 8 deep) sum into a fresh fragment (scale-d 0 first) that is
-// added to the FP32 accumulators once the group is done: the tensor cores do not
-// round their running sums to nearest, so the error would otherwise grow with k.
-// `sums` (grad-weight, grid column 0): row sums of A (db) as well.
-template <bool A_KFAST, bool B_KFAST, int EPI>
-__device__ __forceinline__ void backward(const float* A, int lda, const float* B, int ldb, float* C, int ldc,
-                                         int M, int N, int K, const float* mask, int ldm, float* col_sum,
-                                         float* workspace, unsigned int* counters) {
-    extern __shared__ __align__(128) char smem_raw[];
-    const Setup su(smem_raw, BACKWARD_SHARED_BYTES, K);
-    const unsigned int smem0 = su.smem0, stage0 = smem0 + 2 * SET_BYTES;
-    const int kb = su.kb, ke = su.ke, tiles = su.tiles;
-    const int tid = threadIdx.x, wg = tid / 128;
-    const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
-    const bool sums = EPI == EPI_NONE && col_sum != nullptr && blockIdx.x == 0;
-
-    const Copies<A_KFAST> ca(A, lda, i0, M, kb, tid);
-    const Copies<B_KFAST> cb(B, ldb, j0, N, kb, tid);
-    Converter<A_KFAST> va;
-    Converter<B_KFAST> vb;
-    float acc[ACC], part[ACC], rows[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
-    const bool sum_rows = !A_KFAST && sums;
-
-    // Every thread commits one copy group per k tile slot, empty or not, so the
-    // wait counts stay uniform.
-#pragma unroll
-    for (int s = 0; s < RAW_STAGES; ++s) {
-        if (s < tiles) {
-            ca.load(stage0 + s * RAW_BYTES, kb + s * BK, kb, ke);
-            cb.load(stage0 + s * RAW_BYTES + TILE_BYTES, kb + s * BK, kb, ke);
-        }
-        dt_cp_async_commit();
-    }
-    if (tiles > 0) {  // tile 0 into set 0
-        dt_cp_async_wait<RAW_STAGES - 1>();
-        __syncthreads();
-        const unsigned int a_raw = stage0, b_raw = stage0 + TILE_BYTES;
-        const unsigned int a_big = smem0, a_small = a_big + TILE_BYTES;
-        const unsigned int b_big = smem0 + 2 * TILE_BYTES, b_small = b_big + TILE_BYTES;
-        va.template step<0>(a_raw, a_big, a_small, sum_rows, rows, tid);
-        vb.template step<0>(b_raw, b_big, b_small, false, rows, tid);
-        va.template step<1>(a_raw, a_big, a_small, sum_rows, rows, tid);
-        vb.template step<1>(b_raw, b_big, b_small, false, rows, tid);
-        va.template step<2>(a_raw, a_big, a_small, sum_rows, rows, tid);
-        vb.template step<2>(b_raw, b_big, b_small, false, rows, tid);
-        va.template step<3>(a_raw, a_big, a_small, sum_rows, rows, tid);
-        vb.template step<3>(b_raw, b_big, b_small, false, rows, tid);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
-        dt_cp_async_wait<RAW_STAGES - 2>();  // and tile 1 landed
-        __syncthreads();
-    }
-    // Iteration kt issues the MMAs of tile kt, and between each 8-deep step's three
-    // MMAs (whose issue stalls while the tensor cores are busy) converts a quarter
-    // of raw tile kt + 1 into the other set and queues a quarter of the copies of
-    // tile kt + 3 into the raw stage tile kt left. One barrier per tile.
-    for (int kt = 0; kt < tiles; ++kt) {
-        const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
-        const unsigned int a_big = set + wg * 64 * 128, a_small = a_big + TILE_BYTES;  // this warpgroup's 64 rows
-        const unsigned int b_big = set + 2 * TILE_BYTES, b_small = set + 3 * TILE_BYTES;
-        const bool convert = kt + 1 < tiles, copy = kt + RAW_STAGES < tiles;
-        const unsigned int a_raw = stage0 + ((kt + 1) % RAW_STAGES) * RAW_BYTES, b_raw = a_raw + TILE_BYTES;
-        const unsigned int next = smem0 + ((kt + 1) & 1) * SET_BYTES;
-        const unsigned int na_big = next, na_small = next + TILE_BYTES;
-        const unsigned int nb_big = next + 2 * TILE_BYTES, nb_small = next + 3 * TILE_BYTES;
-        const unsigned int refill = stage0 + (kt % RAW_STAGES) * RAW_BYTES;
-        const int k_copy = kb + (kt + RAW_STAGES) * BK;
-        fence_accumulators(part);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#define DT_BACKWARD_STEP(KK)                                                                            \
-    {                                                                                                   \
-        if (KK == 0) wgmma_m64n128k8<0>(part, descriptor(a_small), descriptor(b_big));                  \
-        else wgmma_m64n128k8(part, descriptor(a_small + KK * 32), descriptor(b_big + KK * 32));          \
-        wgmma_m64n128k8(part, descriptor(a_big + KK * 32), descriptor(b_small + KK * 32));               \
-        wgmma_m64n128k8(part, descriptor(a_big + KK * 32), descriptor(b_big + KK * 32));                 \
-        if (copy) {                                                                                     \
-            ca.load(refill, k_copy, kb, ke, KK, 1);                                                     \
-            cb.load(refill + TILE_BYTES, k_copy, kb, ke, KK, 1);                                        \
-        }                                                                                               \
-        if (convert) {                                                                                  \
-            va.template step<KK>(a_raw, na_big, na_small, sum_rows, rows, tid);                              \
-            vb.template step<KK>(b_raw, nb_big, nb_small, false, rows, tid);                                 \
-        }                                                                                               \
-    }
-        // Per 8 deep, small terms first: they are the ones rounding would lose.
-        DT_BACKWARD_STEP(0)
-        DT_BACKWARD_STEP(1)
-        DT_BACKWARD_STEP(2)
-        DT_BACKWARD_STEP(3)
-#undef DT_BACKWARD_STEP
-        static_assert(BK / 8 == 4 && PER_THREAD == 4, "four steps, one copy piece and one conversion quarter each");
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        dt_cp_async_commit();
-        if (convert) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        fence_accumulators(part);
-#pragma unroll
-        for (int q = 0; q < ACC; ++q) acc[q] += part[q];
-        dt_cp_async_wait<RAW_STAGES - 2>();  // this thread's copies of tile kt + 2
-        // Set kt + 1 is complete, set kt is free (every warpgroup's MMAs of tile kt
-        // are done), and raw tile kt + 2 has landed.
-        __syncthreads();
-    }
-    dt_cp_async_wait<0>();
-    dt_allow_dependents();
-
-    // db: the 8 threads of each row (one per kg) add their sums in kg order.
-    float row_sum = 0.0f;
-    if (!A_KFAST && sums) {
-        float* red = su.stage();
-        const int warp = tid / 32, lane = tid % 32;
-        const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) red[kg * BM + 4 * rg + c] = rows[c];
-        __syncthreads();
-        if (tid < BM)
-            for (int g = 0; g < 8; ++g) row_sum += red[g * BM + tid];
-    }
-    finish_tile<EPI>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N,
-                     nullptr, mask, ldm, col_sum, workspace, counters);
 }
 
-// The grad-input product dX = (dY W) * mask (A = dY k-fast, B = W row-fast) in
-// three warpgroups. The two consumers each copy their own 64 rows of A with
-// cp.async (three tiles ahead, four stages), read them into registers, split them
-// there, and issue the MMAs with A from registers; the producer warpgroup (threads
-// 256-383) copies B and converts it into TF32 parts. So A's parts are never stored
-// to shared memory, nor read back by the MMAs: per k tile, 80 KB of the 272 KB that
-// backward() moves through shared memory, which is what bounds it.
-// Named barriers hand B's sets over: the producer arrives when set kt % 2 holds tile
-// kt, the consumers when they are done with it. The MMAs, their order and operands,
-// the fresh fragment per k tile: as backward(), so the same bits.
-constexpr int WS_THREADS = THREADS + 128;
-static_assert(WS_THREADS == DT_GRAD_INPUT_THREADS, "the kernel's launch bounds");
+// Shared memory of the backward: two sets of B's MMA tiles (big, small; 32 KB a
+// set), three raw stages of B (16 KB each), and each consumer's four raw stages of
+// its 64 rows of A (8 KB each): 177 KB.
+constexpr unsigned int TILE_BYTES = TILE_FLOATS * 4;
+constexpr int RAW_STAGES = 3;
 constexpr int A_STAGES = 4, A_LEAD = 3;  // a consumer's A copies: tile kt + 3 goes where tile kt - 1 was
-constexpr unsigned int A_STAGE_BYTES = 64 * BK * 4;  // 64 rows of one k tile
-constexpr unsigned int WS_SET_BYTES = 2 * TILE_BYTES;  // B big, B small
-constexpr unsigned int WS_SHARED_BYTES =
-    2 * WS_SET_BYTES + RAW_STAGES * TILE_BYTES + 2 * A_STAGES * A_STAGE_BYTES + 1024;
+constexpr unsigned int A_STAGE_BYTES = 64 * BK * 4;
+constexpr unsigned int SET_BYTES = 2 * TILE_BYTES;
+constexpr unsigned int BACKWARD_SHARED_BYTES =
+    2 * SET_BYTES + RAW_STAGES * TILE_BYTES + 2 * A_STAGES * A_STAGE_BYTES + 1024;
+constexpr int BACKWARD_THREADS = THREADS + 128;
+static_assert(BACKWARD_THREADS == DT_BACKWARD_THREADS, "the kernels' launch bounds");
 // Registers: 384 threads start with 168 each (the epilogue's budget, which every
 // thread runs); in the k loop the consumers take 200 and the producer keeps 104
 // (2 x 128 x 200 + 128 x 104 = 384 x 168).
 constexpr int START_REGISTERS = 168, CONSUMER_REGISTERS = 200, PRODUCER_REGISTERS = 104;
-static_assert(2 * 128 * CONSUMER_REGISTERS + 128 * PRODUCER_REGISTERS <= WS_THREADS * START_REGISTERS,
+static_assert(2 * 128 * CONSUMER_REGISTERS + 128 * PRODUCER_REGISTERS <= BACKWARD_THREADS * START_REGISTERS,
               "the register file");
 // Named barriers (0 is __syncthreads): the producer's own, each consumer's own,
 // set s converted, set s read.
@@ -763,18 +542,28 @@ __device__ __forceinline__ void wgmma_m64n128k8_ra(float (&d)[ACC], const unsign
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE));
 }
 
-// A consumer thread's share of its warpgroup's 64 rows of an A k tile: pieces
-// q = ct + 128 i (i < 4, ct the thread within the warpgroup), row q / 8 = ct / 8 +
-// 16 i, chunk ct % 8, in the 128-byte swizzle (Pieces' layout, 64 rows).
-struct HalfPieces {
+// A consumer thread's copies of its warpgroup's 64 rows of an A k tile (A_STAGE_BYTES)
+// and its MMA fragments from them. ct: the thread within the warpgroup; g = lane / 4,
+// t = lane % 4, r = 16 warp + g: the fragment holds rows r and r + 8 at depths
+// 8 kk + t and 8 kk + t + 4 (wgmma_m64n128k8_ra).
+template <bool KFAST>
+struct ConsumerA;
+
+// k-fast A(i, k) = A[i lda + k]: the MMA layout, 128-byte rows, the 16-byte chunk c
+// of row r at 128 r + 16 (c ^ r % 8). Piece q = ct + 128 i (i < 4) is row ct / 8 +
+// 16 i, chunk ct % 8. The fragment's reads are free of bank conflicts: the 4 lanes
+// of a g read one chunk, the 8 values of g (= r % 8) eight chunk positions.
+template <>
+struct ConsumerA<true> {
     const float* src;   // piece 0 in the split's first k tile; piece i is 16 i rows on
     const float* base;  // a valid address for the zero-filling copies
     long long step;     // 16 rows
     unsigned int dst;   // piece 0's byte offset; piece i is 2048 i further
-    int row_ok, depth;
+    unsigned int frag;  // the fragment's row r at depth t
+    int row_ok, depth, g;
 
-    __device__ __forceinline__ HalfPieces(const float* A, int lda, int row0, int rows, int k_begin, int ct) {
-        const int row = ct / 8, chunk = ct % 8;
+    __device__ __forceinline__ ConsumerA(const float* A, int lda, int row0, int rows, int k_begin, int ct) {
+        const int row = ct / 8, chunk = ct % 8, lane = ct % 32;
         depth = 4 * chunk;
         dst = 128u * row + 16u * (chunk ^ (row & 7));
         row_ok = 0;
@@ -783,6 +572,8 @@ struct HalfPieces {
         base = A;
         step = 16ll * lda;
         src = A + (long long)(row0 + row < rows ? row0 + row : 0) * lda + k_begin + depth;
+        g = lane / 4;
+        frag = 128u * (16 * (ct / 32) + g) + 4u * (lane % 4);
     }
 
     // Queue the copies of the k tile at depth k into the tile at shared byte
@@ -795,19 +586,80 @@ struct HalfPieces {
             dt_cp_async16(tile + dst + 2048u * i, b ? src + i * step + (k - k_begin) : base, b);
         }
     }
+
+    // x = A(r, 8 kk + t), A(r + 8, 8 kk + t), A(r, 8 kk + t + 4), A(r + 8, 8 kk + t + 4).
+    __device__ __forceinline__ void fragment(unsigned int tile, int kk, float (&x)[4]) const {
+        const unsigned int lo = tile + frag + 16u * ((2 * kk) ^ g), hi = tile + frag + 16u * ((2 * kk + 1) ^ g);
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[0]) : "r"(lo));
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[1]) : "r"(lo + 8u * 128u));
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[2]) : "r"(hi));
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[3]) : "r"(hi + 8u * 128u));
+    }
 };
 
-template <int EPI>
-__device__ __forceinline__ void grad_input_ws(const float* A, int lda, const float* B, int ldb, float* C, int ldc,
-                                              int M, int N, int K, const float* mask, int ldm, float* workspace,
-                                              unsigned int* counters) {
+// row-fast A(i, k) = A[i + k lda]: 32 lines of 64 rows (256 bytes) per k tile, the
+// 16-byte chunk c (rows 4 c .. 4 c + 3) of line d at 256 d + 16 (c ^ 2 (d % 4)).
+// Piece q = ct + 128 i (i < 4) is line ct / 16 + 8 i, chunk ct % 16: a warp writes
+// two whole lines. The fragment's depths 8 kk + t (+ 4) all have d % 4 = t, so a
+// thread's chunk positions are fixed: (r / 4) ^ 2 t and (r / 4 + 2) ^ 2 t, which over
+// a warp's lanes (r / 4 = 4 warp + g / 4) are eight different positions mod 8 for
+// each of the four r % 4: free of bank conflicts.
+template <>
+struct ConsumerA<false> {
+    const float* src;  // piece 0 in the split's first k tile; piece i is 8 i lines on
+    const float* base;
+    int ld;
+    unsigned int dst;  // piece 0's byte offset; piece i is 2048 i further
+    unsigned int frag0, frag1;  // rows r and r + 8 at depth t
+    int valid, line;
+
+    __device__ __forceinline__ ConsumerA(const float* A, int lda, int row0, int rows, int k_begin, int ct) {
+        const int chunk = ct % 16, lane = ct % 32, g = lane / 4, t = lane % 4, r = 16 * (ct / 32) + g;
+        line = ct / 16;
+        dst = 256u * line + 16u * (chunk ^ (2 * (line % 4)));
+        valid = 4 * max(0, min(4, rows - (row0 + 4 * chunk)));
+        base = A;
+        ld = lda;
+        src = A + (long long)(k_begin + line) * lda + (valid ? row0 + 4 * chunk : 0);
+        frag0 = 256u * t + 16u * ((r / 4) ^ (2 * t)) + 4u * (r % 4);
+        frag1 = 256u * t + 16u * ((r / 4 + 2) ^ (2 * t)) + 4u * (r % 4);
+    }
+
+    __device__ __forceinline__ void load(unsigned int tile, int k, int k_begin, int k_end) const {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int b = k + line + 8 * i < k_end ? valid : 0;
+            dt_cp_async16(tile + dst + 2048u * i, b ? src + (long long)(k - k_begin + 8 * i) * ld : base, b);
+        }
+    }
+
+    __device__ __forceinline__ void fragment(unsigned int tile, int kk, float (&x)[4]) const {
+        const unsigned int at = tile + 2048u * kk;  // 8 lines a kk
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[0]) : "r"(at + frag0));
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[1]) : "r"(at + frag1));
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[2]) : "r"(at + frag0 + 1024u));
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[3]) : "r"(at + frag1 + 1024u));
+    }
+};
+
+// C = A B in 3xTF32 with the epilogue EPI, A in the layout A_KFAST names and B
+// row-fast (gemm.cu's header). `sums` (grad-weight, grid column 0): row sums of A
+// (db) as well, from the consumers' fragments: each thread adds its values of rows r
+// and r + 8 per k tile in kk order (depth t, then t + 4), and the four threads of a
+// row then add theirs by a fixed butterfly.
+template <bool A_KFAST, int EPI>
+__device__ __forceinline__ void backward(const float* A, int lda, const float* B, int ldb, float* C, int ldc,
+                                            int M, int N, int K, const float* mask, int ldm, float* col_sum,
+                                            float* workspace, unsigned int* counters) {
     extern __shared__ __align__(128) char smem_raw[];
-    const Setup su(smem_raw, WS_SHARED_BYTES, K);
-    const unsigned int smem0 = su.smem0, b_raw0 = smem0 + 2 * WS_SET_BYTES;
+    const Setup su(smem_raw, BACKWARD_SHARED_BYTES, K);
+    const unsigned int smem0 = su.smem0, b_raw0 = smem0 + 2 * SET_BYTES;
     const unsigned int a_raw0 = b_raw0 + RAW_STAGES * TILE_BYTES;
     const int kb = su.kb, ke = su.ke, tiles = su.tiles;
     const int tid = threadIdx.x, wg = tid / 128;
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
+    const bool sums = EPI == EPI_NONE && col_sum != nullptr && blockIdx.x == 0;
+    float rs[2] = {0.0f, 0.0f};  // a consumer's row sums (db) of rows r and r + 8
     // The consumers' accumulators; the producer never sets them (finish_tile
     // reads only the consumers'), so they take none of its registers.
     float acc[ACC];
@@ -816,18 +668,13 @@ __device__ __forceinline__ void grad_input_ws(const float* A, int lda, const flo
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGISTERS));
 #pragma unroll
         for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
-        const int ct = tid % 128, lane = tid % 32, warp = ct / 32, g = lane / 4, t = lane % 4;
-        const HalfPieces pa(A, lda, i0 + 64 * wg, M, kb, ct);
+        const int ct = tid % 128;
+        const ConsumerA<A_KFAST> pa(A, lda, i0 + 64 * wg, M, kb, ct);
         const unsigned int a_raw = a_raw0 + wg * A_STAGES * A_STAGE_BYTES;
         const auto copy = [&](int kt) {  // this warpgroup's rows of tile kt; one commit group either way
             if (kt < tiles) pa.load(a_raw + (kt % A_STAGES) * A_STAGE_BYTES, kb + kt * BK, kb, ke);
             dt_cp_async_commit();
         };
-        // This thread's fragment elements of a tile: rows r and r + 8 (r % 8 = g in
-        // the swizzle), depths 8 kk + t and 8 kk + t + 4 (chunks 2 kk and 2 kk + 1):
-        // free of bank conflicts, the 4 lanes of a g reading one chunk, the 8 g
-        // eight different chunk positions.
-        const unsigned int r = 16 * warp + g, frag = 128u * r + 4u * t;
 #pragma unroll
         for (int s = 0; s < A_LEAD; ++s) copy(s);
         float part[ACC];
@@ -835,22 +682,19 @@ __device__ __forceinline__ void grad_input_ws(const float* A, int lda, const flo
             dt_cp_async_wait<A_LEAD - 1>();      // this thread's copies of tile kt
             named_sync(BAR_CONSUMER + wg, 128);  // everyone's; and everyone has read tile kt - 1
             copy(kt + A_LEAD);
-            const unsigned int at = a_raw + (kt % A_STAGES) * A_STAGE_BYTES + frag;
+            const unsigned int at = a_raw + (kt % A_STAGES) * A_STAGE_BYTES;
             unsigned int big[BK / 8][4], small[BK / 8][4];
 #pragma unroll
             for (int kk = 0; kk < BK / 8; ++kk) {
-                const unsigned int lo = at + 16u * ((2 * kk) ^ g), hi = at + 16u * ((2 * kk + 1) ^ g);
                 float x[4];
-                asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[0]) : "r"(lo));
-                asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[1]) : "r"(lo + 8u * 128u));
-                asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[2]) : "r"(hi));
-                asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x[3]) : "r"(hi + 8u * 128u));
+                pa.fragment(at, kk, x);
+                if (!A_KFAST && sums) rs[0] += x[0], rs[0] += x[2], rs[1] += x[1], rs[1] += x[3];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) dt_tf32_split<true>(x[e], big[kk][e], small[kk][e]);
             }
-            const unsigned int set = smem0 + (kt & 1) * WS_SET_BYTES;
+            const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
             const unsigned int b_big = set, b_small = set + TILE_BYTES;
-            named_sync(BAR_FULL + (kt & 1), WS_THREADS);  // set kt % 2 holds B's tile kt
+            named_sync(BAR_FULL + (kt & 1), BACKWARD_THREADS);  // set kt % 2 holds B's tile kt
             fence_accumulators(part);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
@@ -863,7 +707,7 @@ __device__ __forceinline__ void grad_input_ws(const float* A, int lda, const flo
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             fence_accumulators(part);
-            if (kt + 2 < tiles) named_arrive(BAR_EMPTY + (kt & 1), WS_THREADS);  // the producer's tile kt + 2
+            if (kt + 2 < tiles) named_arrive(BAR_EMPTY + (kt & 1), BACKWARD_THREADS);  // the producer's tile kt + 2
 #pragma unroll
             for (int q = 0; q < ACC; ++q) acc[q] += part[q];
         }
@@ -872,9 +716,7 @@ __device__ __forceinline__ void grad_input_ws(const float* A, int lda, const flo
     } else {  // the producer warpgroup: B, as threads t and t + 128 of the copy and conversion layouts
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGISTERS));
         const int t0 = tid - 2 * 128, t1 = t0 + 128;
-        const Copies<false> cb0(B, ldb, j0, N, kb, t0), cb1(B, ldb, j0, N, kb, t1);
-        Converter<false> vb;
-        float unused[4];
+        const RawB cb0(B, ldb, j0, N, kb, t0), cb1(B, ldb, j0, N, kb, t1);
         const auto copy = [&](int kt) {  // tile kt into its raw stage; one commit group either way
             if (kt < tiles) {
                 const unsigned int raw = b_raw0 + (kt % RAW_STAGES) * TILE_BYTES;
@@ -891,25 +733,40 @@ __device__ __forceinline__ void grad_input_ws(const float* A, int lda, const flo
             // has converted tile kt - 1, so its raw stage is free for tile kt + 2.
             named_sync(BAR_PRODUCER, 128);
             copy(kt + 2);
-            if (kt >= 2) named_sync(BAR_EMPTY + (kt & 1), WS_THREADS);  // the consumers are done with tile kt - 2
+            if (kt >= 2) named_sync(BAR_EMPTY + (kt & 1), BACKWARD_THREADS);  // the consumers are done with tile kt - 2
             const unsigned int raw = b_raw0 + (kt % RAW_STAGES) * TILE_BYTES;
-            const unsigned int big = smem0 + (kt & 1) * WS_SET_BYTES, small = big + TILE_BYTES;
-            vb.template step<0>(raw, big, small, false, unused, t0);
-            vb.template step<1>(raw, big, small, false, unused, t0);
-            vb.template step<2>(raw, big, small, false, unused, t0);
-            vb.template step<3>(raw, big, small, false, unused, t0);
-            vb.template step<0>(raw, big, small, false, unused, t1);
-            vb.template step<1>(raw, big, small, false, unused, t1);
-            vb.template step<2>(raw, big, small, false, unused, t1);
-            vb.template step<3>(raw, big, small, false, unused, t1);
+            const unsigned int big = smem0 + (kt & 1) * SET_BYTES, small = big + TILE_BYTES;
+            convert_b(raw, big, small, t0);
+            convert_b(raw, big, small, t1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
-            named_arrive(BAR_FULL + (kt & 1), WS_THREADS);
+            named_arrive(BAR_FULL + (kt & 1), BACKWARD_THREADS);
         }
         dt_cp_async_wait<0>();  // the empty groups
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(START_REGISTERS));
     }
     dt_allow_dependents();
-    finish_tile<EPI, WS_THREADS>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, nullptr, mask, ldm, nullptr,
+
+    // db: the four threads of a row (t = 0..3) add their sums by a butterfly, and
+    // t = 0 stages row 64 wg + r's for thread 64 wg + r of finish_tile. The stage
+    // overlaps the sets: the first barrier waits for every warpgroup's last MMAs.
+    float row_sum = 0.0f;
+    if (!A_KFAST && sums) {
+        float* red = su.stage();
+        __syncthreads();
+        if (wg < 2) {
+            const int lane = tid % 32;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                rs[h] += __shfl_xor_sync(0xffffffffu, rs[h], 1);
+                rs[h] += __shfl_xor_sync(0xffffffffu, rs[h], 2);
+            }
+            const int row = 64 * wg + 16 * ((tid % 128) / 32) + lane / 4;
+            if (lane % 4 == 0) red[row] = rs[0], red[row + 8] = rs[1];
+        }
+        __syncthreads();
+        if (tid < BM) row_sum = red[tid];
+    }
+    finish_tile<EPI, BACKWARD_THREADS>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N, nullptr, mask, ldm, col_sum,
                                  workspace, counters);
 }
 
@@ -967,14 +824,13 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
 
 #if DT_WGMMA
 #define DT_WGMMA_BACKWARD_BODY(A_KFAST, B_KFAST, EPI)                                                       \
-    if (A_KFAST) grad_input_ws<EPI>(A, lda, B, ldb, C, ldc, M, N, K, mask, ldm, workspace, counters);        \
-    else backward<A_KFAST, B_KFAST, EPI>(A, lda, B, ldb, C, ldc, M, N, K, mask, ldm, col_sum, workspace, counters)
+    backward<A_KFAST, EPI>(A, lda, B, ldb, C, ldc, M, N, K, mask, ldm, col_sum, workspace, counters)
 #else
 #define DT_WGMMA_BACKWARD_BODY(A_KFAST, B_KFAST, EPI) __trap()
 #endif
 
-DT_WGMMA_BACKWARD(linear_grad_input_wgmma_3xtf32, true, false, EPI_MASK, DT_GRAD_INPUT_THREADS)
-DT_WGMMA_BACKWARD(linear_grad_weight_wgmma_3xtf32, false, false, EPI_NONE, 256)
+DT_WGMMA_BACKWARD(linear_grad_input_wgmma_3xtf32, true, false, EPI_MASK, DT_BACKWARD_THREADS)
+DT_WGMMA_BACKWARD(linear_grad_weight_wgmma_3xtf32, false, false, EPI_NONE, DT_BACKWARD_THREADS)
 
 // ---------------------------------------------------------------- pre-split 3xTF32 backward
 // The backward above splits every operand tile into TF32 big and small parts in each
