@@ -17,10 +17,11 @@
 // drvtrain.nn.mlp chooses them for the wide products on compute capability 9.0
 // and falls back to gemm.cu's mma.sync kernels everywhere else (and when forced).
 //
-// Block: 256 threads, two warpgroups; warpgroup w owns output rows 64w .. 64w+63
-// of the tile and all 128 columns: one wgmma.m64n128k8 per 8 deep (three in
-// 3xTF32), both operands read from shared memory through matrix descriptors, FP32
-// accumulators in registers (64 per thread; the backward another 64 for each k
+// Block: two warpgroups (the backward adds a third, which feeds them); warpgroup w
+// owns output rows 64w .. 64w+63 of the tile and all 128 columns: one
+// wgmma.m64n128k8 per 8 deep (three in 3xTF32), B read from shared memory through
+// a matrix descriptor, A too in the forward and from registers in the backward,
+// FP32 accumulators in registers (64 per thread; the backward another 64 for each k
 // tile's fragment).
 // Precision: the forward lets the tensor cores truncate its FP32 operands to TF32
 // (about 8e-4 relative on random data, against 3e-4 for gemm.cu, which rounds to
@@ -34,7 +35,7 @@
 // Shared layout of one MMA operand tile, 128 rows x 32 deep: 128-byte rows, the
 // 16-byte chunk c of row r at 128 r + 16 (c ^ r % 8) (the 128-byte swizzle, in
 // 1024-byte atoms of 8 rows), which TMA writes for the forward and the backward's
-// threads write free of bank conflicts, and which the MMAs read free of them. (The
+// producer writes free of bank conflicts, and which the MMAs read free of them. (The
 // unswizzled layout measured 26 us against 17.)
 // Determinism: every output is one thread's accumulation in a fixed k order
 // (the tensor core's own, fixed per shape) plus a fixed z order over the splits,
@@ -408,7 +409,8 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
 // shared memory bounds the loop: with A split in shared memory too, a k tile moved
 // 272 KB through it and took 1.59 us (dX on the H200, about 89 bytes a clock),
 // against 0.85 us for the MMAs alone; A from registers leaves 192 KB
-// (docs/perf-notes.md, twelfth pass).
+// and took 1.30 (docs/perf-notes.md, twelfth pass). The epilogue, which every
+// thread runs at 168 registers, spills 16-24 bytes: once a block.
 //
 // Raw stage of B (B(k, j) = B[j + k ld]): 32 lines of 128 columns (512 bytes) per
 // depth, the 16-byte chunk c of line d at 512 d + 16 (c ^ 2 (d / 4 % 4)), so that
@@ -649,8 +651,8 @@ struct ConsumerA<false> {
 // row then add theirs by a fixed butterfly.
 template <bool A_KFAST, int EPI>
 __device__ __forceinline__ void backward(const float* A, int lda, const float* B, int ldb, float* C, int ldc,
-                                            int M, int N, int K, const float* mask, int ldm, float* col_sum,
-                                            float* workspace, unsigned int* counters) {
+                                         int M, int N, int K, const float* mask, int ldm, float* col_sum,
+                                         float* workspace, unsigned int* counters) {
     extern __shared__ __align__(128) char smem_raw[];
     const Setup su(smem_raw, BACKWARD_SHARED_BYTES, K);
     const unsigned int smem0 = su.smem0, b_raw0 = smem0 + 2 * SET_BYTES;
@@ -733,7 +735,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
             // has converted tile kt - 1, so its raw stage is free for tile kt + 2.
             named_sync(BAR_PRODUCER, 128);
             copy(kt + 2);
-            if (kt >= 2) named_sync(BAR_EMPTY + (kt & 1), BACKWARD_THREADS);  // the consumers are done with tile kt - 2
+            if (kt >= 2) named_sync(BAR_EMPTY + (kt & 1), BACKWARD_THREADS);  // the consumers finished tile kt - 2
             const unsigned int raw = b_raw0 + (kt % RAW_STAGES) * TILE_BYTES;
             const unsigned int big = smem0 + (kt & 1) * SET_BYTES, small = big + TILE_BYTES;
             convert_b(raw, big, small, t0);
@@ -766,8 +768,8 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         __syncthreads();
         if (tid < BM) row_sum = red[tid];
     }
-    finish_tile<EPI, BACKWARD_THREADS>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N, nullptr, mask, ldm, col_sum,
-                                 workspace, counters);
+    finish_tile<EPI, BACKWARD_THREADS>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N, nullptr, mask, ldm,
+                                       col_sum, workspace, counters);
 }
 
 }  // namespace
@@ -809,8 +811,8 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
 // unused): dX = (dY W) * (X > 0) with A = dY k-fast, B = W row-fast, and dW = dY^T X
 // with db = sum_m dY into col_sum (grid column 0), A = dY row-fast, B = X row-fast.
 // Split as the forward; a launch without clusters needs gridDim.y * S * 128 more
-// workspace floats for the row sums. Dynamic shared memory: BACKWARD_SHARED_BYTES
-// (225 KB).
+// workspace floats for the row sums. Block: DT_BACKWARD_THREADS (384). Dynamic
+// shared memory: BACKWARD_SHARED_BYTES (177 KB).
 #define DT_WGMMA_BACKWARD(NAME, A_KFAST, B_KFAST, EPI, BLOCK)                                                \
     extern "C" __global__ void __launch_bounds__(BLOCK, 1) NAME(                                             \
             const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \

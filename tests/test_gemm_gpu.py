@@ -228,6 +228,17 @@ def test_runs_are_bitwise_identical_and_graph_replay_matches_eager(device, strea
             assert sums.tobytes() == first_sums.tobytes()
 
 
+@pytest.mark.parametrize("role", ["grad_input", "grad_weight"])
+def test_wgmma_backward_runs_a_producer_beside_two_mma_warpgroups(device, role):
+    """The wgmma backward's block is three warpgroups (two issue the MMAs, one copies
+    and converts B): 384 threads, read from the kernel's launch bounds; and the host
+    gives it the 177 KB of shared memory its stages take (the kernel traps on less)."""
+    skip_unless_compiled(device, WGMMA_TILE)
+    kernel = kernels_for(role, device).kernels[(role, WGMMA_TILE, 16)]
+    assert kernel.kernel.block == 384
+    assert kernel.shared_bytes == 177 * 1024
+
+
 @pytest.mark.parametrize("splits", [3, 8])
 @pytest.mark.parametrize("role", ROLES)
 def test_wgmma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same_bits(device, stream, rng, role,

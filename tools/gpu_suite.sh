@@ -3,7 +3,8 @@
 # test allowed to skip, the graph dumps, the step audit, the overfit smoke,
 # every benchmark, the per-kernel profile and, unless SANITIZE=0, compute-sanitizer memcheck over the
 # driver, engine and replay tests plus memcheck and racecheck over a few
-# captured DQN steps of both configurations. Logs go to the folder given as
+# captured DQN steps of both configurations, and racecheck over the wgmma
+# backward products. Logs go to the folder given as
 # the first argument (default ./gpu-logs). ONLY=a,b runs just those steps.
 set -uo pipefail
 logs=${1:-gpu-logs}
@@ -56,6 +57,13 @@ if [ "${SANITIZE:-1}" = 1 ] && { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",saniti
       python3 tools/audit_step.py --steps 3 > "$logs/sanitizer/${tool}_dqn_step.log" 2>&1 &
     pids+=($!)
   done
+  # The wgmma backward's warpgroups hand shared memory over by named barriers:
+  # racecheck over its products (all but the largest shape, for time).
+  "$sanitizer" --tool racecheck --error-exitcode 1 --print-limit 20 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_gemm_gpu.py \
+    -k "test_product_matches_float64 and wgmma and grad and not 512x1024x1024" \
+    > "$logs/sanitizer/racecheck_wgmma_backward.log" 2>&1 &
+  pids+=($!)
   san_status=0
   for pid in "${pids[@]}"; do wait "$pid" || san_status=1; done
   for log in "$logs"/sanitizer/*.log; do

@@ -50,11 +50,12 @@ FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
 # 3xTF32), compute capability 9.0 only, 16-byte copies only; one block per SM.
 WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1)
 # Dynamic shared memory: the forward's 5 stages of two 128 x 32 float tiles; the
-# backward's 2 sets of four (A and B, big and small) and 3 raw stages of two; 1 KB
+# backward's 2 sets of B's two parts and 3 raw stages of B (128 x 32 floats each),
+# and 4 raw stages of A's 64 x 32 floats for each of its 2 consumer warpgroups; 1 KB
 # to align them.
 WGMMA_SHARED_BYTES = 5 * 2 * 128 * 32 * 4 + 1024
 WGMMA_OPERAND_BOX = (128, 32)  # the forward's tensor maps: 128 rows x 32 floats, 128-byte swizzle
-WGMMA_BACKWARD_SHARED_BYTES = (2 * 4 + 3 * 2) * 128 * 32 * 4 + 1024
+WGMMA_BACKWARD_SHARED_BYTES = (2 * 2 + 3) * 128 * 32 * 4 + 2 * 4 * 64 * 32 * 4 + 1024
 # The pre-split backward: 3 stages of four 128 x 32 float tiles (A and B, big and small).
 WGMMA_PRESPLIT_SHARED_BYTES = 3 * 4 * 128 * 32 * 4 + 1024
 PRESPLIT_MAX_TILES = 16  # k tiles a split of the pre-split backward may have (gemm_sm90a.cu)
