@@ -414,10 +414,12 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
 // converts it into big and small parts in the swizzled K-major layout the MMAs read
 // (above), transposing it. A's parts never touch shared memory. That matters because
 // shared memory bounds the loop: with A split in shared memory too, a k tile moved
-// 272 KB through it and took 1.59 us (dX on the H200, about 89 bytes a clock),
+// 272 KB through it and took 1.59 us (dX on the H200, about 90 bytes a clock),
 // against 0.85 us for the MMAs alone; A from registers leaves 192 KB
-// and took 1.30 (docs/perf-notes.md, twelfth pass). The epilogue, which every
-// thread runs at 168 registers, spills 16-24 bytes: once a block.
+// and took 1.30 (docs/perf-notes.md, twelfth pass). At 168 registers at entry
+// (all 384 threads run the epilogue at that budget) ptxas spills 16-24 bytes of
+// values set before the roles split; dW's loops reload two of them each k tile
+// (L1 hits).
 //
 // Raw stage of B (B(k, j) = B[j + k ld]): 32 lines of 128 columns (512 bytes) per
 // depth, the 16-byte chunk c of line d at 512 d + 16 (c ^ 2 (d / 4 % 4)), so that
