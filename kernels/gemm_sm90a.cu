@@ -201,13 +201,13 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[ACC], float* stage
 
 // Rows [row_begin, row_end) of the tile through the epilogue into C; value(row, c4)
 // gives the 4 sums at columns 4 c4 .. 4 c4 + 3 of a staged row.
-// Its round loops stay rolled. A block runs this code once, after its k loop, so
-// every instruction is fetched cold, from L2 or, in a step whose other kernels have
-// moved the code out, from device memory. Unrolled (16 rounds, up to 8 summed
-// partials each, vector and scalar stores), it was half of the grad-input kernel's
-// 100 KB of code and took 11.5 us of the wide dX in the large step, against 5.3
-// rolled (docs/perf-notes.md, thirteenth pass). The mask values then wait in local
-// memory, which costs far less than those fetches.
+// Its round loops are unrolled only two rounds deep. A block runs this code once,
+// after its k loop, so every instruction is fetched cold: from L2, or from device
+// memory in a step whose other kernels have moved the code out. Fully unrolled (16
+// rounds, up to 8 summed partials each, vector and scalar stores) it was half of the
+// grad-input kernel's 100 KB of code, and took 11.5 us of the wide dX in the large
+// step against 5.3 rolled (docs/perf-notes.md, thirteenth pass). Two rounds a pass
+// measured best of 1, 2 and 4. The mask values wait in local memory.
 template <int EPI, class Value>
 __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Value& value, float* C, int ldc, int M,
                                            int N, const float* bias, const float* mask, int ldm) {
@@ -222,7 +222,7 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
 #pragma unroll
     for (int e = 0; e < 4; ++e) bv[e] = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) && c + e < N ? bias[c + e] : 0.0f;
     if (EPI == EPI_MASK) {
-#pragma unroll 1
+#pragma unroll 2
         for (int it = 0; it < MAX_ROUNDS; ++it) {
             const int row = row_begin + (tid + THREADS * it) / PER_ROW, r = i0 + row;
             float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -235,7 +235,7 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
             mv[EPI == EPI_MASK ? it : 0] = *reinterpret_cast<const float4*>(m);
         }
     }
-#pragma unroll 1
+#pragma unroll 2
     for (int it = 0; it < MAX_ROUNDS; ++it) {
         const int row = row_begin + (tid + THREADS * it) / PER_ROW, r = i0 + row;
         if (it >= rounds || row >= row_end || r >= M || c >= N) continue;
