@@ -202,8 +202,8 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[ACC], float* stage
 // Rows [row_begin, row_end) of the tile through the epilogue into C; value(row, c4)
 // gives the 4 sums at columns 4 c4 .. 4 c4 + 3 of a staged row.
 // Its round loops are unrolled only two rounds deep. A block runs this code once,
-// after its k loop, so every instruction is fetched cold: from L2, or from device
-// memory in a step whose other kernels have moved the code out. Fully unrolled (16
+// after its k loop, so every instruction is fetched cold (in a step, probably from
+// device memory: its other kernels move the code out of L2). Fully unrolled (16
 // rounds, up to 8 summed partials each, vector and scalar stores) it was half of the
 // grad-input kernel's 100 KB of code, and took 11.5 us of the wide dX in the large
 // step against 5.3 rolled (docs/perf-notes.md, thirteenth pass). Two rounds a pass
