@@ -202,12 +202,12 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[ACC], float* stage
 // Rows [row_begin, row_end) of the tile through the epilogue into C; value(row, c4)
 // gives the 4 sums at columns 4 c4 .. 4 c4 + 3 of a staged row.
 // Its round loops are unrolled only two rounds deep. A block runs this code once,
-// after its k loop, so every instruction is fetched cold (in a step, probably from
-// device memory: its other kernels move the code out of L2). Fully unrolled (16
-// rounds, up to 8 summed partials each, vector and scalar stores) it was half of the
-// grad-input kernel's 100 KB of code, and took 11.5 us of the wide dX in the large
-// step against 5.3 rolled (docs/perf-notes.md, thirteenth pass). Two rounds a pass
-// measured best of 1, 2 and 4. The mask values wait in local memory.
+// after its k loop, so every instruction is fetched cold. Fully unrolled (16 rounds,
+// up to 8 summed partials each, vector and scalar stores) it was half of the
+// grad-input kernel's 100 KB of code and took 11.5 us of the wide dX in the large
+// step, against 5.3 rolled; the step gained 4 us (docs/perf-notes.md, thirteenth
+// pass). Depths 1, 2 and 4 were within a run's noise of each other; 2 was fastest.
+// A chain of one warm product loses a little: each pair of rounds waits its loads.
 template <int EPI, class Value>
 __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Value& value, float* C, int ldc, int M,
                                            int N, const float* bias, const float* mask, int ldm) {
@@ -215,8 +215,8 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
     const bool vec = aligned16(C, ldc) && (EPI != EPI_MASK || aligned16(mask, ldm));
     const int c4 = tid % PER_ROW, c = j0 + 4 * c4;  // the same columns in every round
     const int rounds = ((row_end - row_begin) * PER_ROW + THREADS - 1) / THREADS;
-    // Every mask load of the thread goes out before the first store (one round
-    // trip, not one per round); the bias is the same 4 values in every round.
+    // The mask loads go out two rounds at a time into local memory, ahead of
+    // the stores; the bias is the same 4 values in every round.
     float4 mv[EPI == EPI_MASK ? MAX_ROUNDS : 1];
     float bv[4];
 #pragma unroll
@@ -424,9 +424,9 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
 // 272 KB through it and took 1.59 us (dX on the H200, about 90 bytes a clock),
 // against 0.85 us for the MMAs alone; A from registers leaves 192 KB
 // and took 1.30 (docs/perf-notes.md, twelfth pass). At 168 registers at entry
-// (all 384 threads run the epilogue at that budget) ptxas spills 16-24 bytes of
-// values set before the roles split; dW's loops reload two of them each k tile
-// (L1 hits).
+// (all 384 threads run the epilogue at that budget) ptxas 13.0 spills 16 bytes of
+// dW's values set before the roles split (dX's none); dW's loops reload two of them
+// each k tile (L1 hits).
 //
 // Raw stage of B (B(k, j) = B[j + k ld]): 32 lines of 128 columns (512 bytes) per
 // depth, the 16-byte chunk c of line d at 512 d + 16 (c ^ 2 (d / 4 % 4)), so that
