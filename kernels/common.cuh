@@ -52,25 +52,58 @@ __device__ __forceinline__ bool dt_last_block(unsigned int* counter, unsigned in
 }
 
 // ---------------------------------------------------------------- block sums
-// Sum of one double per thread over a block of exactly THREADS threads (a
-// power of two), in a fixed tree order. Every thread of the block must call
-// it; every thread gets the sum. Kernels pin THREADS with __launch_bounds__
-// and the Python side launches with the kernel's declared block (Kernel.block),
-// so a mismatch is refused before launch.
+// Sums of doubles over a block of exactly THREADS threads (a power of two, at
+// least one warp), one value per thread for each sum, in a fixed tree order:
+// level w = THREADS / 2, ..., 2, 1 adds element t + w into element t for every
+// t < w, and the sum is element 0. Every thread of the block must call them;
+// every thread gets the sums. Kernels pin THREADS with __launch_bounds__ and the
+// Python side launches with the kernel's declared block (Kernel.block), so a
+// mismatch is refused before launch.
+//
+// How: the levels w >= 32 pair values of different warps. Every warp reads all
+// THREADS values from shared memory in one round (lane l holds elements l,
+// l + 32, l + 64, ...) and runs those levels in registers; levels 16 .. 1 are
+// shuffles within the warp, and lane 0's result is broadcast. Each add meets
+// the same two operands as in a shared-memory tree with a barrier per level,
+// so the bits are that tree's, in two barriers instead of log2(THREADS) + 2
+// (none for a single warp). Every warp computes the same sums the same way.
+// dt_block_sums does N sums in one pass: the same bits as N dt_block_sum calls.
+template <int THREADS, int N>
+__device__ __forceinline__ void dt_block_sums(double (&v)[N]) {
+    static_assert(THREADS >= 32 && (THREADS & (THREADS - 1)) == 0, "THREADS must be a power of two >= 32");
+    constexpr int WARPS = THREADS / 32;
+    const int lane = threadIdx.x & 31;
+    if constexpr (WARPS > 1) {
+        __shared__ double sum[N][THREADS];
+#pragma unroll
+        for (int i = 0; i < N; ++i) sum[i][threadIdx.x] = v[i];
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            double r[WARPS];
+#pragma unroll
+            for (int k = 0; k < WARPS; ++k) r[k] = sum[i][lane + 32 * k];
+#pragma unroll
+            for (int h = WARPS / 2; h >= 1; h >>= 1)
+#pragma unroll
+                for (int k = 0; k < h; ++k) r[k] += r[k + h];
+            v[i] = r[0];
+        }
+    }
+#pragma unroll
+    for (int w = 16; w >= 1; w >>= 1)
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] += __shfl_down_sync(0xffffffffu, v[i], w);
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = __shfl_sync(0xffffffffu, v[i], 0);
+    if constexpr (WARPS > 1) __syncthreads();  // the array is free for the next call
+}
+
 template <int THREADS>
 __device__ __forceinline__ double dt_block_sum(double v) {
-    static_assert((THREADS & (THREADS - 1)) == 0, "THREADS must be a power of two");
-    __shared__ double sum[THREADS];
-    sum[threadIdx.x] = v;
-    __syncthreads();
-#pragma unroll
-    for (int w = THREADS / 2; w >= 1; w >>= 1) {
-        if (threadIdx.x < w) sum[threadIdx.x] += sum[threadIdx.x + w];
-        __syncthreads();
-    }
-    const double total = sum[0];
-    __syncthreads();  // the array is free for the next call
-    return total;
+    double s[1] = {v};
+    dt_block_sums<THREADS, 1>(s);
+    return s[0];
 }
 
 // The grid-wide sum of one double per thread: each block writes its sum to

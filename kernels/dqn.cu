@@ -52,8 +52,9 @@ __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 //   and on exit.
 // Launch: grid = ceil(batch / DQN_LOSS_THREADS), block DQN_LOSS_THREADS (32),
 //   one thread per sample. The block's rows of each Q array are contiguous, so
-//   the three are staged through shared memory with coalesced loads, in one
-//   round (and dout is stored the same way).
+//   the three are staged in shared memory by cp.async copies, all in flight
+//   at once (16 bytes each when the three arrays start on 16-byte
+//   boundaries), and dout is stored from there with coalesced stores.
 // Determinism: per-sample terms in double, fixed block trees, partials added in
 //   block order by the last block: bitwise reproducible for a fixed grid.
 constexpr int DQN_LOSS_THREADS = 32;
@@ -128,33 +129,49 @@ __device__ __forceinline__ SampleTerms sample_loss(const float* row_next, const 
 
 // scalars[0..2] = the batch means of the three terms: block sums into
 // partials[3][gridDim.x], added in block order by the last block. Every thread
-// of the block calls it.
+// of the block calls it. The three sums of a block run in one pass
+// (dt_block_sums), with the bits of three separate ones.
 template <int THREADS>
 __device__ __forceinline__ void publish_means(SampleTerms terms, int batch, float* scalars, double* partials,
                                               unsigned int* counter) {
-    const double block_loss = dt_block_sum<THREADS>(terms.loss);
-    const double block_q = dt_block_sum<THREADS>(terms.q);
-    const double block_abs = dt_block_sum<THREADS>(terms.abs_td);
+    double block[3] = {terms.loss, terms.q, terms.abs_td};
+    dt_block_sums<THREADS, 3>(block);
     const unsigned int blocks = gridDim.x;
     if (threadIdx.x == 0) {
-        partials[blockIdx.x] = block_loss;
-        partials[blocks + blockIdx.x] = block_q;
-        partials[2 * blocks + blockIdx.x] = block_abs;
+        partials[blockIdx.x] = block[0];
+        partials[blocks + blockIdx.x] = block[1];
+        partials[2 * blocks + blockIdx.x] = block[2];
     }
     if (!dt_last_block(counter, blocks)) return;
-    double s_loss = 0.0, s_q = 0.0, s_abs = 0.0;
+    double s[3] = {0.0, 0.0, 0.0};
     for (unsigned int b = threadIdx.x; b < blocks; b += THREADS) {
-        s_loss += __ldcg(&partials[b]);
-        s_q += __ldcg(&partials[blocks + b]);
-        s_abs += __ldcg(&partials[2 * blocks + b]);
+        s[0] += __ldcg(&partials[b]);
+        s[1] += __ldcg(&partials[blocks + b]);
+        s[2] += __ldcg(&partials[2 * blocks + b]);
     }
-    s_loss = dt_block_sum<THREADS>(s_loss);
-    s_q = dt_block_sum<THREADS>(s_q);
-    s_abs = dt_block_sum<THREADS>(s_abs);
+    dt_block_sums<THREADS, 3>(s);
     if (threadIdx.x == 0) {
-        scalars[0] = (float)(s_loss / batch);
-        scalars[1] = (float)(s_q / batch);
-        scalars[2] = (float)(s_abs / batch);
+        scalars[0] = (float)(s[0] / batch);
+        scalars[1] = (float)(s[1] / batch);
+        scalars[2] = (float)(s[2] / batch);
+    }
+}
+
+// Copies n floats global -> shared with cp.async, THREADS threads a block: 16
+// bytes a copy when `vec` (src and dst on 16-byte boundaries; a last copy of
+// fewer than 4 floats reads only those and zero-fills the rest of its 16
+// bytes, so dst must have room for n rounded up to 4), else 4.
+template <int THREADS>
+__device__ __forceinline__ void stage_floats(float* dst, const float* src, int n, bool vec) {
+    const unsigned int base = (unsigned int)__cvta_generic_to_shared(dst);
+    // Rolled: a copy does not wait, so unrolling would only add code.
+    if (vec) {
+#pragma unroll 1
+        for (int e = threadIdx.x; 4 * e < n; e += THREADS)
+            dt_cp_async16(base + 16u * e, src + 4 * e, 4 * min(4, n - 4 * e));
+    } else {
+#pragma unroll 1
+        for (int e = threadIdx.x; e < n; e += THREADS) dt_cp_async4(base + 4u * e, src + e, 4);
     }
 }
 
@@ -168,9 +185,10 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
     dt_wait_prior_grid();
     dt_allow_dependents();
     if (gate != nullptr && *gate) return;  // a step that is not due: nothing is written
-    // One tile per Q array, all staged in one round of loads (no barrier between
-    // the three), so the kernel waits for memory once, not three times.
-    __shared__ float tiles[3][DQN_LOSS_THREADS * (1 + DQN_MAX_ACTIONS)];
+    // One tile per Q array, all copied in one round of cp.async copies, so the
+    // kernel waits for memory once, not once per array or per element. Rows of
+    // 1 + n_actions floats: room for the last copy's zero-filled tail.
+    __shared__ __align__(16) float tiles[3][DQN_LOSS_THREADS * (1 + DQN_MAX_ACTIONS)];
     if (n_actions < 1 || n_actions > DQN_MAX_ACTIONS) {
         if (blockIdx.x == 0 && threadIdx.x == 0) scalars[0] = scalars[1] = scalars[2] = quiet_nan();
         return;
@@ -191,12 +209,16 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
         d = done[j];
         w = weights[j];
     }
-#pragma unroll 4
-    for (int e = t; e < count; e += DQN_LOSS_THREADS) {
-        tiles[0][e] = q_next_online[base + e];
-        tiles[1][e] = q_next_target[base + e];
-        tiles[2][e] = q_s[base + e];
-    }
+    // The block's rows start at a multiple of 32 rows, 128 (1 + n_actions) bytes,
+    // so 16-byte copies need only the arrays themselves on 16-byte boundaries.
+    const bool vec = ((reinterpret_cast<unsigned long long>(q_s) |
+                       reinterpret_cast<unsigned long long>(q_next_online) |
+                       reinterpret_cast<unsigned long long>(q_next_target)) & 15ull) == 0;
+    stage_floats<DQN_LOSS_THREADS>(tiles[0], q_next_online + base, count, vec);
+    stage_floats<DQN_LOSS_THREADS>(tiles[1], q_next_target + base, count, vec);
+    stage_floats<DQN_LOSS_THREADS>(tiles[2], q_s + base, count, vec);
+    dt_cp_async_commit();
+    dt_cp_async_wait<0>();
     __syncthreads();
     SampleTerms terms;
     if (live)  // the thread's own row of each tile is read and written only by this thread
@@ -240,17 +262,6 @@ constexpr int DQN_HEAD_THREADS = 256;
 constexpr int DQN_HEAD_ROWS = 4;
 
 namespace {
-
-// Copies n floats global -> shared with cp.async: 16 bytes a copy when `vec`
-// (n, src and dst multiples of 4 floats / 16 bytes), else 4.
-__device__ __forceinline__ void stage_floats(float* dst, const float* src, int n, bool vec) {
-    const unsigned int base = (unsigned int)__cvta_generic_to_shared(dst);
-    if (vec) {
-        for (int e = threadIdx.x; e < n / 4; e += DQN_HEAD_THREADS) dt_cp_async16(base + 16u * e, src + 4 * e, 16);
-    } else {
-        for (int e = threadIdx.x; e < n; e += DQN_HEAD_THREADS) dt_cp_async4(base + 4u * e, src + e, 4);
-    }
-}
 
 // acc[r] += the lane's share of dot(w, x_r) for the block's rows: lane l takes
 // elements 4l .. 4l+3 of every 128 (VEC) or element l of every 32.
@@ -310,11 +321,11 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
                        reinterpret_cast<unsigned long long>(w_target)) & 15ull) == 0;
     const long long x0 = j0 * hidden;
 
-    stage_floats(w_sh, w_online, cols * hidden, vec);
-    stage_floats(w_sh + cols * hidden, w_target, cols * hidden, vec);
-    stage_floats(x_sh, h_s + x0, here * hidden, vec);
-    stage_floats(x_sh + DQN_HEAD_ROWS * hidden, h_next + x0, here * hidden, vec);
-    stage_floats(x_sh + 2 * DQN_HEAD_ROWS * hidden, h_target + x0, here * hidden, vec);
+    stage_floats<DQN_HEAD_THREADS>(w_sh, w_online, cols * hidden, vec);
+    stage_floats<DQN_HEAD_THREADS>(w_sh + cols * hidden, w_target, cols * hidden, vec);
+    stage_floats<DQN_HEAD_THREADS>(x_sh, h_s + x0, here * hidden, vec);
+    stage_floats<DQN_HEAD_THREADS>(x_sh + DQN_HEAD_ROWS * hidden, h_next + x0, here * hidden, vec);
+    stage_floats<DQN_HEAD_THREADS>(x_sh + 2 * DQN_HEAD_ROWS * hidden, h_target + x0, here * hidden, vec);
     dt_cp_async_commit();
     const long long j = j0 + t;
     const bool live = t < here;

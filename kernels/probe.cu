@@ -146,3 +146,33 @@ extern "C" __global__ void __launch_bounds__(256) sync_handover(unsigned int* er
     atomicAdd(checked, (unsigned long long)rounds * size);
     dt_cluster_barrier();  // no block leaves while a copy may still read or write its shared memory
 }
+
+// block_sums_32, _128, _256: the block sums of common.cuh, for tests. Block b
+// sums in[(i * gridDim.x + b) * THREADS + t] over its threads t for i = 0, 1, 2
+// in one pass (dt_block_sums) and sum 0 again alone (dt_block_sum). Every thread
+// writes what it got: out[((b * 4 + i) * THREADS) + t], i = 3 the single sum.
+template <int THREADS>
+__device__ __forceinline__ void block_sums_body(const double* in, double* out) {
+    const int b = blockIdx.x, t = threadIdx.x, g = gridDim.x;
+    double v[3];
+#pragma unroll
+    for (int i = 0; i < 3; ++i) v[i] = in[((long long)i * g + b) * THREADS + t];
+    const double first = v[0];
+    dt_block_sums<THREADS, 3>(v);
+    const double single = dt_block_sum<THREADS>(first);
+#pragma unroll
+    for (int i = 0; i < 3; ++i) out[((long long)b * 4 + i) * THREADS + t] = v[i];
+    out[((long long)b * 4 + 3) * THREADS + t] = single;
+}
+
+extern "C" __global__ void __launch_bounds__(32) block_sums_32(const double* in, double* out) {
+    block_sums_body<32>(in, out);
+}
+
+extern "C" __global__ void __launch_bounds__(128) block_sums_128(const double* in, double* out) {
+    block_sums_body<128>(in, out);
+}
+
+extern "C" __global__ void __launch_bounds__(256) block_sums_256(const double* in, double* out) {
+    block_sums_body<256>(in, out);
+}

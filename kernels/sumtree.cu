@@ -139,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
     // and writes the weights.
     if (dt_last_block(counter, gridDim.x)) {  // block-uniform, so the barriers below are safe
         extern __shared__ float batch_p[];  // `batch` floats
-        __shared__ float reduce[SAMPLE_THREADS];
+        __shared__ float reduce[SAMPLE_WARPS];
         const unsigned long long s = *step;  // read by every thread before thread 0 advances it
         const double progress = s >= beta_steps ? 1.0 : (double)s / (double)beta_steps;
         const float beta = (float)((double)beta_start + ((double)beta_end - (double)beta_start) * progress);
@@ -150,13 +150,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
             batch_p[k] = pk;
             m = fminf(m, pk);
         }
-        reduce[threadIdx.x] = m;
+        // The minimum in each warp by shuffles, then of the warps' minima (a
+        // minimum does not depend on the order it is taken in).
+#pragma unroll
+        for (int d = 16; d >= 1; d >>= 1) m = fminf(m, __shfl_xor_sync(DT_FULL_MASK, m, d));
+        if (lane == 0) reduce[warp] = m;
         __syncthreads();
-        for (int width = SAMPLE_THREADS / 2; width >= 1; width >>= 1) {
-            if (threadIdx.x < width) reduce[threadIdx.x] = fminf(reduce[threadIdx.x], reduce[threadIdx.x + width]);
-            __syncthreads();
-        }
-        const float p_min = reduce[0];
+        float p_min = reduce[0];
+#pragma unroll
+        for (int w = 1; w < SAMPLE_WARPS; ++w) p_min = fminf(p_min, reduce[w]);
         for (int k = threadIdx.x; k < batch; k += SAMPLE_THREADS) {
             const float pk = batch_p[k];
             out_weight[k] = pk > 0.0f ? powf(p_min / pk, beta) : 0.0f;

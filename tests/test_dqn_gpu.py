@@ -686,19 +686,33 @@ def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, brok
     sure = clean & ((top[:, -1] - top[:, -2] > 1e-4) if n_actions > 1 else True)
     np.testing.assert_array_equal(got["a_star"][sure], res["a_star"][sure])
 
-    # dqn_loss on the head's own Q rows: the same per-sample loss, bit for bit, NaN rows included.
+    # dqn_loss on the head's own Q rows: the same per-sample loss, bit for bit, NaN rows included,
+    # with its Q rows on 16-byte boundaries (16-byte copies) and 4 bytes past them (4-byte copies).
     from drvtrain import builtin_module
     from drvtrain.rl.dqn import LOSS_SIGNATURE
     loss = builtin_module("dqn.cu").kernel("dqn_loss", LOSS_SIGNATURE, fixed_block=True)
-    q = [DeviceBuffer.from_numpy(got[k]) for k in ("q_s", "q_next", "q_target")]
     per_sample = [DeviceBuffer.from_numpy(case[k]) for k in ("action", "reward", "done", "weights")]
-    outs = [DeviceBuffer((batch, 1 + n_actions)), DeviceBuffer(batch), DeviceBuffer(4), DeviceBuffer(batch, np.int32)]
     grid = -(-batch // loss.block)
-    loss.launch(grid, loss.block, *q, *per_sample, batch, n_actions, gamma, delta, outs[0], outs[1], outs[2],
-                DeviceBuffer(3 * grid, np.float64), DeviceBuffer.zeros(1, np.uint32), outs[3], 0, stream=stream)
-    stream.synchronize()
-    for name, buf in zip(("dout", "priorities", "a_star"), (outs[0], outs[1], outs[3])):
-        np.testing.assert_array_equal(buf.to_numpy(), got[name], err_msg=name)
+    scalars = {}
+    for offset in (0, 4):
+        q = []
+        for k in ("q_s", "q_next", "q_target"):
+            host = np.concatenate([rng.standard_normal(offset // 4).astype(np.float32), got[k].ravel()])
+            q.append(DeviceBuffer.from_numpy(host).view(np.float32, got[k].shape, offset))
+        outs = [DeviceBuffer((batch, 1 + n_actions)), DeviceBuffer(batch), DeviceBuffer(4),
+                DeviceBuffer(batch, np.int32)]
+        for buf in outs:
+            buf.poison(stream=stream)
+        loss.launch(grid, loss.block, *q, *per_sample, batch, n_actions, gamma, delta, outs[0], outs[1], outs[2],
+                    DeviceBuffer(3 * grid, np.float64), DeviceBuffer.zeros(1, np.uint32), outs[3], 0, stream=stream)
+        stream.synchronize()
+        for name, buf in zip(("dout", "priorities", "a_star"), (outs[0], outs[1], outs[3])):
+            np.testing.assert_array_equal(buf.to_numpy(), got[name], err_msg=f"{name}, offset {offset}")
+        scalars[offset] = outs[2].to_numpy()[:3]
+    np.testing.assert_array_equal(scalars[0], scalars[4])
+    if not broken:
+        for value, want in zip(scalars[0], (res["loss"], res["mean_q"], res["mean_abs_td"])):
+            assert abs(value - want) <= 1e-5 * max(abs(want), 1e-3)
 
 
 def test_head_kernel_gate_writes_nothing(device, rng):
