@@ -194,6 +194,35 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // operand: (row wm*WM + g, depth t) for A, (column wn*WN + g, depth t) for B.
     const int a_base = SA::at(wm * CFG::WM + g, t), b_base = SB::at(wn * CFG::WN + g, t);
 
+    // The epilogue's operands (bias, mask; fragment (mi, ni) holds rows r, r + 8
+    // and columns c, c + 1) do not depend on the products, so their loads go out
+    // with the first tiles' copies where a thread holds few fragments (EARLY),
+    // so that their round trip overlaps the k loop. With more fragments (64x64)
+    // the registers they would hold through the k loop and the split-k tail
+    // cost occupancy (128 -> 168 registers measured for grad-input), so there
+    // they load after the tail, as the epilogue needs them.
+    float bv[NI][2], mv[MI][NI][4];
+    auto load_epilogue = [&]() {
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int c = j0 + wn * CFG::WN + ni * 8 + 2 * t + q;
+                bv[ni][q] = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) && c < N ? bias[c] : 0.0f;
+            }
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int r = i0 + wm * CFG::WM + mi * 16 + g + (q >> 1) * 8;
+                    const int c = j0 + wn * CFG::WN + ni * 8 + 2 * t + (q & 1);
+                    mv[mi][ni][q] = EPI == EPI_MASK && r < M && c < N ? mask[(size_t)r * ldm + c] : 0.0f;
+                }
+    };
+    constexpr bool EARLY = MI * NI <= 2;
+
     // Prologue: STAGES - 1 tiles in flight. Every thread commits one group per
     // tile slot, empty or not, so wait_group counts stay uniform.
 #pragma unroll
@@ -204,6 +233,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         }
         dt_cp_async_commit();
     }
+    if constexpr (EARLY) load_epilogue();
     int read_slot = 0, write_slot = STAGES - 1;
     for (int kt = 0; kt < tiles; ++kt) {
         dt_cp_async_wait<STAGES - 2>();
@@ -327,25 +357,8 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     if (sums && tid < BM && i0 + tid < M) col_sum[i0 + tid] = row_sum;
     if (!active) return;
 
-    // Epilogue: fragment (mi, ni) holds rows r, r + 8 and columns c, c + 1.
-    float bv[NI][2], mv[MI][NI][4];
-#pragma unroll
-    for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const int c = j0 + wn * CFG::WN + ni * 8 + 2 * t + q;
-            bv[ni][q] = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) && c < N ? bias[c] : 0.0f;
-        }
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int r = i0 + wm * CFG::WM + mi * 16 + g + (q >> 1) * 8;
-                const int c = j0 + wn * CFG::WN + ni * 8 + 2 * t + (q & 1);
-                mv[mi][ni][q] = EPI == EPI_MASK && r < M && c < N ? mask[(size_t)r * ldm + c] : 0.0f;
-            }
+    // Epilogue.
+    if constexpr (!EARLY) load_epilogue();
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
