@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The whole GPU verification in one go: doctor, the full test suite with no GPU
 # test allowed to skip, the graph dumps, the step audit, the overfit smoke,
-# every benchmark, the per-kernel profile and, unless SANITIZE=0, compute-sanitizer memcheck over the
-# driver, engine and replay tests plus memcheck and racecheck over a few
-# captured DQN steps of both configurations, and racecheck over the wgmma
-# backward products. Logs go to the folder given as
-# the first argument (default ./gpu-logs). ONLY=a,b runs just those steps.
+# every benchmark, the per-kernel profile and, unless SANITIZE=0, compute-sanitizer:
+# memcheck over the GPU test files, memcheck and racecheck over a few captured
+# DQN steps of both configurations, and racecheck over the block sums, the loss
+# kernels and the wgmma backward products. Logs go to the folder given as the
+# first argument (default ./gpu-logs). ONLY=a,b runs just those steps.
 set -uo pipefail
 logs=${1:-gpu-logs}
 mkdir -p "$logs"
@@ -43,7 +43,7 @@ if [ "${SANITIZE:-1}" = 1 ] && { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",saniti
   # so are those that count free device memory, which the sanitizer moves.
   san_files="test_kernel_gpu test_memory_gpu test_graph_gpu test_nn_gpu test_sumtree_gpu test_replay_gpu
              test_hardening_gpu test_dqn_gpu test_envs_gpu test_gemm_gpu test_narrow_gpu
-             test_launch_options_gpu test_tma_gpu"
+             test_launch_options_gpu test_tma_gpu test_reductions_gpu"
   mkdir -p "$logs/sanitizer"
   pids=()
   for f in $san_files; do
@@ -58,11 +58,18 @@ if [ "${SANITIZE:-1}" = 1 ] && { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",saniti
     pids+=($!)
   done
   # The wgmma backward's warpgroups hand shared memory over by named barriers:
-  # racecheck over its products (all but the largest shape, for time).
+  # racecheck over its products (all but the largest shape, for time) and its
+  # edge cases (a split with no k tile, exactly three k tiles).
   "$sanitizer" --tool racecheck --error-exitcode 1 --print-limit 20 \
     python3 -m pytest -q -p no:cacheprovider tests/test_gemm_gpu.py \
-    -k "test_product_matches_float64 and wgmma and grad and not 512x1024x1024" \
+    -k "(test_product_matches_float64 and wgmma and grad and not 512x1024x1024) or test_wgmma_backward_on_splits" \
     > "$logs/sanitizer/racecheck_wgmma_backward.log" 2>&1 &
+  pids+=($!)
+  # The block sums hand values between warps through shared memory, and the loss
+  # kernels stage their rows there with asynchronous copies.
+  "$sanitizer" --tool racecheck --error-exitcode 1 --print-limit 20 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_reductions_gpu.py tests/test_dqn_gpu.py \
+    -k "block_sums or head_kernel" > "$logs/sanitizer/racecheck_block_sums.log" 2>&1 &
   pids+=($!)
   san_status=0
   for pid in "${pids[@]}"; do wait "$pid" || san_status=1; done
