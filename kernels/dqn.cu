@@ -158,21 +158,18 @@ __device__ __forceinline__ void publish_means(SampleTerms terms, int batch, floa
 }
 
 // Copies n floats global -> shared with cp.async, THREADS threads a block: 16
-// bytes a copy when `vec` (src and dst on 16-byte boundaries; a last copy of
-// fewer than 4 floats reads only those and zero-fills the rest of its 16
-// bytes, so dst must have room for n rounded up to 4), else 4.
+// bytes a copy when `vec` (src and dst on 16-byte boundaries), the last n % 4
+// floats 4 bytes each (a 16-byte copy that reads fewer bytes still counts as
+// a 16-byte read past the end of the source); all 4 bytes each otherwise.
+// Rolled: a copy does not wait, so unrolling would only add code.
 template <int THREADS>
 __device__ __forceinline__ void stage_floats(float* dst, const float* src, int n, bool vec) {
     const unsigned int base = (unsigned int)__cvta_generic_to_shared(dst);
-    // Rolled: a copy does not wait, so unrolling would only add code.
-    if (vec) {
+    const int quads = vec ? n / 4 : 0;
 #pragma unroll 1
-        for (int e = threadIdx.x; 4 * e < n; e += THREADS)
-            dt_cp_async16(base + 16u * e, src + 4 * e, 4 * min(4, n - 4 * e));
-    } else {
+    for (int e = threadIdx.x; e < quads; e += THREADS) dt_cp_async16(base + 16u * e, src + 4 * e, 16);
 #pragma unroll 1
-        for (int e = threadIdx.x; e < n; e += THREADS) dt_cp_async4(base + 4u * e, src + e, 4);
-    }
+    for (int e = 4 * quads + threadIdx.x; e < n; e += THREADS) dt_cp_async4(base + 4u * e, src + e, 4);
 }
 
 }  // namespace
@@ -186,8 +183,7 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
     dt_allow_dependents();
     if (gate != nullptr && *gate) return;  // a step that is not due: nothing is written
     // One tile per Q array, all copied in one round of cp.async copies, so the
-    // kernel waits for memory once, not once per array or per element. Rows of
-    // 1 + n_actions floats: room for the last copy's zero-filled tail.
+    // kernel waits for memory once, not once per array or per element.
     __shared__ __align__(16) float tiles[3][DQN_LOSS_THREADS * (1 + DQN_MAX_ACTIONS)];
     if (n_actions < 1 || n_actions > DQN_MAX_ACTIONS) {
         if (blockIdx.x == 0 && threadIdx.x == 0) scalars[0] = scalars[1] = scalars[2] = quiet_nan();
