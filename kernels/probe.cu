@@ -149,20 +149,24 @@ extern "C" __global__ void __launch_bounds__(256) sync_handover(unsigned int* er
 
 // block_sums_32, _128, _256: the block sums of common.cuh, for tests. Block b
 // sums in[(i * gridDim.x + b) * THREADS + t] over its threads t for i = 0, 1, 2
-// in one pass (dt_block_sums) and sum 0 again alone (dt_block_sum). Every thread
-// writes what it got: out[((b * 4 + i) * THREADS) + t], i = 3 the single sum.
+// in one pass (dt_block_sums), then sums 0 and 1 again alone, back to back
+// (dt_block_sum twice: the second call reuses the first's shared array). Every
+// thread writes what it got: out[((b * 5 + i) * THREADS) + t], i = 3, 4 the
+// single sums.
 template <int THREADS>
 __device__ __forceinline__ void block_sums_body(const double* in, double* out) {
     const int b = blockIdx.x, t = threadIdx.x, g = gridDim.x;
     double v[3];
 #pragma unroll
     for (int i = 0; i < 3; ++i) v[i] = in[((long long)i * g + b) * THREADS + t];
-    const double first = v[0];
+    const double first = v[0], second = v[1];
     dt_block_sums<THREADS, 3>(v);
-    const double single = dt_block_sum<THREADS>(first);
+    const double single0 = dt_block_sum<THREADS>(first);
+    const double single1 = dt_block_sum<THREADS>(second);
 #pragma unroll
-    for (int i = 0; i < 3; ++i) out[((long long)b * 4 + i) * THREADS + t] = v[i];
-    out[((long long)b * 4 + 3) * THREADS + t] = single;
+    for (int i = 0; i < 3; ++i) out[((long long)b * 5 + i) * THREADS + t] = v[i];
+    out[((long long)b * 5 + 3) * THREADS + t] = single0;
+    out[((long long)b * 5 + 4) * THREADS + t] = single1;
 }
 
 extern "C" __global__ void __launch_bounds__(32) block_sums_32(const double* in, double* out) {

@@ -687,16 +687,17 @@ def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, brok
     np.testing.assert_array_equal(got["a_star"][sure], res["a_star"][sure])
 
     # dqn_loss on the head's own Q rows: the same per-sample loss, bit for bit, NaN rows included,
-    # with its Q rows on 16-byte boundaries (16-byte copies) and 4 bytes past them (4-byte copies).
+    # with its Q rows on 16-byte boundaries (16-byte copies), all 4 bytes past them, and only
+    # the second of the three 4 bytes past (4-byte copies: every array is checked).
     from drvtrain import builtin_module
     from drvtrain.rl.dqn import LOSS_SIGNATURE
     loss = builtin_module("dqn.cu").kernel("dqn_loss", LOSS_SIGNATURE, fixed_block=True)
     per_sample = [DeviceBuffer.from_numpy(case[k]) for k in ("action", "reward", "done", "weights")]
     grid = -(-batch // loss.block)
     scalars = {}
-    for offset in (0, 4):
+    for offsets in ((0, 0, 0), (4, 4, 4), (0, 4, 0)):
         q = []
-        for k in ("q_s", "q_next", "q_target"):
+        for k, offset in zip(("q_s", "q_next", "q_target"), offsets):
             host = np.concatenate([rng.standard_normal(offset // 4).astype(np.float32), got[k].ravel()])
             q.append(DeviceBuffer.from_numpy(host).view(np.float32, got[k].shape, offset))
         outs = [DeviceBuffer((batch, 1 + n_actions)), DeviceBuffer(batch), DeviceBuffer(4),
@@ -707,11 +708,12 @@ def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, brok
                     DeviceBuffer(3 * grid, np.float64), DeviceBuffer.zeros(1, np.uint32), outs[3], 0, stream=stream)
         stream.synchronize()
         for name, buf in zip(("dout", "priorities", "a_star"), (outs[0], outs[1], outs[3])):
-            np.testing.assert_array_equal(buf.to_numpy(), got[name], err_msg=f"{name}, offset {offset}")
-        scalars[offset] = outs[2].to_numpy()[:3]
-    np.testing.assert_array_equal(scalars[0], scalars[4])
+            np.testing.assert_array_equal(buf.to_numpy(), got[name], err_msg=f"{name}, offsets {offsets}")
+        scalars[offsets] = outs[2].to_numpy()[:3]
+    for offsets in scalars:
+        np.testing.assert_array_equal(scalars[offsets], scalars[(0, 0, 0)], err_msg=f"scalars, offsets {offsets}")
     if not broken:
-        for value, want in zip(scalars[0], (res["loss"], res["mean_q"], res["mean_abs_td"])):
+        for value, want in zip(scalars[(0, 0, 0)], (res["loss"], res["mean_q"], res["mean_abs_td"])):
             assert abs(value - want) <= 1e-5 * max(abs(want), 1e-3)
 
 
