@@ -3,8 +3,8 @@
 # test allowed to skip, the graph dumps, the step audit, the overfit smoke,
 # every benchmark, the per-kernel profile and, unless SANITIZE=0, compute-sanitizer:
 # memcheck over the GPU test files, memcheck and racecheck over a few captured
-# DQN steps of both configurations, and racecheck over the block sums, the loss
-# kernels and the wgmma backward products. Logs go to the folder given as the
+# DQN steps of both configurations, and racecheck over the block sums, the DQN
+# loss kernels and the wgmma backward products. Logs go to the folder given as the
 # first argument (default ./gpu-logs). ONLY=a,b runs just those steps.
 set -uo pipefail
 logs=${1:-gpu-logs}
@@ -65,8 +65,8 @@ if [ "${SANITIZE:-1}" = 1 ] && { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",saniti
     -k "(test_product_matches_float64 and wgmma and grad and not 512x1024x1024) or test_wgmma_backward_on_splits" \
     > "$logs/sanitizer/racecheck_wgmma_backward.log" 2>&1 &
   pids+=($!)
-  # The block sums hand values between warps through shared memory, and the loss
-  # kernels stage their rows there with asynchronous copies.
+  # The block sums hand values between warps through shared memory, and the DQN
+  # loss kernels stage their rows there with asynchronous copies.
   "$sanitizer" --tool racecheck --error-exitcode 1 --print-limit 20 \
     python3 -m pytest -q -p no:cacheprovider tests/test_reductions_gpu.py tests/test_dqn_gpu.py \
     -k "block_sums or head_kernel" > "$logs/sanitizer/racecheck_block_sums.log" 2>&1 &
