@@ -22,7 +22,7 @@ def tree_sum(x):
 
 
 def test_tree_sum_is_the_documented_pairing():
-    """The emulation itself, on values where every order gives different bits."""
+    """The emulation itself, on values where the order of the adds shows in the bits."""
     x = np.array([1e16, 1.0, -1e16, 1.0, 3.0, 1e-3, -3.0, 0.5])
     # level 4: [1e16+3, 1+1e-3, -1e16-3, 1+0.5]; level 2: [(1e16+3)+(-1e16-3), (1+1e-3)+1.5]; level 1.
     want = ((1e16 + 3.0) + (-1e16 + -3.0)) + ((1.0 + 1e-3) + (1.0 + 0.5))
@@ -35,8 +35,8 @@ def test_tree_sum_is_the_documented_pairing():
 @pytest.mark.parametrize("threads", [32, 128, 256])
 def test_block_sums_have_the_tree_bits(device, rng, threads):
     """dt_block_sums (three sums in one pass) and dt_block_sum (twice back to back, on one
-    shared array) give every thread the bits of the shared-memory tree, on values of 16 orders of magnitude and both signs, where a
-    sequential sum or another pairing gives other bits."""
+    shared array) give every thread the bits of the shared-memory tree, on values of 16
+    orders of magnitude and both signs, where a sequential sum gives other bits."""
     blocks = 37
     mags = 10.0 ** rng.uniform(-8, 8, (3, blocks, threads))
     x = rng.standard_normal((3, blocks, threads)) * mags
