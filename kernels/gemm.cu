@@ -201,13 +201,16 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // the registers they would hold through the k loop and the split-k tail
     // cost occupancy (128 -> 168 registers measured for grad-input), so there
     // they load after the tail, as the epilogue needs them.
+    // Element q (0..3) of fragment (mi, ni) sits at row frag_row(mi, q), column frag_col(ni, q & 1).
+    auto frag_row = [&](int mi, int q) { return i0 + wm * CFG::WM + mi * 16 + g + (q >> 1) * 8; };
+    auto frag_col = [&](int ni, int q) { return j0 + wn * CFG::WN + ni * 8 + 2 * t + q; };
     float bv[NI][2], mv[MI][NI][4];
     auto load_epilogue = [&]() {
 #pragma unroll
         for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
-                const int c = j0 + wn * CFG::WN + ni * 8 + 2 * t + q;
+                const int c = frag_col(ni, q);
                 bv[ni][q] = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) && c < N ? bias[c] : 0.0f;
             }
 #pragma unroll
@@ -216,8 +219,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
-                    const int r = i0 + wm * CFG::WM + mi * 16 + g + (q >> 1) * 8;
-                    const int c = j0 + wn * CFG::WN + ni * 8 + 2 * t + (q & 1);
+                    const int r = frag_row(mi, q), c = frag_col(ni, q & 1);
                     mv[mi][ni][q] = EPI == EPI_MASK && r < M && c < N ? mask[(size_t)r * ldm + c] : 0.0f;
                 }
     };
@@ -365,8 +367,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-                const int r = i0 + wm * CFG::WM + mi * 16 + g + (q >> 1) * 8;
-                const int c = j0 + wn * CFG::WN + ni * 8 + 2 * t + (q & 1);
+                const int r = frag_row(mi, q), c = frag_col(ni, q & 1);
                 if (r < M && c < N)
                     C[(size_t)r * ldc + c] = dt_epilogue<EPI>(acc[mi][ni][q], bv[ni][q & 1], mv[mi][ni][q]);
             }
