@@ -234,9 +234,12 @@ __device__ __forceinline__ unsigned int dt_cluster_rank() {
     return r;
 }
 
+// 1 below compute capability 9.0, which has no clusters.
 __device__ __forceinline__ unsigned int dt_cluster_blocks() {
     unsigned int n = 1;
-    DT_CLUSTER_ONLY(asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n)));
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
     return n;
 }
 
@@ -245,6 +248,12 @@ __device__ __forceinline__ unsigned int dt_cluster_blocks() {
 __device__ __forceinline__ void dt_cluster_barrier() {
     DT_CLUSTER_ONLY(asm volatile("barrier.cluster.arrive.release.aligned;\n"
                                  "barrier.cluster.wait.acquire.aligned;\n" ::: "memory"));
+}
+
+// dt_cluster_barrier in two halves: the arrival (the thread's earlier reads and
+// writes happen before it, for the cluster) and, later, the wait.
+__device__ __forceinline__ void dt_cluster_arrive() {
+    DT_CLUSTER_ONLY(asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"));
 }
 
 // The barrier in two halves: arrive early (ordering nothing), wait later;

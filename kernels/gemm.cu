@@ -310,7 +310,57 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // on SMs this grid's later blocks still need (a dependent launch only).
     dt_allow_dependents();
 
-    if (splits > 1) {
+    const bool clustered = splits > 1 && dt_cluster_blocks() == (unsigned int)splits;
+    if (clustered) {
+        // The splits of the tile are one cluster (1, 1, S), rank z: each block stages
+        // its partial in its own ring, in fragment order, and block 0 adds them over
+        // distributed shared memory in z order, its own from registers: the sums of
+        // the workspace path below, bit for bit, in one barrier and one round trip.
+        static_assert(BM * BN + BM <= STAGES * STAGE, "the ring holds a partial tile and its row sums");
+        float4* stage = reinterpret_cast<float4*>(smem);
+        __syncthreads();  // every warp is done with its last k tile
+        if (z != 0) {
+            if (active) {
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni)
+                        stage[(mi * NI + ni) * THREADS + tid] =
+                            make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]);
+            }
+            if (sums && tid < BM) smem[BM * BN + tid] = row_sum;
+        }
+        dt_cluster_barrier();  // every partial is staged
+        if (z != 0) {
+            dt_cluster_barrier();  // block 0 has read them: only then may this block leave
+            return;
+        }
+        if (active) {
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni) {
+                    const unsigned int at = smem0 + 16u * ((mi * NI + ni) * THREADS + tid);
+                    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    for (int s = 0; s < splits; ++s) {
+                        const float4 p = s == 0 ? make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2],
+                                                              acc[mi][ni][3])
+                                                : dt_cluster_load4(dt_cluster_address(at, s));
+                        v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
+                    }
+                    acc[mi][ni][0] = v.x, acc[mi][ni][1] = v.y, acc[mi][ni][2] = v.z, acc[mi][ni][3] = v.w;
+                }
+        }
+        if (sums && tid < BM) {
+            float v = 0.0f;
+            for (int s = 0; s < splits; ++s)
+                v += s == 0 ? row_sum : dt_cluster_load(dt_cluster_address(smem0 + 4u * (BM * BN + tid), s));
+            row_sum = v;
+        }
+        // The loads above have returned (release): the other blocks may leave while
+        // this one stores; it waits for their arrival only at its very end.
+        dt_cluster_arrive();
+    } else if (splits > 1) {
         const unsigned int tile = blockIdx.y * gridDim.x + blockIdx.x;
         float4* parts = reinterpret_cast<float4*>(workspace) + (size_t)tile * splits * (BM * BN / 4);
         float* row_parts = workspace + (size_t)gridDim.x * gridDim.y * splits * BM * BN + (size_t)blockIdx.y * splits * BM;
@@ -357,20 +407,22 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         }
     }
     if (sums && tid < BM && i0 + tid < M) col_sum[i0 + tid] = row_sum;
-    if (!active) return;
 
     // Epilogue.
-    if constexpr (!EARLY) load_epilogue();
+    if (active) {
+        if constexpr (!EARLY) load_epilogue();
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
+            for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int r = frag_row(mi, q), c = frag_col(ni, q & 1);
-                if (r < M && c < N)
-                    C[(size_t)r * ldc + c] = dt_epilogue<EPI>(acc[mi][ni][q], bv[ni][q & 1], mv[mi][ni][q]);
-            }
+                for (int q = 0; q < 4; ++q) {
+                    const int r = frag_row(mi, q), c = frag_col(ni, q & 1);
+                    if (r < M && c < N)
+                        C[(size_t)r * ldc + c] = dt_epilogue<EPI>(acc[mi][ni][q], bv[ni][q & 1], mv[mi][ni][q]);
+                }
+    }
+    if (clustered) dt_cluster_wait();  // the arrival above: every thread of the block ends it
 }
 
 }  // namespace tc

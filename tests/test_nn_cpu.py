@@ -280,8 +280,11 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
     def load(name):
         def launch(grid, block, *args, stream, shared_mem, cluster=None):
             launches.append((name, grid, args, stream, shared_mem, cluster))
-        # 8 GPCs of 16 SMs, one block per SM: 64 clusters of 2, 32 of 4, 16 of 8.
-        return SimpleNamespace(block=256, launch=launch, max_active_clusters=lambda c, b, shared: 8 * (16 // c[2]))
+        # 8 GPCs of 16 SMs, one wgmma block per SM (64 clusters of 2, 32 of 4, 16 of 8),
+        # 4 of the 64x64 tile's, 8 of the 32x32 tile's.
+        per_sm = 8 if "_32x32_" in name else 4 if "_64x64_" in name else 1
+        return SimpleNamespace(block=256, launch=launch,
+                               max_active_clusters=lambda c, b, shared: 8 * (16 * per_sm // c[2]))
 
     monkeypatch.setattr(mlp_module, "_load_kernel", load)
     monkeypatch.setattr(mlp_module, "Event", lambda: _FakeEvent(launches))
@@ -408,11 +411,14 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         # follows the last dX on the main stream.
         first_dw = "grad_weight" in name and (m, n) == (widths[1], widths[0])
         assert (stream is side) == ("grad_weight" in name and not first_dw), name
-        # A wgmma product whose clusters all fit at once launches each tile's splits as
-        # one cluster that sums them in shared memory, with no workspace.
+        # A tensor-core product whose clusters all fit at once (compute capability 9.0)
+        # launches each tile's splits as one cluster that sums them in shared memory,
+        # with no workspace.
         if cluster is not None:
-            assert "_wgmma_" in name and splits > 1 and cluster == (1, 1, splits), name
-            assert grid[:2] == (-(-n // 128), -(-m // 128)) and grid[0] * grid[1] <= 8 * (16 // splits)
+            assert cc >= (9, 0) and not name.endswith("_f32") and splits > 1 and cluster == (1, 1, splits), name
+            bm, bn = (128, 128) if "_wgmma_" in name else (int(v) for v in name.split("_")[-3].split("x"))
+            per_sm = 8 if bm == 32 else 4 if bm == 64 else 1
+            assert grid[:2] == (-(-n // bn), -(-m // bm)) and grid[0] * grid[1] <= 8 * (16 * per_sm // splits)
         if "_presplit_" in name:  # every split within the kernel's bound of k tiles
             assert -(-(-(-k // 32)) // splits) <= mlp_module.PRESPLIT_MAX_TILES
         if splits == 1 or cluster is not None:
@@ -447,6 +453,27 @@ def test_a_requested_split_count_never_leaves_a_split_empty():
             assert 1 <= s <= min(want, k_tiles) and (s - 1) * per < k_tiles
 
 
+def test_the_mma_tiles_sum_their_splits_in_a_cluster_when_every_cluster_fits():
+    """gemm.cu's tensor-core tiles keep the split the rule gives and launch it as
+    clusters (no workspace, no counters) when the device holds all of them at once;
+    else, above 8 splits, or in FFMA, through the workspace as before."""
+    for precision, sums in (("tf32", False), ("3xtf32", False), ("3xtf32", True)):
+        free = plan(256, 256, 256, 132, precision=precision, sums=sums)  # the small net's hidden layer
+        assert (free.tile.name, free.splits, free.cluster) == ("32x32", 4, False) and free.workspace_floats > 0
+        for room, clustered in ((64, True), (63, False)):  # 64 tiles of 32x32, clusters of 4
+            p = plan(256, 256, 256, 132, precision=precision, sums=sums,
+                     max_clusters=lambda tile, s: room if (tile.name, s) == ("32x32", 4) else 0)
+            assert (p.tile, p.splits, p.cluster) == (free.tile, 4, clustered)
+            assert (p.workspace_floats, p.counters) == ((0, 0) if clustered else (free.workspace_floats, 64))
+        p = plan(256, 256, 256, 132, precision=precision, sums=sums, splits=3, max_clusters=lambda tile, s: 1 << 20)
+        assert (p.splits, p.cluster, p.workspace_floats) == (3, True, 0)  # a forced split is kept, not lowered
+        p = plan(512, 19, 8192, 132, precision=precision, sums=sums, tile=free.tile, splits=12,
+                 max_clusters=lambda tile, s: 1 << 20)
+        assert p.splits > 8 and not p.cluster and p.workspace_floats > 0
+    p = plan(256, 256, 256, 132, precision="f32", max_clusters=lambda tile, s: 1 << 20)
+    assert p.splits > 1 and not p.cluster and p.workspace_floats > 0
+
+
 def test_the_wgmma_tile_is_chosen_for_the_wide_tensor_core_products_only():
     from drvtrain.nn.mlp import WGMMA_TILE, choose_tile
     for precision, sums in (("tf32", False), ("3xtf32", False), ("3xtf32", True)):
@@ -457,18 +484,18 @@ def test_the_wgmma_tile_is_chosen_for_the_wide_tensor_core_products_only():
         # With room for all 32 clusters of 4 at once, the splits meet in a cluster instead.
         for room, clustered in ((32, True), (31, False)):
             p = plan(512, 1024, 1024, 132, precision=precision, sums=sums, wgmma=True,
-                     max_clusters=lambda s: room if s == 4 else 0)
+                     max_clusters=lambda tile, s: room if s == 4 else 0)
             assert p.cluster == clustered and (p.workspace_floats == 0) == clustered and p.splits == 4
         # The H200's counts: 30 clusters of 4 such blocks fit at once, 39 of 3. The rule
         # takes 3 splits in clusters; a forced 4 goes through the workspace.
-        h200 = {2: 66, 3: 39, 4: 30, 8: 15}.get
+        h200 = lambda tile, s: {2: 66, 3: 39, 4: 30, 8: 15}.get(s) if tile is WGMMA_TILE else 0
         p = plan(512, 1024, 1024, 132, precision=precision, sums=sums, wgmma=True, max_clusters=h200)
         assert (p.splits, p.cluster, p.workspace_floats, p.counters) == (3, True, 0, 0)
         p = plan(512, 1024, 1024, 132, precision=precision, sums=sums, wgmma=True, max_clusters=h200, splits=4)
         assert (p.splits, p.cluster) == (4, False) and p.workspace_floats > 0
         # A forced split above the portable cluster size goes through the workspace.
         p = plan(512, 1024, 1024, 132, precision=precision, sums=sums, tile=WGMMA_TILE, splits=12,
-                 max_clusters=lambda s: 1 << 20)
+                 max_clusters=lambda tile, s: 1 << 20)
         assert p.splits > 8 and not p.cluster and p.workspace_floats > 0
     # The large net's dW: 64 tiles, two splits.
     assert plan(1024, 1024, 512, 132, precision="3xtf32", sums=True, wgmma=True).splits == 2
@@ -478,8 +505,9 @@ def test_the_wgmma_tile_is_chosen_for_the_wide_tensor_core_products_only():
     assert choose_tile(384, 1024, 512, 132, "3xtf32", wgmma=True).name == "64x64"  # the backward: three quarters
     # Planned for a third of the SMs (three forwards side by side): the large net's
     # forwards take the wgmma tile unsplit, 32 blocks, and the output layer's 4 tiles
-    # in 8 clustered splits; on the whole device they plan as before.
-    h200 = {2: 66, 3: 39, 4: 30, 8: 15}.get
+    # in 8 clustered splits; on the whole device they plan as before (here with no
+    # room for clusters of the 32x32 tile).
+    h200 = lambda tile, s: {2: 66, 3: 39, 4: 30, 8: 15}.get(s) if tile is WGMMA_TILE else 0
     for m, n, k, share, want in [(512, 1024, 128, 44, ("wgmma", 1, False)), (512, 1024, 1024, 44, ("wgmma", 1, False)),
                                  (512, 19, 1024, 44, ("wgmma", 8, True)), (512, 1024, 128, 132, ("64x64", 1, False)),
                                  (512, 19, 1024, 132, ("32x32", 8, False))]:

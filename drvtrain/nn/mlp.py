@@ -158,14 +158,15 @@ def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = 
     variant), ``splits`` a split count (benchmarks: the plans around the rule's).
     ``wgmma``: the wgmma tile may be chosen (see :func:`choose_tile`).
 
-    A split wgmma product launches each tile's S splits as one cluster, summed
-    in distributed shared memory with no workspace, when ``max_clusters(S)``
-    (the device's count of co-resident clusters of S such blocks) holds every
-    tile at once; the rule lowers S to the largest count that does, and a
-    forced ``splits`` is kept (in a cluster only if at most 8 and all fit).
-    Else, and always without ``max_clusters``, it sums through a workspace as
-    gemm.cu does (a second wave of clusters would cost more than the
-    workspace: measured on the H200)."""
+    A split tensor-core product launches each tile's S splits as one cluster,
+    summed in distributed shared memory with no workspace, when
+    ``max_clusters(tile, S)`` (the device's count of co-resident clusters of S
+    such blocks; 0 where a tile's kernels do not run in clusters) holds every
+    tile at once. For the wgmma tile the rule lowers S to the largest count that
+    does; a forced ``splits`` is kept (in a cluster only if at most 8 and all
+    fit), as is the mma.sync tiles' S. Else, and always without
+    ``max_clusters``, it sums through a workspace as gemm.cu does (a second wave
+    of clusters would cost more than the workspace: measured on the H200)."""
     if tile is None:
         tile = choose_tile(m, n, k, sm_count, precision, wgmma)
     elif (tile is FFMA_TILE) != (precision == "f32"):
@@ -174,14 +175,15 @@ def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = 
     if s == 1:
         return Plan(tile, 1, 0, 0)
     rows, cols = -(-m // tile.bm), -(-n // tile.bn)
-    if tile is WGMMA_TILE and max_clusters is not None:
-        # Forced: that split, in a cluster if they all fit. The rule: the most splits,
-        # up to its own count, whose clusters all fit (measured on the H200: 512x1024x1024
-        # forward 10.8 us in 3 clustered splits, 14.1 in 4 through the workspace, as 30
-        # clusters of 4 fit and 32 are needed; dX the same at 3 as at 4).
-        for c in ([s] if splits is not None else range(s, 1, -1)):
+    if max_clusters is not None and tile is not FFMA_TILE:
+        # The wgmma rule: the most splits, up to its own count, whose clusters all fit
+        # (measured on the H200: 512x1024x1024 forward 10.8 us in 3 clustered splits,
+        # 14.1 in 4 through the workspace, as 30 clusters of 4 fit and 32 are needed;
+        # dX the same at 3 as at 4). Forced, or an mma.sync tile: that split.
+        lower = tile is WGMMA_TILE and splits is None
+        for c in (range(s, 1, -1) if lower else [s]):
             c = split_count(m, n, k, sm_count, tile, c)
-            if 1 < c <= PORTABLE_CLUSTER_SIZE and rows * cols <= max_clusters(c):
+            if 1 < c <= PORTABLE_CLUSTER_SIZE and rows * cols <= max_clusters(tile, c):
                 return Plan(tile, c, 0, 0, cluster=True)
     if tile is FFMA_TILE:
         floats = s * (m * n + m)  # [z][M][N] partials, then [z][M] row sums
@@ -285,13 +287,13 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile.
     ``workspace`` and ``counters`` as :func:`plan` sizes them.
 
-    ``cluster`` (wgmma kernels only): launch the splits of a tile as one thread
-    block cluster, which sums them in distributed shared memory and needs no
-    workspace or counters (:attr:`Plan.cluster` says when)."""
+    ``cluster`` (tensor-core kernels, compute capability 9.0+): launch the splits
+    of a tile as one thread block cluster, which sums them in distributed shared
+    memory and needs no workspace or counters (:attr:`Plan.cluster` says when)."""
     tile = kernel.tile
     if kernel.presplit:
         raise ValueError(f"{kernel.name} takes split operands: launch it with gemm_presplit")
-    if cluster and tile is not WGMMA_TILE:
+    if cluster and tile is FFMA_TILE:
         raise ValueError(f"{kernel.name} does not reduce its splits in a cluster")
     dims = (1, 1, splits) if cluster and splits > 1 else None
     grid = (-(-n // tile.bn), -(-m // tile.bm), splits)
@@ -358,11 +360,18 @@ class LinearKernels:
     precision and operands that do not allow 16-byte copies use gemm.cu's
     kernels). ``presplit`` (with ``wgmma``, 3xTF32): also load the pre-split
     backward and its split pass (:meth:`split`, :meth:`launch_presplit`); whether a
-    product runs that way is the caller's choice."""
+    product runs that way is the caller's choice. ``clusters``: a split product on
+    gemm.cu's tensor-core tiles may sum its splits in a cluster (:func:`plan`);
+    None: where the device has clusters (compute capability 9.0+). False keeps
+    the workspace path (tests of it). The wgmma tile always may."""
 
-    def __init__(self, roles, precision: str, sm_count: int, *, wgmma: bool = False, presplit: bool = False):
+    def __init__(self, roles, precision: str, sm_count: int, *, wgmma: bool = False, presplit: bool = False,
+                 clusters: bool | None = None):
         self.precision = precision
         self.sm_count = sm_count
+        if clusters is None:
+            clusters = tuple(get_device().compute_capability) >= _WGMMA_CC
+        self.clusters = bool(clusters and precision != "f32")
         if precision == "f32":
             variants = [(FFMA_TILE, 16)]
         else:
@@ -392,12 +401,16 @@ class LinearKernels:
         SMs (:meth:`share`). Whether a tile's splits fit as clusters is still judged
         on the whole device."""
         sm_count = self.share(sms)
-        wgmma = self.kernels.get((role, WGMMA_TILE, 16))
-        limit = None
-        if wgmma is not None:
-            limit = lambda s: wgmma.kernel.max_active_clusters((1, 1, s), wgmma.kernel.block, wgmma.shared_bytes)
+
+        def limit(tile, s):
+            kernel = self.kernels.get((role, tile, 16 if tile is WGMMA_TILE else vector))
+            if kernel is None or (tile is not WGMMA_TILE and not self.clusters):
+                return 0
+            return kernel.kernel.max_active_clusters((1, 1, s), kernel.kernel.block, kernel.shared_bytes)
+
         return plan(m, n, k, sm_count, precision=self.precision, sums=role == "grad_weight", tile=tile,
-                    splits=splits, wgmma=self.wgmma and vector == 16, max_clusters=limit)
+                    splits=splits, wgmma=self.wgmma and vector == 16,
+                    max_clusters=limit if self.wgmma or self.clusters else None)
 
     def split(self, x, ld: int, rows: int, cols: int, *, arena: Arena, stream, gate=None, as_is: bool = True,
               transposed: bool = False):
@@ -453,7 +466,7 @@ class LinearKernels:
             want = -(-k_tiles // PRESPLIT_MAX_TILES)
             if want > WGMMA_TILE.max_splits:
                 return None
-        limit = lambda s: kernel.kernel.max_active_clusters((1, 1, s), kernel.kernel.block, kernel.shared_bytes)
+        limit = lambda tile, s: kernel.kernel.max_active_clusters((1, 1, s), kernel.kernel.block, kernel.shared_bytes)
         q = plan(m, n, k, self.sm_count, precision=self.precision, sums=role == "grad_weight", tile=WGMMA_TILE,
                  splits=want, wgmma=True, max_clusters=limit)
         return q if -(-k_tiles // q.splits) <= PRESPLIT_MAX_TILES else None
