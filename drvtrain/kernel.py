@@ -32,6 +32,11 @@ _cuLaunchKernelEx = cu.cuLaunchKernelEx
 # Thread block clusters of up to 8 blocks run on every device that has them;
 # 16 needs CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED on the function.
 PORTABLE_CLUSTER_SIZE = 8
+# launch(cluster_policy=...): how the hardware places a launch's clusters.
+CLUSTER_POLICIES = {
+    "spread": cu.CUclusterSchedulingPolicy.CU_CLUSTER_SCHEDULING_POLICY_SPREAD,
+    "load_balancing": cu.CUclusterSchedulingPolicy.CU_CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING,
+}
 _OPTIONS_CC = (9, 0)  # programmatic dependent launch and clusters: Hopper and newer
 
 __all__ = ["dependent_launches", "Module", "Kernel", "ArgPack", "BoundLaunch", "load_module", "load_source",
@@ -359,13 +364,14 @@ class Kernel:
         self._configs[key] = value = query()
         return value
 
-    def _launch_config(self, grid, block, shared_mem, dependent, cluster, cooperative=False) -> tuple:
+    def _launch_config(self, grid, block, shared_mem, dependent, cluster, cooperative=False,
+                       cluster_policy=None) -> tuple:
         """``(grid, block, CUlaunchConfig)`` for a launch with options, checked and memoised.
 
         The config and its attributes are built once per shape; a launch only
         sets its stream.
         """
-        key = (grid, block, shared_mem, dependent, cluster, cooperative)
+        key = (grid, block, shared_mem, dependent, cluster, cooperative, cluster_policy)
         try:
             return self._configs[key]
         except (KeyError, TypeError):
@@ -399,6 +405,17 @@ class Kernel:
             a = cu.CUlaunchAttribute()
             a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
             a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = c
+            attrs.append(a)
+        if cluster_policy is not None:
+            if cluster_policy not in CLUSTER_POLICIES:
+                raise ValueError(f"{self.name}: cluster_policy must be one of {sorted(CLUSTER_POLICIES)} or None, "
+                                 f"got {cluster_policy!r}")
+            if cluster is None:
+                raise ValueError(f"{self.name}: cluster_policy={cluster_policy!r} places clusters; "
+                                 f"the launch has none (cluster=None)")
+            a = cu.CUlaunchAttribute()
+            a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
+            a.value.clusterSchedulingPolicyPreference = CLUSTER_POLICIES[cluster_policy]
             attrs.append(a)
         config = cu.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = g
@@ -439,7 +456,7 @@ class Kernel:
 
     # -------------------------------------------------------------- launching
     def launch(self, grid, block, *args, stream, shared_mem: int = 0, dependent: bool = False,
-               cluster=None, cooperative: bool = False) -> None:
+               cluster=None, cooperative: bool = False, cluster_policy: str | None = None) -> None:
         """Pack ``args`` into the kernel's reusable pack and launch on ``stream``.
 
         The hot path of every eager launch: a memoised shape check, and
@@ -466,7 +483,10 @@ class Kernel:
 
         ``cluster=(x, y, z)``: launch as thread block clusters of that shape
         (compute capability 9.0+); the grid must divide by it, and a cluster
-        is at most 8 blocks (the portable size).
+        is at most 8 blocks (the portable size). ``cluster_policy`` (with
+        ``cluster`` only): how the hardware places the clusters on the GPU's
+        SMs, ``"spread"`` or ``"load_balancing"`` (the driver's scheduling-policy
+        preference); None leaves the default.
 
         ``cooperative=True``: every block of the grid is resident at once, so
         the kernel may wait for all of them (``dt_grid_barrier`` in common.cuh).
@@ -475,8 +495,9 @@ class Kernel:
         ``cluster``.
         """
         dependent = dependent or (_scope.dependent and self._dependent_capable)
-        if dependent or cluster is not None or cooperative:
-            self._launch_with_options(grid, block, args, stream, shared_mem, dependent, cluster, cooperative)
+        if dependent or cluster is not None or cooperative or cluster_policy is not None:
+            self._launch_with_options(grid, block, args, stream, shared_mem, dependent, cluster, cooperative,
+                                      cluster_policy)
             return
         try:
             g, b = self._validated[(grid, block, shared_mem)]
@@ -489,23 +510,24 @@ class Kernel:
         _launch(self, g, b, shared_mem, stream, pack)
 
     def _launch_with_options(self, grid, block, args, stream, shared_mem, dependent, cluster,
-                             cooperative=False) -> None:
+                             cooperative=False, cluster_policy=None) -> None:
         # Every option is checked before the pack is touched, so a refused
         # launch leaves the pack matching its references.
-        _, _, config = self._launch_config(grid, block, shared_mem, dependent, cluster, cooperative)
+        _, _, config = self._launch_config(grid, block, shared_mem, dependent, cluster, cooperative, cluster_policy)
         pack = self._pack
         if len(args) != len(pack.refs) or not all(map(_is, args, pack.refs)):
             pack.pack(args)
         _launch_ex(self, config, stream, pack)
 
     def bind(self, grid, block, *args, shared_mem: int = 0, dependent: bool = False,
-             cluster=None, cooperative: bool = False) -> "BoundLaunch":
+             cluster=None, cooperative: bool = False, cluster_policy: str | None = None) -> "BoundLaunch":
         """A launch with its arguments packed once, for replaying many times.
 
         The options are those of :meth:`launch`.
         """
-        if dependent or cluster is not None or cooperative:
-            g, b, config = self._launch_config(grid, block, shared_mem, dependent, cluster, cooperative)
+        if dependent or cluster is not None or cooperative or cluster_policy is not None:
+            g, b, config = self._launch_config(grid, block, shared_mem, dependent, cluster, cooperative,
+                                               cluster_policy)
             pack = ArgPack(self.signature)
             pack.pack(args)
             cluster_dims = None if cluster is None else _dims(cluster, "cluster")

@@ -38,7 +38,10 @@
 // drvtrain.nn.mlp.plan picks the tile and S.
 // S > 1 splits the k range over S blocks per output tile: each writes its sums to
 // `workspace`, and the last block of the tile to arrive (dt_last_block on a counter
-// per tile) adds the S partials in z order and applies the epilogue.
+// per tile) adds the S partials in z order and applies the epilogue. Tensor-core
+// kernels launched in clusters (1, 1, S) (compute capability 9.0) need neither:
+// block 0 of the tile adds the partials over distributed shared memory in the same
+// order, to the same bits.
 // Determinism: every output is one thread's accumulation in a fixed k order plus a
 // fixed z order over the splits; db is summed in FP32 by the blocks of grid column
 // 0, in a fixed order. No atomics on data: bitwise reproducible for a fixed launch.
@@ -602,8 +605,9 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 // One signature for all: ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr.
 // `gate` (may be 0): when it points at a non-zero word the whole grid returns at
 // once, writing nothing (a training loop's step that is not due this iteration).
-// Arguments a kernel does not use (bias, mask, col_sum) may be 0; with gridDim.z == 1
-// so may workspace and counters. Otherwise counters is one zeroed uint per output
+// Arguments a kernel does not use (bias, mask, col_sum) may be 0; so may workspace
+// and counters with gridDim.z == 1, or for a tensor-core kernel launched in clusters
+// of its gridDim.z splits. Otherwise counters is one zeroed uint per output
 // tile (left zeroed on exit) and workspace holds, in floats:
 //   tensor cores: gridDim.x * gridDim.y * S * BM * BN (+ gridDim.y * S * BM with col_sum)
 //   FFMA:         S * (M * N + M)

@@ -277,16 +277,17 @@ def test_wgmma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same
     assert rel(clustered[0][:, :n], prod.want) < bound
 
 
-@pytest.mark.parametrize("splits", [5, 8])
+@pytest.mark.parametrize("splits", [4, 5, 8])
 @pytest.mark.parametrize("role, tile, vector", [v for v in VARIANTS if v.values[1] is not WGMMA_TILE])
 def test_mma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same_bits(device, stream, rng, role, tile,
                                                                                      vector, splits):
-    """gemm.cu's tiles launch a split product as clusters of its splits where they
-    all fit (compute capability 9.0): block 0 of a tile adds the other blocks'
-    partials over distributed shared memory. Launched without clusters they take the
-    workspace and counters. Both add the same partials in z order from 0: the same
-    bits, and float64 agrees. 200 x 77 leaves warps with no output in the edge tiles
-    (they meet the barriers only); 600 deep cuts the last split shorter."""
+    """gemm.cu's kernels launched as clusters of a tile's splits (compute capability
+    9.0): block 0 of a tile adds the other blocks' partials over distributed shared
+    memory. Launched without clusters they take the workspace and counters. Both add
+    the same partials in z order from 0: the same bits, and float64 agrees. The rule
+    clusters the 32x32 tile's splits up to 4; the kernels take any split up to 8.
+    200 x 77 leaves warps with no output in the edge tiles (they meet the barriers
+    only); 600 deep cuts the last split shorter."""
     from drvtrain.nn.mlp import gemm
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"clusters need compute capability 9.0; this device is {device.arch}")
@@ -294,30 +295,30 @@ def test_mma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same_b
     kernels = kernels_for(role, device)
     prod = Product(role, m, n, k, vector, rng)
     p = kernels.plan(role, m, n, k, tile=tile, splits=splits, vector=vector)
-    assert p.splits >= splits - 1 and (p.cluster, p.workspace_floats, p.counters) == (True, 0, 0)
-    splits = p.splits  # 8 asked of the 64x64 tile's 19 k tiles: 7 splits of 3, none empty
-    prod.poison(stream)
-    kernels.launch(role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=Arena(1024),
-                   stream=stream, tile=tile, vector=vector, splits=splits, **prod.epilogue)
-    clustered = prod.outputs()
+    assert p.splits >= splits - 1  # 8 asked of the 64x64 tile's 19 k tiles: 7 splits of 3, none empty
+    assert p.cluster == (p.splits <= tile.cluster_splits) and (p.workspace_floats == 0) == p.cluster
+    splits = p.splits
+    kernel = kernels.kernels[(role, tile, vector)]
     rows, cols = -(-m // tile.bm), -(-n // tile.bn)
     floats = rows * cols * splits * tile.bm * tile.bn + rows * splits * tile.bm
-    work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
-    prod.poison(stream)
-    gemm(kernels.kernels[(role, tile, vector)], prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k,
-         stream, splits=splits, workspace=work.array(floats, np.float32), counters=work.zeroed(rows * cols, np.uint32),
-         cluster=False, **prod.epilogue)
-    through_memory = prod.outputs()
-    work.close()
-    for got in (clustered, through_memory):
-        assert not np.isnan(got[0][:, :n]).any(), f"{np.isnan(got[0][:, :n]).sum()} outputs unwritten"
-        assert (got[0][:, n:].view(np.uint32) == 0xFFFFFFFF).all(), "the output's padding was written"
-    assert clustered[0].tobytes() == through_memory[0].tobytes()
-    if prod.ref_sums is not None:
-        assert clustered[1].tobytes() == through_memory[1].tobytes()
-        assert rel(clustered[1], prod.ref_sums) < X3_BOUND
-    bound = TF32_BOUND if role.startswith("forward") else X3_BOUND
-    assert rel(clustered[0][:, :n], prod.want) < bound
+    results = []
+    for cluster in (True, False):
+        work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
+        prod.poison(stream)
+        gemm(kernel, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, stream, splits=splits,
+             workspace=0 if cluster else work.array(floats, np.float32),
+             counters=0 if cluster else work.zeroed(rows * cols, np.uint32), cluster=cluster, **prod.epilogue)
+        c, sums = prod.outputs()
+        where = "in a cluster" if cluster else "through memory"
+        assert not np.isnan(c[:, :n]).any(), f"{np.isnan(c[:, :n]).sum()} outputs unwritten ({where})"
+        assert (c[:, n:].view(np.uint32) == 0xFFFFFFFF).all(), f"the output's padding was written ({where})"
+        bound = TF32_BOUND if role.startswith("forward") else X3_BOUND
+        assert rel(c[:, :n], prod.want) < bound, where
+        if sums is not None:
+            assert not np.isnan(sums).any() and rel(sums, prod.ref_sums) < X3_BOUND, where
+        results.append(c.tobytes() + (b"" if sums is None else sums.tobytes()))
+        work.close()
+    assert results[0] == results[1], "a cluster and the workspace gave different bits"
 
 
 @pytest.mark.parametrize("k, splits", [(150, 4), (90, 1)], ids=["k150-4splits", "k90-3tiles"])

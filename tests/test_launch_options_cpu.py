@@ -410,3 +410,35 @@ def test_arch_specific_builds_need_compute_capability_9(no_driver):
         load_source('extern "C" __global__ void k() {}', device=older, arch_specific=True)
     with pytest.raises(ValueError, match="need compute capability 9.0"):
         load_module("gemm_sm90a.cu", device=older, arch_specific=True)
+
+
+@pytest.mark.parametrize("policy, value", [("spread", cu.CUclusterSchedulingPolicy.CU_CLUSTER_SCHEDULING_POLICY_SPREAD),
+                                           ("load_balancing",
+                                            cu.CUclusterSchedulingPolicy.CU_CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING)])
+def test_a_cluster_policy_rides_beside_the_cluster_dimension(launches, policy, value):
+    k = hopper_kernel()
+    k.launch(8, 64, fake_buffer(4096), 3, stream=FakeStream(5), cluster=4, cluster_policy=policy)
+    bound = k.bind(8, 64, fake_buffer(4096), 3, cluster=4, cluster_policy=policy)
+    bound.launch(FakeStream(6))
+    k.launch(8, 64, fake_buffer(4096), 3, stream=FakeStream(7), cluster=4)
+    for config in (launches[0][1], launches[1][1]):
+        attrs = config.attrs[:config.numAttrs]
+        assert [a.id for a in attrs] == [ATTR.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                                         ATTR.CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE]
+        assert attrs[1].value.clusterSchedulingPolicyPreference == value
+    plain = launches[2][1]  # the same shape without a policy: its own config, no preference
+    assert plain is not launches[0][1]
+    assert [a.id for a in plain.attrs[:plain.numAttrs]] == [ATTR.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION]
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"cluster_policy": "spread"}, "the launch has none"),
+    ({"cluster": 2, "cluster_policy": "packed"}, "cluster_policy must be one of"),
+    ({"cluster": 2, "cluster_policy": 1}, "cluster_policy must be one of"),
+])
+def test_bad_cluster_policies_are_refused_before_any_driver_call(no_driver, options, match):
+    k = hopper_kernel()
+    with pytest.raises(ValueError, match=match):
+        k.launch(8, 64, fake_buffer(4096), 1, stream=FakeStream(), **options)
+    with pytest.raises(ValueError, match=match):
+        k.bind(8, 64, fake_buffer(4096), 1, **options)

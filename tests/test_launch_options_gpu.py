@@ -218,7 +218,9 @@ def test_dot_dump_marks_the_programmatic_edge(tmp_path, rng, stream, chain, verb
     ((16, 1), (2, 1, 1)), ((32, 1), (4, 1, 1)), ((64, 1), (8, 1, 1)), ((6, 4), (2, 2, 1)),
     ((3, 8), (1, 4, 1)), ((8, 2), (1, 1, 1)),
 ])
-def test_cluster_ranks_ids_and_distributed_shared_memory(rng, stream, grid, cluster):
+@pytest.mark.parametrize("policy", [None, "spread", "load_balancing"])
+def test_cluster_ranks_ids_and_distributed_shared_memory(rng, stream, grid, cluster, policy):
+    """Each placement policy keeps a cluster's ranks, ids and shared memory."""
     kern = load_source(CLUSTER_SOURCE, "cluster.cu").kernel("cluster_exchange", "ptr, ptr, ptr, ptr")
     gx, gy = grid
     cx, cy, _ = cluster
@@ -229,7 +231,7 @@ def test_cluster_ranks_ids_and_distributed_shared_memory(rng, stream, grid, clus
     neighbours = DeviceBuffer(blocks)
     for buf in (ranks, ids, neighbours):
         buf.poison(stream=stream)
-    kern.launch(grid, 64, ranks, ids, neighbours, src, stream=stream, cluster=cluster)
+    kern.launch(grid, 64, ranks, ids, neighbours, src, stream=stream, cluster=cluster, cluster_policy=policy)
     by, bx = np.meshgrid(np.arange(gy), np.arange(gx), indexing="ij")  # row b = by * gx + bx
     want_rank = (bx % cx) + cx * (by % cy)
     peer = (want_rank + 1) % (cx * cy)

@@ -278,7 +278,9 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
     monkeypatch.setattr(mlp_module, "join", lambda parent, *children: launches.append(("join", children)))
 
     def load(name):
-        def launch(grid, block, *args, stream, shared_mem, cluster=None):
+        def launch(grid, block, *args, stream, shared_mem, cluster=None, cluster_policy=None):
+            # gemm.cu's clusters ask for the load-balancing placement; the wgmma kernels' the default.
+            assert cluster_policy == ("load_balancing" if cluster and "_wgmma_" not in name else None), name
             launches.append((name, grid, args, stream, shared_mem, cluster))
         # 8 GPCs of 16 SMs, one wgmma block per SM (64 clusters of 2, 32 of 4, 16 of 8),
         # 4 of the 64x64 tile's, 8 of the 32x32 tile's.
@@ -453,10 +455,13 @@ def test_a_requested_split_count_never_leaves_a_split_empty():
             assert 1 <= s <= min(want, k_tiles) and (s - 1) * per < k_tiles
 
 
-def test_the_mma_tiles_sum_their_splits_in_a_cluster_when_every_cluster_fits():
-    """gemm.cu's tensor-core tiles keep the split the rule gives and launch it as
-    clusters (no workspace, no counters) when the device holds all of them at once;
-    else, above 8 splits, or in FFMA, through the workspace as before."""
+def test_the_32x32_tile_sums_up_to_4_splits_in_a_cluster_when_every_cluster_fits():
+    """gemm.cu's 32x32 tile keeps the split the rule gives and launches it as
+    clusters (no workspace, no counters) when the device holds all of them at once
+    and the split is at most its ``cluster_splits`` (4); else, on the 64x64 tile, or
+    in FFMA, through the workspace as before."""
+    from drvtrain.nn.mlp import TILE_32, TILE_64
+    assert (TILE_32.cluster_splits, TILE_64.cluster_splits) == (4, 0)
     for precision, sums in (("tf32", False), ("3xtf32", False), ("3xtf32", True)):
         free = plan(256, 256, 256, 132, precision=precision, sums=sums)  # the small net's hidden layer
         assert (free.tile.name, free.splits, free.cluster) == ("32x32", 4, False) and free.workspace_floats > 0
@@ -467,9 +472,11 @@ def test_the_mma_tiles_sum_their_splits_in_a_cluster_when_every_cluster_fits():
             assert (p.workspace_floats, p.counters) == ((0, 0) if clustered else (free.workspace_floats, 64))
         p = plan(256, 256, 256, 132, precision=precision, sums=sums, splits=3, max_clusters=lambda tile, s: 1 << 20)
         assert (p.splits, p.cluster, p.workspace_floats) == (3, True, 0)  # a forced split is kept, not lowered
-        p = plan(512, 19, 8192, 132, precision=precision, sums=sums, tile=free.tile, splits=12,
+        p = plan(512, 19, 8192, 132, precision=precision, sums=sums, tile=free.tile, splits=8,
                  max_clusters=lambda tile, s: 1 << 20)
-        assert p.splits > 8 and not p.cluster and p.workspace_floats > 0
+        assert p.splits == 8 and not p.cluster and p.workspace_floats > 0
+        p = plan(1024, 128, 512, 132, precision=precision, sums=sums, max_clusters=lambda tile, s: 1 << 20)
+        assert (p.tile, p.splits, p.cluster) == (TILE_64, 4, False) and p.workspace_floats > 0
     p = plan(256, 256, 256, 132, precision="f32", max_clusters=lambda tile, s: 1 << 20)
     assert p.splits > 1 and not p.cluster and p.workspace_floats > 0
 

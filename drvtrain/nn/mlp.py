@@ -40,15 +40,20 @@ class Tile:
     min_split_tiles: int  # k tiles a split keeps at least
     waves: int  # blocks per SM the split aims for
     per_sm: int = 8  # blocks of this tile that fit on one SM at once (registers, shared memory)
+    cluster_splits: int = 0  # the most splits a tile sums in a cluster (see plan); 0: never
 
 
+# The mma.sync tiles' splits in clusters (measured on the H200, docs/perf-notes.md,
+# fifteenth pass): the 32x32 tile's products of the small nets, split 2-4 ways, gain
+# 0.5 us each; the 64x64 tile's 1024x128x512 dW lost 3 us, and 8-way clusters of the
+# 32x32 tile gained nothing alone and slowed the wgmma products beside them.
 TILE_64 = Tile("64x64", 64, 64, 32, 8, 4, 4, per_sm=4)
-TILE_32 = Tile("32x32", 32, 32, 16, 8, 4, 2, per_sm=8)
+TILE_32 = Tile("32x32", 32, 32, 16, 8, 4, 2, per_sm=8, cluster_splits=4)
 TILES = (TILE_64, TILE_32)  # gemm.cu's mma.sync tiles (every role), largest first
 FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
 # kernels/gemm_sm90a.cu: every role on wgmma (the forward in TF32, the backward in
 # 3xTF32), compute capability 9.0 only, 16-byte copies only; one block per SM.
-WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1)
+WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1, cluster_splits=PORTABLE_CLUSTER_SIZE)
 # Dynamic shared memory: the forward's 5 stages of two 128 x 32 float tiles; the
 # backward's 2 sets of B's two parts and 3 raw stages of B (128 x 32 floats each),
 # and 4 raw stages of A's 64 x 32 floats for each of its 2 consumer warpgroups; 1 KB
@@ -158,15 +163,15 @@ def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = 
     variant), ``splits`` a split count (benchmarks: the plans around the rule's).
     ``wgmma``: the wgmma tile may be chosen (see :func:`choose_tile`).
 
-    A split tensor-core product launches each tile's S splits as one cluster,
-    summed in distributed shared memory with no workspace, when
-    ``max_clusters(tile, S)`` (the device's count of co-resident clusters of S
-    such blocks; 0 where a tile's kernels do not run in clusters) holds every
-    tile at once. For the wgmma tile the rule lowers S to the largest count that
-    does; a forced ``splits`` is kept (in a cluster only if at most 8 and all
-    fit), as is the mma.sync tiles' S. Else, and always without
-    ``max_clusters``, it sums through a workspace as gemm.cu does (a second wave
-    of clusters would cost more than the workspace: measured on the H200)."""
+    A split product launches each tile's S splits as one cluster, summed in
+    distributed shared memory with no workspace, when S is at most the tile's
+    ``cluster_splits`` and ``max_clusters(tile, S)`` (the device's count of
+    co-resident clusters of S such blocks; 0 where a tile's kernels may not run
+    in clusters) holds every tile at once. For the wgmma tile the rule lowers S
+    to the largest count that does; a forced ``splits`` is kept, as is the
+    mma.sync tiles' S. Else, and always without ``max_clusters``, it sums
+    through a workspace as gemm.cu does (a second wave of clusters would cost
+    more than the workspace: measured on the H200)."""
     if tile is None:
         tile = choose_tile(m, n, k, sm_count, precision, wgmma)
     elif (tile is FFMA_TILE) != (precision == "f32"):
@@ -175,7 +180,7 @@ def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = 
     if s == 1:
         return Plan(tile, 1, 0, 0)
     rows, cols = -(-m // tile.bm), -(-n // tile.bn)
-    if max_clusters is not None and tile is not FFMA_TILE:
+    if max_clusters is not None and tile.cluster_splits > 1:
         # The wgmma rule: the most splits, up to its own count, whose clusters all fit
         # (measured on the H200: 512x1024x1024 forward 10.8 us in 3 clustered splits,
         # 14.1 in 4 through the workspace, as 30 clusters of 4 fit and 32 are needed;
@@ -183,7 +188,7 @@ def plan(m: int, n: int, k: int, sm_count: int, *, precision: str, sums: bool = 
         lower = tile is WGMMA_TILE and splits is None
         for c in (range(s, 1, -1) if lower else [s]):
             c = split_count(m, n, k, sm_count, tile, c)
-            if 1 < c <= PORTABLE_CLUSTER_SIZE and rows * cols <= max_clusters(tile, c):
+            if 1 < c <= tile.cluster_splits and rows * cols <= max_clusters(tile, c):
                 return Plan(tile, c, 0, 0, cluster=True)
     if tile is FFMA_TILE:
         floats = s * (m * n + m)  # [z][M][N] partials, then [z][M] row sums
@@ -289,7 +294,9 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
 
     ``cluster`` (tensor-core kernels, compute capability 9.0+): launch the splits
     of a tile as one thread block cluster, which sums them in distributed shared
-    memory and needs no workspace or counters (:attr:`Plan.cluster` says when)."""
+    memory and needs no workspace or counters (:attr:`Plan.cluster` says when).
+    gemm.cu's clusters launch with the load-balancing placement (measured on the
+    H200: 0.5 us faster than the default on the 32x32 tile's products)."""
     tile = kernel.tile
     if kernel.presplit:
         raise ValueError(f"{kernel.name} takes split operands: launch it with gemm_presplit")
@@ -301,8 +308,9 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
         operands = (operand_map(a, lda, m, k, "X"), operand_map(b, ldb, n, k, "W"), c, ldc, m, n, k, bias)
     else:
         operands = (a, lda, b, ldb, c, ldc, m, n, k, bias, mask, ldm, col_sum)
+    policy = "load_balancing" if dims is not None and tile is not WGMMA_TILE else None
     kernel.kernel.launch(grid, kernel.kernel.block, *operands, workspace, counters, gate if gate is not None else 0,
-                         stream=stream, shared_mem=kernel.shared_bytes, cluster=dims)
+                         stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
 
 
 @dataclass(frozen=True)
