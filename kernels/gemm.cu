@@ -38,8 +38,8 @@
 // drvtrain.nn.mlp.plan picks the tile and S.
 // S > 1 splits the k range over S blocks per output tile: each writes its sums to
 // `workspace`, and the last block of the tile to arrive (dt_last_block on a counter
-// per tile) adds the S partials in z order and applies the epilogue. Tensor-core
-// kernels launched in clusters (1, 1, S) (compute capability 9.0) need neither:
+// per tile) adds the S partials in z order and applies the epilogue. The 32x32
+// tile's kernels launched in clusters (1, 1, S) (compute capability 9.0) need neither:
 // block 0 of the tile adds the partials over distributed shared memory in the same
 // order, to the same bits.
 // Determinism: every output is one thread's accumulation in a fixed k order plus a
@@ -313,8 +313,12 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // on SMs this grid's later blocks still need (a dependent launch only).
     dt_allow_dependents();
 
-    const bool clustered = splits > 1 && dt_cluster_blocks() == (unsigned int)splits;
-    if (clustered) {
+    // Only the 32x32 tile sums its splits in a cluster (drvtrain.nn.mlp.Tile.cluster_splits);
+    // the 64x64 tile's kernels keep no code for it (measured: that code alone cost the
+    // large step's 64x64 weight gradient 3 us).
+    constexpr bool CLUSTERS = BM == 32;
+    const bool clustered = CLUSTERS && splits > 1 && dt_cluster_blocks() == (unsigned int)splits;
+    if constexpr (CLUSTERS) if (clustered) {
         // The splits of the tile are one cluster (1, 1, S), rank z: each block stages
         // its partial in its own ring, in fragment order, and block 0 adds them over
         // distributed shared memory in z order, its own from registers: the sums of
@@ -363,7 +367,8 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         // The loads above have returned (release): the other blocks may leave while
         // this one stores; it waits for their arrival only at its very end.
         dt_cluster_arrive();
-    } else if (splits > 1) {
+    }
+    if (!clustered && splits > 1) {
         const unsigned int tile = blockIdx.y * gridDim.x + blockIdx.x;
         float4* parts = reinterpret_cast<float4*>(workspace) + (size_t)tile * splits * (BM * BN / 4);
         float* row_parts = workspace + (size_t)gridDim.x * gridDim.y * splits * BM * BN + (size_t)blockIdx.y * splits * BM;
@@ -425,7 +430,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                         C[(size_t)r * ldc + c] = dt_epilogue<EPI>(acc[mi][ni][q], bv[ni][q & 1], mv[mi][ni][q]);
                 }
     }
-    if (clustered) dt_cluster_wait();  // the arrival above: every thread of the block ends it
+    if constexpr (CLUSTERS) if (clustered) dt_cluster_wait();  // the arrival above: every thread ends it
 }
 
 }  // namespace tc
@@ -606,8 +611,8 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 // `gate` (may be 0): when it points at a non-zero word the whole grid returns at
 // once, writing nothing (a training loop's step that is not due this iteration).
 // Arguments a kernel does not use (bias, mask, col_sum) may be 0; so may workspace
-// and counters with gridDim.z == 1, or for a tensor-core kernel launched in clusters
-// of its gridDim.z splits. Otherwise counters is one zeroed uint per output
+// and counters with gridDim.z == 1, or for a 32x32 tile's kernel launched in
+// clusters of its gridDim.z splits. Otherwise counters is one zeroed uint per output
 // tile (left zeroed on exit) and workspace holds, in floats:
 //   tensor cores: gridDim.x * gridDim.y * S * BM * BN (+ gridDim.y * S * BM with col_sum)
 //   FFMA:         S * (M * N + M)

@@ -292,15 +292,15 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile.
     ``workspace`` and ``counters`` as :func:`plan` sizes them.
 
-    ``cluster`` (tensor-core kernels, compute capability 9.0+): launch the splits
-    of a tile as one thread block cluster, which sums them in distributed shared
+    ``cluster`` (the wgmma and the 32x32 tiles' kernels, compute capability 9.0+):
+    launch the splits of a tile as one thread block cluster, which sums them in distributed shared
     memory and needs no workspace or counters (:attr:`Plan.cluster` says when).
     gemm.cu's clusters launch with the load-balancing placement (measured on the
     H200: 0.5 us faster than the default on the 32x32 tile's products)."""
     tile = kernel.tile
     if kernel.presplit:
         raise ValueError(f"{kernel.name} takes split operands: launch it with gemm_presplit")
-    if cluster and tile is FFMA_TILE:
+    if cluster and tile.cluster_splits < 2:
         raise ValueError(f"{kernel.name} does not reduce its splits in a cluster")
     dims = (1, 1, splits) if cluster and splits > 1 else None
     grid = (-(-n // tile.bn), -(-m // tile.bm), splits)
