@@ -322,7 +322,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         // The splits of the tile are one cluster (1, 1, S), rank z: each block stages
         // its partial in its own ring, in fragment order, and block 0 adds them over
         // distributed shared memory in z order, its own from registers: the sums of
-        // the workspace path below, bit for bit, in one barrier and one round trip.
+        // the workspace path below, bit for bit, after one barrier, with no global memory.
         static_assert(BM * BN + BM <= STAGES * STAGE, "the ring holds a partial tile and its row sums");
         float4* stage = reinterpret_cast<float4*>(smem);
         __syncthreads();  // every warp is done with its last k tile

@@ -148,7 +148,7 @@ class Plan:
     splits: int
     workspace_floats: int  # 0 when unsplit or clustered (MLP's accounting also reserves a fallback's)
     counters: int  # zeroed uint32 tile counters; 0 when unsplit or clustered (likewise)
-    cluster: bool = False  # the splits of a tile launch as one cluster (wgmma tile)
+    cluster: bool = False  # the splits of a tile launch as one cluster (wgmma and 32x32 tiles)
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
         return -(-n // self.tile.bn), -(-m // self.tile.bm), self.splits
@@ -411,10 +411,13 @@ class LinearKernels:
         sm_count = self.share(sms)
 
         def limit(tile, s):
-            kernel = self.kernels.get((role, tile, 16 if tile is WGMMA_TILE else vector))
-            if kernel is None or (tile is not WGMMA_TILE and not self.clusters):
+            # gemm.cu's tiles: the fewer of the two copy widths' counts, so that the plan
+            # (and the scratch it reserves) is the same whichever kernel the operands pick.
+            if tile is not WGMMA_TILE and not self.clusters:
                 return 0
-            return kernel.kernel.max_active_clusters((1, 1, s), kernel.kernel.block, kernel.shared_bytes)
+            kernels = [self.kernels.get((role, tile, v)) for v in ((16,) if tile is WGMMA_TILE else (16, 4))]
+            return min((k.kernel.max_active_clusters((1, 1, s), k.kernel.block, k.shared_bytes)
+                        for k in kernels if k is not None), default=0)
 
         return plan(m, n, k, sm_count, precision=self.precision, sums=role == "grad_weight", tile=tile,
                     splits=splits, wgmma=self.wgmma and vector == 16,
