@@ -6,7 +6,7 @@ import pytest
 from drvtrain import Arena, DeviceBuffer, Stream, capture
 from drvtrain.stream import fork
 from drvtrain.nn import MLP, FlatBuffer, ParamLayout
-from drvtrain.nn.mlp import TILES, WGMMA_TILE, LinearKernels, plan, wgmma_available
+from drvtrain.nn.mlp import TILES, WGMMA_TILE, LinearKernels, gemm, plan, wgmma_available
 from nn_reference import mlp_backward, rel
 
 pytestmark = pytest.mark.gpu
@@ -248,7 +248,6 @@ def test_wgmma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same
     cluster they take gemm.cu's workspace and counters instead. Both add the same
     partials in the same z order: the same bits, and float64 agrees. With 3 splits
     the cluster's blocks store 43, 43 and 42 rows of each tile."""
-    from drvtrain.nn.mlp import gemm
     skip_unless_compiled(device, WGMMA_TILE)
     m, n, k = 300, 260, 1024
     kernels = kernels_for(role, device)
@@ -277,6 +276,32 @@ def test_wgmma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same
     assert rel(clustered[0][:, :n], prod.want) < bound
 
 
+def launch_each_way(stream, kernel, prod, splits, clusters, bound):
+    """Run ``prod``'s product on ``kernel`` in ``splits`` splits once per entry of
+    ``clusters`` (True: each tile's splits as one cluster; False: through a
+    workspace and counters), each checked for unwritten outputs and against float64
+    (``bound``; db at 1e-5). Returns (where, C, the bits of C and db) per run."""
+    m, n, k, tile = prod.m, prod.n, prod.k, kernel.tile
+    rows, cols = -(-m // tile.bm), -(-n // tile.bn)
+    floats = rows * cols * splits * tile.bm * tile.bn + rows * splits * tile.bm
+    runs = []
+    for cluster in clusters:
+        work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
+        prod.poison(stream)
+        gemm(kernel, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, stream, splits=splits,
+             workspace=0 if cluster else work.array(floats, np.float32),
+             counters=0 if cluster else work.zeroed(rows * cols, np.uint32), cluster=cluster, **prod.epilogue)
+        c, sums = prod.outputs()
+        where = "in a cluster" if cluster else "through memory"
+        assert not np.isnan(c[:, :n]).any(), f"{np.isnan(c[:, :n]).sum()} outputs unwritten ({where})"
+        assert rel(c[:, :n], prod.want) < bound, where
+        if sums is not None:
+            assert not np.isnan(sums).any() and rel(sums, prod.ref_sums) < X3_BOUND, where
+        runs.append((where, c, c.tobytes() + (b"" if sums is None else sums.tobytes())))
+        work.close()
+    return runs
+
+
 @pytest.mark.parametrize("splits", [4, 5, 8])
 @pytest.mark.parametrize("role, tile, vector", [v for v in VARIANTS if v.values[1].name == "32x32"])
 def test_mma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same_bits(device, stream, rng, role, tile,
@@ -289,7 +314,6 @@ def test_mma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same_b
     (the 64x64 tile's are refused: they have no cluster path). 200 x 77 leaves warps
     with no output in the edge tiles (they meet the barriers only); 600 deep cuts
     the last split shorter."""
-    from drvtrain.nn.mlp import gemm
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"clusters need compute capability 9.0; this device is {device.arch}")
     m, n, k = 200, 77, 600
@@ -303,26 +327,11 @@ def test_mma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same_b
     with pytest.raises(ValueError, match="does not reduce its splits in a cluster"):
         gemm(wide, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, stream, splits=splits, cluster=True,
              **prod.epilogue)
-    rows, cols = -(-m // tile.bm), -(-n // tile.bn)
-    floats = rows * cols * splits * tile.bm * tile.bn + rows * splits * tile.bm
-    results = []
-    for cluster in (True, False):
-        work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
-        prod.poison(stream)
-        gemm(kernel, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, stream, splits=splits,
-             workspace=0 if cluster else work.array(floats, np.float32),
-             counters=0 if cluster else work.zeroed(rows * cols, np.uint32), cluster=cluster, **prod.epilogue)
-        c, sums = prod.outputs()
-        where = "in a cluster" if cluster else "through memory"
-        assert not np.isnan(c[:, :n]).any(), f"{np.isnan(c[:, :n]).sum()} outputs unwritten ({where})"
+    bound = TF32_BOUND if role.startswith("forward") else X3_BOUND
+    runs = launch_each_way(stream, kernel, prod, splits, (True, False), bound)
+    for where, c, _ in runs:
         assert (c[:, n:].view(np.uint32) == 0xFFFFFFFF).all(), f"the output's padding was written ({where})"
-        bound = TF32_BOUND if role.startswith("forward") else X3_BOUND
-        assert rel(c[:, :n], prod.want) < bound, where
-        if sums is not None:
-            assert not np.isnan(sums).any() and rel(sums, prod.ref_sums) < X3_BOUND, where
-        results.append(c.tobytes() + (b"" if sums is None else sums.tobytes()))
-        work.close()
-    assert results[0] == results[1], "a cluster and the workspace gave different bits"
+    assert runs[0][2] == runs[1][2], "a cluster and the workspace gave different bits"
 
 
 @pytest.mark.parametrize("k, splits", [(150, 4), (90, 1)], ids=["k150-4splits", "k90-3tiles"])
@@ -334,30 +343,13 @@ def test_wgmma_backward_on_splits_with_no_k_tile_and_with_three(device, stream, 
     barrier, and adds zeros, in a cluster and through the workspace alike. K = 90
     unsplit is exactly the three tiles the copies run ahead (the last 26 deep).
     Against float64 at 1e-5, db included, nothing left unwritten."""
-    from drvtrain.nn.mlp import gemm
     skip_unless_compiled(device, WGMMA_TILE)
     m, n = 300, 260
     kernels = kernels_for(role, device)
     kernel = kernels.kernels[(role, WGMMA_TILE, 16)]
     prod = Product(role, m, n, k, 16, rng)
-    rows, cols = -(-m // 128), -(-n // 128)
-    floats = rows * cols * splits * 128 * 128 + rows * splits * 128
-    results = []
-    for cluster in ((True, False) if splits > 1 else (False,)):
-        work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
-        prod.poison(stream)
-        gemm(kernel, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, stream, splits=splits,
-             workspace=0 if cluster else work.array(floats, np.float32),
-             counters=0 if cluster else work.zeroed(rows * cols, np.uint32), cluster=cluster, **prod.epilogue)
-        c, sums = prod.outputs()
-        where = "in a cluster" if cluster else "through memory"
-        assert not np.isnan(c[:, :n]).any(), f"{np.isnan(c[:, :n]).sum()} outputs unwritten ({where})"
-        assert rel(c[:, :n], prod.want) < X3_BOUND, where
-        if sums is not None:
-            assert not np.isnan(sums).any() and rel(sums, prod.ref_sums) < X3_BOUND, where
-        results.append(c.tobytes() + (b"" if sums is None else sums.tobytes()))
-        work.close()
-    assert len(set(results)) == 1, "a cluster and the workspace gave different bits"
+    runs = launch_each_way(stream, kernel, prod, splits, (True, False) if splits > 1 else (False,), X3_BOUND)
+    assert len({bits for _, _, bits in runs}) == 1, "a cluster and the workspace gave different bits"
 
 
 @pytest.mark.parametrize("role, tile", [("grad_weight", None), ("forward", WGMMA_TILE), ("grad_input", WGMMA_TILE),
