@@ -39,9 +39,9 @@
 // S > 1 splits the k range over S blocks per output tile: each writes its sums to
 // `workspace`, and the last block of the tile to arrive (dt_last_block on a counter
 // per tile) adds the S partials in z order and applies the epilogue. The 32x32
-// tile's kernels launched in clusters (1, 1, S) (compute capability 9.0) need neither:
-// block 0 of the tile adds the partials over distributed shared memory in the same
-// order, to the same bits.
+// tile's `_cluster_` kernels launched in clusters (1, 1, S) (compute capability 9.0)
+// need neither: block 0 of the tile adds the partials over distributed shared memory
+// in the same order, to the same bits.
 // Determinism: every output is one thread's accumulation in a fixed k order plus a
 // fixed z order over the splits; db is summed in FP32 by the blocks of grid column
 // 0, in a fixed order. No atomics on data: bitwise reproducible for a fixed launch.
@@ -157,7 +157,7 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], c
 // The split-k workspace of a launch (floats):
 //   partials: tiles * S * BM * BN, tile-major, in fragment order (fully coalesced);
 //   row sums (grad-weight only): gridDim.y * S * BM, after the partials.
-template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC>
+template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC, bool CLUSTER>
 __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
                                      int N, int K, const float* bias, const float* mask, int ldm, float* col_sum,
                                      float* workspace, unsigned int* counters) {
@@ -313,12 +313,12 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // on SMs this grid's later blocks still need (a dependent launch only).
     dt_allow_dependents();
 
-    // Only the 32x32 tile sums its splits in a cluster (drvtrain.nn.mlp.Tile.cluster_splits);
-    // the 64x64 tile's kernels keep no code for it (measured on the H200: with it, the
-    // large step's 64x64 weight gradient, never clustered, ended 2.7 us later).
-    constexpr bool CLUSTERS = BM == 32;
-    const bool clustered = CLUSTERS && splits > 1 && dt_cluster_blocks() == (unsigned int)splits;
-    if constexpr (CLUSTERS) if (clustered) {
+    // Only the kernels built with CLUSTER (the 32x32 tile's `_cluster_` kernels,
+    // drvtrain.nn.mlp.Tile.cluster_splits) hold the code that sums splits in a cluster;
+    // every other kernel keeps none (measured on the H200: with it, the large step's
+    // 64x64 weight gradient, never clustered, ended 2.7 us later, and its 32x32 one 0.4 us).
+    const bool clustered = CLUSTER && splits > 1 && dt_cluster_blocks() == (unsigned int)splits;
+    if constexpr (CLUSTER) if (clustered) {
         // The splits of the tile are one cluster (1, 1, S), rank z: each block stages
         // its partial in its own ring, in fragment order, and block 0 adds them over
         // distributed shared memory in z order, its own from registers: the sums of
@@ -415,6 +415,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         }
     }
     if (sums && tid < BM && i0 + tid < M) col_sum[i0 + tid] = row_sum;
+    if (!CLUSTER && !active) return;  // a block of a cluster still waits at its end, below
 
     // Epilogue.
     if (active) {
@@ -430,7 +431,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                         C[(size_t)r * ldc + c] = dt_epilogue<EPI>(acc[mi][ni][q], bv[ni][q & 1], mv[mi][ni][q]);
                 }
     }
-    if constexpr (CLUSTERS) if (clustered) dt_cluster_wait();  // the arrival above: every thread ends it
+    if constexpr (CLUSTER) if (clustered) dt_cluster_wait();  // the arrival above: every thread ends it
 }
 
 }  // namespace tc
@@ -611,7 +612,7 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 // `gate` (may be 0): when it points at a non-zero word the whole grid returns at
 // once, writing nothing (a training loop's step that is not due this iteration).
 // Arguments a kernel does not use (bias, mask, col_sum) may be 0; so may workspace
-// and counters with gridDim.z == 1, or for a 32x32 tile's kernel launched in
+// and counters with gridDim.z == 1, or for a `_cluster_` kernel launched in
 // clusters of its gridDim.z splits. Otherwise counters is one zeroed uint per output
 // tile (left zeroed on exit) and workspace holds, in floats:
 //   tensor cores: gridDim.x * gridDim.y * S * BM * BN (+ gridDim.y * S * BM with col_sum)
@@ -628,21 +629,29 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
     dt_wait_prior_grid();       \
     if (gate != nullptr && *gate) return;
 
-#define DT_TC_KERNEL(NAME, CFG, PREC, A_KFAST, B_KFAST, EPI, VEC)                                        \
+#define DT_TC_KERNEL(NAME, CFG, PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER)                               \
     extern "C" __global__ void __launch_bounds__(tc::CFG::THREADS) NAME(DT_GEMM_PARAMS) {                \
         DT_GEMM_PROLOGUE                                                                                  \
-        tc::gemm<tc::CFG, tc::PREC, A_KFAST, B_KFAST, EPI, VEC>(DT_GEMM_ARGS);                            \
+        tc::gemm<tc::CFG, tc::PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER>(DT_GEMM_ARGS);                   \
     }
-#define DT_TC_ROLES(TILE, CP, VEC)                                                                         \
-    DT_TC_KERNEL(linear_forward_##TILE##_##CP##_tf32, Tile##TILE, PREC_TF32, true, true, EPI_BIAS, VEC)   \
-    DT_TC_KERNEL(linear_forward_relu_##TILE##_##CP##_tf32, Tile##TILE, PREC_TF32, true, true, EPI_BIAS_RELU, VEC) \
-    DT_TC_KERNEL(linear_grad_input_##TILE##_##CP##_3xtf32, Tile##TILE, PREC_3XTF32, true, false, EPI_MASK, VEC) \
-    DT_TC_KERNEL(linear_grad_weight_##TILE##_##CP##_3xtf32, Tile##TILE, PREC_3XTF32, false, false, EPI_NONE, VEC)
+// VARIANT is the name's part after the copy width: _ (plain) or _cluster_ (CLUSTER).
+#define DT_TC_ROLES(TILE, CP, VEC, VARIANT, CLUSTER)                                                                  \
+    DT_TC_KERNEL(linear_forward_##TILE##_##CP##VARIANT##tf32, Tile##TILE, PREC_TF32, true, true, EPI_BIAS, VEC,     \
+                 CLUSTER)                                                                                            \
+    DT_TC_KERNEL(linear_forward_relu_##TILE##_##CP##VARIANT##tf32, Tile##TILE, PREC_TF32, true, true, EPI_BIAS_RELU, \
+                 VEC, CLUSTER)                                                                                       \
+    DT_TC_KERNEL(linear_grad_input_##TILE##_##CP##VARIANT##3xtf32, Tile##TILE, PREC_3XTF32, true, false, EPI_MASK,   \
+                 VEC, CLUSTER)                                                                                       \
+    DT_TC_KERNEL(linear_grad_weight_##TILE##_##CP##VARIANT##3xtf32, Tile##TILE, PREC_3XTF32, false, false, EPI_NONE, \
+                 VEC, CLUSTER)
 
-DT_TC_ROLES(64x64, cp16, true)
-DT_TC_ROLES(64x64, cp4, false)
-DT_TC_ROLES(32x32, cp16, true)
-DT_TC_ROLES(32x32, cp4, false)
+DT_TC_ROLES(64x64, cp16, true, _, false)
+DT_TC_ROLES(64x64, cp4, false, _, false)
+DT_TC_ROLES(32x32, cp16, true, _, false)
+DT_TC_ROLES(32x32, cp4, false, _, false)
+// Their splits summed in a cluster (1, 1, S); launched without one they take the workspace.
+DT_TC_ROLES(32x32, cp16, true, _cluster_, true)
+DT_TC_ROLES(32x32, cp4, false, _cluster_, true)
 
 #define DT_FFMA_KERNEL(NAME, EPI, A_KFAST, B_KFAST)                                                    \
     extern "C" __global__ void __launch_bounds__(256) NAME(DT_GEMM_PARAMS) {                            \

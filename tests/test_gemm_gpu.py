@@ -276,23 +276,24 @@ def test_wgmma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same
     assert rel(clustered[0][:, :n], prod.want) < bound
 
 
-def launch_each_way(stream, kernel, prod, splits, clusters, bound):
-    """Run ``prod``'s product on ``kernel`` in ``splits`` splits once per entry of
-    ``clusters`` (True: each tile's splits as one cluster; False: through a
+def launch_each_way(stream, ways, prod, splits, bound):
+    """Run ``prod``'s product in ``splits`` splits once per (kernel, cluster) of
+    ``ways`` (cluster True: each tile's splits as one cluster; False: through a
     workspace and counters), each checked for unwritten outputs and against float64
     (``bound``; db at 1e-5). Returns (where, C, the bits of C and db) per run."""
-    m, n, k, tile = prod.m, prod.n, prod.k, kernel.tile
-    rows, cols = -(-m // tile.bm), -(-n // tile.bn)
-    floats = rows * cols * splits * tile.bm * tile.bn + rows * splits * tile.bm
+    m, n, k = prod.m, prod.n, prod.k
     runs = []
-    for cluster in clusters:
+    for kernel, cluster in ways:
+        tile = kernel.tile
+        rows, cols = -(-m // tile.bm), -(-n // tile.bn)
+        floats = rows * cols * splits * tile.bm * tile.bn + rows * splits * tile.bm
         work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
         prod.poison(stream)
         gemm(kernel, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, stream, splits=splits,
              workspace=0 if cluster else work.array(floats, np.float32),
              counters=0 if cluster else work.zeroed(rows * cols, np.uint32), cluster=cluster, **prod.epilogue)
         c, sums = prod.outputs()
-        where = "in a cluster" if cluster else "through memory"
+        where = f"{kernel.name} " + ("in a cluster" if cluster else "through memory")
         assert not np.isnan(c[:, :n]).any(), f"{np.isnan(c[:, :n]).sum()} outputs unwritten ({where})"
         assert rel(c[:, :n], prod.want) < bound, where
         if sums is not None:
@@ -306,14 +307,15 @@ def launch_each_way(stream, kernel, prod, splits, clusters, bound):
 @pytest.mark.parametrize("role, tile, vector", [v for v in VARIANTS if v.values[1].name == "32x32"])
 def test_mma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same_bits(device, stream, rng, role, tile,
                                                                                      vector, splits):
-    """gemm.cu's kernels launched as clusters of a tile's splits (compute capability
-    9.0): block 0 of a tile adds the other blocks' partials over distributed shared
-    memory. Launched without clusters they take the workspace and counters. Both add
-    the same partials in z order from 0: the same bits, and float64 agrees. The rule
-    clusters the 32x32 tile's splits up to 4; its kernels take any split up to 8
-    (the 64x64 tile's are refused: they have no cluster path). 200 x 77 leaves warps
-    with no output in the edge tiles (they meet the barriers only); 600 deep cuts
-    the last split shorter."""
+    """gemm.cu's `_cluster_` kernels launched as clusters of a tile's splits (compute
+    capability 9.0): block 0 of a tile adds the other blocks' partials over
+    distributed shared memory. Launched without clusters they take the workspace and
+    counters, as the tile's plain kernel does. All three add the same partials in z
+    order from 0: the same bits, and float64 agrees. The rule clusters the 32x32
+    tile's splits up to 4; its `_cluster_` kernels take any split up to 8 (its plain
+    kernels and the 64x64 tile's are refused: they have no cluster path). 200 x 77
+    leaves warps with no output in the edge tiles (they meet the barriers only); 600
+    deep cuts the last split shorter."""
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"clusters need compute capability 9.0; this device is {device.arch}")
     m, n, k = 200, 77, 600
@@ -322,16 +324,17 @@ def test_mma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same_b
     p = kernels.plan(role, m, n, k, tile=tile, splits=splits, vector=vector)
     assert p.splits == splits and p.cluster == (splits <= tile.cluster_splits)
     assert (p.workspace_floats == 0) == p.cluster
-    kernel = kernels.kernels[(role, tile, vector)]
-    wide = kernels.kernels[(role, TILES[0], vector)]
-    with pytest.raises(ValueError, match="does not reduce its splits in a cluster"):
-        gemm(wide, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, stream, splits=splits, cluster=True,
-             **prod.epilogue)
+    clustered, plain = kernels.clustered[(role, tile, vector)], kernels.kernels[(role, tile, vector)]
+    assert "_cluster_" in clustered.name and "_cluster_" not in plain.name
+    for refused in (plain, kernels.kernels[(role, TILES[0], vector)]):
+        with pytest.raises(ValueError, match="does not reduce its splits in a cluster"):
+            gemm(refused, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, stream, splits=splits,
+                 cluster=True, **prod.epilogue)
     bound = TF32_BOUND if role.startswith("forward") else X3_BOUND
-    runs = launch_each_way(stream, kernel, prod, splits, (True, False), bound)
+    runs = launch_each_way(stream, [(clustered, True), (clustered, False), (plain, False)], prod, splits, bound)
     for where, c, _ in runs:
         assert (c[:, n:].view(np.uint32) == 0xFFFFFFFF).all(), f"the output's padding was written ({where})"
-    assert runs[0][2] == runs[1][2], "a cluster and the workspace gave different bits"
+    assert len({bits for _, _, bits in runs}) == 1, "a cluster and the workspace gave different bits"
 
 
 @pytest.mark.parametrize("k, splits", [(150, 4), (90, 1)], ids=["k150-4splits", "k90-3tiles"])
@@ -348,7 +351,8 @@ def test_wgmma_backward_on_splits_with_no_k_tile_and_with_three(device, stream, 
     kernels = kernels_for(role, device)
     kernel = kernels.kernels[(role, WGMMA_TILE, 16)]
     prod = Product(role, m, n, k, 16, rng)
-    runs = launch_each_way(stream, kernel, prod, splits, (True, False) if splits > 1 else (False,), X3_BOUND)
+    runs = launch_each_way(stream, [(kernel, cluster) for cluster in ((True, False) if splits > 1 else (False,))],
+                           prod, splits, X3_BOUND)
     assert len({bits for _, _, bits in runs}) == 1, "a cluster and the workspace gave different bits"
 
 

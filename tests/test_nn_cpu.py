@@ -1,4 +1,5 @@
 """Parameter layout and the engine's numpy references (CPU)."""
+import re
 import numpy as np
 import pytest
 
@@ -175,7 +176,7 @@ from types import SimpleNamespace
 
 from drvtrain.memory import DeviceBuffer
 from drvtrain.nn import mlp as mlp_module
-from drvtrain.nn.mlp import FFMA_TILE, TILES, kernel_name, plan, split_count
+from drvtrain.nn.mlp import FFMA_TILE, TILES, WGMMA_TILE, kernel_name, plan, split_count
 
 
 @pytest.mark.parametrize("tile", TILES + (FFMA_TILE,), ids=lambda t: t.name)
@@ -259,6 +260,11 @@ class _FakeEvent:
         return self
 
 
+def _tile_of(name: str):
+    """(BM, BN) of a gemm.cu tensor-core kernel, from its name."""
+    return tuple(int(v) for v in re.search(r"_(\d+)x(\d+)_cp", name).groups())
+
+
 class _FakeStream:
     """Logs the events it is made to wait for."""
 
@@ -281,6 +287,9 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
         def launch(grid, block, *args, stream, shared_mem, cluster=None, cluster_policy=None):
             # gemm.cu's clusters ask for the load-balancing placement; the wgmma kernels' the default.
             assert cluster_policy == ("load_balancing" if cluster and "_wgmma_" not in name else None), name
+            # Only a `_cluster_` kernel of gemm.cu runs in clusters, and never without one.
+            if "_wgmma_" not in name:
+                assert (cluster is not None) == ("_cluster_" in name), name
             launches.append((name, grid, args, stream, shared_mem, cluster))
         # 8 GPCs of 16 SMs, one wgmma block per SM (64 clusters of 2, 32 of 4, 16 of 8),
         # 4 of the 64x64 tile's, 8 of the 32x32 tile's with 16-byte copies but 6 with 4-byte
@@ -419,7 +428,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         # with no workspace.
         if cluster is not None:
             assert cc >= (9, 0) and not name.endswith("_f32") and splits > 1 and cluster == (1, 1, splits), name
-            bm, bn = (128, 128) if "_wgmma_" in name else (int(v) for v in name.split("_")[-3].split("x"))
+            bm, bn = (128, 128) if "_wgmma_" in name else _tile_of(name)
             per_sm = 6 if bm == 32 else 4 if bm == 64 else 1  # the 32x32 tile: its cp4 kernels' count
             assert grid[:2] == (-(-n // bn), -(-m // bm)) and grid[0] * grid[1] <= 8 * (16 * per_sm // splits)
         if "_presplit_" in name:  # every split within the kernel's bound of k tiles
@@ -431,7 +440,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
             need = splits * (m * n + m)
             bm = bn = 64
         else:  # grid.x * grid.y * S * BM * BN (+ grid.y * S * BM with db)
-            bm, bn = (128, 128) if "_wgmma_" in name else (int(v) for v in name.split("_")[-3].split("x"))
+            bm, bn = (128, 128) if "_wgmma_" in name else _tile_of(name)
             need = grid[0] * grid[1] * splits * bm * bn + (grid[1] * splits * bm if col_sum else 0)
         assert grid[:2] == (-(-n // bn), -(-m // bm))
         assert workspace.size == need, name
@@ -483,7 +492,7 @@ def test_the_32x32_tile_sums_up_to_4_splits_in_a_cluster_when_every_cluster_fits
 
 
 def test_the_wgmma_tile_is_chosen_for_the_wide_tensor_core_products_only():
-    from drvtrain.nn.mlp import WGMMA_TILE, choose_tile
+    from drvtrain.nn.mlp import choose_tile
     for precision, sums in (("tf32", False), ("3xtf32", False), ("3xtf32", True)):
         wide = plan(512, 1024, 1024, 132, precision=precision, sums=sums, wgmma=True)
         # 32 tiles of 128x128, four splits: one block per SM, the most that fit.
@@ -552,6 +561,10 @@ def test_kernel_names_follow_the_roles_and_precisions():
     assert kernel_name("forward_relu", "tf32", TILES[0], 16) == "linear_forward_relu_64x64_cp16_tf32"
     assert kernel_name("grad_weight", "3xtf32", TILES[1], 4) == "linear_grad_weight_32x32_cp4_3xtf32"
     assert kernel_name("grad_input", "f32") == "linear_grad_input_f32"
+    assert kernel_name("grad_input", "3xtf32", TILES[1], 4, cluster=True) == "linear_grad_input_32x32_cp4_cluster_3xtf32"
+    assert kernel_name("forward", "tf32", WGMMA_TILE, 16, cluster=True) == "linear_forward_wgmma_tf32"
+    with pytest.raises(ValueError, match="no kernels that sum their splits in a cluster"):
+        kernel_name("forward", "tf32", TILES[0], 16, cluster=True)
     with pytest.raises(ValueError, match="runs in"):
         kernel_name("forward", "3xtf32", TILES[0])
     with pytest.raises(ValueError, match="backward must be"):
@@ -564,8 +577,11 @@ def test_gemm_cu_compiles_for_sm_90_with_every_kernel_the_host_names():
     names = [kernel_name(role, "f32") for role in ("forward", "forward_relu", "grad_input", "grad_weight")]
     for tile in TILES:
         for vector in (16, 4):
-            names += [kernel_name(role, "tf32", tile, vector) for role in ("forward", "forward_relu")]
-            names += [kernel_name(role, "3xtf32", tile, vector) for role in ("grad_input", "grad_weight")]
+            for cluster in (False, True) if tile.cluster_splits > 1 else (False,):
+                names += [kernel_name(role, "tf32", tile, vector, cluster=cluster) for role in ("forward", "forward_relu")]
+                names += [kernel_name(role, "3xtf32", tile, vector, cluster=cluster)
+                          for role in ("grad_input", "grad_weight")]
+    assert sum("_cluster_" in name for name in names) == 8
     for name in names:
         assert name.encode() + b"\0" in cubin, name
 

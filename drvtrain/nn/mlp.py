@@ -72,10 +72,14 @@ _PRECISIONS = {"forward": ("tf32", "f32"), "forward_relu": ("tf32", "f32"),
                "grad_input": ("3xtf32", "f32"), "grad_weight": ("3xtf32", "f32")}
 
 
-def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16, presplit: bool = False) -> str:
+def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16, presplit: bool = False,
+                cluster: bool = False) -> str:
     """The name in kernels/gemm.cu (gemm_sm90a.cu for the wgmma tile) of ``role`` in
     ``precision`` with ``tile`` and ``vector``-byte copies; ``presplit``: the wgmma
-    backward that takes its operands split (:meth:`LinearKernels.split`)."""
+    backward that takes its operands split (:meth:`LinearKernels.split`); ``cluster``:
+    the kernel of a gemm.cu tile that sums its splits in a cluster (``_cluster_``: only
+    tiles whose ``cluster_splits`` > 1; their other kernels hold no code for it). The
+    wgmma kernels all may, whatever ``cluster`` says."""
     if role not in _ROLES:
         raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
     if precision not in _PRECISIONS[role]:
@@ -93,7 +97,9 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
         return f"linear_{role}_wgmma_{precision}"
     if tile not in TILES or vector not in (4, 16):
         raise ValueError(f"no tensor-core kernel for tile {tile.name} with {vector}-byte copies")
-    return f"linear_{role}_{tile.name}_cp{vector}_{precision}"
+    if cluster and tile.cluster_splits < 2:
+        raise ValueError(f"tile {tile.name} has no kernels that sum their splits in a cluster")
+    return f"linear_{role}_{tile.name}_cp{vector}_{'cluster_' if cluster else ''}{precision}"
 
 
 def split_count(m: int, n: int, k: int, sm_count: int, tile: Tile = FFMA_TILE, want: int | None = None) -> int:
@@ -268,12 +274,16 @@ def wgmma_available(device=None) -> bool:
 
 class GemmKernel:
     """A kernel of kernels/gemm.cu (or gemm_sm90a.cu) with the tile its grid is cut in;
-    ``presplit``: the wgmma backward on split operands (:func:`gemm_presplit`)."""
+    ``presplit``: the wgmma backward on split operands (:func:`gemm_presplit`);
+    ``cluster``: gemm.cu's kernel that sums a tile's splits in a cluster (:func:`kernel_name`).
+    ``clusters`` says whether :func:`gemm` may launch it in clusters."""
 
-    def __init__(self, role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16, presplit: bool = False):
+    def __init__(self, role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16, presplit: bool = False,
+                 cluster: bool = False):
         self.role, self.precision, self.tile, self.vector = role, precision, tile, vector
         self.presplit = presplit
-        self.name = kernel_name(role, precision, tile, vector, presplit)
+        self.name = kernel_name(role, precision, tile, vector, presplit, cluster)
+        self.clusters = tile is WGMMA_TILE or (cluster and precision != "f32")
         self.kernel = _load_kernel(self.name)
         if tile is not WGMMA_TILE:
             self.shared_bytes = 0
@@ -292,15 +302,16 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile.
     ``workspace`` and ``counters`` as :func:`plan` sizes them.
 
-    ``cluster`` (the wgmma and the 32x32 tiles' kernels, compute capability 9.0+):
+    ``cluster`` (the wgmma kernels and gemm.cu's ``_cluster_`` kernels, compute capability 9.0+):
     launch the splits of a tile as one thread block cluster, which sums them in distributed shared
-    memory and needs no workspace or counters (:attr:`Plan.cluster` says when).
+    memory and needs no workspace or counters (:attr:`Plan.cluster` says when). A
+    ``_cluster_`` kernel launched without one sums through the workspace like the others.
     gemm.cu's clusters launch with the load-balancing placement (measured on the
     H200: 0.5 us faster than the default on the 32x32 tile's products)."""
     tile = kernel.tile
     if kernel.presplit:
         raise ValueError(f"{kernel.name} takes split operands: launch it with gemm_presplit")
-    if cluster and tile.cluster_splits < 2:
+    if cluster and not kernel.clusters:
         raise ValueError(f"{kernel.name} does not reduce its splits in a cluster")
     dims = (1, 1, splits) if cluster and splits > 1 else None
     grid = (-(-n // tile.bn), -(-m // tile.bm), splits)
@@ -371,7 +382,9 @@ class LinearKernels:
     product runs that way is the caller's choice. ``clusters``: a split product on
     gemm.cu's tensor-core tiles may sum its splits in a cluster (:func:`plan`);
     None: where the device has clusters (compute capability 9.0+). False keeps
-    the workspace path (tests of it). The wgmma tile always may."""
+    the workspace path (tests of it). The wgmma tile always may. ``kernels`` and
+    ``clustered`` (gemm.cu's ``_cluster_`` kernels, loaded with ``clusters``) map
+    (role, tile, copy width) to a :class:`GemmKernel`."""
 
     def __init__(self, roles, precision: str, sm_count: int, *, wgmma: bool = False, presplit: bool = False,
                  clusters: bool | None = None):
@@ -386,6 +399,10 @@ class LinearKernels:
             variants = [(tile, vector) for tile in TILES for vector in (16, 4)]
         self.kernels = {(role, tile, vector): GemmKernel(role, precision, tile, vector)
                         for role in roles for tile, vector in variants}
+        # gemm.cu's kernels that sum their splits in a cluster, by the same key.
+        self.clustered = {(role, tile, vector): GemmKernel(role, precision, tile, vector, cluster=True)
+                          for role in roles for tile, vector in variants
+                          if self.clusters and tile.cluster_splits > 1}
         self.wgmma = bool(wgmma and precision != "f32")
         for role in roles if self.wgmma else ():
             self.kernels[(role, WGMMA_TILE, 16)] = GemmKernel(role, precision, WGMMA_TILE, 16)
@@ -413,9 +430,10 @@ class LinearKernels:
         def limit(tile, s):
             # gemm.cu's tiles: the fewer of the two copy widths' counts, so that the plan
             # (and the scratch it reserves) is the same whichever kernel the operands pick.
-            if tile is not WGMMA_TILE and not self.clusters:
-                return 0
-            kernels = [self.kernels.get((role, tile, v)) for v in ((16,) if tile is WGMMA_TILE else (16, 4))]
+            if tile is WGMMA_TILE:
+                kernels = [self.kernels.get((role, tile, 16))]
+            else:
+                kernels = [self.clustered.get((role, tile, v)) for v in (16, 4)]
             return min((k.kernel.max_active_clusters((1, 1, s), k.kernel.block, k.shared_bytes)
                         for k in kernels if k is not None), default=0)
 
@@ -530,7 +548,8 @@ class LinearKernels:
             raise ValueError(f"no wgmma kernel for {role} with {vector}-byte copies here (wgmma: "
                              f"{self.wgmma}; it needs compute capability 9.0, tensor cores and 16-byte copies)")
         p = self.plan(role, m, n, k, tile=tile, splits=splits, vector=vector, sms=sms)
-        kernel = self.kernels[(role, p.tile, vector if self.precision != "f32" else 16)]
+        key = (role, p.tile, vector if self.precision != "f32" else 16)
+        kernel = self.clustered[key] if p.cluster and p.tile is not WGMMA_TILE else self.kernels[key]
         workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=p.splits, workspace=workspace,
