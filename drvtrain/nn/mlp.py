@@ -793,7 +793,9 @@ class MLP:
         layer's runs there, forked from ``stream`` once its dY is ready, so it
         overlaps the rest of the dX chain. The first layer's runs on ``stream``
         right after the last dX: nothing is left there for it to overlap, and
-        queued behind the other dW products it would wait for them. Everything
+        queued behind the other dW products it would wait for them. A tuple of
+        streams takes those products in turn from the last layer's on (with two,
+        the last layer's dW and the one below it run side by side). Everything
         is joined back into ``stream`` before return.
 
         Pre-split products (:meth:`presplit_layers`): a layer's dY is split on
@@ -815,6 +817,11 @@ class MLP:
             _check_input("dx_last", dx_last, (batch, self.layout.layers[-1][1]))
         kernels = self.backward_kernels
         last = len(self.layout.layers) - 1
+        sides = tuple(weight_stream) if isinstance(weight_stream, (tuple, list)) else \
+            () if weight_stream is None else (weight_stream,)
+        if weight_stream is not None and (not sides or any(s is None or s is stream for s in sides)):
+            raise ValueError("weight_stream must be a stream other than stream, or a non-empty tuple of them")
+        side_of = lambda k: sides[(last - k) % len(sides)] if sides and k > 0 else None
         presplit = self.presplit_layers(batch)
         if dx_last is not None and last in presplit:  # the last layer's dX is not launched
             presplit[last] = (False, presplit[last][1])
@@ -829,18 +836,18 @@ class MLP:
         split_input = lambda k, on: kernels.split(forward.activations[k], self.layout.layers[k][1], batch,
                                                   self.layout.layers[k][1], arena=arena, stream=on, gate=gate,
                                                   as_is=False, transposed=True)[1]
-        forked = False
+        forked = set()  # the side streams forked from stream
         if presplit:
-            aside = weight_stream if weight_stream is not None else stream
-            if weight_stream is not None:
-                fork(stream, weight_stream)
-                forked = True
+            aside = sides[0] if sides else stream
+            if sides:
+                fork(stream, *sides)
+                forked.update(sides)
             if weight_splits is None and any(dx for dx, _ in presplit.values()):
                 weight_splits = self.split_weights(params, batch, arena=arena, stream=aside, gate=gate,
                                                    dx_last=dx_last is not None)
             for k, (_, dw) in presplit.items():
-                if dw and k > 0 and weight_stream is not None:  # their dW runs on weight_stream: split there
-                    inputs[k] = split_input(k, weight_stream)
+                if dw and side_of(k) is not None:  # their dW runs on a side stream: split there
+                    inputs[k] = split_input(k, side_of(k))
         waited = weight_splits is None or weight_splits.event is None or weight_splits.stream is stream
         dy = dout
         for k in range(last, -1, -1):
@@ -852,10 +859,10 @@ class MLP:
             if split_dx or split_dw:  # dY [batch, out]: as it lies for dX, transposed for dW
                 dy_split, dyt_split = kernels.split(dy, out, batch, out, arena=arena, stream=stream, gate=gate,
                                                     as_is=split_dx, transposed=split_dw)
-            side = weight_stream if k > 0 else None
+            side = side_of(k)
             if side is not None:
                 fork(stream, side)
-                forked = True
+                forked.add(side)
             if split_dw:
                 if k not in inputs:  # its dW runs on stream (the first layer's, or no weight_stream): split there
                     inputs[k] = split_input(k, stream)
@@ -882,5 +889,5 @@ class MLP:
                 dy = dx
         if not waited:  # weight splits queued elsewhere and not needed after all: still joined
             stream.wait(weight_splits.event)
-        if weight_stream is not None and forked:  # else nothing was forked
-            join(stream, weight_stream)
+        if forked:  # else nothing was forked
+            join(stream, *(s for s in sides if s in forked))

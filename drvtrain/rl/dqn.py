@@ -366,6 +366,10 @@ class DQNStep:
         # stream, beside the sampler (MLP.split_weights; dqn_head computes the last dX).
         self._early_weight_splits = bool(self.streams) and bool(
             self.online_mlp.dx_presplit_layers(b, dx_last=self._head is not None))
+        # The backward's weight gradients beside its dX chain: on both side streams
+        # (the output layer's and the hidden layer's dW side by side) unless the
+        # second holds the early weight splits.
+        self._weight_streams = self.streams[:1] if self._early_weight_splits else self.streams
         # The step's forwards always run this batch through the same layers: when a narrow
         # net runs them, its kernels are compiled for that one shape (the same bits, fewer
         # instructions: NarrowMLP.fix_shape).
@@ -502,7 +506,7 @@ class DQNStep:
             self.narrow.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate)
         else:
             mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
-                         weight_stream=self.streams[0] if self.streams else None, dx_last=dh,
+                         weight_stream=self._weight_streams or None, dx_last=dh,
                          weight_splits=weight_splits)
         # The priority update needs the loss's priorities and the norm's NaN guard; on
         # a second stream, forked once the norm and AdamW are queued, it runs beside
