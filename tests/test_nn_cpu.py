@@ -287,9 +287,11 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
         def launch(grid, block, *args, stream, shared_mem, cluster=None, cluster_policy=None):
             # gemm.cu's clusters ask for the load-balancing placement; the wgmma kernels' the default.
             assert cluster_policy == ("load_balancing" if cluster and "_wgmma_" not in name else None), name
-            # Only a `_cluster_` kernel of gemm.cu runs in clusters, and never without one.
+            # gemm.cu runs its clusters on `_cluster_` kernels, and those run every product
+            # of S <= 4 on the 32x32 tile where clusters are on (compute capability 9.0).
             if "_wgmma_" not in name:
-                assert (cluster is not None) == ("_cluster_" in name), name
+                assert cluster is None or "_cluster_" in name, name
+                assert ("_cluster_" in name) == (cc >= (9, 0) and "_32x32_" in name and grid[2] <= 4), name
             launches.append((name, grid, args, stream, shared_mem, cluster))
         # 8 GPCs of 16 SMs, one wgmma block per SM (64 clusters of 2, 32 of 4, 16 of 8),
         # 4 of the 64x64 tile's, 8 of the 32x32 tile's with 16-byte copies but 6 with 4-byte

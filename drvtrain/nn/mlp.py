@@ -411,6 +411,20 @@ class LinearKernels:
                          for role in roles if self.wgmma and presplit and precision == "3xtf32"}
         self.split_kernel = _load_kernel("tf32_split") if self.presplit else None
 
+    def kernel_for(self, role, p: Plan, vector: int = 16) -> GemmKernel:
+        """The kernel that runs ``role``'s product planned as ``p`` with ``vector``-byte
+        copies. On a tile with ``_cluster_`` kernels (loaded with ``clusters``) every
+        product the cluster rule could cluster, S <= ``cluster_splits`` (unsplit ones
+        and those whose clusters do not all fit included), runs the ``_cluster_``
+        kernel, and only those with more splits run the plain one: products that run
+        one after another then share their code (measured on the H200: the small DQN
+        step's unsplit first layer on the plain kernel made the clustered second layer,
+        and the step, 1 us slower, from code fetched cold)."""
+        key = (role, p.tile, vector if self.precision != "f32" else 16)
+        if key in self.clustered and (p.cluster or p.splits <= p.tile.cluster_splits):
+            return self.clustered[key]
+        return self.kernels[key]
+
     def share(self, sms) -> int:
         """The SMs a product plans for: ``sms`` (an int from 1 to the device's count),
         or the whole device for None; anything else is a ValueError."""
@@ -548,8 +562,7 @@ class LinearKernels:
             raise ValueError(f"no wgmma kernel for {role} with {vector}-byte copies here (wgmma: "
                              f"{self.wgmma}; it needs compute capability 9.0, tensor cores and 16-byte copies)")
         p = self.plan(role, m, n, k, tile=tile, splits=splits, vector=vector, sms=sms)
-        key = (role, p.tile, vector if self.precision != "f32" else 16)
-        kernel = self.clustered[key] if p.cluster and p.tile is not WGMMA_TILE else self.kernels[key]
+        kernel = self.kernel_for(role, p, vector)
         workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=p.splits, workspace=workspace,
