@@ -619,6 +619,21 @@ def test_forward_layers_and_backward_dx_last(monkeypatch):
     assert [(r, a, s) for r, a, s in roles[:3]] == [("weight", dout.ptr, side), ("weight", dh.ptr, side),
                                                     ("input", dh.ptr, main)]
     assert roles[3][0] == "weight" and roles[3][2] is main and len(roles) == 4
+    # Two weight streams take the side products in turn from the last layer's on; both are joined.
+    launches.clear()
+    side2 = object()
+    model.backward(params, grads, full, dout, arena=arena, stream=main, weight_stream=(side, side2), dx_last=dh)
+    kernels = [e for e in launches if e[0] not in ("fork", "join")]
+    assert [(mlp_module._address(e[2][0]), e[3]) for e in kernels if "grad_weight" in e[0]][:2] == \
+        [(dout.ptr, side), (dh.ptr, side2)]
+    assert [e[3] for e in kernels if "grad_input" in e[0]] == [main] and kernels[-1][3] is main
+    joined = {c for e in launches if e[0] == "join" for c in e[1]}
+    assert joined == {side, side2}
+    launches.clear()
+    for bad in (main, (), (side, None), (side, main)):
+        with pytest.raises(ValueError, match="weight_stream must be a stream other than stream"):
+            model.backward(params, grads, full, dout, arena=arena, stream=main, weight_stream=bad, dx_last=dh)
+    assert launches == []
     one = mlp_module.MLP(ParamLayout.from_widths([4, 3]))
     one_fwd = one.forward(_FakeFlat(one.layout, 1 << 38), x, arena=arena, stream=main)
     with pytest.raises(ValueError, match="dx_last needs a hidden layer"):
@@ -669,21 +684,27 @@ def test_backward_checks_weight_splits_before_queuing_anything(monkeypatch):
     assert ("wait", main, ws.event) in launches[queued:]
 
 
-@pytest.mark.parametrize("weight_stream", [True, False], ids=["weight-stream", "one-stream"])
+@pytest.mark.parametrize("weight_stream", [1, 2, 0], ids=["weight-stream", "two-weight-streams", "one-stream"])
 def test_every_presplit_product_follows_its_splits_on_its_own_stream(monkeypatch, weight_stream):
     """A first layer 512 -> 1024 runs its dW pre-split on the main stream: its input's
     split goes there too, ahead of it (not beside the chain, where nothing would order
     the two). Every pre-split product's operands are split earlier on the product's
-    stream, or on a stream it waited for."""
+    stream, or on a stream it waited for. With two weight streams the output layer's
+    dW runs on the first, the hidden layer's (and its input's split) on the second,
+    and both are joined back."""
     launches, model, arena, params, grads, main, side, fwd, dout = _presplit_net(monkeypatch, [512, 1024, 1024, 19],
                                                                                  512)
+    side2 = _FakeStream(launches, "side2")
     assert model.presplit_layers(512) == {0: (False, True), 1: (True, True)}
     start = len(launches)
-    model.backward(params, grads, fwd, dout, arena=arena, stream=main, weight_stream=side if weight_stream else None)
+    sides = (side, side2)[:weight_stream]
+    model.backward(params, grads, fwd, dout, arena=arena, stream=main,
+                   weight_stream=sides[0] if weight_stream == 1 else sides or None)
     log = launches[start:]
     # What each stream is ordered after: the split parts it wrote, or was made to wait for
     # (a fork orders the child after main; a join or an event wait orders main after them).
-    seen = {main: set(), side: set()}
+    seen = {main: set(), side: set(), side2: set()}
+    queued = {main: 0, side: 0, side2: 0}  # launches a stream holds that main has not joined yet
     snapshots = {}
     for entry in log:
         if entry[0] == "tf32_split":
@@ -695,6 +716,7 @@ def test_every_presplit_product_follows_its_splits_on_its_own_stream(monkeypatch
         elif entry[0] == "join":
             for child in entry[1]:
                 seen[main] |= seen[child]
+                queued[child] = 0
         elif entry[0] == "record":
             snapshots[id(entry[2])] = set(seen[entry[1]])
         elif entry[0] == "wait":
@@ -702,8 +724,14 @@ def test_every_presplit_product_follows_its_splits_on_its_own_stream(monkeypatch
         elif "_presplit_" in entry[0]:
             for m in entry[2][:4]:  # every map's part split before, in this stream's order
                 assert m[0] in seen[entry[3]], (entry[0], entry[3])
+        if entry[0] not in ("fork", "join", "record", "wait"):
+            queued[entry[3]] += 1
+    assert queued[side] == queued[side2] == 0, "work left on a weight stream, not joined"
     dws = [e for e in log if e[0] == "linear_grad_weight_wgmma_presplit_3xtf32"]
     assert len(dws) == 2 and dws[-1][3] is main  # the first layer's dW, on the chain
+    if weight_stream == 2:  # the output layer's dW (not pre-split) and the hidden layer's, side by side
+        out_dw = [e for e in log if e[0].startswith("linear_grad_weight_") and "_presplit_" not in e[0]]
+        assert len(out_dw) == 1 and out_dw[0][3] is side and dws[0][3] is side2
     first_input = fwd.activations[0].ptr
     split_of_x = [e for e in log if e[0] == "tf32_split" and e[2][0].ptr == first_input]
     assert len(split_of_x) == 1 and split_of_x[0][3] is main and log.index(split_of_x[0]) < log.index(dws[-1])
