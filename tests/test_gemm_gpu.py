@@ -396,10 +396,11 @@ def test_forced_16_byte_copies_on_unaligned_operands_are_refused(device, stream,
 @pytest.mark.parametrize("presplit", [True, False], ids=["presplit", "tile-split"])
 @pytest.mark.parametrize("graph", [False, True])
 def test_backward_on_a_weight_stream_matches_one_stream_bitwise(device, rng, graph, presplit, widths):
-    """dW/db on their own stream, overlapping the dX chain: the same bits as on one
-    stream, and float64 to 1e-5 (3xTF32), for nets with 1024-wide layers. Pre-split,
-    also with the weights split ahead on a third stream (MLP.split_weights); with a
-    512-wide input the first layer's dW runs pre-split too, on the main stream."""
+    """dW/db on their own stream, overlapping the dX chain, and on two (the output
+    layer's and the hidden layer's side by side): the same bits as on one stream, and
+    float64 to 1e-5 (3xTF32), for nets with 1024-wide layers. Pre-split, also with the
+    weights split ahead on a third stream (MLP.split_weights); with a 512-wide input
+    the first layer's dW runs pre-split too, on the main stream."""
     batch = 512
     layout = ParamLayout.from_widths(widths)
     params = FlatBuffer(layout, layout.init_numpy(int(rng.integers(1 << 30))))
@@ -412,9 +413,10 @@ def test_backward_on_a_weight_stream_matches_one_stream_bitwise(device, rng, gra
         want = {1: (True, True)} | ({0: (False, True)} if widths[0] == 512 else {})
         assert mlp.presplit_layers(batch) == (want if presplit else {})
     arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)
-    main, side, early = Stream(), Stream(), Stream()
+    main, side, side2, early = Stream(), Stream(), Stream(), Stream()
     results, activations = [], []
-    runs = [(None, False), (side, False)] + ([(side, True)] if mlp.presplit_layers(batch) else [])
+    runs = [(None, False), (side, False), ((side, side2), False)] + \
+        ([(side, True), ((side, side2), True)] if mlp.presplit_layers(batch) else [])
     for weight_stream, ahead in runs:
         grads = FlatBuffer(layout)
         grads.buffer.poison(stream=main)
