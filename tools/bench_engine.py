@@ -5,7 +5,8 @@ For every linear layer: the forward (TF32, bias and ReLU fused) and the backward
 (dW with db, and dX with the ReLU mask; 3xTF32 tensor cores at FP32 accuracy) as
 replayed graphs, each product launched on the kernels that split each operand tile as
 they load it (tile, split-k), with achieved TFLOP/s; the whole backward on one stream
-and with dW on a second stream, without and with the pre-split products; the
+with dW on a second stream, and on two more (the last two side by side), without
+and with the pre-split products; the
 512x1024x1024 products pre-split (the products alone, and each split pass alone);
 then the full step (forward, MSE, backward, clip, AdamW, metrics) as one replayed
 graph: us/step and its node count (default: per-layer GEMMs, ordinary launches;
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--chain", type=int, default=10, help="launches per graph in --sweep (default 10)")
     args = parser.parse_args(argv)
     dev = get_device()
-    stream, side = Stream(), Stream()
+    stream, side, side2 = Stream(), Stream(), Stream()
     rng = np.random.default_rng(0)
     timed = lambda exe: time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
     if args.sweep:
@@ -169,10 +170,11 @@ def main(argv=None) -> int:
         for net in (mlp, presplit):
             if net is presplit and not presplit.presplit_layers(batch):
                 continue  # no product runs pre-split: the rows above already are this
-            for weight_stream in (None, side):
+            for weight_stream in (None, side, (side, side2)):
                 exe, _ = graph_of(stream, work, lambda: net.backward(params, grads, fwd_result, dout, arena=work,
                                                                      stream=stream, weight_stream=weight_stream))
-                how = ("two streams" if weight_stream else "one stream") + (", pre-split" if net is presplit else "")
+                how = {None: "one stream", side: "two streams"}.get(weight_stream, "three streams") + \
+                    (", pre-split" if net is presplit else "")
                 backwards.append((name, how, timed(exe)))
         x = rng.standard_normal((batch, obs)).astype(np.float32)
         y = rng.standard_normal((batch, 1 + actions)).astype(np.float32)
