@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
 """The engine's GEMMs and the whole supervised step, for the two configurations of docs/step-spec.md.
 
-For every linear layer: the forward (TF32, bias and ReLU fused) and the backward
-(dW with db, and dX with the ReLU mask; 3xTF32 tensor cores at FP32 accuracy) as
-replayed graphs, each product launched on the kernels that split each operand tile as
-they load it (tile, split-k), with achieved TFLOP/s; the whole backward on one stream,
-with dW on a second stream, and with dW on two more (the last two layers' side by
-side), without and with the pre-split products; the 512x1024x1024 products
-pre-split (the products alone, and each split pass alone); then the full step
-(forward, MSE, backward, clip, AdamW, metrics) as one replayed graph: us/step and its node count (default: per-layer GEMMs, ordinary launches;
-with dependent launches; with the fused narrow kernels; with the pre-split
-products). Goals: full step <= 10 us (small), <= 45 us
-(large); forward TF32 GEMM 512x1024x1024 >= 150 TFLOP/s; its backward products
-(dW with db, dX) >= 3x faster than the FP32 FFMA kernels' 143 us.
+For every linear layer: the forward (TF32, bias and ReLU fused) and the backward (dW
+with db, and dX with the ReLU mask; 3xTF32 tensor cores at FP32 accuracy) as replayed
+graphs, each product launched on the kernels that split each operand tile as they load
+it (tile, split-k), with achieved TFLOP/s; the whole backward on one stream, with dW on
+a second stream, and with dW on two more (the last two layers' side by side), without
+and with the pre-split products; the 512x1024x1024 products pre-split (the products
+alone, and each split pass alone); then the full step (forward, MSE, backward, clip,
+AdamW, metrics) as one replayed graph: us/step and its node count (default: per-layer
+GEMMs, ordinary launches; with dependent launches; with the fused narrow kernels; with
+the pre-split products). Goals: full step <= 10 us (small), <= 45 us (large); forward
+TF32 GEMM 512x1024x1024 >= 150 TFLOP/s; its backward products (dW with db, dX) >= 3x
+faster than the FP32 FFMA kernels' 143 us.
 """
 import sys
 
