@@ -814,3 +814,10 @@ def test_split_parts_rows_are_padded_to_16_bytes_and_counted(monkeypatch):
     assert (a.rows, a.k, a.ld) == (77, 45, 48) and (t.rows, t.k, t.ld) == (45, 77, 80)
     assert a.big.shape == a.small.shape == (77, 48) and t.big.shape == t.small.shape == (45, 80)
     assert -(-arena.offset // 256) * 256 == mlp_module.split_bytes(77, 45) + mlp_module.split_bytes(45, 77)
+
+
+def test_regression_step_refuses_a_bad_weight_streams_before_touching_the_device():
+    from drvtrain.nn import RegressionStep
+    for bad in (3, -1, True, 1.5, None):
+        with pytest.raises(ValueError, match="weight_streams must be 0, 1 or 2"):
+            RegressionStep(ParamLayout.from_widths([4, 8, 2]), 16, weight_streams=bad)

@@ -203,9 +203,10 @@ def teacher_batch(rng, layout, batch):
     return x, y
 
 
-def run_losses(layout, x, y, steps, *, graph, arena_active, seed):
+def run_losses(layout, x, y, steps, *, graph, arena_active, seed, weight_streams=2):
     stream = Stream()
-    step = RegressionStep(layout, len(x), lr=1e-3, seed=seed, arena_active=arena_active)
+    step = RegressionStep(layout, len(x), lr=1e-3, seed=seed, arena_active=arena_active,
+                          weight_streams=weight_streams)
     step.x.copy_from_numpy(x)
     step.target.copy_from_numpy(y)
     losses = []
@@ -227,24 +228,30 @@ def test_losses_are_bitwise_identical_eager_graph_and_arena_modes(device, rng):
     eager, _ = run_losses(layout, x, y, 200, graph=False, arena_active=True, seed=seed)
     replay, _ = run_losses(layout, x, y, 200, graph=True, arena_active=True, seed=seed)
     inactive, _ = run_losses(layout, x, y, 200, graph=False, arena_active=False, seed=seed)
+    # The weight gradients beside the dX chain or on the caller's stream: the same bits.
+    one_stream, _ = run_losses(layout, x, y, 200, graph=True, arena_active=True, seed=seed, weight_streams=0)
+    side, _ = run_losses(layout, x, y, 200, graph=True, arena_active=True, seed=seed, weight_streams=1)
     assert len(eager) == 200 and np.all(np.isfinite(eager))
-    assert eager.tobytes() == replay.tobytes() == inactive.tobytes()
+    assert eager.tobytes() == replay.tobytes() == inactive.tobytes() == one_stream.tobytes() == side.tobytes()
     assert eager[-1] < eager[0]
 
 
+@pytest.mark.parametrize("weight_streams", [0, 2])
 @pytest.mark.parametrize("tf32, bound", [(False, 1e-5), (True, 1e-5)])
-def test_step_matches_reference_for_one_step(device, stream, rng, tf32, bound):
+def test_step_matches_reference_for_one_step(device, stream, rng, tf32, bound, weight_streams):
     """Given the forward the device computed, the loss, every gradient and the clip norm to
-    FP32 accuracy (the backward is FP32-accurate for either forward precision).
+    FP32 accuracy (the backward is FP32-accurate for either forward precision), with
+    the weight gradients on the caller's stream or on two of the step's own.
 
     The float64 reference starts from the device's own activations: a ReLU whose input
     rounds to the other side of zero in TF32 (or FP32) changes a gradient row by its whole
     value, which no relative bound on the float64 forward's masks can cover. The forward's
     own accuracy is test_forward_matches_float64's."""
-    layout = make_layout([5, 40, 3])
+    layout = make_layout([5, 40, 24, 3])
     x, y = teacher_batch(rng, layout, 50)
     step = RegressionStep(layout, 50, lr=1e-3, weight_decay=1e-2, max_norm=0.5, tf32=tf32,
-                          seed=int(rng.integers(1 << 30)))
+                          seed=int(rng.integers(1 << 30)), weight_streams=weight_streams)
+    assert len(step.weight_streams) == weight_streams
     step.x.copy_from_numpy(x)
     step.target.copy_from_numpy(y)
     named = step.params.to_numpy()

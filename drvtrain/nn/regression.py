@@ -7,6 +7,7 @@ from ..driver import get_device
 from ..graph import GraphExec, capture
 from ..kernel import builtin_module, dependent_launches
 from ..memory import Arena, DeviceBuffer
+from ..stream import Stream
 from .layout import FlatBuffer, ParamLayout
 from .metrics import Metrics
 from .mlp import MLP
@@ -22,12 +23,21 @@ class RegressionStep:
     ``x`` and ``target`` are fixed device buffers: fill them, then ``enqueue``
     one step eagerly or ``capture`` it once and replay the graph. Activations
     and gradients of activations come from the arena, rewound every step.
+
+    ``weight_streams`` (0, 1 or 2; per-layer products only): the streams of the
+    step's own on which the backward runs every layer's dW but the first's beside
+    the dX chain (:meth:`MLP.backward`'s ``weight_stream``); 0 keeps the whole
+    backward on the caller's stream. The default, 2, was the fastest on the H200
+    (docs/perf-notes.md, sixteenth pass).
     """
 
     def __init__(self, layout: ParamLayout, batch: int, *, lr: float = 1e-3, weight_decay: float = 0.0,
                  max_norm: float = 10.0, tf32: bool = True, seed: int = 0, arena_active: bool = True,
                  metrics_slots: int = 1024, params: np.ndarray | None = None,
-                 dependent_launch: bool = False, fused: bool = False, presplit: bool = False):
+                 dependent_launch: bool = False, fused: bool = False, presplit: bool = False,
+                 weight_streams: int = 2):
+        if isinstance(weight_streams, bool) or weight_streams not in (0, 1, 2):
+            raise ValueError(f"weight_streams must be 0, 1 or 2, got {weight_streams!r}")
         self.layout, self.batch = layout, int(batch)
         self.dependent_launch = bool(dependent_launch)
         self.params = FlatBuffer(layout, layout.init_numpy(seed) if params is None else params)
@@ -36,6 +46,7 @@ class RegressionStep:
         # fused: a narrow net in one forward kernel and two backward kernels (drvtrain.nn.narrow);
         # off by default, the per-layer GEMMs measure faster (docs/perf-notes.md).
         self.net = NarrowMLP(layout, tf32=tf32) if fused and NarrowMLP.supports(layout) else self.mlp
+        self.weight_streams = tuple(Stream() for _ in range(weight_streams if self.net is self.mlp else 0))
         self.x = DeviceBuffer((self.batch, layout.layers[0][1]), np.float32)
         self.target = DeviceBuffer((self.batch, layout.layers[-1][0]), np.float32)
         self.loss = DeviceBuffer(1, np.float32)
@@ -67,7 +78,11 @@ class RegressionStep:
         dout = self.arena.array(out.shape, np.float32)
         self._mse.launch(self._loss_grid, self._mse.block, out, self.target, out.size, dout,
                          self._loss_partials, self._loss_counter, self.loss, stream=stream)
-        self.net.backward(self.params, self.grads, fwd, dout, arena=self.arena, stream=stream)
+        if self.weight_streams:
+            self.mlp.backward(self.params, self.grads, fwd, dout, arena=self.arena, stream=stream,
+                              weight_stream=self.weight_streams)
+        else:
+            self.net.backward(self.params, self.grads, fwd, dout, arena=self.arena, stream=stream)
         self.optimizer.step(stream=stream)
 
     def capture(self, *, stream) -> GraphExec:
