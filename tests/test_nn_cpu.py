@@ -818,6 +818,10 @@ def test_split_parts_rows_are_padded_to_16_bytes_and_counted(monkeypatch):
 
 def test_regression_step_refuses_a_bad_weight_streams_before_touching_the_device():
     from drvtrain.nn import RegressionStep
-    for bad in (3, -1, True, 1.5, None):
-        with pytest.raises(ValueError, match="weight_streams must be 0, 1 or 2"):
+    for bad in (3, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="weight_streams must be 0, 1, 2 or None"):
             RegressionStep(ParamLayout.from_widths([4, 8, 2]), 16, weight_streams=bad)
+    # The default: side streams for the nets they measured faster on (256 wide), none at 1024.
+    assert RegressionStep.default_weight_streams(ParamLayout.from_widths([4, 256, 256, 3])) == 2
+    assert RegressionStep.default_weight_streams(ParamLayout.from_widths([128, 1024, 1024, 19])) == 0
+    assert RegressionStep.default_weight_streams(ParamLayout.from_widths([257, 8])) == 0

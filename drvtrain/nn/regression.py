@@ -17,6 +17,9 @@ from .optim import AdamW
 __all__ = ["RegressionStep"]
 
 
+SIDE_STREAM_MAX_WIDTH = 256  # the widest net whose step ran faster with side streams (H200)
+
+
 class RegressionStep:
     """Fits an MLP to targets with mean squared error; every buffer is allocated up front.
 
@@ -27,17 +30,21 @@ class RegressionStep:
     ``weight_streams`` (0, 1 or 2; per-layer products only): the streams of the
     step's own on which the backward runs every layer's dW but the first's beside
     the dX chain (:meth:`MLP.backward`'s ``weight_stream``); 0 keeps the whole
-    backward on the caller's stream. The default, 2, was the fastest on the H200
-    (docs/perf-notes.md, sixteenth pass).
+    backward on the caller's stream. Either way the results are the same bits.
+    None (the default) picks by what the H200 measured (docs/perf-notes.md,
+    sixteenth pass): 2 for a net no wider than ``SIDE_STREAM_MAX_WIDTH`` (256
+    wide: 45.4 -> 39.4 us a step), else 0 (1024 wide: 107.6 -> 117.3 us with 2).
     """
 
     def __init__(self, layout: ParamLayout, batch: int, *, lr: float = 1e-3, weight_decay: float = 0.0,
                  max_norm: float = 10.0, tf32: bool = True, seed: int = 0, arena_active: bool = True,
                  metrics_slots: int = 1024, params: np.ndarray | None = None,
                  dependent_launch: bool = False, fused: bool = False, presplit: bool = False,
-                 weight_streams: int = 2):
+                 weight_streams: int | None = None):
+        if weight_streams is None:
+            weight_streams = self.default_weight_streams(layout)
         if isinstance(weight_streams, bool) or weight_streams not in (0, 1, 2):
-            raise ValueError(f"weight_streams must be 0, 1 or 2, got {weight_streams!r}")
+            raise ValueError(f"weight_streams must be 0, 1, 2 or None, got {weight_streams!r}")
         self.layout, self.batch = layout, int(batch)
         self.dependent_launch = bool(dependent_launch)
         self.params = FlatBuffer(layout, layout.init_numpy(seed) if params is None else params)
@@ -62,6 +69,11 @@ class RegressionStep:
         scratch = self.net.scratch_bytes(self.batch, 1) if fused_net else self.mlp.scratch_bytes(self.batch)
         self.arena = Arena(scratch + 4 * n + 256,  # + dout
                            zeroed_bytes=self.net.zeroed_bytes(self.batch) + 256, active=arena_active)
+
+    @staticmethod
+    def default_weight_streams(layout: ParamLayout) -> int:
+        """``weight_streams`` for None: 2 up to ``SIDE_STREAM_MAX_WIDTH`` wide, else 0."""
+        return 2 if max(max(layer) for layer in layout.layers) <= SIDE_STREAM_MAX_WIDTH else 0
 
     def enqueue(self, *, stream) -> None:
         """Queue one step on ``stream`` (eagerly, or into a capture); with
