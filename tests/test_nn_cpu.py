@@ -565,6 +565,8 @@ def test_kernel_names_follow_the_roles_and_precisions():
     assert kernel_name("grad_input", "f32") == "linear_grad_input_f32"
     assert kernel_name("grad_input", "3xtf32", TILES[1], 4, cluster=True) == "linear_grad_input_32x32_cp4_cluster_3xtf32"
     assert kernel_name("forward", "tf32", WGMMA_TILE, 16, cluster=True) == "linear_forward_wgmma_tf32"
+    with pytest.raises(ValueError, match="FP32 FFMA kernels have no kernels that sum their splits in a cluster"):
+        kernel_name("forward", "f32", cluster=True)
     with pytest.raises(ValueError, match="no kernels that sum their splits in a cluster"):
         kernel_name("forward", "tf32", TILES[0], 16, cluster=True)
     with pytest.raises(ValueError, match="runs in"):
@@ -629,8 +631,11 @@ def test_forward_layers_and_backward_dx_last(monkeypatch):
     assert [e[3] for e in kernels if "grad_input" in e[0]] == [main] and kernels[-1][3] is main
     joined = {c for e in launches if e[0] == "join" for c in e[1]}
     assert joined == {side, side2}
+    for s in (side, side2):  # each joined after the last launch on it
+        last = max(i for i, e in enumerate(launches) if e[0] not in ("fork", "join") and e[3] is s)
+        assert any(e[0] == "join" and s in e[1] for e in launches[last + 1:]), s
     launches.clear()
-    for bad in (main, (), (side, None), (side, main)):
+    for bad in (main, (), (side, None), (side, main), (side, side)):
         with pytest.raises(ValueError, match="weight_stream must be a stream other than stream"):
             model.backward(params, grads, full, dout, arena=arena, stream=main, weight_stream=bad, dx_last=dh)
     assert launches == []
@@ -818,9 +823,11 @@ def test_split_parts_rows_are_padded_to_16_bytes_and_counted(monkeypatch):
 
 def test_regression_step_refuses_a_bad_weight_streams_before_touching_the_device():
     from drvtrain.nn import RegressionStep
-    for bad in (3, -1, True, 1.5, "2"):
+    for bad in (3, -1, True, 1.5, 2.0, "2"):
         with pytest.raises(ValueError, match="weight_streams must be 0, 1, 2 or None"):
             RegressionStep(ParamLayout.from_widths([4, 8, 2]), 16, weight_streams=bad)
+    with pytest.raises(ValueError, match="fused narrow kernels run their backward on the caller's stream"):
+        RegressionStep(ParamLayout.from_widths([4, 8, 2]), 16, fused=True, weight_streams=2)
     # The default: side streams for the nets they measured faster on (256 wide), none at 1024.
     assert RegressionStep.default_weight_streams(ParamLayout.from_widths([4, 256, 256, 3])) == 2
     assert RegressionStep.default_weight_streams(ParamLayout.from_widths([128, 1024, 1024, 19])) == 0

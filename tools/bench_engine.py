@@ -5,11 +5,11 @@ For every linear layer: the forward (TF32, bias and ReLU fused) and the backward
 with db, and dX with the ReLU mask; 3xTF32 tensor cores at FP32 accuracy) as replayed
 graphs, each product launched on the kernels that split each operand tile as they load
 it (tile, split-k), with achieved TFLOP/s; the whole backward on one stream, with dW on
-a second stream, and with dW on two more (the last two layers' side by side), without
-and with the pre-split products; the 512x1024x1024 products pre-split (the products
-alone, and each split pass alone); then the full step (forward, MSE, backward, clip,
-AdamW, metrics) as one replayed graph: us/step and its node count (default: per-layer
-GEMMs, ordinary launches, dW streams as RegressionStep picks them; dW on the main
+a second stream, and with dW on two side streams (the last two layers' side by side),
+without and with the pre-split products; the 512x1024x1024 products pre-split (the
+products alone, and each split pass alone); then the full step (forward, MSE, backward,
+clip, AdamW, metrics) as one replayed graph: us/step and its node count (default: per-
+layer GEMMs, ordinary launches, dW streams as RegressionStep picks them; dW on the main
 stream, on one side stream, on two; with dependent launches; with the fused narrow
 kernels; with the pre-split products). Goals: full step <= 10 us (small), <= 45 us
 (large); forward TF32 GEMM 512x1024x1024 >= 150 TFLOP/s; its backward products (dW with

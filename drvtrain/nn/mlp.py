@@ -90,6 +90,8 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
                              f"{precision} on tile {tile.name}")
         return f"linear_{role}_wgmma_presplit_{precision}"
     if precision == "f32":
+        if cluster:
+            raise ValueError("the FP32 FFMA kernels have no kernels that sum their splits in a cluster")
         return f"linear_{role}_f32"
     if tile is WGMMA_TILE:
         if vector != 16:
@@ -813,9 +815,10 @@ class MLP:
 
         Pre-split products (:meth:`presplit_layers`): a layer's dY is split on
         ``stream`` in one pass for both of its products. With ``weight_stream`` the
-        weights' splits (for dX) and the inputs' splits of the layers whose dW runs
-        there run first on it, beside the chain; every other split runs on
-        ``stream`` ahead of its product. ``weight_splits``: the weights already split
+        weights' splits (for dX) run first on it (on the first of a tuple), and the
+        input's split of each layer whose dW runs on a weight stream runs first on
+        that stream, beside the chain; every other split runs on ``stream`` ahead
+        of its product. ``weight_splits``: the weights already split
         (:meth:`split_weights`, same batch and ``dx_last``); ``stream`` waits for its
         event before the first pre-split dX (or before return, if none runs)."""
         if not isinstance(forward, Forward) or len(forward.activations) != len(self.layout.layers) + 1:
@@ -832,8 +835,10 @@ class MLP:
         last = len(self.layout.layers) - 1
         sides = tuple(weight_stream) if isinstance(weight_stream, (tuple, list)) else \
             () if weight_stream is None else (weight_stream,)
-        if weight_stream is not None and (not sides or any(s is None or s is stream for s in sides)):
-            raise ValueError("weight_stream must be a stream other than stream, or a non-empty tuple of them")
+        if weight_stream is not None and (not sides or any(s is None or s is stream for s in sides)
+                                          or len(set(map(id, sides))) < len(sides)):
+            raise ValueError("weight_stream must be a stream other than stream, or a non-empty tuple of "
+                             "distinct ones")
         side_of = lambda k: sides[(last - k) % len(sides)] if sides and k > 0 else None
         presplit = self.presplit_layers(batch)
         if dx_last is not None and last in presplit:  # the last layer's dX is not launched

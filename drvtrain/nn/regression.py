@@ -27,10 +27,12 @@ class RegressionStep:
     one step eagerly or ``capture`` it once and replay the graph. Activations
     and gradients of activations come from the arena, rewound every step.
 
-    ``weight_streams`` (0, 1 or 2; per-layer products only): the streams of the
-    step's own on which the backward runs every layer's dW but the first's beside
-    the dX chain (:meth:`MLP.backward`'s ``weight_stream``); 0 keeps the whole
-    backward on the caller's stream. Either way the results are the same bits.
+    ``weight_streams`` (0, 1 or 2): the streams of the step's own on which the
+    backward runs every layer's dW but the first's beside the dX chain
+    (:meth:`MLP.backward`'s ``weight_stream``; with two, the last two layers' side
+    by side); 0 keeps the whole backward on the caller's stream. Either way the
+    results are the same bits. The fused narrow kernels (``fused``) run their
+    backward in two kernels on the caller's stream: with them 1 or 2 is refused.
     None (the default) picks by what the H200 measured (docs/perf-notes.md,
     sixteenth pass): 2 for a net no wider than ``SIDE_STREAM_MAX_WIDTH`` (256
     wide: 45.4 -> 39.4 us a step), else 0 (1024 wide: 107.6 -> 117.3 us with 2).
@@ -41,10 +43,15 @@ class RegressionStep:
                  metrics_slots: int = 1024, params: np.ndarray | None = None,
                  dependent_launch: bool = False, fused: bool = False, presplit: bool = False,
                  weight_streams: int | None = None):
+        fused_net = fused and NarrowMLP.supports(layout)
         if weight_streams is None:
-            weight_streams = self.default_weight_streams(layout)
-        if isinstance(weight_streams, bool) or weight_streams not in (0, 1, 2):
+            weight_streams = 0 if fused_net else self.default_weight_streams(layout)
+        if not isinstance(weight_streams, (int, np.integer)) or isinstance(weight_streams, bool) \
+                or weight_streams not in (0, 1, 2):
             raise ValueError(f"weight_streams must be 0, 1, 2 or None, got {weight_streams!r}")
+        if fused_net and weight_streams:
+            raise ValueError(f"weight_streams={weight_streams}: the fused narrow kernels run their backward on "
+                             "the caller's stream; pass 0 or None with fused=True")
         self.layout, self.batch = layout, int(batch)
         self.dependent_launch = bool(dependent_launch)
         self.params = FlatBuffer(layout, layout.init_numpy(seed) if params is None else params)
@@ -52,8 +59,8 @@ class RegressionStep:
         self.mlp = MLP(layout, tf32=tf32, presplit=presplit)  # MLP's docstring; off by default
         # fused: a narrow net in one forward kernel and two backward kernels (drvtrain.nn.narrow);
         # off by default, the per-layer GEMMs measure faster (docs/perf-notes.md).
-        self.net = NarrowMLP(layout, tf32=tf32) if fused and NarrowMLP.supports(layout) else self.mlp
-        self.weight_streams = tuple(Stream() for _ in range(weight_streams if self.net is self.mlp else 0))
+        self.net = NarrowMLP(layout, tf32=tf32) if fused_net else self.mlp
+        self.weight_streams = tuple(Stream() for _ in range(int(weight_streams)))
         self.x = DeviceBuffer((self.batch, layout.layers[0][1]), np.float32)
         self.target = DeviceBuffer((self.batch, layout.layers[-1][0]), np.float32)
         self.loss = DeviceBuffer(1, np.float32)
@@ -65,7 +72,6 @@ class RegressionStep:
         self.metrics = Metrics(metrics_slots)
         self.optimizer = AdamW(self.params, self.grads, lr=lr, weight_decay=weight_decay, max_norm=max_norm,
                                loss=self.loss, metrics=self.metrics)
-        fused_net = self.net is not self.mlp
         scratch = self.net.scratch_bytes(self.batch, 1) if fused_net else self.mlp.scratch_bytes(self.batch)
         self.arena = Arena(scratch + 4 * n + 256,  # + dout
                            zeroed_bytes=self.net.zeroed_bytes(self.batch) + 256, active=arena_active)
