@@ -8,9 +8,9 @@ it (tile, split-k), with achieved TFLOP/s; the whole backward on one stream, wit
 a second stream, and with dW on two side streams (the last two layers' side by side),
 without and with the pre-split products; the 512x1024x1024 products pre-split (the
 products alone, and each split pass alone); then the full step (forward, MSE, backward,
-clip, AdamW, metrics) as one replayed graph: us/step and its node count (default: per-
-layer GEMMs, ordinary launches, dW streams as RegressionStep picks them; dW on the main
-stream, on one side stream, on two; with dependent launches; with the fused narrow
+clip, AdamW, metrics) as one replayed graph: us/step and its node count (default:
+per-layer GEMMs, ordinary launches, dW streams as RegressionStep picks them; dW on the
+main stream, on one side stream, on two; with dependent launches; with the fused narrow
 kernels; with the pre-split products). Goals: full step <= 10 us (small), <= 45 us
 (large); forward TF32 GEMM 512x1024x1024 >= 150 TFLOP/s; its backward products (dW with
 db, dX) >= 3x faster than the FP32 FFMA kernels' 143 us.
