@@ -832,3 +832,5 @@ def test_regression_step_refuses_a_bad_weight_streams_before_touching_the_device
     assert RegressionStep.default_weight_streams(ParamLayout.from_widths([4, 256, 256, 3])) == 2
     assert RegressionStep.default_weight_streams(ParamLayout.from_widths([128, 1024, 1024, 19])) == 0
     assert RegressionStep.default_weight_streams(ParamLayout.from_widths([257, 8])) == 0
+    assert RegressionStep.narrow(ParamLayout.from_widths([4, 256, 3])) and \
+        not RegressionStep.narrow(ParamLayout.from_widths([4, 512, 3]))

@@ -203,10 +203,10 @@ def teacher_batch(rng, layout, batch):
     return x, y
 
 
-def run_losses(layout, x, y, steps, *, graph, arena_active, seed, weight_streams=2):
+def run_losses(layout, x, y, steps, *, graph, arena_active, seed, weight_streams=2, dependent_launch=None):
     stream = Stream()
     step = RegressionStep(layout, len(x), lr=1e-3, seed=seed, arena_active=arena_active,
-                          weight_streams=weight_streams)
+                          weight_streams=weight_streams, dependent_launch=dependent_launch)
     step.x.copy_from_numpy(x)
     step.target.copy_from_numpy(y)
     losses = []
@@ -226,13 +226,18 @@ def test_losses_are_bitwise_identical_eager_graph_and_arena_modes(device, rng):
     x, y = teacher_batch(rng, layout, 96)
     seed = int(rng.integers(1 << 30))
     eager, _ = run_losses(layout, x, y, 200, graph=False, arena_active=True, seed=seed)
-    replay, _ = run_losses(layout, x, y, 200, graph=True, arena_active=True, seed=seed)
+    replay, step = run_losses(layout, x, y, 200, graph=True, arena_active=True, seed=seed)
+    assert step.dependent_launch and len(step.weight_streams) == 2
     inactive, _ = run_losses(layout, x, y, 200, graph=False, arena_active=False, seed=seed)
     # The weight gradients beside the dX chain or on the caller's stream: the same bits.
     one_stream, _ = run_losses(layout, x, y, 200, graph=True, arena_active=True, seed=seed, weight_streams=0)
     side, _ = run_losses(layout, x, y, 200, graph=True, arena_active=True, seed=seed, weight_streams=1)
+    # Dependent launches (the default for this 64-wide net) or ordinary ones: the same bits.
+    ordinary, step = run_losses(layout, x, y, 200, graph=True, arena_active=True, seed=seed, dependent_launch=False)
+    assert not step.dependent_launch
     assert len(eager) == 200 and np.all(np.isfinite(eager))
-    assert eager.tobytes() == replay.tobytes() == inactive.tobytes() == one_stream.tobytes() == side.tobytes()
+    assert eager.tobytes() == replay.tobytes() == inactive.tobytes() == one_stream.tobytes() == side.tobytes() \
+        == ordinary.tobytes()
     assert eager[-1] < eager[0]
 
 

@@ -9,11 +9,11 @@ a second stream, and with dW on two side streams (the last two layers' side by s
 without and with the pre-split products; the 512x1024x1024 products pre-split (the
 products alone, and each split pass alone); then the full step (forward, MSE, backward,
 clip, AdamW, metrics) as one replayed graph: us/step and its node count (default:
-per-layer GEMMs, ordinary launches, dW streams as RegressionStep picks them; dW on the
-main stream, on one side stream, on two; with dependent launches; with the fused narrow
-kernels; with the pre-split products). Goals: full step <= 10 us (small), <= 45 us
-(large); forward TF32 GEMM 512x1024x1024 >= 150 TFLOP/s; its backward products (dW with
-db, dX) >= 3x faster than the FP32 FFMA kernels' 143 us.
+per-layer GEMMs, dW streams and dependent launches as RegressionStep picks them; dW on
+the main stream, on one side stream, on two; with dependent launches, without; with the
+fused narrow kernels; with the pre-split products). Goals: full step <= 10 us (small),
+<= 45 us (large); forward TF32 GEMM 512x1024x1024 >= 150 TFLOP/s; its backward products
+(dW with db, dX) >= 3x faster than the FP32 FFMA kernels' 143 us.
 """
 import sys
 
@@ -182,6 +182,7 @@ def main(argv=None) -> int:
                              ("dW on one side stream", {"weight_streams": 1}),
                              ("dW on two side streams", {"weight_streams": 2}),
                              ("dependent launch", {"dependent_launch": True}),
+                             ("no dependent launch", {"dependent_launch": False}),
                              ("fused narrow kernels", {"fused": True}), ("pre-split", {"presplit": True})):
             if options.get("fused") and not NarrowMLP.supports(layout):
                 continue  # a wide net has no fused path: the default already is per-layer

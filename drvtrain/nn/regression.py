@@ -17,7 +17,8 @@ from .optim import AdamW
 __all__ = ["RegressionStep"]
 
 
-SIDE_STREAM_MAX_WIDTH = 256  # the widest net whose step ran faster with side streams (H200)
+# The widest net whose step ran faster with side streams and with dependent launches (H200).
+NARROW_MAX_WIDTH = 256
 
 
 class RegressionStep:
@@ -34,14 +35,20 @@ class RegressionStep:
     results are the same bits. The fused narrow kernels (``fused``) run their
     backward in two kernels on the caller's stream: with them 1 or 2 is refused.
     None (the default) picks by what the H200 measured (docs/perf-notes.md,
-    sixteenth pass): 2 for a net no wider than ``SIDE_STREAM_MAX_WIDTH`` (256
-    wide: 45.4 -> 39.4 us a step), else 0 (1024 wide: 107.6 -> 117.3 us with 2).
+    sixteenth pass): 2 for a net no wider than ``NARROW_MAX_WIDTH`` (256 wide:
+    45.4 -> 39.4 us a step), else 0 (1024 wide: 107.6 -> 117.3 us with 2).
+
+    ``dependent_launch``: every kernel a dependent launch (programmatic dependent
+    launch). None (the default) picks it for a net no wider than
+    ``NARROW_MAX_WIDTH`` (256 wide, with two side streams: 39.4 -> 36.1 us a step)
+    and not for wider ones (1024 wide: 107.3 -> 116.6 us with it; sixteenth pass).
+    The results are the same bits either way.
     """
 
     def __init__(self, layout: ParamLayout, batch: int, *, lr: float = 1e-3, weight_decay: float = 0.0,
                  max_norm: float = 10.0, tf32: bool = True, seed: int = 0, arena_active: bool = True,
                  metrics_slots: int = 1024, params: np.ndarray | None = None,
-                 dependent_launch: bool = False, fused: bool = False, presplit: bool = False,
+                 dependent_launch: bool | None = None, fused: bool = False, presplit: bool = False,
                  weight_streams: int | None = None):
         fused_net = fused and NarrowMLP.supports(layout)
         if weight_streams is None:
@@ -53,7 +60,7 @@ class RegressionStep:
             raise ValueError(f"weight_streams={weight_streams}: the fused narrow kernels run their backward on "
                              "the caller's stream; pass 0 or None with fused=True")
         self.layout, self.batch = layout, int(batch)
-        self.dependent_launch = bool(dependent_launch)
+        self.dependent_launch = self.narrow(layout) if dependent_launch is None else bool(dependent_launch)
         self.params = FlatBuffer(layout, layout.init_numpy(seed) if params is None else params)
         self.grads = FlatBuffer(layout)
         self.mlp = MLP(layout, tf32=tf32, presplit=presplit)  # MLP's docstring; off by default
@@ -77,15 +84,19 @@ class RegressionStep:
                            zeroed_bytes=self.net.zeroed_bytes(self.batch) + 256, active=arena_active)
 
     @staticmethod
+    def narrow(layout: ParamLayout) -> bool:
+        """Whether no layer of ``layout`` is wider than ``NARROW_MAX_WIDTH``: the nets
+        that take side streams and dependent launches by default."""
+        return max(max(layer) for layer in layout.layers) <= NARROW_MAX_WIDTH
+
+    @staticmethod
     def default_weight_streams(layout: ParamLayout) -> int:
-        """``weight_streams`` for None: 2 up to ``SIDE_STREAM_MAX_WIDTH`` wide, else 0."""
-        return 2 if max(max(layer) for layer in layout.layers) <= SIDE_STREAM_MAX_WIDTH else 0
+        """``weight_streams`` for None: 2 for a :meth:`narrow` net, else 0."""
+        return 2 if RegressionStep.narrow(layout) else 0
 
     def enqueue(self, *, stream) -> None:
         """Queue one step on ``stream`` (eagerly, or into a capture); with
-        ``dependent_launch`` every kernel is a dependent launch. Off by default:
-        on the H200 it made the 1024-wide step slower (152 against 129 us) and
-        the 256-wide one faster by only 3 us (docs/perf-notes.md)."""
+        ``dependent_launch`` every kernel is a dependent launch."""
         with dependent_launches(self.dependent_launch):
             self._enqueue(stream)
 
