@@ -154,13 +154,26 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], c
     dt_mma_tf32(d, a, b[0], b[1]);
 }
 
+// The first layer's dW and db folded into the grad-input product of the layer above
+// it (DW0 kernels): with dX1 = that product's masked tile, dW0 = dX1^T X0 and
+// db0 = the column sums of dX1, where X0 [M, in0] is the net's input (in0 <= DW0_MAX_IN).
+constexpr int DW0_MAX_IN = 8;
+struct FirstDw {
+    const float* x0;           // X0 [M, in0], rows ldx0 floats apart
+    int ldx0, in0;
+    float* dw0;                // dW0 [N, in0], row-major
+    float* db0;                // db0 [N]
+    float* work;               // gridDim.x * gridDim.y * BN * (in0 + 1) floats
+    unsigned int* counters;    // gridDim.x zeroed uints (left zeroed)
+};
+
 // The split-k workspace of a launch (floats):
 //   partials: tiles * S * BM * BN, tile-major, in fragment order (fully coalesced);
 //   row sums (grad-weight only): gridDim.y * S * BM, after the partials.
-template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC, bool CLUSTER>
+template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC, bool CLUSTER, bool DW0 = false>
 __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
                                      int N, int K, const float* bias, const float* mask, int ldm, float* col_sum,
-                                     float* workspace, unsigned int* counters) {
+                                     float* workspace, unsigned int* counters, FirstDw fd = {}) {
     constexpr int BM = CFG::BM, BN = CFG::BN, BK = CFG::BK, STAGES = CFG::STAGES, THREADS = CFG::THREADS;
     constexpr int MI = CFG::MI, NI = CFG::NI;
     using SA = Smem<BM, BK, A_KFAST>;
@@ -415,6 +428,86 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         }
     }
     if (sums && tid < BM && i0 + tid < M) col_sum[i0 + tid] = row_sum;
+    if constexpr (DW0) {
+        // dX1 is not stored: its tile's share of dW0 and db0 is summed here, per
+        // column over this tile's rows, and the last tile of each column strip
+        // (dt_last_block) adds the strip's shares in blockIdx.y order. FP32 FMAs in
+        // a fixed order: bitwise reproducible for a fixed launch.
+        static_assert(EPI == EPI_MASK && EARLY && CFG::WARPS_M * BN * (DW0_MAX_IN + 1) <= STAGES * STAGE,
+                      "the masked tile, its mask from the first copies, and room for the warps' shares");
+        constexpr int IN = DW0_MAX_IN, E = BN * (IN + 1);
+        const int in0 = fd.in0;
+        float share[NI][2][IN + 1];  // (column slot, value): in0 products with X0, then the plain sum (db0)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int i = 0; i <= IN; ++i) share[ni][h][i] = 0.0f;
+        if (active) {
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int rh = 0; rh < 2; ++rh) {
+                    const int r = frag_row(mi, 2 * rh);
+                    float x[IN];
+#pragma unroll
+                    for (int i = 0; i < IN; ++i) x[i] = i < in0 && r < M ? fd.x0[(size_t)r * fd.ldx0 + i] : 0.0f;
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int q = 2 * rh + h;
+                            // mv is 0 outside C (r >= M or c >= N): such an element adds 0.
+                            const float v = dt_epilogue<EPI_MASK>(acc[mi][ni][q], 0.0f, mv[mi][ni][q]);
+#pragma unroll
+                            for (int i = 0; i < IN; ++i) share[ni][h][i] = fmaf(v, x[i], share[ni][h][i]);
+                            share[ni][h][IN] += v;
+                        }
+                }
+        }
+        // The 8 lanes of a column (one t, every g), in a fixed butterfly.
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1)
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int i = 0; i <= IN; ++i) share[ni][h][i] += __shfl_xor_sync(0xffffffffu, share[ni][h][i], off);
+        // The warps of a column, in wm order, through shared memory (the ring is free).
+        float* red = smem;  // [WARPS_M][BN][IN + 1]
+        __syncthreads();
+        if (g == 0) {
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int i = 0; i <= IN; ++i)
+                        red[(wm * BN + wn * CFG::WN + ni * 8 + 2 * t + h) * (IN + 1) + i] = share[ni][h][i];
+        }
+        __syncthreads();
+        float* mine = fd.work + (size_t)(blockIdx.x * gridDim.y + blockIdx.y) * E;
+        for (int e = tid; e < E; e += THREADS) {
+            float v = 0.0f;
+#pragma unroll
+            for (int w = 0; w < CFG::WARPS_M; ++w) v += red[w * E + e];
+            mine[e] = v;
+        }
+        if (dt_last_block(&fd.counters[blockIdx.x], gridDim.y)) {
+            const float* strip = fd.work + (size_t)blockIdx.x * gridDim.y * E;
+            for (int e = tid; e < E; e += THREADS) {
+                float v = 0.0f;
+                for (int y = 0; y < (int)gridDim.y; ++y) v += __ldcg(&strip[(size_t)y * E + e]);
+                const int c = j0 + e / (IN + 1), i = e % (IN + 1);
+                if (c < N && i < in0) fd.dw0[(size_t)c * in0 + i] = v;
+                if (c < N && i == IN) fd.db0[c] = v;
+            }
+        }
+        if constexpr (CLUSTER) if (clustered) dt_cluster_wait();  // the arrival above: every thread ends it
+        return;
+    }
     if (!CLUSTER && !active) return;  // a block of a cluster still waits at its end, below
 
     // Epilogue.
@@ -634,6 +727,14 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
         DT_GEMM_PROLOGUE                                                                                  \
         tc::gemm<tc::CFG, tc::PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER>(DT_GEMM_ARGS);                   \
     }
+#define DT_DW0_PARAMS \
+    , const float *x0, int ldx0, int in0, float *dw0, float *db0, float *work0, unsigned int *counters0
+#define DT_TC_DW0_KERNEL(NAME, CFG, VEC)                                                                  \
+    extern "C" __global__ void __launch_bounds__(tc::CFG::THREADS) NAME(DT_GEMM_PARAMS DT_DW0_PARAMS) {   \
+        DT_GEMM_PROLOGUE                                                                                  \
+        tc::gemm<tc::CFG, tc::PREC_3XTF32, true, false, EPI_MASK, VEC, true, true>(                       \
+            DT_GEMM_ARGS, tc::FirstDw{x0, ldx0, in0, dw0, db0, work0, counters0});                        \
+    }
 // VARIANT is the name's part after the copy width: _ (plain) or _cluster_ (CLUSTER).
 #define DT_TC_ROLES(TILE, CP, VEC, VARIANT, CLUSTER)                                                                  \
     DT_TC_KERNEL(linear_forward_##TILE##_##CP##VARIANT##tf32, Tile##TILE, PREC_TF32, true, true, EPI_BIAS, VEC,     \
@@ -652,6 +753,10 @@ DT_TC_ROLES(32x32, cp4, false, _, false)
 // Their splits summed in a cluster (1, 1, S); launched without one they take the workspace.
 DT_TC_ROLES(32x32, cp16, true, _cluster_, true)
 DT_TC_ROLES(32x32, cp4, false, _cluster_, true)
+// The grad-input product of the second layer with the first layer's dW and db folded in
+// (tc::FirstDw; the arguments after gate): dX itself is not stored, C may be 0.
+DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp16_cluster_3xtf32, Tile32x32, true)
+DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp4_cluster_3xtf32, Tile32x32, false)
 
 #define DT_FFMA_KERNEL(NAME, EPI, A_KFAST, B_KFAST)                                                    \
     extern "C" __global__ void __launch_bounds__(256) NAME(DT_GEMM_PARAMS) {                            \

@@ -340,6 +340,60 @@ def test_mma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same_b
     assert len({bits for _, _, bits in runs}) == 1, "a cluster and the workspace gave different bits"
 
 
+@pytest.mark.parametrize("vector", [16, 4])
+@pytest.mark.parametrize("m, n, k, in0", [(256, 256, 256, 4), (200, 77, 300, 3), (45, 40, 33, 8), (70, 64, 128, 1)],
+                         ids=["256x256x256-in4", "200x77x300-in3", "45x40x33-in8", "70x64x128-in1"])
+def test_first_layer_dw_folded_into_the_grad_input_matches_float64(device, stream, rng, m, n, k, in0, vector):
+    """grad_input_dw0: the second layer's dX (dY W, masked) is not stored; its tiles
+    sum dW0 = dX^T X0 and db0 = dX's column sums, and the last tile of each column
+    strip adds the strip's shares. Against float64 at 1e-5 (3xTF32 dX, FP32 sums),
+    nothing unwritten, dX's buffer untouched; each tile's splits in a cluster and
+    through the workspace (1 to 4 splits) give the same bits. 200 x 77 and 45 x 40
+    leave edge tiles part empty (and warps with no rows); in0 = 8 is the bound."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"the folded kernels run in clusters: compute capability 9.0; this device is {device.arch}")
+    kernels = kernels_for("grad_input", device)
+    prod = Product("grad_input", m, n, k, vector, rng)
+    x0 = rng.standard_normal((m, in0)).astype(np.float32)
+    ldx0 = in0 + 2
+    x0_dev = device_matrix(x0, ldx0)
+    want_dw = prod.want.T @ x0.astype(np.float64)
+    want_db = prod.want.sum(axis=0)
+    p = kernels.plan_first_dw(m, n, k, in0)
+    assert p is not None and p.tile.name == "32x32"
+    # The rule folds nothing it cannot: a 9-wide input, or a product of 8 splits.
+    assert kernels.plan_first_dw(m, n, k, 9) is None and kernels.plan_first_dw(200, 77, 600, 3) is None
+    kernel = kernels.first_dw[vector]
+    rows, cols = -(-m // 32), -(-n // 32)
+    runs = []
+    for splits in sorted({1, 2, 3, 4, p.splits}):
+        for cluster in ((True, False) if splits > 1 else (False,)):
+            dw, db = DeviceBuffer((n, in0), np.float32), DeviceBuffer((n,), np.float32)
+            for buf in (dw, db, prod.c):
+                buf.poison(stream=stream)
+            floats = rows * cols * splits * 32 * 32
+            work = Arena(4 * (floats + rows * cols * 32 * (in0 + 1)) + 4096,
+                         zeroed_bytes=4 * (rows * cols + cols) + 512)
+            gemm(kernel, prod.a, prod.lda, prod.b, prod.ldb, 0, n, m, n, k, stream, splits=splits,
+                 workspace=0 if cluster or splits == 1 else work.array(floats, np.float32),
+                 counters=0 if cluster or splits == 1 else work.zeroed(rows * cols, np.uint32), cluster=cluster,
+                 mask=prod.mask, ldm=prod.ldm,
+                 first_dw=(x0_dev, ldx0, in0, dw, db, work.array(rows * cols * 32 * (in0 + 1), np.float32),
+                           work.zeroed(cols, np.uint32)))
+            got_dw, got_db = dw.to_numpy(), db.to_numpy()
+            where = f"{splits} splits " + ("in a cluster" if cluster else "through memory")
+            assert not np.isnan(got_dw).any() and not np.isnan(got_db).any(), f"unwritten ({where})"
+            assert rel(got_dw, want_dw) < X3_BOUND, where
+            assert rel(got_db, want_db) < X3_BOUND, where
+            assert np.isnan(prod.c.to_numpy()).all(), f"dX was written ({where})"
+            runs.append((where, got_dw.tobytes() + got_db.tobytes()))
+            work.close()
+    assert len({bits for _, bits in runs}) == 1, "the splits' paths gave different bits"
+    with pytest.raises(ValueError, match="first_dw goes with the grad_input_dw0 kernels"):
+        gemm(kernels.kernels[("grad_input", TILES[1], vector)], prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc,
+             m, n, k, stream, mask=prod.mask, ldm=prod.ldm, first_dw=(x0_dev, ldx0, in0, 0, 0, 0, 0))
+
+
 @pytest.mark.parametrize("k, splits", [(150, 4), (90, 1)], ids=["k150-4splits", "k90-3tiles"])
 @pytest.mark.parametrize("role", ["grad_input", "grad_weight"])
 def test_wgmma_backward_on_splits_with_no_k_tile_and_with_three(device, stream, rng, role, k, splits):

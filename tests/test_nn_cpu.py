@@ -421,8 +421,16 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
             want_shared = (161 if "_forward_" in name else 177) * 1024 if "_wgmma_" in name else 0
         assert shared_mem == want_shared, name
         splits = grid[2]
+        if "_dw0_" in name:  # layer 1's dX with layer 0's dW and db folded in: on the 32x32 tile's clusters
+            assert cc >= (9, 0) and backward == "3xtf32" and widths[0] <= mlp_module.DW0_MAX_IN and len(widths) >= 4
+            assert (m, n, k) == (batch, widths[1], widths[2]) and splits <= 4 and args[4] == 0  # C: not written
+            x0, ldx0, in0, dw0, db0, work, strip_counters = args[16:]
+            assert (x0.ptr, ldx0, in0) == (fwd.activations[0].ptr, widths[0], widths[0])
+            assert (dw0.ptr, db0.ptr) == (grads.weight(0).ptr, grads.bias(0).ptr)
+            assert work.size == grid[0] * grid[1] * 32 * (in0 + 1) and strip_counters.size == grid[0]
+            assert args[10].ptr == fwd.activations[1].ptr  # the mask: layer 1's input
         # dW of every layer but the first beside the dX chain; the first layer's dW
-        # follows the last dX on the main stream.
+        # follows the last dX on the main stream (or rides on it, above).
         first_dw = "grad_weight" in name and (m, n) == (widths[1], widths[0])
         assert (stream is side) == ("grad_weight" in name and not first_dw), name
         # A tensor-core product whose clusters all fit at once (compute capability 9.0)
@@ -447,6 +455,10 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         assert grid[:2] == (-(-n // bn), -(-m // bm))
         assert workspace.size == need, name
         assert counters.size == grid[0] * grid[1], name
+    folded = cc == (9, 0) and backward == "3xtf32" and widths[0] <= mlp_module.DW0_MAX_IN and len(widths) >= 4
+    assert model.first_dw_folded(batch) == folded
+    assert sum("_dw0_" in e[0] for e in kernels) == folded
+    assert sum("grad_weight" in e[0] for e in kernels) == len(layout.layers) - folded
     pre = bool(model.presplit_layers(batch))
     assert [e[0] for e in launches].count("fork") == len(layout.layers) - 1 + pre
     assert launches[-1][0] == "join"
@@ -567,6 +579,13 @@ def test_kernel_names_follow_the_roles_and_precisions():
     assert kernel_name("forward", "tf32", WGMMA_TILE, 16, cluster=True) == "linear_forward_wgmma_tf32"
     with pytest.raises(ValueError, match="FP32 FFMA kernels have no kernels that sum their splits in a cluster"):
         kernel_name("forward", "f32", cluster=True)
+    assert kernel_name("grad_input_dw0", "3xtf32", TILES[1], 16, cluster=True) == \
+        "linear_grad_input_dw0_32x32_cp16_cluster_3xtf32"
+    for tile, cluster in ((TILES[1], False), (TILES[0], True), (WGMMA_TILE, True)):
+        with pytest.raises(ValueError, match="grad_input_dw0 runs on tile 32x32's cluster kernels only"):
+            kernel_name("grad_input_dw0", "3xtf32", tile, 16, cluster=cluster)
+    with pytest.raises(ValueError, match="runs in 3xtf32"):
+        kernel_name("grad_input_dw0", "f32")
     with pytest.raises(ValueError, match="no kernels that sum their splits in a cluster"):
         kernel_name("forward", "tf32", TILES[0], 16, cluster=True)
     with pytest.raises(ValueError, match="runs in"):
@@ -585,7 +604,8 @@ def test_gemm_cu_compiles_for_sm_90_with_every_kernel_the_host_names():
                 names += [kernel_name(role, "tf32", tile, vector, cluster=cluster) for role in ("forward", "forward_relu")]
                 names += [kernel_name(role, "3xtf32", tile, vector, cluster=cluster)
                           for role in ("grad_input", "grad_weight")]
-    assert sum("_cluster_" in name for name in names) == 8
+    names += [kernel_name("grad_input_dw0", "3xtf32", TILES[1], vector, cluster=True) for vector in (16, 4)]
+    assert sum("_cluster_" in name for name in names) == 10
     for name in names:
         assert name.encode() + b"\0" in cubin, name
 
@@ -834,3 +854,10 @@ def test_regression_step_refuses_a_bad_weight_streams_before_touching_the_device
     assert RegressionStep.default_weight_streams(ParamLayout.from_widths([257, 8])) == 0
     assert RegressionStep.narrow(ParamLayout.from_widths([4, 256, 3])) and \
         not RegressionStep.narrow(ParamLayout.from_widths([4, 512, 3]))
+
+
+def test_the_folded_first_layer_dw_bound_is_the_kernels():
+    """DW0_MAX_IN sizes the kernel's registers (kernels/gemm.cu) and the host's rule."""
+    from drvtrain.compiler import kernel_dir
+    source = (kernel_dir() / "gemm.cu").read_text()
+    assert re.search(r"constexpr int DW0_MAX_IN = (\d+);", source).group(1) == str(mlp_module.DW0_MAX_IN)

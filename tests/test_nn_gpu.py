@@ -13,6 +13,7 @@ pytestmark = pytest.mark.gpu
 
 SHAPES = [  # (batch, [in, hidden..., out]): tile multiples and not
     (64, [4, 256, 256, 3]),
+    (200, [6, 40, 24, 3]),
     (7, [129, 1000, 4]),
     (129, [7, 4, 129]),
     (1000, [33, 65, 7]),
@@ -117,8 +118,13 @@ def test_wide_backward_on_wgmma_and_on_the_forced_fallback_match_float64(device,
 
 @pytest.mark.parametrize("batch, widths", SHAPES)
 def test_gradients_match_float64(device, stream, rng, batch, widths):
+    """On compute capability 9.0 the nets of three layers and a narrow input fold the
+    first layer's dW into the second layer's dX (MLP.first_dw_folded): checked the same."""
     layout = make_layout(widths)
-    check_gradients(MLP(layout, tf32=False), layout, batch, stream, rng)
+    mlp = MLP(layout, tf32=False)
+    assert mlp.first_dw_folded(batch) == (tuple(device.compute_capability) >= (9, 0) and widths[0] <= 8
+                                          and len(widths) >= 4)
+    check_gradients(mlp, layout, batch, stream, rng)
 
 
 def test_grad_norm_and_clip(device, stream, rng):

@@ -67,9 +67,12 @@ PRESPLIT_MAX_TILES = 16  # k tiles a split of the pre-split backward may have (g
 _SPLIT_MAX_ROWS = 65535 * 32  # tf32_split: a block per 32 rows on the grid's y axis
 _WGMMA_CC = (9, 0)
 
-_ROLES = ("forward", "forward_relu", "grad_input", "grad_weight")
+_ROLES = ("forward", "forward_relu", "grad_input", "grad_weight", "grad_input_dw0")
 _PRECISIONS = {"forward": ("tf32", "f32"), "forward_relu": ("tf32", "f32"),
-               "grad_input": ("3xtf32", "f32"), "grad_weight": ("3xtf32", "f32")}
+               "grad_input": ("3xtf32", "f32"), "grad_weight": ("3xtf32", "f32"), "grad_input_dw0": ("3xtf32",)}
+# grad_input_dw0: the second layer's dX with the first layer's dW and db folded in
+# (kernels/gemm.cu's tc::FirstDw), for a first layer of at most DW0_MAX_IN inputs.
+DW0_MAX_IN = 8
 
 
 def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16, presplit: bool = False,
@@ -89,6 +92,9 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
             raise ValueError(f"only the wgmma tile's 3xTF32 backward takes split operands, not {role} in "
                              f"{precision} on tile {tile.name}")
         return f"linear_{role}_wgmma_presplit_{precision}"
+    if role == "grad_input_dw0" and not (tile is TILE_32 and cluster and vector in (4, 16) and not presplit):
+        raise ValueError(f"grad_input_dw0 runs on tile 32x32's cluster kernels only, not tile {tile.name} "
+                         f"(cluster={cluster}, {vector}-byte copies)")
     if precision == "f32":
         if cluster:
             raise ValueError("the FP32 FFMA kernels have no kernels that sum their splits in a cluster")
@@ -299,7 +305,7 @@ class GemmKernel:
 
 
 def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
-         splits=1, workspace=0, counters=0, gate=0, cluster=False):
+         splits=1, workspace=0, counters=0, gate=0, cluster=False, first_dw=()):
     """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
     (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile.
     ``workspace`` and ``counters`` as :func:`plan` sizes them.
@@ -309,8 +315,14 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     memory and needs no workspace or counters (:attr:`Plan.cluster` says when). A
     ``_cluster_`` kernel launched without one sums through the workspace like the others.
     gemm.cu's clusters launch with the load-balancing placement (measured on the
-    H200: 0.5 us faster than the default on the 32x32 tile's products)."""
+    H200: 0.5 us faster than the default on the 32x32 tile's products).
+
+    ``first_dw`` (the ``grad_input_dw0`` kernels, and only they): (X0, ldx0, in0, dW0,
+    db0, work, counters), the first layer's input and gradients and the scratch of
+    their sums (:meth:`LinearKernels.launch_first_dw`); C is then not written."""
     tile = kernel.tile
+    if bool(first_dw) != (kernel.role == "grad_input_dw0"):
+        raise ValueError(f"{kernel.name}: first_dw goes with the grad_input_dw0 kernels, and they need it")
     if kernel.presplit:
         raise ValueError(f"{kernel.name} takes split operands: launch it with gemm_presplit")
     if cluster and not kernel.clusters:
@@ -323,7 +335,7 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
         operands = (a, lda, b, ldb, c, ldc, m, n, k, bias, mask, ldm, col_sum)
     policy = "load_balancing" if dims is not None and tile is not WGMMA_TILE else None
     kernel.kernel.launch(grid, kernel.kernel.block, *operands, workspace, counters, gate if gate is not None else 0,
-                         stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
+                         *first_dw, stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
 
 
 @dataclass(frozen=True)
@@ -405,6 +417,9 @@ class LinearKernels:
         self.clustered = {(role, tile, vector): GemmKernel(role, precision, tile, vector, cluster=True)
                           for role in roles for tile, vector in variants
                           if self.clusters and tile.cluster_splits > 1}
+        # The second layer's dX with the first layer's dW folded in (launch_first_dw), by copy width.
+        self.first_dw = {vector: GemmKernel("grad_input_dw0", precision, TILE_32, vector, cluster=True)
+                         for vector in (16, 4) if self.clusters and precision == "3xtf32" and "grad_input" in roles}
         self.wgmma = bool(wgmma and precision != "f32")
         for role in roles if self.wgmma else ():
             self.kernels[(role, WGMMA_TILE, 16)] = GemmKernel(role, precision, WGMMA_TILE, 16)
@@ -427,6 +442,44 @@ class LinearKernels:
             return self.clustered[key]
         return self.kernels[key]
 
+    def plan_first_dw(self, m, n, k, in0) -> Plan | None:
+        """The plan of the ``grad_input_dw0`` product (dX [m, n] = dY [m, k] W [k, n],
+        masked, folded into dW0 [n, in0] and db0), or None where it does not run: no
+        such kernels here (compute capability 9.0 with clusters, 3xTF32), ``in0`` over
+        :data:`DW0_MAX_IN`, or a plan off the 32x32 tile's cluster kernels (more than
+        ``cluster_splits`` splits, or another tile)."""
+        if not self.first_dw or not 1 <= in0 <= DW0_MAX_IN:
+            return None
+        p = self.plan("grad_input_dw0", m, n, k)
+        return p if p.tile is TILE_32 and p.splits <= TILE_32.cluster_splits else None
+
+    @staticmethod
+    def first_dw_scratch(m, n, in0) -> tuple[int, int]:
+        """(work floats, zeroed counters) of a ``grad_input_dw0`` launch: each tile's
+        share of dW0 and db0, and one counter per column strip."""
+        rows, cols = -(-m // TILE_32.bm), -(-n // TILE_32.bn)
+        return rows * cols * TILE_32.bn * (in0 + 1), cols
+
+    def launch_first_dw(self, dy, ldy, w, ldw, m, n, k, *, mask, ldm, x0, ldx0, in0, dw0, db0, arena: Arena,
+                        stream, gate=None) -> GemmKernel:
+        """The second layer's grad-input product (dY [m, k] times W [k, n], masked by
+        ``mask``) with the first layer's dW0 [n, in0] = dX^T X0 and db0 [n] (the
+        column sums of dX) summed from its tiles, instead of dX itself: one launch for
+        two products, dX never stored (:meth:`plan_first_dw` must plan; checked)."""
+        p = self.plan_first_dw(m, n, k, in0)
+        if p is None:
+            raise ValueError(f"no grad_input_dw0 launch of {m}x{n}x{k} with {in0} inputs here")
+        kernel = self.first_dw[vector_width(dy, ldy, w, ldw)]
+        workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
+        counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
+        work_floats, strips = self.first_dw_scratch(m, n, in0)
+        work = arena.array(work_floats, np.float32)
+        strip_counters = arena.zeroed(strips, np.uint32)
+        gemm(kernel, dy, ldy, w, ldw, 0, n, m, n, k, stream, splits=p.splits, workspace=workspace,
+             counters=counters, gate=gate, cluster=p.cluster, mask=mask, ldm=ldm,
+             first_dw=(x0, ldx0, in0, dw0, db0, work, strip_counters))
+        return kernel
+
     def share(self, sms) -> int:
         """The SMs a product plans for: ``sms`` (an int from 1 to the device's count),
         or the whole device for None; anything else is a ValueError."""
@@ -448,6 +501,8 @@ class LinearKernels:
             # (and the scratch it reserves) is the same whichever kernel the operands pick.
             if tile is WGMMA_TILE:
                 kernels = [self.kernels.get((role, tile, 16))]
+            elif role == "grad_input_dw0":
+                kernels = [self.first_dw.get(v) for v in (16, 4)] if tile is TILE_32 else []
             else:
                 kernels = [self.clustered.get((role, tile, v)) for v in (16, 4)]
             return min((k.kernel.max_active_clusters((1, 1, s), k.kernel.block, k.shared_bytes)
@@ -668,15 +723,30 @@ class MLP:
     def out_features(self) -> int:
         return self.layout.layers[-1][0]
 
+    def first_dw_folded(self, batch: int) -> bool:
+        """Whether the backward folds the first layer's dW and db into the second
+        layer's dX product (one ``grad_input_dw0`` launch for both; dX of the second
+        layer is never stored): a net of three or more layers whose first layer takes
+        at most :data:`DW0_MAX_IN` inputs, where that product plans on the 32x32
+        tile's cluster kernels (:meth:`LinearKernels.plan_first_dw`) and neither
+        product runs pre-split. Measured on the H200: docs/perf-notes.md, seventeenth pass."""
+        layers = self.layout.layers
+        if len(layers) < 3 or any(k in (0, 1) for k in self.presplit_layers(batch)):
+            return False
+        (o1, i1), in0 = layers[1], layers[0][1]
+        return self.backward_kernels.plan_first_dw(batch, i1, o1, in0) is not None
+
     def _roles(self, batch: int):
         """(role, m, n, k) of every product of a forward and backward, in launch order."""
         last = len(self.layout.layers) - 1
         out = [("forward" if k == last else "forward_relu", batch, o, i) for k, (o, i) in enumerate(self.layout.layers)]
+        folded = self.first_dw_folded(batch)
         for k in range(last, -1, -1):
             o, i = self.layout.layers[k]
-            out.append(("grad_weight", o, i, batch))
+            if k > 0 or not folded:
+                out.append(("grad_weight", o, i, batch))
             if k > 0:
-                out.append(("grad_input", batch, i, o))
+                out.append(("grad_input_dw0" if k == 1 and folded else "grad_input", batch, i, o))
         return out
 
     def _products(self, batch: int):
@@ -718,7 +788,10 @@ class MLP:
 
     def zeroed_bytes(self, batch: int, *, sms=None) -> int:
         """``arena.zeroed`` bytes (tile counters) one forward (given ``sms``) and backward take."""
-        return sum(_rounded(p.counters) for *_, p, _ in self._plans(batch, sms=sms) if p.counters)
+        return sum((_rounded(p.counters) if p.counters else 0)
+                   + (_rounded(LinearKernels.first_dw_scratch(m, n, self.in_features)[1])
+                      if role == "grad_input_dw0" else 0)
+                   for role, m, n, k, p, _ in self._plans(batch, sms=sms))
 
     def scratch_bytes(self, batch: int, *, sms=None) -> int:
         """Arena bytes one forward (given ``sms``, as :meth:`forward` takes it) and
@@ -727,7 +800,9 @@ class MLP:
         (:meth:`split_weights` included)."""
         total = 0
         for role, m, n, k, p, presplit in self._plans(batch, sms=sms):
-            if role != "grad_weight":  # activations and their gradients; dW goes to grads
+            if role == "grad_input_dw0":  # no dX: the tiles' shares of dW0 and db0
+                total += _rounded(LinearKernels.first_dw_scratch(m, n, self.in_features)[0])
+            elif role != "grad_weight":  # activations and their gradients; dW goes to grads
                 total += _rounded(m * n)
             if p.workspace_floats:
                 total += _rounded(p.workspace_floats)
@@ -840,6 +915,7 @@ class MLP:
             raise ValueError("weight_stream must be a stream other than stream, or a non-empty tuple of "
                              "distinct ones")
         side_of = lambda k: sides[(last - k) % len(sides)] if sides and k > 0 else None
+        folded = self.first_dw_folded(batch)  # layer 0's dW rides on layer 1's dX
         presplit = self.presplit_layers(batch)
         if dx_last is not None and last in presplit:  # the last layer's dX is not launched
             presplit[last] = (False, presplit[last][1])
@@ -871,6 +947,8 @@ class MLP:
         for k in range(last, -1, -1):
             out, inp = self.layout.layers[k]
             x = forward.activations[k]
+            if k == 0 and folded:  # launched with layer 1's dX
+                break
             split_dx, split_dw = presplit.get(k, (False, False))
             split_dx = split_dx and k > 0
             dy_split = dyt_split = None
@@ -892,6 +970,12 @@ class MLP:
                                stream=stream if side is None else side, gate=gate, col_sum=grads.bias(k))
             if k == last and dx_last is not None:  # a hidden layer exists: checked above
                 dy = dx_last
+            elif k == 1 and folded:  # dX of layer 1 is not stored: it becomes dW0 and db0 at once
+                in0 = self.layout.layers[0][1]
+                kernels.launch_first_dw(dy, out, params.weight(k), inp, batch, inp, out, mask=x, ldm=inp,
+                                        x0=forward.activations[0], ldx0=in0, in0=in0, dw0=grads.weight(0),
+                                        db0=grads.bias(0), arena=arena, stream=stream, gate=gate)
+                dy = None
             elif k > 0:
                 dx = arena.array((batch, inp), np.float32)
                 if split_dx:
