@@ -861,3 +861,27 @@ def test_the_folded_first_layer_dw_bound_is_the_kernels():
     from drvtrain.compiler import kernel_dir
     source = (kernel_dir() / "gemm.cu").read_text()
     assert re.search(r"constexpr int DW0_MAX_IN = (\d+);", source).group(1) == str(mlp_module.DW0_MAX_IN)
+
+
+def test_gemm_cu_kernel_signatures_match_their_parameter_lists():
+    """The host's argument types for gemm.cu's kernels, against the source's macros:
+    as many as DT_GEMM_PARAMS declares (and DT_DW0_PARAMS after them), pointer for
+    pointer."""
+    from drvtrain.compiler import kernel_dir
+    source = (kernel_dir() / "gemm.cu").read_text()
+
+    def params(macro):
+        lines = source[source.index(f"#define {macro}"):].splitlines()
+        body = []
+        for line in lines:  # the #define line and its continuations
+            body.append(line.rstrip("\\"))
+            if not line.endswith("\\"):
+                break
+        decls = " ".join(body)[len(f"#define {macro}"):].split(",")
+        return ["ptr" if "*" in d else "i32" for d in decls if d.strip()]
+
+    plain = params("DT_GEMM_PARAMS")
+    assert mlp_module._signature("linear_grad_input_32x32_cp16_cluster_3xtf32").split() == plain
+    assert mlp_module._signature("linear_forward_f32").split() == plain
+    assert mlp_module._signature("linear_grad_input_dw0_32x32_cp4_cluster_3xtf32").split() == \
+        plain + params("DT_DW0_PARAMS")

@@ -17,6 +17,8 @@ __all__ = ["MLP", "Forward", "GemmKernel", "LinearKernels", "Plan", "SplitOperan
            "operand_map", "choose_tile", "kernel_name", "plan", "split_bytes", "split_count", "vector_width"]
 
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
+# grad_input_dw0: the same, then X0, ldx0, in0, dW0, db0, work, counters (kernels/gemm.cu's DT_DW0_PARAMS).
+_FIRST_DW_SIGNATURE = _SIGNATURE + " ptr i32 i32 ptr ptr ptr ptr"
 # gemm_sm90a.cu's forward: X and W as tensor maps, then C, ldc, M, N, K, bias,
 # workspace, counters, gate.
 _WGMMA_FORWARD_SIGNATURE = "tmap tmap ptr i32 i32 i32 i32 ptr ptr ptr ptr"
@@ -222,16 +224,21 @@ def vector_width(a, lda: int, b, ldb: int) -> int:
     return 16 if ok else 4
 
 
-def _load_kernel(name: str):
+def _signature(name: str) -> str:
+    """The argument types of a kernel of gemm.cu or gemm_sm90a.cu, by its name."""
     if name == "tf32_split":
-        return builtin_module("gemm_sm90a.cu", arch_specific=True).kernel(name, _SPLIT_SIGNATURE, fixed_block=True)
+        return _SPLIT_SIGNATURE
     if "_wgmma_" in name:
         if name.startswith("linear_forward"):
-            signature = _WGMMA_FORWARD_SIGNATURE
-        else:
-            signature = _PRESPLIT_SIGNATURE if "_presplit_" in name else _SIGNATURE
-        return builtin_module("gemm_sm90a.cu", arch_specific=True).kernel(name, signature, fixed_block=True)
-    return builtin_module("gemm.cu").kernel(name, _SIGNATURE, fixed_block=True)
+            return _WGMMA_FORWARD_SIGNATURE
+        return _PRESPLIT_SIGNATURE if "_presplit_" in name else _SIGNATURE
+    return _FIRST_DW_SIGNATURE if name.startswith("linear_grad_input_dw0_") else _SIGNATURE
+
+
+def _load_kernel(name: str):
+    source = "gemm_sm90a.cu" if name == "tf32_split" or "_wgmma_" in name else "gemm.cu"
+    module = builtin_module(source, arch_specific=True) if source == "gemm_sm90a.cu" else builtin_module(source)
+    return module.kernel(name, _signature(name), fixed_block=True)
 
 
 class _Extent:
