@@ -437,6 +437,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                       "the masked tile, its mask from the first copies, and room for the warps' shares");
         constexpr int IN = DW0_MAX_IN, E = BN * (IN + 1);
         const int in0 = fd.in0;
+        if (in0 < 1 || in0 > IN) __trap();  // the host refuses it first (drvtrain.nn.mlp.gemm)
         float share[NI][2][IN + 1];  // (column slot, value): in0 products with X0, then the plain sum (db0)
 #pragma unroll
         for (int ni = 0; ni < NI; ++ni)
@@ -488,21 +489,28 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                         red[(wm * BN + wn * CFG::WN + ni * 8 + 2 * t + h) * (IN + 1) + i] = share[ni][h][i];
         }
         __syncthreads();
-        float* mine = fd.work + (size_t)(blockIdx.x * gridDim.y + blockIdx.y) * E;
-        for (int e = tid; e < E; e += THREADS) {
+        // In the workspace, a tile's share is BN columns of in0 + 1 values (dW0's row, then db0).
+        const int per = in0 + 1, share_floats = BN * per;
+        float* mine = fd.work + (size_t)(blockIdx.x * gridDim.y + blockIdx.y) * share_floats;
+        for (int e = tid; e < share_floats; e += THREADS) {
+            const int c = e / per, i = e % per, at = c * (IN + 1) + (i < in0 ? i : IN);
             float v = 0.0f;
 #pragma unroll
-            for (int w = 0; w < CFG::WARPS_M; ++w) v += red[w * E + e];
+            for (int w = 0; w < CFG::WARPS_M; ++w) v += red[w * E + at];
             mine[e] = v;
         }
         if (dt_last_block(&fd.counters[blockIdx.x], gridDim.y)) {
-            const float* strip = fd.work + (size_t)blockIdx.x * gridDim.y * E;
-            for (int e = tid; e < E; e += THREADS) {
+            const float* strip = fd.work + (size_t)blockIdx.x * gridDim.y * share_floats;
+            for (int e = tid; e < share_floats; e += THREADS) {
                 float v = 0.0f;
-                for (int y = 0; y < (int)gridDim.y; ++y) v += __ldcg(&strip[(size_t)y * E + e]);
-                const int c = j0 + e / (IN + 1), i = e % (IN + 1);
-                if (c < N && i < in0) fd.dw0[(size_t)c * in0 + i] = v;
-                if (c < N && i == IN) fd.db0[c] = v;
+                for (int y = 0; y < (int)gridDim.y; ++y) v += __ldcg(&strip[(size_t)y * share_floats + e]);
+                const int c = j0 + e / per, i = e % per;
+                if (c < N) {
+                    if (i < in0)
+                        fd.dw0[(size_t)c * in0 + i] = v;
+                    else
+                        fd.db0[c] = v;
+                }
             }
         }
         if constexpr (CLUSTER) if (clustered) dt_cluster_wait();  // the arrival above: every thread ends it

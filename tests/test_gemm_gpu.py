@@ -389,6 +389,9 @@ def test_first_layer_dw_folded_into_the_grad_input_matches_float64(device, strea
             runs.append((where, got_dw.tobytes() + got_db.tobytes()))
             work.close()
     assert len({bits for _, bits in runs}) == 1, "the splits' paths gave different bits"
+    with pytest.raises(ValueError, match="with 1 <= in0 <= 8"):
+        gemm(kernel, prod.a, prod.lda, prod.b, prod.ldb, 0, n, m, n, k, stream, mask=prod.mask, ldm=prod.ldm,
+             first_dw=(x0_dev, ldx0, 9, 0, 0, 0, 0))
     with pytest.raises(ValueError, match="first_dw goes with the grad_input_dw0 kernels"):
         gemm(kernels.kernels[("grad_input", TILES[1], vector)], prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc,
              m, n, k, stream, mask=prod.mask, ldm=prod.ldm, first_dw=(x0_dev, ldx0, in0, 0, 0, 0, 0))

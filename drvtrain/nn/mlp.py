@@ -330,6 +330,8 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     tile = kernel.tile
     if bool(first_dw) != (kernel.role == "grad_input_dw0"):
         raise ValueError(f"{kernel.name}: first_dw goes with the grad_input_dw0 kernels, and they need it")
+    if first_dw and (len(first_dw) != 7 or not 1 <= first_dw[2] <= DW0_MAX_IN):
+        raise ValueError(f"first_dw is (X0, ldx0, in0, dW0, db0, work, counters) with 1 <= in0 <= {DW0_MAX_IN}")
     if kernel.presplit:
         raise ValueError(f"{kernel.name} takes split operands: launch it with gemm_presplit")
     if cluster and not kernel.clusters:
