@@ -252,19 +252,6 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         dt_cp_async_commit();
     }
     if constexpr (EARLY) load_epilogue();
-    // DW0: the rows of X0 this thread's fragments cover, with the first copies too.
-    float x0v[DW0 ? MI : 1][2][DW0 ? DW0_MAX_IN : 1];
-    if constexpr (DW0) {
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int rh = 0; rh < 2; ++rh) {
-                const int r = frag_row(mi, 2 * rh);
-#pragma unroll
-                for (int i = 0; i < DW0_MAX_IN; ++i)
-                    x0v[mi][rh][i] = i < fd.in0 && r < M ? fd.x0[(size_t)r * fd.ldx0 + i] : 0.0f;
-            }
-    }
     int read_slot = 0, write_slot = STAGES - 1;
     for (int kt = 0; kt < tiles; ++kt) {
         dt_cp_async_wait<STAGES - 2>();
@@ -463,7 +450,10 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
                 for (int rh = 0; rh < 2; ++rh) {
-                    const float* x = x0v[mi][rh];
+                    const int r = frag_row(mi, 2 * rh);
+                    float x[IN];
+#pragma unroll
+                    for (int i = 0; i < IN; ++i) x[i] = i < in0 && r < M ? fd.x0[(size_t)r * fd.ldx0 + i] : 0.0f;
 #pragma unroll
                     for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
@@ -512,17 +502,8 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         if (dt_last_block(&fd.counters[blockIdx.x], gridDim.y)) {
             const float* strip = fd.work + (size_t)blockIdx.x * gridDim.y * share_floats;
             for (int e = tid; e < share_floats; e += THREADS) {
-                // In y order, eight loads in flight at a time.
                 float v = 0.0f;
-                int y = 0;
-                for (; y + 8 <= (int)gridDim.y; y += 8) {
-                    float part[8];
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) part[j] = __ldcg(&strip[(size_t)(y + j) * share_floats + e]);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) v += part[j];
-                }
-                for (; y < (int)gridDim.y; ++y) v += __ldcg(&strip[(size_t)y * share_floats + e]);
+                for (int y = 0; y < (int)gridDim.y; ++y) v += __ldcg(&strip[(size_t)y * share_floats + e]);
                 const int c = j0 + e / per, i = e % per;
                 if (c < N) {
                     if (i < in0)
