@@ -11,6 +11,8 @@
 //   linear_forward[_relu]_<tile>_<cp>_tf32    Y = X W^T + b (+ ReLU)      A = X k-fast,  B = W k-fast
 //   linear_grad_input_<tile>_<cp>_3xtf32     dX = (dY W) * (X > 0)       A = dY k-fast, B = W row-fast
 //   linear_grad_weight_<tile>_<cp>_3xtf32    dW = dY^T X, db = sum_m dY   A = dY row-fast, B = X row-fast
+//   linear_grad_input_dw0_32x32_<cp>_cluster_3xtf32: grad-input's dX, not stored, folded into the
+//     first layer's dW0 = dX^T X0 and db0 (tc::FirstDw; its arguments follow `gate`)
 //   linear_forward[_relu]_f32, linear_grad_input_f32, linear_grad_weight_f32: the same on FP32 FFMA.
 //
 // Tensor-core kernels: mma.sync m16n8k8 with FP32 accumulation, operands staged
@@ -490,10 +492,10 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         }
         __syncthreads();
         // In the workspace, a tile's share is BN columns of in0 + 1 values (dW0's row, then db0).
-        const int per = in0 + 1, share_floats = BN * per;
+        const int row_floats = in0 + 1, share_floats = BN * row_floats;
         float* mine = fd.work + (size_t)(blockIdx.x * gridDim.y + blockIdx.y) * share_floats;
         for (int e = tid; e < share_floats; e += THREADS) {
-            const int c = e / per, i = e % per, at = c * (IN + 1) + (i < in0 ? i : IN);
+            const int c = e / row_floats, i = e % row_floats, at = c * (IN + 1) + (i < in0 ? i : IN);
             float v = 0.0f;
 #pragma unroll
             for (int w = 0; w < CFG::WARPS_M; ++w) v += red[w * E + at];
@@ -504,7 +506,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             for (int e = tid; e < share_floats; e += THREADS) {
                 float v = 0.0f;
                 for (int y = 0; y < (int)gridDim.y; ++y) v += __ldcg(&strip[(size_t)y * share_floats + e]);
-                const int c = j0 + e / per, i = e % per;
+                const int c = j0 + e / row_floats, i = e % row_floats;
                 if (c < N) {
                     if (i < in0)
                         fd.dw0[(size_t)c * in0 + i] = v;

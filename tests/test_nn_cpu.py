@@ -885,3 +885,49 @@ def test_gemm_cu_kernel_signatures_match_their_parameter_lists():
     assert mlp_module._signature("linear_forward_f32").split() == plain
     assert mlp_module._signature("linear_grad_input_dw0_32x32_cp4_cluster_3xtf32").split() == \
         plain + params("DT_DW0_PARAMS")
+
+
+def test_first_dw_folds_only_where_the_rule_allows(monkeypatch):
+    """On compute capability 9.0: folded for a narrow first layer on the 32x32 tile's
+    cluster kernels up to FIRST_DW_MAX_ROW_TILES row tiles (batch 512), not past them
+    (544), not where the product leaves the tile (1024: 64x64), not for 9 inputs, not for
+    a two-layer net, and never below 9.0."""
+    _fake_kernels(monkeypatch, [], (9, 0))
+    net = lambda widths: mlp_module.MLP(ParamLayout.from_widths(widths))
+    assert mlp_module.FIRST_DW_MAX_ROW_TILES * 32 == 512
+    assert [net([4, 256, 256, 3]).first_dw_folded(b) for b in (256, 512, 544, 1024)] == [True, True, False, False]
+    assert net([8, 256, 256, 3]).first_dw_folded(256) and not net([9, 256, 256, 3]).first_dw_folded(256)
+    assert not net([4, 256, 3]).first_dw_folded(256)
+    assert not mlp_module.MLP(ParamLayout.from_widths([4, 256, 256, 3]), backward="f32", tf32=False) \
+        .first_dw_folded(256)
+    _fake_kernels(monkeypatch, [], (8, 0))
+    assert not net([4, 256, 256, 3]).first_dw_folded(256)
+
+
+def test_folded_backward_with_dx_last_and_two_weight_streams(monkeypatch):
+    """The DQN step's backward (compute capability 9.0): dx_last given, two weight
+    streams. The output layer's dW and the hidden layer's on the side streams, the
+    folded kernel on the main stream from dx_last, no other dX and no first-layer dW;
+    every scratch byte as the accounting says."""
+    launches = []
+    _fake_kernels(monkeypatch, launches, (9, 0))
+    layout = ParamLayout.from_widths([4, 256, 256, 3])
+    model = mlp_module.MLP(layout)
+    arena = _FakeArena()
+    params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
+    x = DeviceBuffer._view(None, 1 << 37, (256, 4), np.float32)
+    fwd = model.forward(params, x, arena=arena, stream=object(), layers=2)
+    q = DeviceBuffer._view(None, 1 << 35, (256, 3), np.float32)
+    dout = DeviceBuffer._view(None, 1 << 36, (256, 3), np.float32)
+    dh = DeviceBuffer._view(None, 1 << 34, (256, 256), np.float32)
+    launches.clear()
+    main, side, side2 = object(), object(), object()
+    model.backward(params, grads, mlp_module.Forward(fwd.activations + (q,)), dout, arena=arena, stream=main,
+                   weight_stream=(side, side2), dx_last=dh)
+    kernels = [e for e in launches if e[0] not in ("fork", "join")]
+    assert [(e[0].split("_3xtf32")[0], e[3]) for e in kernels] == [
+        ("linear_grad_weight_32x32_cp4_cluster", side),  # dW2 = dout^T H2 (3 rows: 4-byte copies)
+        ("linear_grad_weight_32x32_cp16_cluster", side2),  # dW1 = dh^T H1
+        ("linear_grad_input_dw0_32x32_cp16_cluster", main)]  # dX1 from dh, folded into dW0 and db0
+    folded = kernels[-1][2]
+    assert folded[0].ptr == dh.ptr and folded[16].ptr == x.ptr and folded[19].ptr == grads.weight(0).ptr

@@ -75,6 +75,9 @@ _PRECISIONS = {"forward": ("tf32", "f32"), "forward_relu": ("tf32", "f32"),
 # grad_input_dw0: the second layer's dX with the first layer's dW and db folded in
 # (kernels/gemm.cu's tc::FirstDw), for a first layer of at most DW0_MAX_IN inputs.
 DW0_MAX_IN = 8
+# The last tile of a column strip adds the strip's shares one after another: measured
+# at 8 row tiles (batch 256); taller grids keep the two launches until measured.
+FIRST_DW_MAX_ROW_TILES = 16
 
 
 def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16, presplit: bool = False,
@@ -455,9 +458,10 @@ class LinearKernels:
         """The plan of the ``grad_input_dw0`` product (dX [m, n] = dY [m, k] W [k, n],
         masked, folded into dW0 [n, in0] and db0), or None where it does not run: no
         such kernels here (compute capability 9.0 with clusters, 3xTF32), ``in0`` over
-        :data:`DW0_MAX_IN`, or a plan off the 32x32 tile's cluster kernels (more than
-        ``cluster_splits`` splits, or another tile)."""
-        if not self.first_dw or not 1 <= in0 <= DW0_MAX_IN:
+        :data:`DW0_MAX_IN`, more than :data:`FIRST_DW_MAX_ROW_TILES` row tiles, or a plan
+        off the 32x32 tile's cluster kernels (more than ``cluster_splits`` splits, or
+        another tile)."""
+        if not self.first_dw or not 1 <= in0 <= DW0_MAX_IN or -(-m // TILE_32.bm) > FIRST_DW_MAX_ROW_TILES:
             return None
         p = self.plan("grad_input_dw0", m, n, k)
         return p if p.tile is TILE_32 and p.splits <= TILE_32.cluster_splits else None
@@ -706,7 +710,8 @@ class MLP:
     ``arena.zeroed``.
     ``backward`` writes every gradient of the layout with no float atomics:
     dW = dY^T X and db (column sums of dY) in one kernel, dX = dY W masked by
-    the ReLU of the layer's input in another.
+    the ReLU of the layer's input in another; where :meth:`first_dw_folded`, the
+    first layer's dW and db come out of the second layer's dX kernel.
     """
 
     def __init__(self, layout: ParamLayout, *, tf32: bool = True, backward: str = "3xtf32", wgmma: bool = True,
@@ -737,8 +742,9 @@ class MLP:
         layer's dX product (one ``grad_input_dw0`` launch for both; dX of the second
         layer is never stored): a net of three or more layers whose first layer takes
         at most :data:`DW0_MAX_IN` inputs, where that product plans on the 32x32
-        tile's cluster kernels (:meth:`LinearKernels.plan_first_dw`) and neither
-        product runs pre-split. Measured on the H200: docs/perf-notes.md, seventeenth pass."""
+        tile's cluster kernels (:meth:`LinearKernels.plan_first_dw`: at most
+        ``FIRST_DW_MAX_ROW_TILES`` row tiles) and neither of the first two layers runs a
+        product pre-split. Measured on the H200: docs/perf-notes.md, seventeenth pass."""
         layers = self.layout.layers
         if len(layers) < 3 or any(k in (0, 1) for k in self.presplit_layers(batch)):
             return False
@@ -891,8 +897,9 @@ class MLP:
         ``weight_stream``: when given, each layer's dW/db product but the first
         layer's runs there, forked from ``stream`` once its dY is ready, so it
         overlaps the rest of the dX chain. The first layer's runs on ``stream``
-        right after the last dX: nothing is left there for it to overlap, and
-        queued behind the other dW products it would wait for them. A tuple of
+        right after the last dX (or inside it, :meth:`first_dw_folded`): nothing is
+        left there for it to overlap, and queued behind the other dW products it
+        would wait for them. A tuple of
         streams takes those products in turn from the last layer's on (with two,
         the last layer's dW and the one below it run side by side). Everything
         is joined back into ``stream`` before return.

@@ -41,7 +41,7 @@ class RegressionStep:
     ``dependent_launch``: every kernel a dependent launch (programmatic dependent
     launch). None (the default) picks it for a net no wider than
     ``NARROW_MAX_WIDTH`` (256 wide, with two side streams: 39.4 -> 36.1 us a step)
-    and not for wider ones (1024 wide: 107.3 -> 116.6 us with it; sixteenth pass).
+    and not for wider ones (1024 wide: 107.3 -> 116.6 us with it; seventeenth pass).
     The results are the same bits either way.
     """
 
