@@ -1,7 +1,8 @@
 // Double-DQN kernels of the training step (docs/step-spec.md, steps 3-6 and 9):
 // the fused dueling Double-DQN loss with PER weights (dqn_loss), the same loss
 // fused with the output layer's forwards and data gradient (dqn_head), and the
-// two phases of the spectral projection's power iteration.
+// two phases of the spectral projection's power iteration, and AdamW fused with
+// the first of them (adamw_spectral_columns).
 //
 // Determinism: no float atomics anywhere. Every sum is accumulated in an order
 // fixed by the launch shape alone (per-thread loops in index order, fixed
@@ -15,6 +16,7 @@
 // orders it.
 #include "common.cuh"
 #include "dqn.cuh"
+#include "optim.cuh"
 #include "spectral.cuh"
 
 namespace {
@@ -413,4 +415,129 @@ extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
     // The flag is loaded with the table, the partials, x and W: one round trip, not two.
     dt_spectral_rows_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, c, sigma, scale, partials, counters,
                            dt_issued_flag(skip));
+}
+
+// ============================================================== AdamW fused with spectral_columns
+// adamw_spectral_columns: adamw_step (optim.cu) and spectral_columns in one
+//   launch, the same bits as the two in a row. Blocks [0, column_grid) are
+//   spectral_columns' blocks: each updates the elements of W its columns phase
+//   reads (thread t: column quad t % 4, rows t / 4, t / 4 + 64, ...) with
+//   optim.cuh's per-element AdamW, stores them, and sums x = W^T u from the new
+//   values in spectral_columns' order. The other blocks update every float4
+//   outside the projected matrices: thread r of them (a grid-stride loop over
+//   the n_rest = n / 4 - sum of the ranges float4s) takes the r-th float4
+//   outside the ranges [start_k, end_k) (float4 indices; ascending, disjoint,
+//   n_ranges <= ADAMW_COLUMNS_MAX_RANGES, unused pairs ignored), given as
+//   arguments so that no table load stands before the operands' loads.
+// Each projected matrix's range covers its float4s (end = ceil((w_offset +
+//   rows * cols) / 4)): a float4 it shares with the padding after it is not
+//   updated, the padding's gradient, moments and value being zero, and AdamW
+//   keeping a zero element zero. Needs W 16-byte aligned (every flat-buffer
+//   view is), n a multiple of 4; skip as adamw_step's: nothing is written.
+// Launch: grid = column_grid + rest blocks (>= 1), block SPECTRAL_THREADS (256).
+constexpr int ADAMW_COLUMNS_MAX_RANGES = 4;
+
+namespace {
+
+// The AdamW update of one W element at offset o, its new value returned.
+__device__ __forceinline__ float adamw_element(const DtAdamW& a, float* params, const float* grads, float* m,
+                                               float* v, long long o) {
+    float p = params[o], mo = m[o], vo = v[o];
+    dt_adamw_one(a, p, mo, vo, grads[o]);
+    params[o] = p;
+    m[o] = mo;
+    v[o] = vo;
+    return p;
+}
+
+// One columns-phase block of a projected matrix with AdamW on the elements it reads.
+__device__ __forceinline__ void adamw_columns_block(const DtAdamW& a, int index, float* params, const float* grads,
+                                                    float* m, float* v, const DtSpectralMatrix& mat, int block,
+                                                    const float* u_all, float* v_all, double* partials) {
+    const int rows = mat.rows, cols = mat.cols;
+    const float* u = u_all + mat.u_offset;
+    const int quad = threadIdx.x % SPECTRAL_QUADS;
+    const int lane_row = threadIdx.x / SPECTRAL_QUADS;
+    const int j0 = block * DT_SPECTRAL_COLS_PER_BLOCK + 4 * quad;
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};
+    if (j0 < cols) {
+        if (cols % 4 == 0) {  // W's offset is a multiple of 4 floats
+#pragma unroll 4
+            for (int i = lane_row; i < rows; i += SPECTRAL_ROW_LANES) {
+                const long long q = (mat.w_offset + (long long)i * cols + j0) / 4;
+                DtAdamWFloat4 x = dt_adamw_load(q, params, grads, m, v);
+                const double ui = u[i];
+                dt_adamw_update(a, x);
+                reinterpret_cast<float4*>(params)[q] = x.p;
+                reinterpret_cast<float4*>(m)[q] = x.m;
+                reinterpret_cast<float4*>(v)[q] = x.v;
+                const float4 w = x.p;
+                acc[0] += (double)w.x * ui;
+                acc[1] += (double)w.y * ui;
+                acc[2] += (double)w.z * ui;
+                acc[3] += (double)w.w * ui;
+            }
+        } else {
+            const int n = min(4, cols - j0);
+            for (int i = lane_row; i < rows; i += SPECTRAL_ROW_LANES) {
+                const long long o = mat.w_offset + (long long)i * cols + j0;
+                const double ui = u[i];
+                for (int e = 0; e < n; ++e) acc[e] += (double)adamw_element(a, params, grads, m, v, o + e) * ui;
+            }
+        }
+    }
+    spectral_columns_store(acc, index, block, cols, mat.v_offset, v_all, partials);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) adamw_spectral_columns(
+        float* params, const float* grads, float* m, float* v, float lr, double beta1, double beta2,
+        float eps, float weight_decay, const float* clip, const int* step, const int* skip,
+        const DtSpectralMatrix* mats, int n_mats, int column_grid, const float* u_all, float* v_all,
+        double* partials, long long n_rest, int n_ranges, long long start0, long long end0, long long start1,
+        long long end1, long long start2, long long end2, long long start3, long long end3) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    const int skipped = skip != nullptr ? *skip : 0;
+    const float scale = clip[1];
+    const int t = *step;
+    if ((int)blockIdx.x < column_grid) {
+        // The flag, the scale and t are loaded with the table: one round trip
+        // before the operands' loads, as in spectral_columns.
+        DtSpectralMatrix mat;
+        int block = 0;
+        const int found = spectral_find(mats, n_mats, true, (int)blockIdx.x, mat, block);
+        dt_issued(skipped);
+        dt_issued(scale);
+        dt_issued(t);
+        if (found < 0 || skipped) return;
+        const DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, scale, t);
+        adamw_columns_block(a, (int)blockIdx.x, params, grads, m, v, mat, block, u_all, v_all, partials);
+        return;
+    }
+    // The rest: the r-th float4 outside the ranges, its loads issued with the flag.
+    const long long starts[ADAMW_COLUMNS_MAX_RANGES] = {start0, start1, start2, start3};
+    const long long ends[ADAMW_COLUMNS_MAX_RANGES] = {end0, end1, end2, end3};
+    const long long stride = (long long)(gridDim.x - column_grid) * blockDim.x;
+    long long r = (long long)(blockIdx.x - column_grid) * blockDim.x + threadIdx.x;
+    auto flat = [&](long long k) {
+#pragma unroll
+        for (int j = 0; j < ADAMW_COLUMNS_MAX_RANGES; ++j)
+            if (j < n_ranges && k >= starts[j]) k += ends[j] - starts[j];
+        return k;
+    };
+    DtAdamWFloat4 x;
+    const long long q0 = flat(r);
+    if (r < n_rest) x = dt_adamw_load(q0, params, grads, m, v);
+    dt_issued(skipped);
+    dt_issued(scale);
+    dt_issued(t);
+    if (skipped) return;
+    const DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, scale, t);
+    if (r < n_rest) dt_adamw_store(a, x, q0, params, m, v);
+    for (r += stride; r < n_rest; r += stride) {
+        const long long q = flat(r);
+        dt_adamw_store(a, dt_adamw_load(q, params, grads, m, v), q, params, m, v);
+    }
 }
