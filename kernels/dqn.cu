@@ -420,22 +420,30 @@ extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
 // ============================================================== AdamW fused with spectral_columns
 // adamw_spectral_columns: adamw_step (optim.cu) and spectral_columns in one
 //   launch, the same bits as the two in a row. Blocks [0, column_grid) are
-//   spectral_columns' blocks: each updates the elements of W its columns phase
-//   reads (thread t: column quad t % 4, rows t / 4, t / 4 + 64, ...) with
-//   optim.cuh's per-element AdamW, stores them, and sums x = W^T u from the new
-//   values in spectral_columns' order. The other blocks update every float4
-//   outside the projected matrices: thread r of them (a grid-stride loop over
-//   the n_rest = n / 4 - sum of the ranges float4s) takes the r-th float4
-//   outside the ranges [start_k, end_k) (float4 indices; ascending, disjoint,
-//   n_ranges <= ADAMW_COLUMNS_MAX_RANGES, unused pairs ignored), given as
-//   arguments so that no table load stands before the operands' loads.
+//   spectral_columns' blocks at four times the threads: thread t is row group
+//   k = t / 256 of spectral_columns' thread t % 256 (column quad (t % 256) % 4,
+//   row lane (t % 256) / 4). spectral_columns' thread sums x_j over its rows
+//   i_s = lane + 64 s, s = 0, 1, ..., one after another; here, in round r,
+//   group k updates the elements of row i_(4r + k) that the quad reads (optim.cuh's
+//   per-element AdamW: the same bits as adamw_step) and forms the products
+//   w_new u_i. Those are exact in double (a float times a float), so adding them
+//   in s order in group 0's thread, after a pass through shared memory, rounds
+//   exactly as spectral_columns' chain of double FMAs does. The block's end is
+//   spectral_columns' (spectral_columns_store, group 0's threads).
+//   The other blocks update every float4 outside the projected matrices: thread
+//   r of them (a grid-stride loop over n_rest) takes the r-th float4 outside the
+//   ranges [start_k, end_k) (float4 indices; ascending, disjoint, n_ranges <=
+//   ADAMW_COLUMNS_MAX_RANGES, unused pairs ignored), given as arguments so that
+//   no table load stands before the operands' loads.
 // Each projected matrix's range covers its float4s (end = ceil((w_offset +
 //   rows * cols) / 4)): a float4 it shares with the padding after it is not
 //   updated, the padding's gradient, moments and value being zero, and AdamW
 //   keeping a zero element zero. Needs W 16-byte aligned (every flat-buffer
 //   view is), n a multiple of 4; skip as adamw_step's: nothing is written.
-// Launch: grid = column_grid + rest blocks (>= 1), block SPECTRAL_THREADS (256).
+// Launch: grid = column_grid + rest blocks (>= 1), block ADAMW_COLUMNS_THREADS (1024).
 constexpr int ADAMW_COLUMNS_MAX_RANGES = 4;
+constexpr int ADAMW_COLUMNS_GROUPS = 4;  // row groups of a column block
+constexpr int ADAMW_COLUMNS_THREADS = ADAMW_COLUMNS_GROUPS * SPECTRAL_THREADS;
 
 namespace {
 
@@ -450,48 +458,64 @@ __device__ __forceinline__ float adamw_element(const DtAdamW& a, float* params, 
     return p;
 }
 
-// One columns-phase block of a projected matrix with AdamW on the elements it reads.
+// One columns-phase block of a projected matrix with AdamW on the elements it
+// reads, ADAMW_COLUMNS_THREADS threads.
 __device__ __forceinline__ void adamw_columns_block(const DtAdamW& a, int index, float* params, const float* grads,
                                                     float* m, float* v, const DtSpectralMatrix& mat, int block,
                                                     const float* u_all, float* v_all, double* partials) {
+    // products[k][t][e]: group k's product for column e of thread t's quad, this round.
+    __shared__ double products[ADAMW_COLUMNS_GROUPS - 1][SPECTRAL_THREADS][4];
     const int rows = mat.rows, cols = mat.cols;
     const float* u = u_all + mat.u_offset;
-    const int quad = threadIdx.x % SPECTRAL_QUADS;
-    const int lane_row = threadIdx.x / SPECTRAL_QUADS;
+    const int t = threadIdx.x % SPECTRAL_THREADS, group = threadIdx.x / SPECTRAL_THREADS;
+    const int quad = t % SPECTRAL_QUADS, lane_row = t / SPECTRAL_QUADS;
     const int j0 = block * DT_SPECTRAL_COLS_PER_BLOCK + 4 * quad;
+    const int n = j0 < cols ? min(4, cols - j0) : 0;  // this quad's columns
+    const bool vec = cols % 4 == 0;                   // W's offset is a multiple of 4 floats
     double acc[4] = {0.0, 0.0, 0.0, 0.0};
-    if (j0 < cols) {
-        if (cols % 4 == 0) {  // W's offset is a multiple of 4 floats
-#pragma unroll 4
-            for (int i = lane_row; i < rows; i += SPECTRAL_ROW_LANES) {
-                const long long q = (mat.w_offset + (long long)i * cols + j0) / 4;
-                DtAdamWFloat4 x = dt_adamw_load(q, params, grads, m, v);
-                const double ui = u[i];
+    const int step = ADAMW_COLUMNS_GROUPS * SPECTRAL_ROW_LANES;
+    for (int base = 0; base < rows; base += step) {  // block-uniform: every thread reaches the barriers
+        const int i = base + group * SPECTRAL_ROW_LANES + lane_row;
+        double p[4] = {0.0, 0.0, 0.0, 0.0};
+        if (i < rows && n > 0) {
+            const long long o = mat.w_offset + (long long)i * cols + j0;
+            const double ui = u[i];
+            if (vec) {
+                DtAdamWFloat4 x = dt_adamw_load(o / 4, params, grads, m, v);
                 dt_adamw_update(a, x);
-                reinterpret_cast<float4*>(params)[q] = x.p;
-                reinterpret_cast<float4*>(m)[q] = x.m;
-                reinterpret_cast<float4*>(v)[q] = x.v;
-                const float4 w = x.p;
-                acc[0] += (double)w.x * ui;
-                acc[1] += (double)w.y * ui;
-                acc[2] += (double)w.z * ui;
-                acc[3] += (double)w.w * ui;
-            }
-        } else {
-            const int n = min(4, cols - j0);
-            for (int i = lane_row; i < rows; i += SPECTRAL_ROW_LANES) {
-                const long long o = mat.w_offset + (long long)i * cols + j0;
-                const double ui = u[i];
-                for (int e = 0; e < n; ++e) acc[e] += (double)adamw_element(a, params, grads, m, v, o + e) * ui;
+                reinterpret_cast<float4*>(params)[o / 4] = x.p;
+                reinterpret_cast<float4*>(m)[o / 4] = x.m;
+                reinterpret_cast<float4*>(v)[o / 4] = x.v;
+                p[0] = (double)x.p.x * ui;
+                p[1] = (double)x.p.y * ui;
+                p[2] = (double)x.p.z * ui;
+                p[3] = (double)x.p.w * ui;
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (e < n) p[e] = (double)adamw_element(a, params, grads, m, v, o + e) * ui;
             }
         }
+        if (group > 0)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) products[group - 1][t][e] = p[e];
+        __syncthreads();
+        if (group == 0) {  // rows i, i + 64, i + 128, i + 192 of this round, in order
+            for (int k = 0; k < ADAMW_COLUMNS_GROUPS; ++k) {
+                if (base + k * SPECTRAL_ROW_LANES + lane_row >= rows) break;
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (e < n) acc[e] += k == 0 ? p[e] : products[k - 1][t][e];
+            }
+        }
+        __syncthreads();
     }
     spectral_columns_store(acc, index, block, cols, mat.v_offset, v_all, partials);
 }
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) adamw_spectral_columns(
+extern "C" __global__ void __launch_bounds__(ADAMW_COLUMNS_THREADS) adamw_spectral_columns(
         float* params, const float* grads, float* m, float* v, float lr, double beta1, double beta2,
         float eps, float weight_decay, const float* clip, const int* step, const int* skip,
         const DtSpectralMatrix* mats, int n_mats, int column_grid, const float* u_all, float* v_all,

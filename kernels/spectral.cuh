@@ -82,8 +82,9 @@ __device__ __forceinline__ bool aligned16(const void* p) {
     return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
 
-// The columns phase's end, once each thread holds acc[e] = its row lanes' share of
-// x_j for its quad's columns j = block * 16 + 4 * quad + e: x over the row lanes
+// The columns phase's end, once each thread t < SPECTRAL_THREADS holds acc[e] = its
+// row lane's share of x_j for its quad's columns j = block * 16 + 4 * quad + e (every
+// thread of the block calls it; any beyond SPECTRAL_THREADS adds nothing): x over the row lanes
 // (the 8 of a warp by a fixed butterfly, then the warps in order), stored into
 // v_all[v_offset + j], and the block's sum of x_j^2 into partials[index].
 __device__ __forceinline__ void spectral_columns_store(double (&acc)[4], int index, int block, int cols,
@@ -95,7 +96,7 @@ __device__ __forceinline__ void spectral_columns_store(double (&acc)[4], int ind
 #pragma unroll
         for (int off = SPECTRAL_QUADS; off < 32; off <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (lane < SPECTRAL_QUADS)
+    if (lane < SPECTRAL_QUADS && warp < SPECTRAL_WARPS)  // a larger block's other threads hold nothing
         for (int e = 0; e < 4; ++e) warp_sums[warp][4 * lane + e] = acc[e];
     __syncthreads();
     if (threadIdx.x < DT_SPECTRAL_COLS_PER_BLOCK) {
