@@ -1,8 +1,7 @@
 // Double-DQN kernels of the training step (docs/step-spec.md, steps 3-6 and 9):
 // the fused dueling Double-DQN loss with PER weights (dqn_loss), the same loss
 // fused with the output layer's forwards and data gradient (dqn_head), and the
-// two phases of the spectral projection's power iteration, and AdamW fused with
-// the first of them (adamw_spectral_columns).
+// two phases of the spectral projection's power iteration.
 //
 // Determinism: no float atomics anywhere. Every sum is accumulated in an order
 // fixed by the launch shape alone (per-thread loops in index order, fixed
@@ -16,7 +15,6 @@
 // orders it.
 #include "common.cuh"
 #include "dqn.cuh"
-#include "optim.cuh"
 #include "spectral.cuh"
 
 namespace {
@@ -415,153 +413,4 @@ extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
     // The flag is loaded with the table, the partials, x and W: one round trip, not two.
     dt_spectral_rows_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, c, sigma, scale, partials, counters,
                            dt_issued_flag(skip));
-}
-
-// ============================================================== AdamW fused with spectral_columns
-// adamw_spectral_columns: adamw_step (optim.cu) and spectral_columns in one
-//   launch, the same bits as the two in a row. Blocks [0, column_grid) are
-//   spectral_columns' blocks at four times the threads: thread t is row group
-//   k = t / 256 of spectral_columns' thread t % 256 (column quad (t % 256) % 4,
-//   row lane (t % 256) / 4). spectral_columns' thread sums x_j over its rows
-//   i_s = lane + 64 s, s = 0, 1, ..., one after another; here, in round r,
-//   group k updates the elements of row i_(4r + k) that the quad reads (optim.cuh's
-//   per-element AdamW: the same bits as adamw_step) and forms the products
-//   w_new u_i. Those are exact in double (a float times a float), so adding them
-//   in s order in group 0's thread, after a pass through shared memory, rounds
-//   exactly as spectral_columns' chain of double FMAs does. The block's end is
-//   spectral_columns' (spectral_columns_store, group 0's threads).
-//   The other blocks update every float4 outside the projected matrices: thread
-//   r of them (a grid-stride loop over n_rest) takes the r-th float4 outside the
-//   ranges [start_k, end_k) (float4 indices; ascending, disjoint, n_ranges <=
-//   ADAMW_COLUMNS_MAX_RANGES, unused pairs ignored), given as arguments so that
-//   no table load stands before the operands' loads.
-// Each projected matrix's range covers its float4s (end = ceil((w_offset +
-//   rows * cols) / 4)): a float4 it shares with the padding after it is not
-//   updated, the padding's gradient, moments and value being zero, and AdamW
-//   keeping a zero element zero. Needs W 16-byte aligned (every flat-buffer
-//   view is), n a multiple of 4; skip as adamw_step's: nothing is written.
-// Launch: grid = column_grid + rest blocks (>= 1), block ADAMW_COLUMNS_THREADS (1024).
-constexpr int ADAMW_COLUMNS_MAX_RANGES = 4;
-constexpr int ADAMW_COLUMNS_GROUPS = 4;  // row groups of a column block
-constexpr int ADAMW_COLUMNS_THREADS = ADAMW_COLUMNS_GROUPS * SPECTRAL_THREADS;
-
-namespace {
-
-// The AdamW update of one W element at offset o, its new value returned.
-__device__ __forceinline__ float adamw_element(const DtAdamW& a, float* params, const float* grads, float* m,
-                                               float* v, long long o) {
-    float p = params[o], mo = m[o], vo = v[o];
-    dt_adamw_one(a, p, mo, vo, grads[o]);
-    params[o] = p;
-    m[o] = mo;
-    v[o] = vo;
-    return p;
-}
-
-// One columns-phase block of a projected matrix with AdamW on the elements it
-// reads, ADAMW_COLUMNS_THREADS threads.
-__device__ __forceinline__ void adamw_columns_block(const DtAdamW& a, int index, float* params, const float* grads,
-                                                    float* m, float* v, const DtSpectralMatrix& mat, int block,
-                                                    const float* u_all, float* v_all, double* partials) {
-    // products[k][t][e]: group k's product for column e of thread t's quad, this round.
-    __shared__ double products[ADAMW_COLUMNS_GROUPS - 1][SPECTRAL_THREADS][4];
-    const int rows = mat.rows, cols = mat.cols;
-    const float* u = u_all + mat.u_offset;
-    const int t = threadIdx.x % SPECTRAL_THREADS, group = threadIdx.x / SPECTRAL_THREADS;
-    const int quad = t % SPECTRAL_QUADS, lane_row = t / SPECTRAL_QUADS;
-    const int j0 = block * DT_SPECTRAL_COLS_PER_BLOCK + 4 * quad;
-    const int n = j0 < cols ? min(4, cols - j0) : 0;  // this quad's columns
-    const bool vec = cols % 4 == 0;                   // W's offset is a multiple of 4 floats
-    double acc[4] = {0.0, 0.0, 0.0, 0.0};
-    const int step = ADAMW_COLUMNS_GROUPS * SPECTRAL_ROW_LANES;
-    for (int base = 0; base < rows; base += step) {  // block-uniform: every thread reaches the barriers
-        const int i = base + group * SPECTRAL_ROW_LANES + lane_row;
-        double p[4] = {0.0, 0.0, 0.0, 0.0};
-        if (i < rows && n > 0) {
-            const long long o = mat.w_offset + (long long)i * cols + j0;
-            const double ui = u[i];
-            if (vec) {
-                DtAdamWFloat4 x = dt_adamw_load(o / 4, params, grads, m, v);
-                dt_adamw_update(a, x);
-                reinterpret_cast<float4*>(params)[o / 4] = x.p;
-                reinterpret_cast<float4*>(m)[o / 4] = x.m;
-                reinterpret_cast<float4*>(v)[o / 4] = x.v;
-                p[0] = (double)x.p.x * ui;
-                p[1] = (double)x.p.y * ui;
-                p[2] = (double)x.p.z * ui;
-                p[3] = (double)x.p.w * ui;
-            } else {
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (e < n) p[e] = (double)adamw_element(a, params, grads, m, v, o + e) * ui;
-            }
-        }
-        if (group > 0)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) products[group - 1][t][e] = p[e];
-        __syncthreads();
-        if (group == 0) {  // rows i, i + 64, i + 128, i + 192 of this round, in order
-            for (int k = 0; k < ADAMW_COLUMNS_GROUPS; ++k) {
-                if (base + k * SPECTRAL_ROW_LANES + lane_row >= rows) break;
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (e < n) acc[e] += k == 0 ? p[e] : products[k - 1][t][e];
-            }
-        }
-        __syncthreads();
-    }
-    spectral_columns_store(acc, index, block, cols, mat.v_offset, v_all, partials);
-}
-
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(ADAMW_COLUMNS_THREADS) adamw_spectral_columns(
-        float* params, const float* grads, float* m, float* v, float lr, double beta1, double beta2,
-        float eps, float weight_decay, const float* clip, const int* step, const int* skip,
-        const DtSpectralMatrix* mats, int n_mats, int column_grid, const float* u_all, float* v_all,
-        double* partials, long long n_rest, int n_ranges, long long start0, long long end0, long long start1,
-        long long end1, long long start2, long long end2, long long start3, long long end3) {
-    dt_wait_prior_grid();
-    dt_allow_dependents();
-    const int skipped = skip != nullptr ? *skip : 0;
-    const float scale = clip[1];
-    const int t = *step;
-    if ((int)blockIdx.x < column_grid) {
-        // The flag, the scale and t are loaded with the table: one round trip
-        // before the operands' loads, as in spectral_columns.
-        DtSpectralMatrix mat;
-        int block = 0;
-        const int found = spectral_find(mats, n_mats, true, (int)blockIdx.x, mat, block);
-        dt_issued(skipped);
-        dt_issued(scale);
-        dt_issued(t);
-        if (found < 0 || skipped) return;
-        const DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, scale, t);
-        adamw_columns_block(a, (int)blockIdx.x, params, grads, m, v, mat, block, u_all, v_all, partials);
-        return;
-    }
-    // The rest: the r-th float4 outside the ranges, its loads issued with the flag.
-    const long long starts[ADAMW_COLUMNS_MAX_RANGES] = {start0, start1, start2, start3};
-    const long long ends[ADAMW_COLUMNS_MAX_RANGES] = {end0, end1, end2, end3};
-    const long long stride = (long long)(gridDim.x - column_grid) * blockDim.x;
-    long long r = (long long)(blockIdx.x - column_grid) * blockDim.x + threadIdx.x;
-    auto flat = [&](long long k) {
-#pragma unroll
-        for (int j = 0; j < ADAMW_COLUMNS_MAX_RANGES; ++j)
-            if (j < n_ranges && k >= starts[j]) k += ends[j] - starts[j];
-        return k;
-    };
-    DtAdamWFloat4 x;
-    const long long q0 = flat(r);
-    if (r < n_rest) x = dt_adamw_load(q0, params, grads, m, v);
-    dt_issued(skipped);
-    dt_issued(scale);
-    dt_issued(t);
-    if (skipped) return;
-    const DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, scale, t);
-    if (r < n_rest) dt_adamw_store(a, x, q0, params, m, v);
-    for (r += stride; r < n_rest; r += stride) {
-        const long long q = flat(r);
-        dt_adamw_store(a, dt_adamw_load(q, params, grads, m, v), q, params, m, v);
-    }
 }

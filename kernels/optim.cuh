@@ -103,18 +103,13 @@ __device__ __forceinline__ DtAdamWFloat4 dt_adamw_load(long long i, const float*
     return x;
 }
 
-// Updates the loaded float4s in place: x.p, x.m and x.v become the new values.
-__device__ __forceinline__ void dt_adamw_update(const DtAdamW& a, DtAdamWFloat4& x) {
+// Updates the loaded float4s and stores params, m and v at float4 index i.
+__device__ __forceinline__ void dt_adamw_store(const DtAdamW& a, DtAdamWFloat4 x, long long i, float* params,
+                                               float* m, float* v) {
     dt_adamw_one(a, x.p.x, x.m.x, x.v.x, x.g.x);
     dt_adamw_one(a, x.p.y, x.m.y, x.v.y, x.g.y);
     dt_adamw_one(a, x.p.z, x.m.z, x.v.z, x.g.z);
     dt_adamw_one(a, x.p.w, x.m.w, x.v.w, x.g.w);
-}
-
-// Updates the loaded float4s and stores params, m and v at float4 index i.
-__device__ __forceinline__ void dt_adamw_store(const DtAdamW& a, DtAdamWFloat4 x, long long i, float* params,
-                                               float* m, float* v) {
-    dt_adamw_update(a, x);
     reinterpret_cast<float4*>(params)[i] = x.p;
     reinterpret_cast<float4*>(m)[i] = x.m;
     reinterpret_cast<float4*>(v)[i] = x.v;

@@ -82,38 +82,6 @@ __device__ __forceinline__ bool aligned16(const void* p) {
     return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
 
-// The columns phase's end, once each thread t < SPECTRAL_THREADS holds acc[e] = its
-// row lane's share of x_j for its quad's columns j = block * 16 + 4 * quad + e (every
-// thread of the block calls it; any beyond SPECTRAL_THREADS adds nothing): x over the row lanes
-// (the 8 of a warp by a fixed butterfly, then the warps in order), stored into
-// v_all[v_offset + j], and the block's sum of x_j^2 into partials[index].
-__device__ __forceinline__ void spectral_columns_store(double (&acc)[4], int index, int block, int cols,
-                                                       int v_offset, float* v_all, double* partials) {
-    __shared__ double warp_sums[SPECTRAL_WARPS][DT_SPECTRAL_COLS_PER_BLOCK];
-    __shared__ double squares[DT_SPECTRAL_COLS_PER_BLOCK];
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-#pragma unroll
-        for (int off = SPECTRAL_QUADS; off < 32; off <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (lane < SPECTRAL_QUADS && warp < SPECTRAL_WARPS)  // a larger block's other threads hold nothing
-        for (int e = 0; e < 4; ++e) warp_sums[warp][4 * lane + e] = acc[e];
-    __syncthreads();
-    if (threadIdx.x < DT_SPECTRAL_COLS_PER_BLOCK) {
-        double x = 0.0;
-        for (int w = 0; w < SPECTRAL_WARPS; ++w) x += warp_sums[w][threadIdx.x];
-        const int j = block * DT_SPECTRAL_COLS_PER_BLOCK + threadIdx.x;
-        if (j < cols) v_all[v_offset + j] = (float)x;
-        squares[threadIdx.x] = j < cols ? x * x : 0.0;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double s = 0.0;
-        for (int c = 0; c < DT_SPECTRAL_COLS_PER_BLOCK; ++c) s += squares[c];
-        partials[index] = s;
-    }
-}
-
 }  // namespace
 
 // spectral_columns: x = W^T u for DT_SPECTRAL_COLS_PER_BLOCK (16) columns per
@@ -131,6 +99,8 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
     DtSpectralMatrix mat;
     int block = 0;
     if (spectral_find(mats, n_mats, true, index, mat, block) < 0) return;
+    __shared__ double warp_sums[SPECTRAL_WARPS][DT_SPECTRAL_COLS_PER_BLOCK];
+    __shared__ double squares[DT_SPECTRAL_COLS_PER_BLOCK];
 
     const int rows = mat.rows, cols = mat.cols;
     const float* W = params + mat.w_offset;
@@ -160,7 +130,29 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
         }
     }
     if (skipped) return;  // block-uniform; checked once the loads are in
-    spectral_columns_store(acc, index, block, cols, mat.v_offset, v_all, partials);
+    // Sum over the row lanes: the 8 of a warp by a fixed butterfly, then the
+    // warps in order.
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int off = SPECTRAL_QUADS; off < 32; off <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane < SPECTRAL_QUADS)
+        for (int e = 0; e < 4; ++e) warp_sums[warp][4 * lane + e] = acc[e];
+    __syncthreads();
+    if (threadIdx.x < DT_SPECTRAL_COLS_PER_BLOCK) {
+        double x = 0.0;
+        for (int w = 0; w < SPECTRAL_WARPS; ++w) x += warp_sums[w][threadIdx.x];
+        const int j = block * DT_SPECTRAL_COLS_PER_BLOCK + threadIdx.x;
+        if (j < cols) v_all[mat.v_offset + j] = (float)x;
+        squares[threadIdx.x] = j < cols ? x * x : 0.0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (int c = 0; c < DT_SPECTRAL_COLS_PER_BLOCK; ++c) s += squares[c];
+        partials[index] = s;
+    }
 }
 
 // spectral_rows: y = W v for DT_SPECTRAL_ROWS_PER_BLOCK (16) rows per block;

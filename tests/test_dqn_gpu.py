@@ -169,15 +169,11 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     dict(ODD, tf32=False, cluster_forward=True),
     dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False, cluster_forward=True),
     dict(ODD, tf32=False, batch=102, fused_head=True, cluster_forward=True),
-    # AdamW and the spectral columns phase as separate launches (fused by default).
-    dict(ODD, tf32=False, fused_adamw=False),
-    dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False, fused_adamw=False),
 ], ids=["odd-shapes", "one-action", "hard-copy-spectral-c", "no-spectral-clipped", "small", "large",
         "odd-shapes-fused", "small-fused", "one-action-fused-head", "large-fused-head", "large-presplit",
         "large-fused-head-presplit-one-stream",
         "odd-shapes-fused-head", "wide-rows-float4", "wide-rows-scalar", "odd-shapes-cluster-forward",
-        "small-cluster-forward", "odd-shapes-fused-head-cluster-forward", "odd-shapes-separate-adamw",
-        "small-separate-adamw"])
+        "small-cluster-forward", "odd-shapes-fused-head-cluster-forward"])
 def test_one_fp32_step_matches_float64(device, rng, overrides):
     step, _ = one_step(DQNConfig(seed=int(rng.integers(1 << 30)), **overrides), rng)
     # A share of the SMs for each forward only where three per-layer forwards run side by side.
@@ -187,10 +183,6 @@ def test_one_fp32_step_matches_float64(device, rng, overrides):
                             and not (overrides.get("fused") and step.narrow is not None))
     nodes = step_kernels(step)
     names = {k.function for k in nodes}
-    fused_adamw = overrides.get("fused_adamw", True) and bool(step.config.projected_layers)
-    assert step.config.fuses_adamw == fused_adamw
-    assert ("adamw_spectral_columns" in names) == fused_adamw and ("adamw_step" in names) != fused_adamw
-    assert ("spectral_columns" in names) == (not fused_adamw and bool(step.config.projected_layers))
     want_cluster = bool(overrides.get("cluster_forward"))
     assert (step.cluster_net is not None) == want_cluster
     assert ("narrow_forward_cluster_f32" in names) == want_cluster, names
@@ -353,15 +345,11 @@ def test_eager_graph_and_inactive_arena_are_bitwise_identical(device, rng):
     # The cooperative tail runs the very code of the six kernels it replaces.
     assert not cfg.fused_tail
     tail, s5 = run_losses(dataclasses.replace(cfg, fused_tail=True), data, 200, graph=True, arena_active=True)
-    # So does AdamW fused with the spectral columns phase (the default here).
-    assert cfg.fuses_adamw
-    apart, s6 = run_losses(dataclasses.replace(cfg, fused_adamw=False), data, 200, graph=True, arena_active=True)
     assert np.all(np.isfinite(eager))
-    assert eager.tobytes() == replay.tobytes() == inactive.tobytes() == ordinary.tobytes() == tail.tobytes() \
-        == apart.tobytes()
+    assert eager.tobytes() == replay.tobytes() == inactive.tobytes() == ordinary.tobytes() == tail.tobytes()
     for key in ("params", "target", "m", "v", "u"):
         assert s1[key].tobytes() == s2[key].tobytes() == s3[key].tobytes() == s4[key].tobytes() \
-            == s5[key].tobytes() == s6[key].tobytes(), key
+            == s5[key].tobytes(), key
 
 
 def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_six_kernels(device, rng):
@@ -381,37 +369,6 @@ def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_six_kernels(de
     assert np.all(np.isfinite(fused)) and fused.tobytes() == separate.tobytes()
     for key in ("params", "target", "m", "v", "u"):
         assert s1[key].tobytes() == s2[key].tobytes(), key
-
-
-@pytest.mark.parametrize("overrides", [
-    dict(ODD),                                                      # rows of 3 and 70 floats: scalar columns
-    dict(ODD, spectral_layers=(1, 0), spectral_c=0.5),              # the table in reverse layer order
-    dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096),
-    dict(obs_dim=5, hidden=(64, 48, 36), n_actions=3, batch=64, capacity=1024, spectral_layers=(2, 0)),
-    dict(obs_dim=3, hidden=(2200, 40), n_actions=4, batch=64, capacity=1024, spectral_c=0.5),
-], ids=["odd-shapes", "reversed-table", "small", "one-layer-left-out", "many-column-blocks"])
-def test_fused_adamw_gives_the_separate_kernels_bits(device, rng, overrides):
-    """adamw_spectral_columns against adamw_step + spectral_columns over 30 replays:
-    every loss and the whole state (the padding between views included) bit for bit,
-    the float64 maths of both being checked by the one-step tests."""
-    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), **overrides)
-    assert cfg.fuses_adamw
-    c = cfg.capacity
-    data = dict(obs=rng.standard_normal((c, cfg.obs_dim)).astype(np.float32),
-                action=rng.integers(0, cfg.n_actions, c).astype(np.int32),
-                reward=rng.standard_normal(c).astype(np.float32),
-                next_obs=rng.standard_normal((c, cfg.obs_dim)).astype(np.float32),
-                done=(rng.random(c) < 0.05).astype(np.float32),
-                priorities=rng.uniform(0.1, 1.1, c).astype(np.float32))
-    fused, s1 = run_losses(cfg, data, 30, graph=True, arena_active=True)
-    apart, s2 = run_losses(dataclasses.replace(cfg, fused_adamw=False), data, 30, graph=True, arena_active=True)
-    assert np.all(np.isfinite(fused)) and fused.tobytes() == apart.tobytes()
-    for key in ("params", "target", "m", "v", "u"):
-        assert s1[key].tobytes() == s2[key].tobytes(), key
-    # The run moved the parameters, so the comparison is not of untouched buffers.
-    start = DQNStep(cfg)
-    assert not np.array_equal(start.state_numpy()["params"], s1["params"])
-    start.close()
 
 
 def test_nan_reward_skips_the_step_and_is_reported(device, rng):
@@ -519,7 +476,7 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     assert not failed, failed
     assert counts.per_iteration("cuGraphLaunch") == 1 and counts.per_iteration("cuEventRecord") == 1
     names = {k.function for k in step.graph.kernel_nodes()}
-    separate = {"grad_norm_clip", "adamw_spectral_columns", "sumtree_update", "dqn_finish"}
+    separate = {"grad_norm_clip", "adamw_step", "sumtree_update", "dqn_finish"}
     # The small net's 3 x 256 output layer runs in one dqn_head node (forwards, loss, dX); the
     # large net's 19 x 1024 one as separate products and dqn_loss (DQNConfig.fused_head=None).
     fused = config == "small"
@@ -534,8 +491,6 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
         assert "dqn_tail" in names and not separate & names
     else:
         assert "dqn_tail" not in names and separate <= names
-        assert not names & {"adamw_step", "spectral_columns"}
-        assert [r.measured for r in rows if r.name.startswith("AdamW and the spectral")] == ["1"]
 
 
 PRESPLIT_KERNELS = {"tf32_split", "linear_grad_input_wgmma_presplit_3xtf32",

@@ -12,8 +12,6 @@ one thing:
   layer's size);
 - everything after the backward as one cooperative launch
   (DQNConfig(fused_tail=True));
-- AdamW and the spectral iteration's first phase as two launches
-  (DQNConfig(fused_adamw=False); by default they are one);
 - the three forwards as one launch of thread block clusters
   (DQNConfig(cluster_forward=True)) and the fused narrow kernels
   (DQNConfig(fused=True)): small only, the large net is too wide for them;
@@ -38,8 +36,7 @@ def measure(cfg, args):
     stream = Stream()
     print(f"  {cfg.obs_dim}-{'-'.join(map(str, cfg.hidden))}-{cfg.n_actions} batch {cfg.batch}, "
           f"fused={cfg.fused} dual_stream={cfg.dual_stream} dependent_launch={cfg.dependent_launch} "
-          f"fused_tail={cfg.fused_tail} fused_adamw={cfg.fused_adamw} fused_head={cfg.fused_head} "
-          f"cluster_forward={cfg.cluster_forward}: "
+          f"fused_tail={cfg.fused_tail} fused_head={cfg.fused_head} cluster_forward={cfg.cluster_forward}: "
           f"filling {cfg.capacity} transitions ...", flush=True)
     step = DQNStep(cfg)
     step.fill_random(1, stream=stream)
@@ -74,7 +71,6 @@ VARIANTS = (
     ("output layer fused (dqn_head)", {"fused_head": True}),
     ("output layer separate", {"fused_head": False}),
     ("cooperative tail", {"fused_tail": True}),
-    ("AdamW apart from the projection", {"fused_adamw": False}),
     ("three forwards in clusters", {"cluster_forward": True}),
     ("fused narrow kernels", {"fused": True}),
     ("one stream", {"dual_stream": False}),

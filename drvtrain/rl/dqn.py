@@ -48,31 +48,8 @@ _SPECTRAL_ROWS_PER_BLOCK = 16  # DT_SPECTRAL_ROWS_PER_BLOCK
 _HEAD_ROWS = 4  # DQN_HEAD_ROWS in kernels/dqn.cu: batch rows per dqn_head block
 # DQNConfig(fused_head=None) fuses output layers of this many weights (measured, docs/perf-notes.md).
 HEAD_AUTO_WEIGHTS = (512, 3072)
-# adamw_spectral_columns takes the projected matrices' float4 ranges as arguments.
-MAX_FUSED_ADAMW_MATRICES = 4
 LOSS_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr"
 HEAD_SIGNATURE = "ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr"
-
-
-ADAMW_COLUMNS_SIGNATURE = ("ptr ptr ptr ptr f32 f64 f64 f32 f32 ptr ptr ptr ptr i32 i32 ptr ptr ptr i64 i32 "
-                           + " ".join(["i64 i64"] * MAX_FUSED_ADAMW_MATRICES))
-
-
-def adamw_columns_ranges(layout: ParamLayout, layers) -> tuple[int, list[tuple[int, int]]]:
-    """The projected weights' float4 ranges as ``adamw_spectral_columns`` takes them:
-    ``(n_rest, [(start, end), ...])``, ascending, where ``[start, end)`` covers
-    layer k's weight (a float4 it shares with the padding after it included) and
-    ``n_rest`` counts the flat buffer's float4s outside every range."""
-    spans = []
-    for k in sorted(layers):
-        w = layout.weight(k)
-        if w.offset % 4:
-            raise ValueError(f"layer {k}'s weight starts at float {w.offset}, not on a float4")
-        spans.append((w.offset // 4, -(-(w.offset + w.size) // 4)))
-    for (_, end), (start, _) in zip(spans, spans[1:]):
-        if start < end:
-            raise ValueError(f"projected weights overlap: {spans}")
-    return layout.size // 4 - sum(end - start for start, end in spans), spans
 
 
 def head_shared_bytes(hidden: int, n_actions: int) -> int:
@@ -133,13 +110,6 @@ class DQNConfig:
     kernel with grid barriers between the phases (``dqn_tail``) instead of six
     launches: the same bits, five fewer nodes on the step's chain. Off by
     default: on the H200 it measured no faster (docs/perf-notes.md).
-    ``fused_adamw`` runs AdamW and the first phase of the spectral power
-    iteration (x = W^T u) as one launch (``adamw_spectral_columns``): the blocks
-    that compute x update the elements of W they read, the other blocks the rest
-    of the parameters. The same bits, one node less on the step's chain. It needs
-    between 1 and 4 projected layers and the separate tail kernels (not
-    ``fused_tail``); ``True`` raises a ValueError where it cannot run. ``None``
-    (the default) fuses wherever it can run.
     ``fused_head`` runs the output layer's three forwards, the loss and the
     output layer's data gradient as one row-parallel kernel (``dqn_head``, in
     FP32) instead of three forward products, ``dqn_loss`` and a dX product:
@@ -197,7 +167,6 @@ class DQNConfig:
     fused: bool = False
     dependent_launch: bool = True
     fused_tail: bool = False
-    fused_adamw: bool | None = None
     fused_head: bool | None = None
     cluster_forward: bool = False
     presplit: bool = False
@@ -250,13 +219,8 @@ class DQNConfig:
         if self.spectral_layers is not None and len(set(self.spectral_layers)) != len(self.spectral_layers):
             raise ValueError(f"spectral_layers repeats a layer: {self.spectral_layers}")
         _positive_int("seed", self.seed, 0, 2**63 - 1)
-        for flag in ("fused_head", "fused_adamw"):
-            if getattr(self, flag) is not None and not isinstance(getattr(self, flag), (bool, np.bool_)):
-                raise ValueError(f"{flag} must be True, False or None, got {getattr(self, flag)!r}")
-        if self.fused_adamw:
-            reason = self.fused_adamw_refusal()
-            if reason is not None:
-                raise ValueError(f"fused_adamw=True cannot run: {reason}")
+        if self.fused_head is not None and not isinstance(self.fused_head, (bool, np.bool_)):
+            raise ValueError(f"fused_head must be True, False or None, got {self.fused_head!r}")
         for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail", "cluster_forward", "presplit"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -270,24 +234,6 @@ class DQNConfig:
         if self.spectral_c is None:
             return ()
         return self.spectral_layers if self.spectral_layers is not None else tuple(range(len(self.hidden)))
-
-    def fused_adamw_refusal(self) -> str | None:
-        """Why AdamW cannot run fused with the spectral columns phase, or None."""
-        n = len(self.projected_layers)
-        if n == 0:
-            return "no layer is projected (spectral_c is None or spectral_layers is empty)"
-        if n > MAX_FUSED_ADAMW_MATRICES:
-            return f"{n} projected layers, the fused kernel takes at most {MAX_FUSED_ADAMW_MATRICES}"
-        if self.fused_tail:
-            return "fused_tail runs AdamW and the projection in its own cooperative kernel"
-        return None
-
-    @property
-    def fuses_adamw(self) -> bool:
-        """Whether the step runs AdamW fused with the spectral columns phase."""
-        if self.fused_adamw is None:
-            return self.fused_adamw_refusal() is None
-        return bool(self.fused_adamw)
 
     @property
     def target_update(self) -> tuple[float, int]:
@@ -483,12 +429,6 @@ class DQNStep:
         self._spectral_columns = mod.kernel("spectral_columns", "ptr ptr i32 ptr ptr ptr ptr ptr", fixed_block=True)
         self._spectral_rows = mod.kernel("spectral_rows", "ptr ptr i32 ptr ptr f32 ptr ptr ptr ptr ptr",
                                          fixed_block=True)
-        self._adamw_columns = None
-        if cfg.fuses_adamw:
-            self._adamw_columns = mod.kernel("adamw_spectral_columns", ADAMW_COLUMNS_SIGNATURE, fixed_block=True)
-            self._adamw_columns_ranges = n_rest, _ = adamw_columns_ranges(self.layout, layers)
-            rest_grid = max(1, min(4 * get_device().sm_count, -(-n_rest // self._adamw_columns.block)))
-            self._adamw_columns_grid = cb + rest_grid
 
     # ------------------------------------------------------------------ the step
     def enqueue(self, *, stream, uniforms=None, gate=None) -> None:
@@ -574,11 +514,7 @@ class DQNStep:
         if self._tail is not None:
             self._enqueue_tail(batch, priorities, stream, gate)
         else:
-            if self._adamw_columns is not None:
-                self.optimizer.clip_grad_norm(stream=stream, gate=gate)
-                self._enqueue_adamw_columns(stream)
-            else:
-                self.optimizer.step(stream=stream, gate=gate)
+            self.optimizer.step(stream=stream, gate=gate)
             update_stream = self.streams[1] if self.streams else stream
             if update_stream is not stream:
                 fork(stream, update_stream)
@@ -606,23 +542,13 @@ class DQNStep:
             self.metrics.slots, self.skips.counts, self.skips.published, self._skipped_step.ptr, self._tail_barrier,
             stream=stream, cooperative=True)
 
-    def _enqueue_adamw_columns(self, stream) -> None:
-        opt, k = self.optimizer, self._adamw_columns
-        (n_rest, spans), (b1, b2) = self._adamw_columns_ranges, opt.betas
-        padded = list(spans) + [(0, 0)] * (MAX_FUSED_ADAMW_MATRICES - len(spans))
-        k.launch(self._adamw_columns_grid, k.block, self.params, self.grads, opt.m, opt.v, opt.lr, b1, b2, opt.eps,
-                 opt.weight_decay, opt.clip, opt.t, opt.skip, self._spectral_mats, self.n_spectral,
-                 self._spectral_grids[0], self.u, self._v, self._spectral_partials, n_rest, len(spans),
-                 *(x for span in padded for x in span), stream=stream)
-
     def _enqueue_spectral_and_finish(self, stream) -> None:
         cfg, skip = self.config, self.optimizer.skip
         if self.n_spectral:
             cb, rb = self._spectral_grids
-            if self._adamw_columns is None:  # else adamw_spectral_columns ran this phase
-                self._spectral_columns.launch(cb, self._spectral_columns.block, self.params,
-                                              self._spectral_mats, self.n_spectral, self.u, self._v, self._spectral_partials,
-                                              self._spectral_counters, skip, stream=stream)
+            self._spectral_columns.launch(cb, self._spectral_columns.block, self.params, self._spectral_mats,
+                                          self.n_spectral, self.u, self._v, self._spectral_partials,
+                                          self._spectral_counters, skip, stream=stream)
             self._spectral_rows.launch(rb, self._spectral_rows.block, self.params, self._spectral_mats,
                                        self.n_spectral, self.u, self._v, float(cfg.spectral_c), self.sigma,
                                        self.spectral_scale, self._spectral_partials, self._spectral_counters,
@@ -788,11 +714,6 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
         losses = [k for k in kernels if k.function == "dqn_loss"]
         rows.append(Criterion("output layer's forwards, loss and dX: one node", "1", str(len(heads)),
                               len(heads) == 1 and not losses))
-    if step._adamw_columns is not None:
-        fused = [k for k in kernels if k.function == "adamw_spectral_columns"]
-        apart = [k for k in kernels if k.function in ("adamw_step", "spectral_columns")]
-        rows.append(Criterion("AdamW and the spectral columns phase: one node", "1", str(len(fused)),
-                              len(fused) == 1 and not apart))
     if step.config.fused_tail:
         tails = [k for k in kernels if k.function == "dqn_tail"]
         replaced = [k for k in kernels if k.function in ("grad_norm_clip", "adamw_step", "sumtree_update",
