@@ -1,7 +1,9 @@
 // Double-DQN kernels of the training step (docs/step-spec.md, steps 3-6 and 9):
 // the fused dueling Double-DQN loss with PER weights (dqn_loss), the same loss
-// fused with the output layer's forwards and data gradient (dqn_head), and the
-// two phases of the spectral projection's power iteration.
+// fused with the output layer's forwards and data gradient (dqn_head), the
+// batch means of either when they leave them to a kernel of their own
+// (dqn_means_32, dqn_means_256), and the two phases of the spectral
+// projection's power iteration.
 //
 // Determinism: no float atomics anywhere. Every sum is accumulated in an order
 // fixed by the launch shape alone (per-thread loops in index order, fixed
@@ -35,7 +37,10 @@ __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 //            dout[j][1 + k] = g ((k == a_j) - 1 / n_actions).
 //          priorities [batch] = |td| + 1e-6.
 //          scalars[0] = mean(w huber(td)), scalars[1] = mean Q_online(s, a),
-//          scalars[2] = mean |td| (written by the last block).
+//          scalars[2] = mean |td|: written by the last block when `counter` is
+//            not null; with counter null each block only leaves its partials,
+//            and dqn_means_32 (the same block size, so the same tree) sums them
+//            into scalars later, off the kernel's critical path.
 //          a_star [batch] int32 (may be null) = the a* of each sample, for tests
 //            and diagnostics.
 //   gate (may be null): while it points at a non-zero word the kernel returns at once.
@@ -48,8 +53,8 @@ __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 //   made finite. An action outside [0, n_actions) is clamped for the memory
 //   access and its Q_online(s, a), td, loss, gradient and priority are NaN.
 //   n_actions outside [1, DQN_MAX_ACTIONS] writes NaN to scalars and nothing else.
-// Scratch: partials = 3 * gridDim.x doubles; counter = one uint, zero on entry
-//   and on exit.
+// Scratch: partials = 3 * gridDim.x doubles; counter (may be null, above) = one
+//   uint, zero on entry and on exit.
 // Launch: grid = ceil(batch / DQN_LOSS_THREADS), block DQN_LOSS_THREADS (32),
 //   one thread per sample. The block's rows of each Q array are contiguous, so
 //   the three are staged in shared memory by cp.async copies, all in flight
@@ -127,22 +132,11 @@ __device__ __forceinline__ SampleTerms sample_loss(const float* row_next, const 
     return terms;
 }
 
-// scalars[0..2] = the batch means of the three terms: block sums into
-// partials[3][gridDim.x], added in block order by the last block. Every thread
-// of the block calls it. The three sums of a block run in one pass
-// (dt_block_sums), with the bits of three separate ones.
+// scalars[0..2] = the batch means of the three terms from partials[3][blocks]:
+// thread t adds partials t, t + THREADS, ... of each in block order, then the
+// block tree. Every thread of one block of THREADS threads calls it.
 template <int THREADS>
-__device__ __forceinline__ void publish_means(SampleTerms terms, int batch, float* scalars, double* partials,
-                                              unsigned int* counter) {
-    double block[3] = {terms.loss, terms.q, terms.abs_td};
-    dt_block_sums<THREADS, 3>(block);
-    const unsigned int blocks = gridDim.x;
-    if (threadIdx.x == 0) {
-        partials[blockIdx.x] = block[0];
-        partials[blocks + blockIdx.x] = block[1];
-        partials[2 * blocks + blockIdx.x] = block[2];
-    }
-    if (!dt_last_block(counter, blocks)) return;
+__device__ __forceinline__ void sum_means(const double* partials, unsigned int blocks, int batch, float* scalars) {
     double s[3] = {0.0, 0.0, 0.0};
     for (unsigned int b = threadIdx.x; b < blocks; b += THREADS) {
         s[0] += __ldcg(&partials[b]);
@@ -155,6 +149,25 @@ __device__ __forceinline__ void publish_means(SampleTerms terms, int batch, floa
         scalars[1] = (float)(s[1] / batch);
         scalars[2] = (float)(s[2] / batch);
     }
+}
+
+// The block sums of the three terms into partials[3][gridDim.x]; then, with a
+// counter, the last block's sum_means. Every thread of the block calls it. The
+// three sums of a block run in one pass (dt_block_sums), with the bits of three
+// separate ones.
+template <int THREADS>
+__device__ __forceinline__ void publish_means(SampleTerms terms, int batch, float* scalars, double* partials,
+                                              unsigned int* counter) {
+    double block[3] = {terms.loss, terms.q, terms.abs_td};
+    dt_block_sums<THREADS, 3>(block);
+    const unsigned int blocks = gridDim.x;
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = block[0];
+        partials[blocks + blockIdx.x] = block[1];
+        partials[2 * blocks + blockIdx.x] = block[2];
+    }
+    if (counter == nullptr || !dt_last_block(counter, blocks)) return;
+    sum_means<THREADS>(partials, blocks, batch, scalars);
 }
 
 // Copies n floats global -> shared with cp.async, THREADS threads a block: 16
@@ -250,7 +263,8 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
 //   inputs, staged in one round of cp.async copies, 16 bytes each when hidden %
 //   4 == 0 and the five arrays start on 16-byte boundaries (as the parameter
 //   layout and the arena place them), else 4 bytes each.
-// Scratch: partials = 3 * gridDim.x doubles; counter as dqn_loss.
+// Scratch: partials = 3 * gridDim.x doubles; counter as dqn_loss (null: the
+//   means are left to dqn_means_256).
 // Launch: grid = ceil(batch / DQN_HEAD_ROWS), block DQN_HEAD_THREADS.
 // Determinism: fixed per-lane orders and a fixed shuffle tree for the dot
 //   products; the scalars as dqn_loss: bitwise reproducible for a fixed grid.
@@ -387,30 +401,57 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
     publish_means<DQN_HEAD_THREADS>(terms, batch, scalars, partials, counter);
 }
 
+// ============================================================== dqn_means_32, dqn_means_256
+// scalars[0..2] from the partials of a dqn_loss (dqn_means_32) or dqn_head
+// (dqn_means_256) launch of `blocks` blocks that ran with a null counter: the
+// sums of its last block, in the same order and tree, so the same bits. It can
+// run on another stream beside the kernels after the loss; whatever reads the
+// scalars must wait for it. gate: as dqn_loss (then nothing is written).
+// Launch: grid 1, block 32 or 256 (the kernel's own).
+template <int THREADS>
+__device__ __forceinline__ void means_kernel(const double* partials, int blocks, int batch, float* scalars,
+                                             const int* gate) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    if (gate != nullptr && *gate) return;
+    sum_means<THREADS>(partials, (unsigned int)blocks, batch, scalars);
+}
+
+static_assert(DQN_LOSS_THREADS == 32, "dqn_means_32 sums dqn_loss's partials");
+extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_means_32(
+        const double* partials, int blocks, int batch, float* scalars, const int* gate) {
+    means_kernel<DQN_LOSS_THREADS>(partials, blocks, batch, scalars, gate);
+}
+
+static_assert(DQN_HEAD_THREADS == 256, "dqn_means_256 sums dqn_head's partials");
+extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_means_256(
+        const double* partials, int blocks, int batch, float* scalars, const int* gate) {
+    means_kernel<DQN_HEAD_THREADS>(partials, blocks, batch, scalars, gate);
+}
+
 // ============================================================== spectral projection
 // The two phases of spectral.cuh, one phase block per block of the grid.
-// spectral_columns: grid = sum_m ceil(cols_m / 16), block SPECTRAL_THREADS (256);
-//   `counters` is unused and may be null.
+// spectral_columns: grid = sum_m ceil(cols_m / 16), block SPECTRAL_THREADS (256).
 // spectral_rows: grid = sum_m ceil(rows_m / 16), block SPECTRAL_THREADS, after
-//   spectral_columns on the same stream.
+//   spectral_columns on the same stream. It leaves y in u_all and the row
+//   partials after the column partials; dqn_finish (dqn_step.cu) takes sigma,
+//   the scale and u_new from them.
 // skip: when non-null and *skip != 0 both write nothing (they read their first
 //   operands with the flag, so that the flag costs no round trip of its own).
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_columns(
         const float* params, const DtSpectralMatrix* mats, int n_mats, const float* u_all, float* v_all,
-        double* partials, unsigned int* counters, const int* skip) {
+        double* partials, const int* skip) {
     dt_wait_prior_grid();
     dt_allow_dependents();
-    (void)counters;
     // The flag is loaded with the table and W: one round trip, not two.
     dt_spectral_columns_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, partials, dt_issued_flag(skip));
 }
 
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
         const float* params, const DtSpectralMatrix* mats, int n_mats, float* u_all, const float* v_all,
-        float c, float* sigma, float* scale, double* partials, unsigned int* counters, const int* skip) {
+        double* partials, const int* skip) {
     dt_wait_prior_grid();
     dt_allow_dependents();
     // The flag is loaded with the table, the partials, x and W: one round trip, not two.
-    dt_spectral_rows_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, c, sigma, scale, partials, counters,
-                           dt_issued_flag(skip));
+    dt_spectral_rows_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, partials, dt_issued_flag(skip));
 }

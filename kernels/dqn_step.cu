@@ -1,13 +1,18 @@
-// The last kernels of the Double-DQN step. dqn_finish: the spectral scaling,
-// the target network update, the step counter and the metrics slot, in one
-// pass. dqn_tail (below): the gradient norm, the priority update, AdamW, the
-// spectral power iteration and that pass in one cooperative launch.
+// The last kernels of the Double-DQN step. dqn_finish: the spectral
+// projection's last step, the target network update, the step counter and the
+// metrics slot, in one pass. dqn_tail (below): the gradient norm, the priority
+// update, AdamW, the spectral power iteration and that pass in one cooperative
+// launch.
 //
 // dqn_finish, over the flat parameter buffer of n floats (n a multiple of 4):
 //   - unless the step was skipped (*skip != 0, the NaN guard):
-//       params[e] *= scale[m] for every element of spectral matrix m (the
-//       power iteration of dqn.cu found sigma and scale; the scaling is
-//       applied here, in the pass that reads every parameter anyway);
+//       every block sums the row partials of each spectral matrix m
+//       (spectral_rows leaves them in row_partials, matrix m's at its
+//       first_block_rows) in the order spectral.cuh fixes, so every block
+//       holds the same ||y||, sigma and scale (dt_spectral_result, with the
+//       bound c); the grid replaces y in u_all by u_new = y / ||y||, one
+//       element per thread; block 0 writes sigma[m] and scale[m];
+//       params[e] *= scale[m] for every element of matrix m;
 //       then the target: Polyak target += tau (params - target) when
 //       period == 0, else target = params when the optimizer counter *adam_t
 //       is a multiple of period. The device decides: no host branch.
@@ -20,10 +25,11 @@
 //     matches is complete. A skipped step raises flag 0 of
 //     (skip_counts, skip_published) and publishes its number in
 //     skipped_step[0] (mapped memory).
-// Launch: any grid, block FINISH_THREADS (pinned). A float4 never straddles
+// Launch: any grid, block FINISH_THREADS (pinned); n_mats <= FINISH_MAX_MATS
+// (the table is staged in shared memory; more traps). A float4 never straddles
 // two parameter views (each starts on a 64-float boundary), and padding
 // between views is 0, so scaling a whole float4 by its first element's matrix
-// is exact. Elementwise and deterministic.
+// is exact. Deterministic: the sums have a fixed order, the rest is elementwise.
 #include "common.cuh"
 #include "dqn.cuh"
 #include "optim.cuh"
@@ -31,23 +37,62 @@
 #include "sumtree.cuh"
 
 constexpr int FINISH_THREADS = 256;
-constexpr int FINISH_STAGED_MATS = 16;  // table entries a finish block stages in shared memory
-constexpr int METRIC_FIELDS = 7;  // the step follows them as an int
+constexpr int FINISH_MAX_MATS = 64;  // spectral matrices a finish block stages (drvtrain.rl.dqn checks it)
+constexpr int FINISH_GROUP = 4;      // matrices whose ||y||^2 one block-sum pass takes
+constexpr int METRIC_FIELDS = 7;     // the step follows them as an int
 
 namespace {
 
-// The finish pass over float4 elements first, first + stride, ...; `reporter`
-// is the one thread that counts the step and writes the metrics slot.
-__device__ __forceinline__ void finish_pass(long long first, long long stride, bool reporter, float* params,
-                                            float* target, long long n, const DtSpectralMatrix* mats, int n_mats,
-                                            const float* scale, const float* sigma, float tau, int period,
-                                            const int* adam_t, const int* skip, const float* scalars,
-                                            const float* clip, const float* beta, long long* step_counter,
-                                            float* ring, int ring_slots, unsigned int* skip_counts,
-                                            unsigned int* skip_published, long long* skipped_step) {
-    // Everything the first float4 needs is loaded before anything waits on it:
-    // the flag, t (hard copies), this thread's first float4 of params and target,
-    // and the first FINISH_STAGED_MATS entries of the table with their scales.
+// The spectral table as the finish pass uses it, in shared memory, with the
+// per-matrix results the pass computes.
+struct FinishMats {
+    long long w_begin[FINISH_MAX_MATS], w_end[FINISH_MAX_MATS];
+    int u_begin[FINISH_MAX_MATS], u_end[FINISH_MAX_MATS];
+    int row_block0[FINISH_MAX_MATS], row_blocks[FINISH_MAX_MATS];
+    double y_norm[FINISH_MAX_MATS];
+    float sigma[FINISH_MAX_MATS], scale[FINISH_MAX_MATS];
+    int u_total;  // max_m u_end
+};
+
+// Stages the table (constant for the step's life, so a kernel may do this
+// before it waits for the kernel before it). Every thread of the block calls it.
+__device__ __forceinline__ void finish_stage(FinishMats& sh, const DtSpectralMatrix* mats, int n_mats) {
+    if (n_mats > FINISH_MAX_MATS) __trap();
+    if ((int)threadIdx.x < n_mats) {
+        const DtSpectralMatrix e = mats[threadIdx.x];
+        sh.w_begin[threadIdx.x] = e.w_offset;
+        sh.w_end[threadIdx.x] = e.w_offset + (long long)e.rows * e.cols;
+        sh.u_begin[threadIdx.x] = e.u_offset;
+        sh.u_end[threadIdx.x] = e.u_offset + e.rows;
+        sh.row_block0[threadIdx.x] = e.first_block_rows;
+        sh.row_blocks[threadIdx.x] = dt_spectral_row_blocks(e.rows);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int m = 0; m < n_mats; ++m) total = max(total, sh.u_end[m]);
+        sh.u_total = total;
+    }
+    __syncthreads();
+}
+
+// The finish pass over float4 elements first, first + stride, ... of the
+// parameters and elements first, first + stride, ... of u; `sh` staged by
+// finish_stage. `lead` is every thread of the block that writes sigma and the
+// scales (block 0); `reporter` the one thread that counts the step and writes
+// the metrics slot.
+__device__ __forceinline__ void finish_pass(FinishMats& sh, long long first, long long stride, bool lead,
+                                            bool reporter, float* params, float* target, long long n, int n_mats,
+                                            float* u_all, const double* row_partials, float c, float* scale,
+                                            float* sigma, float tau, int period, const int* adam_t, const int* skip,
+                                            const float* scalars, const float* clip, const float* beta,
+                                            long long* step_counter, float* ring, int ring_slots,
+                                            unsigned int* skip_counts, unsigned int* skip_published,
+                                            long long* skipped_step) {
+    // Everything the first float4 and the first ||y|| sums need is loaded before
+    // anything waits on it: the flag, t (hard copies), this thread's first
+    // float4 of params and target, its first row partial of the first matrices
+    // and its first element of y.
     const int skip_value = *skip;
     const bool hard = period > 0;
     const int t_value = hard ? *adam_t : 0;
@@ -58,48 +103,72 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
         p = p4[first];
         t = t4[first];
     }
-    // The table entries and scales are loaded into registers alongside, and
-    // staged in shared memory only once every load is issued: one round trip.
-    const bool stages = (int)threadIdx.x < min(n_mats, FINISH_STAGED_MATS);
-    long long stage_begin = 0;
-    int stage_rows = 0, stage_cols = 0;
-    float stage_scale = 0.0f;
-    if (stages) {
-        stage_begin = mats[threadIdx.x].w_offset;
-        stage_rows = mats[threadIdx.x].rows;
-        stage_cols = mats[threadIdx.x].cols;
-        stage_scale = scale[threadIdx.x];
-    }
+    double part0[FINISH_GROUP];
+#pragma unroll
+    for (int i = 0; i < FINISH_GROUP; ++i)
+        part0[i] = i < n_mats && (int)threadIdx.x < sh.row_blocks[i]
+                       ? __ldcg(&row_partials[sh.row_block0[i] + threadIdx.x]) : 0.0;
+    const float y0 = first < sh.u_total ? __ldcg(&u_all[first]) : 0.0f;
     dt_issued(skip_value);
     dt_issued(t_value);
     dt_issued(p);
     dt_issued(t);
-    dt_issued(stage_begin);
-    dt_issued(stage_rows);
-    dt_issued(stage_cols);
-    dt_issued(stage_scale);
-    __shared__ long long mat_begin[FINISH_STAGED_MATS], mat_end[FINISH_STAGED_MATS];
-    __shared__ float mat_scale[FINISH_STAGED_MATS];
-    if (threadIdx.x < FINISH_STAGED_MATS) {  // zeros past n_mats, never read
-        mat_begin[threadIdx.x] = stage_begin;
-        mat_end[threadIdx.x] = stage_begin + (long long)stage_rows * stage_cols;
-        mat_scale[threadIdx.x] = stage_scale;
-    }
-    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < FINISH_GROUP; ++i) dt_issued(part0[i]);
+    dt_issued(y0);
     if (skip_value == 2) return;  // a training loop's step that was not due: nothing happened
     const bool skipped = skip_value != 0;
+    if (!skipped && n_mats > 0) {  // block-uniform: every thread meets the block sums
+        for (int g = 0; g < n_mats; g += FINISH_GROUP) {
+            double s[FINISH_GROUP];
+#pragma unroll
+            for (int i = 0; i < FINISH_GROUP; ++i) {
+                const int m = g + i;
+                s[i] = 0.0;
+                if (m < n_mats) {
+                    const double* rp = row_partials + sh.row_block0[m];
+                    const double head = g == 0 ? part0[i]
+                                        : ((int)threadIdx.x < sh.row_blocks[m] ? __ldcg(&rp[threadIdx.x]) : 0.0);
+                    s[i] = dt_spectral_y_share<FINISH_THREADS>(rp, sh.row_blocks[m], head);
+                }
+            }
+            dt_block_sums<FINISH_THREADS, FINISH_GROUP>(s);
+            if ((int)threadIdx.x < FINISH_GROUP && g + (int)threadIdx.x < n_mats) {
+                const int m = g + threadIdx.x;
+                const DtSpectralResult r = dt_spectral_result(s[threadIdx.x], c);
+                sh.y_norm[m] = r.y_norm;
+                sh.sigma[m] = r.sigma;
+                sh.scale[m] = r.scale;
+                if (lead) {
+                    sigma[m] = r.sigma;
+                    scale[m] = r.scale;
+                }
+            }
+        }
+        __syncthreads();
+        for (long long i = first; i < sh.u_total; i += stride) {
+            const float y = i == first ? y0 : __ldcg(&u_all[i]);
+            for (int m = 0; m < n_mats; ++m) {
+                if (i >= sh.u_begin[m] && i < sh.u_end[m]) {
+                    u_all[i] = (float)((double)y / sh.y_norm[m]);
+                    break;
+                }
+            }
+        }
+    }
     if (reporter) {
         const long long step = *step_counter + 1;
         *step_counter = step;
         float sigma_max = 0.0f;
-        for (int m = 0; m < n_mats; ++m) sigma_max = fmaxf(sigma_max, sigma[m]);
+        if (!skipped)
+            for (int m = 0; m < n_mats; ++m) sigma_max = fmaxf(sigma_max, sh.sigma[m]);
         float* slot = ring + (long long)(METRIC_FIELDS + 1) * (step % ring_slots);
         slot[0] = scalars[0];
         slot[1] = clip[0];
         slot[2] = skipped ? 0.0f : clip[1];  // nothing was applied
         slot[3] = scalars[1];
         slot[4] = scalars[2];
-        slot[5] = skipped ? 0.0f : sigma_max;  // sigma[] is the last applied step's
+        slot[5] = sigma_max;  // 0 on a skipped step
         slot[6] = *beta;
         if (skipped) {
             reinterpret_cast<volatile long long*>(skipped_step)[0] = step;
@@ -118,15 +187,12 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
         }
         const long long e = 4 * i;
         for (int m = 0; m < n_mats; ++m) {
-            const bool staged = m < FINISH_STAGED_MATS;
-            const long long begin = staged ? mat_begin[m] : mats[m].w_offset;
-            const long long end = staged ? mat_end[m] : begin + (long long)mats[m].rows * mats[m].cols;
-            if (e >= begin && e < end) {
-                const float s = staged ? mat_scale[m] : scale[m];
-                p.x *= s;
-                p.y *= s;
-                p.z *= s;
-                p.w *= s;
+            if (e >= sh.w_begin[m] && e < sh.w_end[m]) {
+                const float sc = sh.scale[m];
+                p.x *= sc;
+                p.y *= sc;
+                p.z *= sc;
+                p.w *= sc;
                 p4[i] = p;
                 break;
             }
@@ -146,15 +212,18 @@ __device__ __forceinline__ void finish_pass(long long first, long long stride, b
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
-        float* params, float* target, long long n, const DtSpectralMatrix* mats, int n_mats,
-        const float* scale, const float* sigma, float tau, int period, const int* adam_t, const int* skip,
-        const float* scalars, const float* clip, const float* beta, long long* step_counter, float* ring,
-        int ring_slots, unsigned int* skip_counts, unsigned int* skip_published, long long* skipped_step) {
+        float* params, float* target, long long n, const DtSpectralMatrix* mats, int n_mats, float* u_all,
+        const double* row_partials, float c, float* scale, float* sigma, float tau, int period, const int* adam_t,
+        const int* skip, const float* scalars, const float* clip, const float* beta, long long* step_counter,
+        float* ring, int ring_slots, unsigned int* skip_counts, unsigned int* skip_published,
+        long long* skipped_step) {
+    __shared__ FinishMats sh;
+    finish_stage(sh, mats, n_mats);  // the constant table, while the rows phase runs
     dt_wait_prior_grid();
     dt_allow_dependents();
-    finish_pass(dt_thread_index(), dt_grid_stride(), blockIdx.x == 0 && threadIdx.x == 0, params, target, n, mats,
-                n_mats, scale, sigma, tau, period, adam_t, skip, scalars, clip, beta, step_counter, ring, ring_slots,
-                skip_counts, skip_published, skipped_step);
+    finish_pass(sh, dt_thread_index(), dt_grid_stride(), blockIdx.x == 0, blockIdx.x == 0 && threadIdx.x == 0,
+                params, target, n, n_mats, u_all, row_partials, c, scale, sigma, tau, period, adam_t, skip, scalars,
+                clip, beta, step_counter, ring, ring_slots, skip_counts, skip_published, skipped_step);
 }
 
 // dqn_tail: everything of a step after the backward, in one cooperative launch:
@@ -193,11 +262,13 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
         unsigned int* tree_err_published,
         // the spectral projection
         const DtSpectralMatrix* mats, int n_mats, int column_blocks, int row_blocks, float* u_all, float* v_all,
-        float c, float* sigma, float* scale, double* spectral_partials, unsigned int* spectral_counters,
+        float c, float* sigma, float* scale, double* spectral_partials,
         // the finish pass
         float* target, float tau, int period, const float* scalars, const float* beta, long long* step_counter,
         float* ring, int ring_slots, unsigned int* skip_counts, unsigned int* skip_published,
         long long* skipped_step, unsigned int* barrier) {
+    __shared__ FinishMats finish_mats;
+    finish_stage(finish_mats, mats, n_mats);
     dt_wait_prior_grid();
     dt_allow_dependents();
     if (gate != nullptr && *gate) {
@@ -229,14 +300,14 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
             }
             dt_grid_barrier(barrier);
             for (int b = blockIdx.x; b < row_blocks; b += gridDim.x) {
-                dt_spectral_rows_block(b, params, mats, n_mats, u_all, v_all, c, sigma, scale, spectral_partials,
-                                       spectral_counters, 0);
+                dt_spectral_rows_block(b, params, mats, n_mats, u_all, v_all, spectral_partials, 0);
                 __syncthreads();
             }
         }
     }
     dt_grid_barrier(barrier);
-    finish_pass(dt_thread_index(), dt_grid_stride(), blockIdx.x == 0 && threadIdx.x == 0, params, target, n, mats,
-                n_mats, scale, sigma, tau, period, adam_t, skip, scalars, clip, beta, step_counter, ring, ring_slots,
-                skip_counts, skip_published, skipped_step);
+    finish_pass(finish_mats, dt_thread_index(), dt_grid_stride(), blockIdx.x == 0, blockIdx.x == 0 && threadIdx.x == 0,
+                params, target, n, n_mats, u_all, spectral_partials + column_blocks, c, scale, sigma, tau, period,
+                adam_t, skip, scalars, clip, beta, step_counter, ring, ring_slots, skip_counts, skip_published,
+                skipped_step);
 }

@@ -22,6 +22,21 @@
 //   padded to 64 floats). Elementwise, deterministic. With `skip` non-null and
 //   *skip set, it changes nothing. t >= 1 always: the Python side refuses an
 //   update before the first norm, where 1 - beta^0 = 0 would divide by zero.
+//
+// grad_norm_partials + adamw_clip_step: the same two steps with no last block
+//   (AdamW.step() launches them). grad_norm_partials writes its blocks' partial
+//   sums of g^2 to partials[0 .. G) exactly as grad_norm_clip's blocks do, and
+//   block 0 writes *t_next = *step + 1; it decides nothing. Every block of
+//   adamw_clip_step then adds the G partials in grad_norm_clip's last-block
+//   order (the same bits in every block), takes the norm, the clip scale and
+//   the NaN guard's decision from them as grad_norm_clip does, and updates its
+//   elements with t = *t_next; block 0 publishes clip, skip, *step = t and the
+//   metrics slot as grad_norm_clip's last block does. No block of either
+//   kernel reads what another block of it writes (adamw_clip_step reads t from
+//   t_next, not from the *step its block 0 advances). With `gate` non-null and
+//   non-zero, grad_norm_partials returns at once and adamw_clip_step only sets
+//   *skip = 2. Launch: grad_norm_partials as grad_norm_clip (grid G, block
+//   256); adamw_clip_step any grid, block 256, with G = norm_blocks.
 #include "common.cuh"
 #include "optim.cuh"
 
@@ -63,6 +78,52 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_step(
     dt_issued(t);
     if (skipped) return;
     const DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, scale, t);
+    if (first < n / 4) dt_adamw_store(a, x, first, params, m, v);
+    dt_adamw_elements(a, first + stride, stride, params, grads, m, v, n);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_partials(
+        const float* grads, long long n, double* partials, const int* step, int* t_next, const int* gate) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    if (gate != nullptr && *gate) return;
+    const double block = dt_block_sum<NORM_THREADS>(dt_sum_of_squares(dt_thread_index(), dt_grid_stride(), grads, n));
+    if (threadIdx.x != 0) return;
+    partials[blockIdx.x] = block;
+    if (blockIdx.x == 0) *t_next = *step + 1;
+}
+
+static_assert(ADAM_THREADS == NORM_THREADS, "every AdamW block adds the partials in the norm's last-block order");
+
+extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_clip_step(
+        float* params, const float* grads, float* m, float* v, long long n, float lr, double beta1, double beta2,
+        float eps, float weight_decay, const double* partials, int norm_blocks, float max_norm, const float* loss,
+        const int* t_next, float* clip, int* step, float* ring, int ring_slots, int* skip, const int* gate) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    // One round of loads: the first float4's operands, this thread's first
+    // partial, the gate and t.
+    const long long first = dt_thread_index(), stride = dt_grid_stride();
+    DtAdamWFloat4 x;
+    if (first < n / 4) x = dt_adamw_load(first, params, grads, m, v);
+    const double head = (int)threadIdx.x < norm_blocks ? __ldcg(&partials[threadIdx.x]) : 0.0;
+    const int gated = gate != nullptr ? *gate : 0;
+    const int t = __ldcg(t_next);
+    dt_issued(head);
+    dt_issued(gated);
+    dt_issued(t);
+    if (gated) {  // not due: later kernels see skip = 2 and do nothing either
+        if (blockIdx.x == 0 && threadIdx.x == 0 && skip != nullptr) *skip = 2;
+        return;
+    }
+    // dt_partials_sum's order: thread t adds partials t, t + 256, ... to 0.
+    double share = 0.0;
+    if ((int)threadIdx.x < norm_blocks) share += head;
+    for (int b = threadIdx.x + ADAM_THREADS; b < norm_blocks; b += ADAM_THREADS) share += __ldcg(&partials[b]);
+    const DtClip c = dt_clip_decide(dt_block_sum<ADAM_THREADS>(share), max_norm, loss, skip != nullptr);
+    if (blockIdx.x == 0 && threadIdx.x == 0) dt_clip_publish(c, t - 1, clip, step, loss, ring, ring_slots, skip);
+    if (c.bad) return;
+    const DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, c.scale, t);
     if (first < n / 4) dt_adamw_store(a, x, first, params, m, v);
     dt_adamw_elements(a, first + stride, stride, params, grads, m, v, n);
 }

@@ -9,8 +9,7 @@
 //   x = W^T u;  v = x / max(||x||, 1e-12);  y = W v;  u_new = y / max(||y||, 1e-12)
 //   sigma = u_new . y  (computed as ||y||^2 / max(||y||, 1e-12), the same number)
 //   scale = c / sigma if sigma > c, else exactly 1 (min(1, c / sigma); a NaN sigma gives 1)
-// W is not changed here: the caller applies W *= scale[m] later.
-// The two phases are block bodies (dt_spectral_columns_block,
+// The two phases here are block bodies (dt_spectral_columns_block,
 // dt_spectral_rows_block) over a phase block index: the kernels of dqn.cu run
 // one per block of their grid, and dqn_step.cu's cooperative tail loops its
 // blocks over them with a grid barrier between the phases. The same blocks, the
@@ -18,17 +17,19 @@
 // Phase 1 (spectral_columns) writes x unnormalised into v_all and one partial
 // ||x||^2 per block; phase 2 (spectral_rows) forms ||x|| in every block from
 // those partials (same order, so the same bits in every block), normalises v
-// while staging it, computes y, and the last block of each matrix normalises u
-// and writes sigma and scale. Phase 1 therefore needs no last block.
-// Between the two launches v_all holds x, and during phase 2 u_all holds y.
+// while staging it, computes y into u_all and one partial ||y||^2 per block.
+// Neither phase has a last block: whoever needs ||y|| sums phase 2's partials
+// the same way (dt_spectral_y_squared), in every block that needs it. The
+// finish pass (dqn_step.cu) does: it takes sigma and the scale, normalises u
+// and applies W *= scale[m].
+// Between the phases v_all holds x; after phase 2, u_all holds y until the
+// finish pass replaces it with u_new.
 //
 // Scratch (the same `partials` buffer goes to both kernels):
 //   partials: GC + GR doubles, GC = spectral_columns' grid, GR = spectral_rows'
 //     grid. Phase 1 writes [0, GC); phase 2 reads them and writes [GC, GC + GR).
 //     Phase 2 finds GC from the table as max_m(first_block_cols + ceil(cols / 16)).
 //   v_all: sum(cols) floats (v_offset); no y scratch: y is staged in u_all.
-//   counters: n_mats uints, zero on entry and left zero; used by
-//     spectral_rows only (spectral_columns ignores its argument, which may be null).
 // skip: when non-null and *skip != 0 both kernels write nothing (they load their
 //   first operands with the flag, then return).
 // Sizes: rows, cols >= 1, any size (the 1024-column bound of the v stage is
@@ -159,8 +160,7 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
 //   each warp takes rows warp, warp + 8 of the block and reads them along the
 //   columns (float4 per lane), with v normalised into shared memory in chunks of
 //   1024. Writes y_i into u_all[u_offset + i] and partials[GC + index] =
-//   sum of y_i^2 over the block's rows; the last block of matrix m (counters[m])
-//   overwrites u with u_new and writes sigma[m] and scale[m].
+//   sum of y_i^2 over the block's rows.
 // Blocks: index in [0, sum_m ceil(rows_m / 16)) (matrix m from first_block_rows),
 //   SPECTRAL_THREADS (256) threads, every one of which calls it; after every
 //   block of phase 1 has finished. The first chunk's operands (phase 1's
@@ -168,9 +168,8 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
 //   before anything waits on them; `skipped` (the kernel's skip flag, loaded with
 //   them; 0 in the cooperative tail) non-zero: it returns before writing.
 __device__ __forceinline__ void dt_spectral_rows_block(int index, const float* params, const DtSpectralMatrix* mats,
-                                                       int n_mats, float* u_all, const float* v_all, float c,
-                                                       float* sigma, float* scale, double* partials,
-                                                       unsigned int* counters, int skipped) {
+                                                       int n_mats, float* u_all, const float* v_all,
+                                                       double* partials, int skipped) {
     DtSpectralMatrix mat;
     int block = 0;
     const int m = spectral_find(mats, n_mats, false, index, mat, block);
@@ -302,31 +301,33 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const float* p
         for (int r = 0; r < DT_SPECTRAL_ROWS_PER_BLOCK; ++r) sq += row_squares[r];
         row_partials[index] = sq;
     }
+}
 
-    const int row_blocks = dt_spectral_row_blocks(rows);
-    if (!dt_last_block(&counters[m], (unsigned int)row_blocks)) return;
-    float y0[SPECTRAL_V_PER_THREAD];  // this thread's first values of y, loaded with the partials
-#pragma unroll
-    for (int k = 0; k < SPECTRAL_V_PER_THREAD; ++k) {
-        const int i = threadIdx.x + k * SPECTRAL_THREADS;
-        y0[k] = i < rows ? __ldcg(&u[i]) : 0.0f;
-    }
-    s = 0.0;
-    for (int b = threadIdx.x; b < row_blocks; b += SPECTRAL_THREADS)
-        s += __ldcg(&row_partials[mat.first_block_rows + b]);
-    const double y_squared = dt_block_sum<SPECTRAL_THREADS>(s);
-    const double y_norm = spectral_norm_floor(sqrt(y_squared));
-#pragma unroll
-    for (int k = 0; k < SPECTRAL_V_PER_THREAD; ++k) {
-        const int i = threadIdx.x + k * SPECTRAL_THREADS;
-        if (i < rows) u[i] = (float)((double)y0[k] / y_norm);
-    }
-    for (int i = threadIdx.x + SPECTRAL_V_PER_THREAD * SPECTRAL_THREADS; i < rows; i += SPECTRAL_THREADS)
-        u[i] = (float)((double)__ldcg(&u[i]) / y_norm);
-    if (threadIdx.x == 0) {
-        const double sig = y_squared / y_norm;
-        sigma[m] = (float)sig;
-        // W stays exactly as it was unless sigma > c (so a NaN sigma leaves it too).
-        scale[m] = sig > (double)c ? (float)((double)c / sig) : 1.0f;
-    }
+// This thread's share of ||y||^2 for a matrix whose phase-2 partials are
+// row_partials[0 .. row_blocks): partials t, t + THREADS, ... added to 0 in
+// order, `first` (partial t, loaded earlier by the caller, 0 when t >= row_blocks)
+// standing for the first. dt_block_sum of the shares over a block of THREADS
+// threads gives the same bits in every block that does it.
+template <int THREADS>
+__device__ __forceinline__ double dt_spectral_y_share(const double* row_partials, int row_blocks, double first) {
+    double s = 0.0;
+    if ((int)threadIdx.x < row_blocks) s += first;
+    for (int b = threadIdx.x + THREADS; b < row_blocks; b += THREADS) s += __ldcg(&row_partials[b]);
+    return s;
+}
+
+// From ||y||^2 of a matrix: ||y|| (floored), sigma and the scale applied to W.
+struct DtSpectralResult {
+    double y_norm;
+    float sigma, scale;
+};
+
+__device__ __forceinline__ DtSpectralResult dt_spectral_result(double y_squared, float c) {
+    DtSpectralResult r;
+    r.y_norm = spectral_norm_floor(sqrt(y_squared));
+    const double sig = y_squared / r.y_norm;
+    r.sigma = (float)sig;
+    // W stays exactly as it was unless sigma > c (so a NaN sigma leaves it too).
+    r.scale = sig > (double)c ? (float)((double)c / sig) : 1.0f;
+    return r;
 }

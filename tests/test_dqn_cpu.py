@@ -1,7 +1,9 @@
 """DQNConfig validation (CPU: no driver call is made)."""
+from pathlib import Path
+
 import pytest
 
-from drvtrain.rl.dqn import DQNConfig
+from drvtrain.rl.dqn import MAX_SPECTRAL_LAYERS, DQNConfig
 
 
 def test_benchmark_configurations_are_valid():
@@ -51,6 +53,19 @@ def test_config_round_trips_through_a_dict():
     cfg = DQNConfig.small(beta=(0.4, 1.0, 1000), tau=None, target_period=100, hidden=[64, 32])
     again = DQNConfig(**cfg.to_dict())
     assert again == cfg and again.hidden == (64, 32) and again.beta == (0.4, 1.0, 1000)
+
+
+def test_the_projection_takes_at_most_the_finish_pass_table():
+    """The finish pass stages the spectral table in shared memory (FINISH_MAX_MATS
+    entries in kernels/dqn_step.cu); a config with more projected layers is refused
+    before anything is allocated, and naming fewer, or none, is accepted."""
+    deep = dict(obs_dim=4, hidden=(8,) * (MAX_SPECTRAL_LAYERS + 1), n_actions=2)
+    with pytest.raises(ValueError, match=f"at most {MAX_SPECTRAL_LAYERS} layers, got {MAX_SPECTRAL_LAYERS + 1}"):
+        DQNConfig(**deep)
+    assert len(DQNConfig(**deep, spectral_layers=range(MAX_SPECTRAL_LAYERS)).projected_layers) == 64
+    assert DQNConfig(**deep, spectral_c=None).projected_layers == ()
+    text = (Path(__file__).parents[1] / "kernels" / "dqn_step.cu").read_text()
+    assert f"constexpr int FINISH_MAX_MATS = {MAX_SPECTRAL_LAYERS};" in text
 
 
 def test_fused_head_takes_none_true_or_false():

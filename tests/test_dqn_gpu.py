@@ -165,6 +165,10 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     # Projected layers wider than the spectral kernels' 1024-column chunk: float4 and scalar rows.
     dict(obs_dim=3, hidden=(1100, 40), n_actions=3, batch=64, capacity=1024, tf32=False),
     dict(obs_dim=3, hidden=(1030, 24), n_actions=3, batch=64, capacity=1024, tf32=False),
+    # Six projected layers: the finish pass sums ||y|| four matrices at a time, so two rounds.
+    dict(obs_dim=3, hidden=(40, 24, 33, 17, 20, 28), n_actions=3, batch=64, capacity=1024, tf32=False),
+    # A projected layer of 4200 rows: 263 row partials, more than a finish block's threads.
+    dict(obs_dim=3, hidden=(4200, 8), n_actions=3, batch=64, capacity=1024, tf32=False),
     # The three forwards as one launch of thread block clusters.
     dict(ODD, tf32=False, cluster_forward=True),
     dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False, cluster_forward=True),
@@ -172,7 +176,8 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
 ], ids=["odd-shapes", "one-action", "hard-copy-spectral-c", "no-spectral-clipped", "small", "large",
         "odd-shapes-fused", "small-fused", "one-action-fused-head", "large-fused-head", "large-presplit",
         "large-fused-head-presplit-one-stream",
-        "odd-shapes-fused-head", "wide-rows-float4", "wide-rows-scalar", "odd-shapes-cluster-forward",
+        "odd-shapes-fused-head", "wide-rows-float4", "wide-rows-scalar", "six-projected-layers",
+        "tall-projected-layer", "odd-shapes-cluster-forward",
         "small-cluster-forward", "odd-shapes-fused-head-cluster-forward"])
 def test_one_fp32_step_matches_float64(device, rng, overrides):
     step, _ = one_step(DQNConfig(seed=int(rng.integers(1 << 30)), **overrides), rng)
@@ -476,7 +481,7 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     assert not failed, failed
     assert counts.per_iteration("cuGraphLaunch") == 1 and counts.per_iteration("cuEventRecord") == 1
     names = {k.function for k in step.graph.kernel_nodes()}
-    separate = {"grad_norm_clip", "adamw_step", "sumtree_update", "dqn_finish"}
+    separate = {"grad_norm_partials", "adamw_clip_step", "sumtree_update", "dqn_finish"}
     # The small net's 3 x 256 output layer runs in one dqn_head node (forwards, loss, dX); the
     # large net's 19 x 1024 one as separate products and dqn_loss (DQNConfig.fused_head=None).
     fused = config == "small"
@@ -620,10 +625,12 @@ def _head_case(rng, hidden, n_actions, batch):
                 weights=rng.uniform(0.1, 1.0, batch).astype(np.float32))
 
 
-def _run_head(case, hidden, n_actions, batch, gamma, delta, stream, gate=0):
-    """dqn_head on the case, every output poisoned first; returns the outputs as host arrays."""
+def _run_head(case, hidden, n_actions, batch, gamma, delta, stream, gate=0, means="last block"):
+    """dqn_head on the case, every output poisoned first; returns the outputs as host arrays.
+    ``means``: "last block" (a counter), "kernel" (no counter, then dqn_means_256, as the
+    step runs it) or "none" (no counter and nothing after)."""
     from drvtrain import builtin_module
-    from drvtrain.rl.dqn import HEAD_SIGNATURE, _HEAD_ROWS, head_shared_bytes
+    from drvtrain.rl.dqn import HEAD_SIGNATURE, MEANS_SIGNATURE, _HEAD_ROWS, head_shared_bytes
     kernel = builtin_module("dqn.cu").kernel("dqn_head", HEAD_SIGNATURE, fixed_block=True)
     cols = 1 + n_actions
     dev = [DeviceBuffer.from_numpy(x) for x in (*case["h"], case["w"][0], case["bias"][0], case["w"][1],
@@ -637,8 +644,12 @@ def _run_head(case, hidden, n_actions, batch, gamma, delta, stream, gate=0):
         buf.poison(stream=stream)
     q_s, q_next, q_target, dout, dh, priorities, scalars, a_star = outs
     kernel.launch(grid, kernel.block, *dev[:3], hidden, *dev[3:11], batch, n_actions, gamma, delta,
-                  q_s, q_next, q_target, dout, dh, priorities, scalars, partials, counter, a_star, gate,
+                  q_s, q_next, q_target, dout, dh, priorities, scalars, partials,
+                  counter if means == "last block" else 0, a_star, gate,
                   stream=stream, shared_mem=head_shared_bytes(hidden, n_actions))
+    if means == "kernel":
+        sums = builtin_module("dqn.cu").kernel("dqn_means_256", MEANS_SIGNATURE, fixed_block=True)
+        sums.launch(1, sums.block, partials, grid, batch, scalars, gate, stream=stream)
     stream.synchronize()
     assert counter.to_numpy()[0] == 0
     names = ("q_s", "q_next", "q_target", "dout", "dh", "priorities", "scalars", "a_star")
@@ -665,6 +676,14 @@ def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, brok
         clean[[1, 3]] = False
     stream = Stream()
     got = _run_head(case, hidden, n_actions, batch, gamma, delta, stream)
+    # The step's way: no counter, the means from dqn_means_256 after the head: the same
+    # bits everywhere; and with no counter and nothing after, the scalars stay poisoned.
+    split = _run_head(case, hidden, n_actions, batch, gamma, delta, stream, means="kernel")
+    for name in got:
+        assert got[name].tobytes() == split[name].tobytes(), name
+    alone = _run_head(case, hidden, n_actions, batch, gamma, delta, stream, means="none")
+    assert np.all(alone["scalars"].view(np.uint32) == 0xFFFFFFFF)
+    assert alone["dh"].tobytes() == got["dh"].tobytes()
     f64 = lambda x: np.asarray(x, np.float64)
     h, w, bias = clean_case["h"], clean_case["w"], clean_case["bias"]
     want_q = [f64(h[0]) @ f64(w[0]).T + bias[0], f64(h[1]) @ f64(w[0]).T + bias[0], f64(h[2]) @ f64(w[1]).T + bias[1]]
@@ -690,8 +709,9 @@ def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, brok
     # with its Q rows on 16-byte boundaries (16-byte copies), all 4 bytes past them, and only
     # the second of the three 4 bytes past (4-byte copies: every array is checked).
     from drvtrain import builtin_module
-    from drvtrain.rl.dqn import LOSS_SIGNATURE
+    from drvtrain.rl.dqn import LOSS_SIGNATURE, MEANS_SIGNATURE
     loss = builtin_module("dqn.cu").kernel("dqn_loss", LOSS_SIGNATURE, fixed_block=True)
+    sums = builtin_module("dqn.cu").kernel("dqn_means_32", MEANS_SIGNATURE, fixed_block=True)
     per_sample = [DeviceBuffer.from_numpy(case[k]) for k in ("action", "reward", "done", "weights")]
     grid = -(-batch // loss.block)
     scalars = {}
@@ -706,7 +726,14 @@ def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, brok
             buf.poison(stream=stream)
         loss.launch(grid, loss.block, *q, *per_sample, batch, n_actions, gamma, delta, outs[0], outs[1], outs[2],
                     DeviceBuffer(3 * grid, np.float64), DeviceBuffer.zeros(1, np.uint32), outs[3], 0, stream=stream)
+        # No counter, then dqn_means_32 (the step's way): the same scalars, bit for bit.
+        partials, later = DeviceBuffer(3 * grid, np.float64), DeviceBuffer(4)
+        later.poison(stream=stream)
+        loss.launch(grid, loss.block, *q, *per_sample, batch, n_actions, gamma, delta, outs[0], outs[1], later,
+                    partials, 0, outs[3], 0, stream=stream)
+        sums.launch(1, sums.block, partials, grid, batch, later, 0, stream=stream)
         stream.synchronize()
+        assert later.to_numpy()[:3].tobytes() == outs[2].to_numpy()[:3].tobytes(), f"means, offsets {offsets}"
         for name, buf in zip(("dout", "priorities", "a_star"), (outs[0], outs[1], outs[3])):
             np.testing.assert_array_equal(buf.to_numpy(), got[name], err_msg=f"{name}, offsets {offsets}")
         scalars[offsets] = outs[2].to_numpy()[:3]

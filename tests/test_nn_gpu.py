@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from drvtrain import Arena, DeviceBuffer, Stream
-from drvtrain.nn import MLP, AdamW, FlatBuffer, ParamLayout, RegressionStep
+from drvtrain.nn import MLP, AdamW, FlatBuffer, Metrics, ParamLayout, RegressionStep
 from nn_reference import adamw, clip_scale, f32_round, mlp_backward, mlp_forward, mse, rel
 
 pytestmark = pytest.mark.gpu
@@ -173,6 +173,55 @@ def test_hundred_adamw_steps_match_float64_recurrence(device, stream, rng):
     assert rel(opt.m.buffer.to_numpy(), m) < 1e-5 and rel(opt.v.buffer.to_numpy(), v) < 1e-5
     assert np.all(got[~mask] == 0)
     assert opt.read_state()[2] == 100
+
+
+def test_step_is_clip_grad_norm_then_apply_bit_for_bit(device, stream, rng):
+    """AdamW.step decides the clip in every block of the update from the norm
+    kernel's partials; clip_grad_norm then apply decide it in the norm's last
+    block. On a net of over 256 K parameters (more norm partials than a block has
+    threads, so each thread adds two), with a loss, a metrics ring and the NaN
+    guard, six steps run both ways: one with a NaN gradient (skipped) and one
+    gated (not due). Every step leaves the same bits in params, m, v, the clip,
+    t and the flag, and the same ring slots; t and the flag are what they must be."""
+    layout = make_layout([300, 900, 7])
+    theta0 = layout.init_numpy(int(rng.integers(1 << 30)))
+    seed = int(rng.integers(1 << 30))
+    runs = {}
+    for fused in (True, False):
+        params, grads = FlatBuffer(layout, theta0), FlatBuffer(layout)
+        loss = DeviceBuffer.from_numpy(np.array([rng.uniform(0.1, 2.0)], np.float32))
+        ring = Metrics(slots=8)
+        opt = AdamW(params, grads, lr=1e-2, max_norm=300.0, loss=loss, metrics=ring, nan_guard=True)
+        assert opt.norm_grid > 256
+        gate = DeviceBuffer.from_numpy(np.zeros(1, np.int32))
+        g_rng = np.random.default_rng(seed)
+        states = []
+        for k in range(6):
+            g = (g_rng.standard_normal(layout.size) * g_rng.uniform(0.3, 1.5)).astype(np.float32)
+            if k == 3:
+                g[int(g_rng.integers(layout.size))] = np.nan
+            grads.buffer.copy_from_numpy(g)
+            gate.copy_from_numpy(np.array([1 if k == 4 else 0], np.int32))
+            if fused:
+                opt.step(stream=stream, gate=gate)
+            else:
+                opt.clip_grad_norm(stream=stream, gate=gate)
+                opt.apply(stream=stream)
+            stream.synchronize()
+            states.append([b.buffer.to_numpy().tobytes() for b in (params, opt.m, opt.v)]
+                          + [opt.clip.to_numpy().tobytes(), int(opt.t.to_numpy()[0]), int(opt.skip.to_numpy()[0])])
+        runs[fused] = states, ring.ring.view().copy()
+        for b in (params, grads, loss, gate):
+            b.close()
+        opt.close()
+        ring.close()
+    (fused, fused_ring), (plain, plain_ring) = runs[True], runs[False]
+    assert [s[4:] for s in fused] == [[1, 0], [2, 0], [3, 0], [3, 1], [3, 2], [4, 0]]
+    assert fused[0][0] != theta0.astype(np.float32).tobytes()  # the first step moved the parameters
+    for k, (a, b) in enumerate(zip(fused, plain)):
+        assert a == b, f"step {k}"
+    assert fused_ring.tobytes() == plain_ring.tobytes()
+    assert sorted(int(s) for s in fused_ring.view(np.int32)[:, 3] if s) == [1, 2, 3, 4]
 
 
 def test_adamw_weight_decay_factor_is_rounded_once(device, stream, rng):

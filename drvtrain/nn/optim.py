@@ -14,15 +14,23 @@ __all__ = ["AdamW"]
 class AdamW:
     """PyTorch AdamW with clipping to ``max_norm``, two launches per step, no host scalars.
 
-    ``step`` launches the norm kernel (norm, clip scale and the step counter
-    ``t``, all in device memory, plus the metrics slot when a ring is given)
-    and the AdamW kernel, which reads the scale and ``t`` from device memory.
-    Graph replays therefore need nothing from the host.
+    ``clip_grad_norm`` launches the norm kernel (norm, clip scale and the step
+    counter ``t``, all in device memory, plus the metrics slot when a ring is
+    given); ``apply`` launches the AdamW kernel, which reads the scale and
+    ``t`` from device memory. Graph replays therefore need nothing from the
+    host.
 
-    With ``nan_guard=True`` the norm kernel also sets ``skip`` (an int32
-    device buffer) when the gradient norm or ``loss`` is not finite; the
-    update then changes nothing and ``t`` does not advance. Other kernels of
-    a step may read ``skip`` too.
+    ``step`` does the same in a pair of kernels with no last block: the norm
+    kernel only writes its blocks' partial sums, and every block of the AdamW
+    kernel adds them (in the order the norm's last block would) and decides the
+    scale itself; its block 0 publishes what ``clip_grad_norm`` would. The
+    results are the same bits as ``clip_grad_norm`` then ``apply``, one
+    reduction sooner.
+
+    With ``nan_guard=True`` the step also sets ``skip`` (an int32 device
+    buffer) when the gradient norm or ``loss`` is not finite; the update then
+    changes nothing and ``t`` does not advance. Other kernels of a step may
+    read ``skip`` too, once the update has run.
     """
 
     def __init__(self, params: FlatBuffer, grads: FlatBuffer, *, lr: float = 1e-3, betas=(0.9, 0.999),
@@ -50,18 +58,26 @@ class AdamW:
         self.norm_grid = max(2, min(2 * get_device().sm_count, -(-n // 1024)))
         self._adam_grid = max(2, min(4 * get_device().sm_count, -(-n // 1024)))
         self.norm_partials = DeviceBuffer(self.norm_grid, np.float64)
-        state = DeviceBuffer.from_numpy(np.zeros(5, np.int32))  # norm, scale, t, counter, skip
+        state = DeviceBuffer.from_numpy(np.zeros(6, np.int32))  # norm, scale, t, counter, skip, t + 1
         self._state = state
         self.clip = state.view(np.float32, (2,), 0)
         self.t = state.view(np.int32, (1,), 8)
         self._counter = state.view(np.uint32, (1,), 12)
         self.skip = state.view(np.int32, (1,), 16) if nan_guard else None
+        self._t_next = state.view(np.int32, (1,), 20)
         self._norm_queued = False
         mod = builtin_module("optim.cu")
         self._norm = mod.kernel("grad_norm_clip", "ptr i64 ptr ptr f32 ptr ptr ptr ptr i32 ptr ptr",
                                 fixed_block=True)
         self._adamw = mod.kernel("adamw_step", "ptr ptr ptr ptr i64 f32 f64 f64 f32 f32 ptr ptr ptr",
                                  fixed_block=True)
+        self._partials = mod.kernel("grad_norm_partials", "ptr i64 ptr ptr ptr ptr", fixed_block=True)
+        self._adamw_clip = mod.kernel("adamw_clip_step",
+                                      "ptr ptr ptr ptr i64 f32 f64 f64 f32 f32 ptr i32 f32 ptr ptr ptr ptr ptr i32 "
+                                      "ptr ptr", fixed_block=True)
+
+    def _ring(self) -> tuple[int, int]:
+        return (self.metrics.ptr, self.metrics.slots) if self.metrics is not None else (0, 1)
 
     def clip_grad_norm(self, *, stream, gate=None) -> None:
         """Norm, clip scale and ``t += 1`` on the device (and the metrics slot).
@@ -70,8 +86,7 @@ class AdamW:
         kernel only sets ``skip`` to 2, and ``apply`` then changes nothing."""
         if gate is not None and self.skip is None:
             raise ValueError("a gated clip_grad_norm needs AdamW(..., nan_guard=True)")
-        ring = self.metrics.ptr if self.metrics is not None else 0
-        slots = self.metrics.slots if self.metrics is not None else 1
+        ring, slots = self._ring()
         self._norm.launch(self.norm_grid, self._norm.block, self.grads, self.n, self.norm_partials, self._counter,
                           self.max_norm, self.clip, self.t, self.loss if self.loss is not None else 0,
                           ring, slots, self.skip if self.skip is not None else 0,
@@ -89,8 +104,22 @@ class AdamW:
                            self.skip if self.skip is not None else 0, stream=stream)
 
     def step(self, *, stream, gate=None) -> None:
-        self.clip_grad_norm(stream=stream, gate=gate)
-        self.apply(stream=stream)
+        """Clip and update: the results of ``clip_grad_norm`` then ``apply``, bit for
+        bit, with the clip decided in every block of the update (class docstring).
+        ``gate`` as ``clip_grad_norm``."""
+        if gate is not None and self.skip is None:
+            raise ValueError("a gated step needs AdamW(..., nan_guard=True)")
+        gate = gate if gate is not None else 0
+        self._partials.launch(self.norm_grid, self._partials.block, self.grads, self.n, self.norm_partials, self.t,
+                              self._t_next, gate, stream=stream)
+        ring, slots = self._ring()
+        b1, b2 = self.betas
+        self._adamw_clip.launch(self._adam_grid, self._adamw_clip.block, self.params, self.grads, self.m, self.v,
+                                self.n, self.lr, b1, b2, self.eps, self.weight_decay, self.norm_partials,
+                                self.norm_grid, self.max_norm, self.loss if self.loss is not None else 0,
+                                self._t_next, self.clip, self.t, ring, slots,
+                                self.skip if self.skip is not None else 0, gate, stream=stream)
+        self._norm_queued = True
 
     def read_state(self) -> tuple[float, float, int]:
         """(norm, scale, t), read synchronously: tests and setup only."""

@@ -45,10 +45,12 @@ _SPECTRAL_DTYPE = np.dtype([("w_offset", "<i8"), ("rows", "<i4"), ("cols", "<i4"
 _SPECTRAL_COLS_PER_BLOCK = 16  # DT_SPECTRAL_COLS_PER_BLOCK
 MAX_ACTIONS = 64  # DQN_MAX_ACTIONS in kernels/dqn.cu: the loss kernel stages rows in shared memory
 _SPECTRAL_ROWS_PER_BLOCK = 16  # DT_SPECTRAL_ROWS_PER_BLOCK
+MAX_SPECTRAL_LAYERS = 64  # FINISH_MAX_MATS in kernels/dqn_step.cu: the finish pass stages the table
 _HEAD_ROWS = 4  # DQN_HEAD_ROWS in kernels/dqn.cu: batch rows per dqn_head block
 # DQNConfig(fused_head=None) fuses output layers of this many weights (measured, docs/perf-notes.md).
 HEAD_AUTO_WEIGHTS = (512, 3072)
 LOSS_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr"
+MEANS_SIGNATURE = "ptr i32 i32 ptr ptr"
 HEAD_SIGNATURE = "ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr"
 
 
@@ -218,6 +220,9 @@ class DQNConfig:
             _positive_int("spectral layer index", k, 0, n_hidden - 1)
         if self.spectral_layers is not None and len(set(self.spectral_layers)) != len(self.spectral_layers):
             raise ValueError(f"spectral_layers repeats a layer: {self.spectral_layers}")
+        if len(self.projected_layers) > MAX_SPECTRAL_LAYERS:
+            raise ValueError(f"the spectral projection takes at most {MAX_SPECTRAL_LAYERS} layers, got "
+                             f"{len(self.projected_layers)}: name fewer in spectral_layers, or set spectral_c=None")
         _positive_int("seed", self.seed, 0, 2**63 - 1)
         if self.fused_head is not None and not isinstance(self.fused_head, (bool, np.bool_)):
             raise ValueError(f"fused_head must be True, False or None, got {self.fused_head!r}")
@@ -303,10 +308,10 @@ class DQNStep:
         self._loss_kernel = mod.kernel("dqn_loss", LOSS_SIGNATURE, fixed_block=True)
         self._loss_grid = -(-b // self._loss_kernel.block)
         self._loss_partials = DeviceBuffer(3 * self._loss_grid, np.float64)
-        self._loss_counter = DeviceBuffer.zeros(1, np.uint32)
+        self._means = mod.kernel("dqn_means_32", MEANS_SIGNATURE, fixed_block=True)  # dqn_head's replaces it
         self._setup_spectral(mod, rng)
         self._finish = builtin_module("dqn_step.cu").kernel(
-            "dqn_finish", "ptr ptr i64 ptr i32 ptr ptr f32 i32 ptr ptr ptr ptr ptr ptr ptr i32 ptr ptr ptr",
+            "dqn_finish", "ptr ptr i64 ptr i32 ptr ptr f32 ptr ptr f32 i32 ptr ptr ptr ptr ptr ptr ptr i32 ptr ptr ptr",
             fixed_block=True)
         self._finish_grid = max(2, min(4 * device.sm_count, -(-self.layout.size // (4 * self._finish.block))))
         self._tail = None
@@ -314,7 +319,7 @@ class DQNStep:
             self._tail = builtin_module("dqn_step.cu").kernel(
                 "dqn_tail", "ptr ptr ptr ptr i64 i32 ptr f32 ptr f32 f64 f64 f32 f32 ptr ptr ptr ptr "
                 "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr ptr "
-                "ptr i32 i32 i32 ptr ptr f32 ptr ptr ptr ptr "
+                "ptr i32 i32 i32 ptr ptr f32 ptr ptr ptr "
                 "ptr f32 i32 ptr ptr ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
             # One block per SM at most: a barrier costs more with more arrivals, and
             # the phases with blocks of their own have about that many or fewer;
@@ -347,6 +352,9 @@ class DQNStep:
         self.arena = Arena(self.replay.scratch_bytes(b) + net_bytes + 2 * out_bytes + 8 * b + 4096,
                            zeroed_bytes=zeroed + 1024, active=arena_active)
         self.streams = (Stream(), Stream()) if dual else ()
+        # The loss's batch means (dqn_means_*) beside the backward, joined before the
+        # optimizer, their first reader; inline on one stream.
+        self._means_stream = Stream() if dual else None
         self._head = None
         head_weights = (1 + a) * self.layout.layers[-1][1]
         fuse_head = cfg.fused_head if cfg.fused_head is not None else \
@@ -358,6 +366,7 @@ class DQNStep:
                 self._head = head
                 self._head_grid = -(-b // _HEAD_ROWS)
                 self._head_partials = DeviceBuffer(3 * self._head_grid, np.float64)
+                self._means = mod.kernel("dqn_means_256", MEANS_SIGNATURE, fixed_block=True)
             elif cfg.fused_head:
                 warnings.warn(f"fused_head=True: the output layers take {self._head_shared} bytes of shared "
                               f"memory in a dqn_head block, this device allows {head.max_dynamic_shared()}; "
@@ -421,14 +430,15 @@ class DQNStep:
         self._v = DeviceBuffer(max(1, v_off), np.float32)
         self._spectral_grids = (cb, rb)
         self._spectral_partials = DeviceBuffer(max(1, cb + rb), np.float64)
-        self._spectral_counters = DeviceBuffer.zeros(max(1, len(layers)), np.uint32)
+        # The rows phase's partials, after the columns phase's: the finish pass sums them.
+        self._row_partials = (self._spectral_partials.view(np.float64, (rb,), 8 * cb) if rb
+                              else self._spectral_partials)
         n = max(1, len(layers))
         self._sigma_scale = DeviceBuffer.from_numpy(np.concatenate([np.zeros(n), np.ones(n)]).astype(np.float32))
         self.sigma = self._sigma_scale.view(np.float32, (n,), 0)
         self.spectral_scale = self._sigma_scale.view(np.float32, (n,), 4 * n)
-        self._spectral_columns = mod.kernel("spectral_columns", "ptr ptr i32 ptr ptr ptr ptr ptr", fixed_block=True)
-        self._spectral_rows = mod.kernel("spectral_rows", "ptr ptr i32 ptr ptr f32 ptr ptr ptr ptr ptr",
-                                         fixed_block=True)
+        self._spectral_columns = mod.kernel("spectral_columns", "ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
+        self._spectral_rows = mod.kernel("spectral_rows", "ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
 
     # ------------------------------------------------------------------ the step
     def enqueue(self, *, stream, uniforms=None, gate=None) -> None:
@@ -492,22 +502,30 @@ class DQNStep:
                         self.params.weight(last), self.params.bias(last), self.target.weight(last),
                         self.target.bias(last), batch.action, batch.reward, batch.done, batch.weights, b, a,
                         cfg.gamma, cfg.huber_delta, *q, dout, dh, priorities, self._scalars, self._head_partials,
-                        self._loss_counter, a_star, gate if gate is not None else 0, stream=stream,
-                        shared_mem=self._head_shared)
+                        0, a_star, gate if gate is not None else 0, stream=stream, shared_mem=self._head_shared)
             f_online, f_next, f_target = (Forward(f.activations + (out,))
                                           for f, out in zip((f_online, f_next, f_target), q))
         else:
             self._loss_kernel.launch(self._loss_grid, self._loss_kernel.block, f_online.output, f_next.output,
                                      f_target.output, batch.action, batch.reward, batch.done, batch.weights, b, a,
                                      cfg.gamma, cfg.huber_delta, dout, priorities, self._scalars,
-                                     self._loss_partials, self._loss_counter, a_star,
-                                     gate if gate is not None else 0, stream=stream)
+                                     self._loss_partials, 0, a_star, gate if gate is not None else 0, stream=stream)
+        # Each loss block left its partials (no counter): the means are summed off the chain.
+        means_stream = self._means_stream or stream
+        if means_stream is not stream:
+            fork(stream, means_stream)
+        grid, partials = (self._head_grid, self._head_partials) if head is not None else \
+            (self._loss_grid, self._loss_partials)
+        self._means.launch(1, self._means.block, partials, grid, b, self._scalars, gate if gate is not None else 0,
+                           stream=means_stream)
         if self.narrow is not None:
             self.narrow.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate)
         else:
             mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
                          weight_stream=self._weight_streams or None, dx_last=dh,
                          weight_splits=weight_splits)
+        if means_stream is not stream:  # the optimizer reads the loss for its NaN guard
+            join(stream, means_stream)
         # The priority update needs the loss's priorities and the norm's NaN guard; on
         # a second stream, forked once the norm and AdamW are queued, it runs beside
         # the spectral launches and the finish pass, off the chain.
@@ -537,7 +555,7 @@ class DQNStep:
             gate if gate is not None else 0,
             *self.replay.tree.update_operands(batch.indices, priorities),
             self._spectral_mats, self.n_spectral, cb, rb, self.u, self._v, float(cfg.spectral_c or 1.0), self.sigma,
-            self.spectral_scale, self._spectral_partials, self._spectral_counters,
+            self.spectral_scale, self._spectral_partials,
             self.target, tau, period, self._scalars, self._beta_used, self._step_counter, self.metrics.ptr,
             self.metrics.slots, self.skips.counts, self.skips.published, self._skipped_step.ptr, self._tail_barrier,
             stream=stream, cooperative=True)
@@ -547,15 +565,15 @@ class DQNStep:
         if self.n_spectral:
             cb, rb = self._spectral_grids
             self._spectral_columns.launch(cb, self._spectral_columns.block, self.params, self._spectral_mats,
-                                          self.n_spectral, self.u, self._v, self._spectral_partials,
-                                          self._spectral_counters, skip, stream=stream)
+                                          self.n_spectral, self.u, self._v, self._spectral_partials, skip,
+                                          stream=stream)
             self._spectral_rows.launch(rb, self._spectral_rows.block, self.params, self._spectral_mats,
-                                       self.n_spectral, self.u, self._v, float(cfg.spectral_c), self.sigma,
-                                       self.spectral_scale, self._spectral_partials, self._spectral_counters,
-                                       skip, stream=stream)
+                                       self.n_spectral, self.u, self._v, self._spectral_partials, skip,
+                                       stream=stream)
         tau, period = cfg.target_update
         self._finish.launch(self._finish_grid, self._finish.block, self.params, self.target, self.layout.size,
-                            self._spectral_mats, self.n_spectral, self.spectral_scale, self.sigma, tau, period,
+                            self._spectral_mats, self.n_spectral, self.u, self._row_partials,
+                            float(cfg.spectral_c or 1.0), self.spectral_scale, self.sigma, tau, period,
                             self.optimizer.t, skip, self._scalars, self.optimizer.clip, self._beta_used,
                             self._step_counter, self.metrics.ptr, self.metrics.slots, self.skips.counts,
                             self.skips.published, self._skipped_step.ptr, stream=stream)
@@ -657,7 +675,7 @@ class DQNStep:
         self._step_counter.copy_from_numpy(np.asarray(arrays["step"], np.int64).reshape(1))
 
     def close(self) -> None:
-        for s in self.streams:
+        for s in self.streams + ((self._means_stream,) if self._means_stream is not None else ()):
             s.close()
         self.replay.close()
         self.arena.close()
@@ -716,7 +734,7 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
                               len(heads) == 1 and not losses))
     if step.config.fused_tail:
         tails = [k for k in kernels if k.function == "dqn_tail"]
-        replaced = [k for k in kernels if k.function in ("grad_norm_clip", "adamw_step", "sumtree_update",
+        replaced = [k for k in kernels if k.function in ("grad_norm_partials", "adamw_clip_step", "sumtree_update",
                                                          "dqn_finish") or k.function.startswith("spectral_")]
         rows.append(Criterion("norm, priority update, AdamW, projection, finish: one node", "1", str(len(tails)),
                               len(tails) == 1 and not replaced))
