@@ -455,7 +455,7 @@ class Kernel:
                              f"{_OPTIONS_CC[0]}.{_OPTIONS_CC[1]} or newer; the kernel's device has {have}")
 
     # -------------------------------------------------------------- launching
-    def launch(self, grid, block, *args, stream, shared_mem: int = 0, dependent: bool = False,
+    def launch(self, grid, block, *args, stream, shared_mem: int = 0, dependent: bool | None = None,
                cluster=None, cooperative: bool = False, cluster_policy: str | None = None) -> None:
         """Pack ``args`` into the kernel's reusable pack and launch on ``stream``.
 
@@ -479,7 +479,9 @@ class Kernel:
         not ordered after the previous kernel at all. The previous kernel may
         call ``dt_allow_dependents()`` to let this one start even earlier.
         After work that is not a kernel (a copy, an event wait) the launch is
-        ordered as usual.
+        ordered as usual. ``dependent=None`` (the default) follows the
+        enclosing ``dependent_launches`` scope; ``dependent=False`` is an
+        ordinary launch even inside one.
 
         ``cluster=(x, y, z)``: launch as thread block clusters of that shape
         (compute capability 9.0+); the grid must divide by it, and a cluster
@@ -494,7 +496,8 @@ class Kernel:
         blocks; more is refused. It combines with ``dependent``, not with
         ``cluster``.
         """
-        dependent = dependent or (_scope.dependent and self._dependent_capable)
+        if dependent is None:
+            dependent = _scope.dependent and self._dependent_capable
         if dependent or cluster is not None or cooperative or cluster_policy is not None:
             self._launch_with_options(grid, block, args, stream, shared_mem, dependent, cluster, cooperative,
                                       cluster_policy)
@@ -551,9 +554,9 @@ _scope = _Scope()
 
 @contextmanager
 def dependent_launches(enabled: bool = True):
-    """Inside the block, every ``Kernel.launch`` is a dependent launch
-    (``dependent=True``) on devices of compute capability 9.0+; elsewhere the
-    block changes nothing. For code that queues only kernels honouring the
+    """Inside the block, every ``Kernel.launch`` that does not pass ``dependent``
+    is a dependent launch (``dependent=True``) on devices of compute capability
+    9.0+; elsewhere the block changes nothing. For code that queues only kernels honouring the
     ``dt_wait_prior_grid()`` contract, as every kernel of drvtrain does: a
     training step wraps its enqueue in it, eagerly and under capture alike.
     ``enabled=False`` makes the block a no-op, so callers can pass a setting.

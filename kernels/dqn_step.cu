@@ -109,6 +109,18 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, long long first, lon
         part0[i] = i < n_mats && (int)threadIdx.x < sh.row_blocks[i]
                        ? __ldcg(&row_partials[sh.row_block0[i] + threadIdx.x]) : 0.0;
     const float y0 = first < sh.u_total ? __ldcg(&u_all[first]) : 0.0f;
+    // The reporter's operands too: written by kernels before the one before this.
+    long long old_step = 0;
+    float loss = 0.0f, norm = 0.0f, clip_scale = 0.0f, mean_q = 0.0f, mean_abs_td = 0.0f, beta_used = 0.0f;
+    if (reporter) {
+        old_step = *step_counter;
+        loss = scalars[0];
+        mean_q = scalars[1];
+        mean_abs_td = scalars[2];
+        norm = clip[0];
+        clip_scale = clip[1];
+        beta_used = *beta;
+    }
     dt_issued(skip_value);
     dt_issued(t_value);
     dt_issued(p);
@@ -133,9 +145,13 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, long long first, lon
                 }
             }
             dt_block_sums<FINISH_THREADS, FINISH_GROUP>(s);
+            double mine = s[0];  // thread i takes matrix g + i (selected, not indexed: s stays in registers)
+#pragma unroll
+            for (int i = 1; i < FINISH_GROUP; ++i)
+                if ((int)threadIdx.x == i) mine = s[i];
             if ((int)threadIdx.x < FINISH_GROUP && g + (int)threadIdx.x < n_mats) {
                 const int m = g + threadIdx.x;
-                const DtSpectralResult r = dt_spectral_result(s[threadIdx.x], c);
+                const DtSpectralResult r = dt_spectral_result(mine, c);
                 sh.y_norm[m] = r.y_norm;
                 sh.sigma[m] = r.sigma;
                 sh.scale[m] = r.scale;
@@ -157,19 +173,19 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, long long first, lon
         }
     }
     if (reporter) {
-        const long long step = *step_counter + 1;
+        const long long step = old_step + 1;
         *step_counter = step;
         float sigma_max = 0.0f;
         if (!skipped)
             for (int m = 0; m < n_mats; ++m) sigma_max = fmaxf(sigma_max, sh.sigma[m]);
         float* slot = ring + (long long)(METRIC_FIELDS + 1) * (step % ring_slots);
-        slot[0] = scalars[0];
-        slot[1] = clip[0];
-        slot[2] = skipped ? 0.0f : clip[1];  // nothing was applied
-        slot[3] = scalars[1];
-        slot[4] = scalars[2];
+        slot[0] = loss;
+        slot[1] = norm;
+        slot[2] = skipped ? 0.0f : clip_scale;  // nothing was applied
+        slot[3] = mean_q;
+        slot[4] = mean_abs_td;
         slot[5] = sigma_max;  // 0 on a skipped step
-        slot[6] = *beta;
+        slot[6] = beta_used;
         if (skipped) {
             reinterpret_cast<volatile long long*>(skipped_step)[0] = step;
             dt_raise(skip_counts, skip_published, 0);

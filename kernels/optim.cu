@@ -101,29 +101,38 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_clip_step(
         const int* t_next, float* clip, int* step, float* ring, int ring_slots, int* skip, const int* gate) {
     dt_wait_prior_grid();
     dt_allow_dependents();
-    // One round of loads: the first float4's operands, this thread's first
-    // partial, the gate and t.
+    // One round of loads: the first float4's operands, this thread's first two
+    // partials (every one while there are at most 512), the loss, the gate and t.
     const long long first = dt_thread_index(), stride = dt_grid_stride();
     DtAdamWFloat4 x;
     if (first < n / 4) x = dt_adamw_load(first, params, grads, m, v);
+    const int second = threadIdx.x + ADAM_THREADS;
     const double head = (int)threadIdx.x < norm_blocks ? __ldcg(&partials[threadIdx.x]) : 0.0;
+    const double next = second < norm_blocks ? __ldcg(&partials[second]) : 0.0;
+    const float loss_value = loss != nullptr ? __ldcg(loss) : 0.0f;
     const int gated = gate != nullptr ? *gate : 0;
     const int t = __ldcg(t_next);
     dt_issued(head);
+    dt_issued(next);
+    dt_issued(loss_value);
     dt_issued(gated);
     dt_issued(t);
     if (gated) {  // not due: later kernels see skip = 2 and do nothing either
         if (blockIdx.x == 0 && threadIdx.x == 0 && skip != nullptr) *skip = 2;
         return;
     }
+    // The bias corrections need only t: their pow calls run before the block sum.
+    DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, 1.0f, t);
     // dt_partials_sum's order: thread t adds partials t, t + 256, ... to 0.
     double share = 0.0;
     if ((int)threadIdx.x < norm_blocks) share += head;
-    for (int b = threadIdx.x + ADAM_THREADS; b < norm_blocks; b += ADAM_THREADS) share += __ldcg(&partials[b]);
-    const DtClip c = dt_clip_decide(dt_block_sum<ADAM_THREADS>(share), max_norm, loss, skip != nullptr);
+    if (second < norm_blocks) share += next;
+    for (int b = second + ADAM_THREADS; b < norm_blocks; b += ADAM_THREADS) share += __ldcg(&partials[b]);
+    const DtClip c = dt_clip_decide_value(dt_block_sum<ADAM_THREADS>(share), max_norm, loss != nullptr, loss_value,
+                                          skip != nullptr);
     if (blockIdx.x == 0 && threadIdx.x == 0) dt_clip_publish(c, t - 1, clip, step, loss, ring, ring_slots, skip);
     if (c.bad) return;
-    const DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, c.scale, t);
+    a.scale = c.scale;
     if (first < n / 4) dt_adamw_store(a, x, first, params, m, v);
     dt_adamw_elements(a, first + stride, stride, params, grads, m, v, n);
 }

@@ -23,12 +23,18 @@ struct DtClip {
     bool bad;
 };
 
-__device__ __forceinline__ DtClip dt_clip_decide(double total, float max_norm, const float* loss, bool guard) {
+// dt_clip_decide_value takes the loss already loaded (has_loss false: no loss).
+__device__ __forceinline__ DtClip dt_clip_decide_value(double total, float max_norm, bool has_loss,
+                                                       float loss_value, bool guard) {
     DtClip c;
     c.norm = (float)sqrt(total);
     c.scale = fminf(1.0f, max_norm / (c.norm + 1e-6f));
-    c.bad = guard && (!isfinite(c.norm) || (loss != nullptr && !isfinite(__ldcg(loss))));
+    c.bad = guard && (!isfinite(c.norm) || (has_loss && !isfinite(loss_value)));
     return c;
+}
+
+__device__ __forceinline__ DtClip dt_clip_decide(double total, float max_norm, const float* loss, bool guard) {
+    return dt_clip_decide_value(total, max_norm, loss != nullptr, loss != nullptr ? __ldcg(loss) : 0.0f, guard);
 }
 
 // One thread writes the decision: clip = {norm, scale}, *skip (when not null),

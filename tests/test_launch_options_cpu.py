@@ -378,6 +378,7 @@ def test_dependent_launches_scope_makes_hopper_launches_dependent_and_restores(l
         ampere.launch(4, 64, *args, stream=FakeStream())  # below 9.0 the scope changes nothing
         with dependent_launches(False):  # an inner "off" keeps the outer setting
             hopper.launch(4, 64, *args, stream=FakeStream())
+        hopper.launch(4, 64, *args, stream=FakeStream(), dependent=False)  # one launch opts out
     hopper.launch(4, 64, *args, stream=FakeStream())
     with pytest.raises(RuntimeError):
         with dependent_launches():
@@ -386,7 +387,8 @@ def test_dependent_launches_scope_makes_hopper_launches_dependent_and_restores(l
     with dependent_launches(False):
         hopper.launch(4, 64, *args, stream=FakeStream())
     assert _kinds(launches) == [("plain", None), ("ex", [programmatic]), ("plain", None),
-                                ("ex", [programmatic]), ("plain", None), ("plain", None), ("plain", None)]
+                                ("ex", [programmatic]), ("plain", None), ("plain", None), ("plain", None),
+                                ("plain", None)]
 
 
 def test_dependent_launches_scope_belongs_to_its_thread(launches):

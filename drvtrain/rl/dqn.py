@@ -510,14 +510,16 @@ class DQNStep:
                                      f_target.output, batch.action, batch.reward, batch.done, batch.weights, b, a,
                                      cfg.gamma, cfg.huber_delta, dout, priorities, self._scalars,
                                      self._loss_partials, 0, a_star, gate if gate is not None else 0, stream=stream)
-        # Each loss block left its partials (no counter): the means are summed off the chain.
+        # Each loss block left its partials (no counter): the means are summed off the chain,
+        # by an ordinary launch. As a second dependent launch of the loss kernel it made the
+        # large step's first backward product 8 us slower (docs/perf-notes.md, nineteenth pass).
         means_stream = self._means_stream or stream
         if means_stream is not stream:
             fork(stream, means_stream)
         grid, partials = (self._head_grid, self._head_partials) if head is not None else \
             (self._loss_grid, self._loss_partials)
         self._means.launch(1, self._means.block, partials, grid, b, self._scalars, gate if gate is not None else 0,
-                           stream=means_stream)
+                           stream=means_stream, dependent=False if means_stream is not stream else None)
         if self.narrow is not None:
             self.narrow.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate)
         else:
