@@ -403,18 +403,23 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
 
 // ============================================================== dqn_means_32, dqn_means_256
 // scalars[0..2] from the partials of a dqn_loss (dqn_means_32) or dqn_head
-// (dqn_means_256) launch of `blocks` blocks that ran with a null counter: the
-// sums of its last block, in the same order and tree, so the same bits. It can
-// run on another stream beside the kernels after the loss; whatever reads the
-// scalars must wait for it. gate: as dqn_loss (then nothing is written).
-// Launch: grid 1, block 32 or 256 (the kernel's own).
+// (dqn_means_256) launch of `blocks` blocks that ran with a null counter: block
+// k sums mean k as that kernel's last block would, in the same order and tree
+// (dt_block_sums gives each of its sums the bits of a dt_block_sum), so the
+// same bits. It can run on another stream beside the kernels after the loss;
+// whatever reads the scalars must wait for it. gate: as dqn_loss (then nothing
+// is written). Launch: grid 3, block 32 or 256 (the kernel's own).
 template <int THREADS>
 __device__ __forceinline__ void means_kernel(const double* partials, int blocks, int batch, float* scalars,
                                              const int* gate) {
     dt_wait_prior_grid();
     dt_allow_dependents();
     if (gate != nullptr && *gate) return;
-    sum_means<THREADS>(partials, (unsigned int)blocks, batch, scalars);
+    const double* mine = partials + (long long)blockIdx.x * blocks;
+    double s = 0.0;
+    for (int b = threadIdx.x; b < blocks; b += THREADS) s += __ldcg(&mine[b]);
+    s = dt_block_sum<THREADS>(s);
+    if (threadIdx.x == 0) scalars[blockIdx.x] = (float)(s / batch);
 }
 
 static_assert(DQN_LOSS_THREADS == 32, "dqn_means_32 sums dqn_loss's partials");

@@ -649,7 +649,7 @@ def _run_head(case, hidden, n_actions, batch, gamma, delta, stream, gate=0, mean
                   stream=stream, shared_mem=head_shared_bytes(hidden, n_actions))
     if means == "kernel":
         sums = builtin_module("dqn.cu").kernel("dqn_means_256", MEANS_SIGNATURE, fixed_block=True)
-        sums.launch(1, sums.block, partials, grid, batch, scalars, gate, stream=stream)
+        sums.launch(3, sums.block, partials, grid, batch, scalars, gate, stream=stream)
     stream.synchronize()
     assert counter.to_numpy()[0] == 0
     names = ("q_s", "q_next", "q_target", "dout", "dh", "priorities", "scalars", "a_star")
@@ -731,7 +731,7 @@ def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, brok
         later.poison(stream=stream)
         loss.launch(grid, loss.block, *q, *per_sample, batch, n_actions, gamma, delta, outs[0], outs[1], later,
                     partials, 0, outs[3], 0, stream=stream)
-        sums.launch(1, sums.block, partials, grid, batch, later, 0, stream=stream)
+        sums.launch(3, sums.block, partials, grid, batch, later, 0, stream=stream)
         stream.synchronize()
         assert later.to_numpy()[:3].tobytes() == outs[2].to_numpy()[:3].tobytes(), f"means, offsets {offsets}"
         for name, buf in zip(("dout", "priorities", "a_star"), (outs[0], outs[1], outs[3])):

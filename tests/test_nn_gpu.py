@@ -185,11 +185,11 @@ def test_step_is_clip_grad_norm_then_apply_bit_for_bit(device, stream, rng):
     t and the flag, and the same ring slots; t and the flag are what they must be."""
     layout = make_layout([300, 900, 7])
     theta0 = layout.init_numpy(int(rng.integers(1 << 30)))
-    seed = int(rng.integers(1 << 30))
+    seed, loss_value = int(rng.integers(1 << 30)), np.float32(rng.uniform(0.1, 2.0))
     runs = {}
     for fused in (True, False):
         params, grads = FlatBuffer(layout, theta0), FlatBuffer(layout)
-        loss = DeviceBuffer.from_numpy(np.array([rng.uniform(0.1, 2.0)], np.float32))
+        loss = DeviceBuffer.from_numpy(np.array([loss_value], np.float32))
         ring = Metrics(slots=8)
         opt = AdamW(params, grads, lr=1e-2, max_norm=300.0, loss=loss, metrics=ring, nan_guard=True)
         assert opt.norm_grid > 256

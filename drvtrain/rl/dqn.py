@@ -518,7 +518,7 @@ class DQNStep:
             fork(stream, means_stream)
         grid, partials = (self._head_grid, self._head_partials) if head is not None else \
             (self._loss_grid, self._loss_partials)
-        self._means.launch(1, self._means.block, partials, grid, b, self._scalars, gate if gate is not None else 0,
+        self._means.launch(3, self._means.block, partials, grid, b, self._scalars, gate if gate is not None else 0,
                            stream=means_stream, dependent=False if means_stream is not stream else None)
         if self.narrow is not None:
             self.narrow.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate)
