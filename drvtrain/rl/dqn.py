@@ -92,7 +92,8 @@ class DQNConfig:
     sample launches, evaluated on the device. Exactly one of ``tau`` (Polyak)
     and ``target_period`` (hard copy every K optimizer steps) is set.
     ``spectral_c`` None turns the spectral projection off; ``spectral_layers``
-    None means every hidden layer (every layer but the output layer).
+    None means every hidden layer (every layer but the output layer). At most
+    ``MAX_SPECTRAL_LAYERS`` (64) layers are projected.
     ``fused``: when the net is narrow (every width <= 256, at most 4 weight
     layers) the three forwards run in one kernel and the backward in two
     (drvtrain.nn.narrow); ``dual_stream`` then has nothing to overlap. Off by
