@@ -13,8 +13,9 @@
 // Memory ordering: the only cross-block hand-over inside a kernel is the
 // last-block protocol of dt_last_block (common.cuh; it fences, counts and
 // resets the counter), and the last block reads what other blocks wrote with
-// __ldcg. Everything else crosses a kernel boundary on the stream, which
-// orders it.
+// __ldcg. Everything else crosses a kernel boundary: on the stream, or (the
+// means' partials, read by dqn_means_* on another stream) across streams
+// through the caller's event fork and join, which order it the same way.
 #include "common.cuh"
 #include "dqn.cuh"
 #include "spectral.cuh"
@@ -52,7 +53,8 @@ __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 //   A NaN td gives a NaN loss, gradient row and priority; the loss is never
 //   made finite. An action outside [0, n_actions) is clamped for the memory
 //   access and its Q_online(s, a), td, loss, gradient and priority are NaN.
-//   n_actions outside [1, DQN_MAX_ACTIONS] writes NaN to scalars and nothing else.
+//   n_actions outside [1, DQN_MAX_ACTIONS] writes NaN to scalars (with a null
+//   counter: NaN partials, so the means kernel writes NaN) and nothing else.
 // Scratch: partials = 3 * gridDim.x doubles; counter (may be null, above) = one
 //   uint, zero on entry and on exit.
 // Launch: grid = ceil(batch / DQN_LOSS_THREADS), block DQN_LOSS_THREADS (32),
@@ -61,7 +63,8 @@ __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 //   at once (16 bytes each when the three arrays start on 16-byte
 //   boundaries), and dout is stored from there with coalesced stores.
 // Determinism: per-sample terms in double, fixed block trees, partials added in
-//   block order by the last block: bitwise reproducible for a fixed grid.
+//   block order by the last block (or, with a null counter, by dqn_means_32 in
+//   the same order): bitwise reproducible for a fixed grid.
 constexpr int DQN_LOSS_THREADS = 32;
 constexpr int DQN_MAX_ACTIONS = 64;
 
@@ -77,6 +80,18 @@ __device__ __forceinline__ float advantage_mean(const float* row, int n_actions)
 // Q(., k) = V + (A_k - mean(A)), associated as in docs/step-spec.md's reference.
 __device__ __forceinline__ float dueling_q(const float* row, int k, float mean) {
     return row[0] + (row[1 + k] - mean);
+}
+
+// n_actions out of range: NaN means. With a counter block 0 writes them; with
+// none every block leaves NaN partials, so dqn_means_* writes NaN means too.
+__device__ __forceinline__ void nan_means(float* scalars, double* partials, const unsigned int* counter) {
+    if (threadIdx.x != 0) return;
+    if (counter != nullptr) {
+        if (blockIdx.x == 0) scalars[0] = scalars[1] = scalars[2] = quiet_nan();
+        return;
+    }
+    const double nan = __longlong_as_double(0x7ff8000000000000ll);
+    for (int k = 0; k < 3; ++k) partials[(long long)k * gridDim.x + blockIdx.x] = nan;
 }
 
 // One sample's share of the loss, its mean Q and mean |td|.
@@ -199,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
     // kernel waits for memory once, not once per array or per element.
     __shared__ __align__(16) float tiles[3][DQN_LOSS_THREADS * (1 + DQN_MAX_ACTIONS)];
     if (n_actions < 1 || n_actions > DQN_MAX_ACTIONS) {
-        if (blockIdx.x == 0 && threadIdx.x == 0) scalars[0] = scalars[1] = scalars[2] = quiet_nan();
+        nan_means(scalars, partials, counter);
         return;
     }
     const int t = threadIdx.x;
@@ -314,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
     dt_allow_dependents();
     if (gate != nullptr && *gate) return;  // a step that is not due: nothing is written
     if (n_actions < 1 || n_actions > DQN_MAX_ACTIONS) {
-        if (blockIdx.x == 0 && threadIdx.x == 0) scalars[0] = scalars[1] = scalars[2] = quiet_nan();
+        nan_means(scalars, partials, counter);
         return;
     }
     extern __shared__ float4 head_shared[];

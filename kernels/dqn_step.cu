@@ -16,7 +16,8 @@
 //       then the target: Polyak target += tau (params - target) when
 //       period == 0, else target = params when the optimizer counter *adam_t
 //       is a multiple of period. The device decides: no host branch.
-//   - *skip == 2 (the step was not due, see grad_norm_clip's gate): nothing.
+//   - *skip == 2 (the step was not due: the gate of adamw_clip_step,
+//     grad_norm_clip or dqn_tail): nothing.
 //   - block 0, thread 0: step = ++*step_counter (every step, skipped or
 //     not); the metrics slot `step mod ring_slots` gets
 //     {loss, grad_norm, clip_scale, mean_q, mean_abs_td, sigma_max, beta}
@@ -261,7 +262,8 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
 // and n_mats, so every block meets every barrier. Each phase runs the code of
 // the kernel it replaces over the same elements and phase blocks: the result is
 // the same, bit for bit, as grad_norm_clip, sumtree_update, adamw_step,
-// spectral_columns, spectral_rows and dqn_finish.
+// spectral_columns, spectral_rows and dqn_finish (and so as grad_norm_partials
+// with adamw_clip_step, which give grad_norm_clip's and adamw_step's bits).
 // Launch: cooperative (every block resident), block FINISH_THREADS (256), any
 // grid G >= 1; norm_partials: norm_blocks doubles; `barrier` one uint32, zero
 // when allocated, never written by the host again.

@@ -376,6 +376,23 @@ def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_six_kernels(de
         assert s1[key].tobytes() == s2[key].tobytes(), key
 
 
+@pytest.mark.parametrize("hidden", [(40, 24, 33, 17, 20, 28), (4200, 8)],
+                         ids=["six-projected-layers", "tall-projected-layer"])
+def test_tail_matches_the_six_kernels_over_every_finish_branch(device, rng, hidden):
+    """Six projected matrices (the finish pass sums ||y|| four at a time, so two rounds)
+    and a matrix of 4200 rows (263 row partials, more than a block's threads): the
+    cooperative tail and the separate kernels run the same finish code and give the
+    same bits over ten steps with the projection active (c = 0.5)."""
+    cfg = DQNConfig(obs_dim=3, hidden=hidden, n_actions=4, batch=64, capacity=1024, spectral_c=0.5,
+                    seed=int(rng.integers(1 << 30)), fused_tail=True)
+    data = random_transitions(rng, cfg)
+    fused, s1 = run_losses(cfg, data, 10, graph=True, arena_active=True)
+    separate, s2 = run_losses(dataclasses.replace(cfg, fused_tail=False), data, 10, graph=True, arena_active=True)
+    assert np.all(np.isfinite(fused)) and fused.tobytes() == separate.tobytes()
+    for key in ("params", "target", "m", "v", "u"):
+        assert s1[key].tobytes() == s2[key].tobytes(), key
+
+
 def test_nan_reward_skips_the_step_and_is_reported(device, rng):
     cfg = DQNConfig(seed=int(rng.integers(1 << 30)), **ODD)
     stream = Stream()
@@ -491,6 +508,15 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     assert ("dqn_head" in names) == fused and ("dqn_loss" in names) != fused
     # Pre-split products only when asked for (DQNConfig.presplit).
     assert not names & PRESPLIT_KERNELS
+    # The loss's means: one node of three blocks; with side streams an ordinary launch (no
+    # programmatic edge into it) beside every backward product, else inline on the chain.
+    graph = step.graph
+    kernels = graph.kernel_nodes()
+    means = [k for k in kernels if k.function.startswith("dqn_means_")]
+    assert len(means) == 1 and means[0].grid == (3, 1, 1) and means[0].function.endswith("256" if fused else "32")
+    assert any(b == means[0].node.index for _, b in graph.programmatic_edges()) == (not dual_stream)
+    backward = [k for k in kernels if k.function.startswith("linear_grad")]
+    assert backward and all(graph.can_run_concurrently(means[0].node, k.node) for k in backward) == dual_stream
     if fused_tail:  # one cooperative node instead of the six
         assert [r.measured for r in rows if r.name.startswith("norm, priority update")] == ["1"]
         assert "dqn_tail" in names and not separate & names
@@ -748,9 +774,25 @@ def test_head_kernel_gate_writes_nothing(device, rng):
     """While the gate word is non-zero dqn_head returns at once: every output keeps its poison."""
     stream = Stream()
     gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
-    got = _run_head(_head_case(rng, 64, 3, 20), 64, 3, 20, 0.99, 1.0, stream, gate=gate)
-    for name, value in got.items():  # DeviceBuffer.poison's pattern
-        assert np.all(value.view(np.uint32) == 0xFFFFFFFF), name
+    case = _head_case(rng, 64, 3, 20)
+    for means in ("last block", "kernel"):  # dqn_means_256 follows the gate too
+        got = _run_head(case, 64, 3, 20, 0.99, 1.0, stream, gate=gate, means=means)
+        for name, value in got.items():  # DeviceBuffer.poison's pattern
+            assert np.all(value.view(np.uint32) == 0xFFFFFFFF), (means, name)
+
+
+@pytest.mark.parametrize("n_actions", [0, 65])
+def test_head_kernel_with_a_bad_action_count_writes_nan_means_only(device, rng, n_actions):
+    """n_actions outside [1, 64]: dqn_head writes NaN means and nothing else, whether its
+    last block writes them or (no counter) dqn_means_256 sums the partials it left."""
+    stream = Stream()
+    case = _head_case(rng, 64, 3, 20)
+    for means in ("last block", "kernel"):
+        got = _run_head(case, 64, n_actions, 20, 0.99, 1.0, stream, means=means)
+        assert np.isnan(got["scalars"][:3]).all(), means
+        for name, value in got.items():
+            if name != "scalars":
+                assert np.all(value.view(np.uint32) == 0xFFFFFFFF), (means, name)
 
 
 def test_fused_head_only_where_the_output_layers_fit(device):

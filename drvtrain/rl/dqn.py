@@ -737,8 +737,9 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
                               len(heads) == 1 and not losses))
     if step.config.fused_tail:
         tails = [k for k in kernels if k.function == "dqn_tail"]
-        replaced = [k for k in kernels if k.function in ("grad_norm_partials", "adamw_clip_step", "sumtree_update",
-                                                         "dqn_finish") or k.function.startswith("spectral_")]
+        replaced = [k for k in kernels if k.function in ("grad_norm_partials", "adamw_clip_step", "grad_norm_clip",
+                                                         "adamw_step", "sumtree_update", "dqn_finish")
+                    or k.function.startswith("spectral_")]
         rows.append(Criterion("norm, priority update, AdamW, projection, finish: one node", "1", str(len(tails)),
                               len(tails) == 1 and not replaced))
     rows.append(Criterion("programmatic (dependent-launch) edges", ">= 1" if want_programmatic else "0",
