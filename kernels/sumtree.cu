@@ -83,12 +83,49 @@ extern "C" __global__ void __launch_bounds__(REBUILD_THREADS) sumtree_rebuild(
 // the rows with coalesced accesses. Dynamic shared memory: 4 * B bytes. The
 // last block (dt_last_block) computes the weights and advances *step, so a
 // graph replay draws fresh numbers.
+// With a null `counter` the draw is split in two launches: out_weight
+// receives the drawn leaf values p_j, block 0 writes beta to beta_out (not
+// null then), *step is left alone and no shared memory is used;
+// sumtree_weights, launched after this kernel, finishes the draw. Nothing
+// waits for a last block, so the kernels that read only the rows start
+// sooner.
 // A sampled leaf is never 0 while any leaf is not (sumtree.cuh says how).
 // When every leaf is 0, the sample is leaf 0 with weight 0 and DT_ERR_EMPTY
 // is raised.
 // Gather pointers may be null (obs_dim 0 skips the rows); with obs_dim a
 // multiple of 4, every row pointer must be 16-byte aligned (device buffers
 // and arena slices are 256-byte aligned).
+namespace {
+
+// beta = start + (end - start) * min(1, step / steps), in double, rounded once.
+__device__ __forceinline__ float dt_sample_beta(unsigned long long step, float start, float end,
+                                                unsigned long long steps) {
+    const double progress = step >= steps ? 1.0 : (double)step / (double)steps;
+    return (float)((double)start + ((double)end - (double)start) * progress);
+}
+
+// The importance weight of a drawn leaf value p given the batch minimum.
+__device__ __forceinline__ float dt_is_weight(float p_min, float p, float beta) {
+    return p > 0.0f ? powf(p_min / p, beta) : 0.0f;
+}
+
+// The block's minimum of one float per thread, in every thread: shuffles within
+// each warp, then the warps' minima from `reduce` (THREADS / 32 floats). A
+// minimum does not depend on the order it is taken in.
+template <int THREADS>
+__device__ __forceinline__ float dt_block_min(float m, float* reduce) {
+#pragma unroll
+    for (int d = 16; d >= 1; d >>= 1) m = fminf(m, __shfl_xor_sync(DT_FULL_MASK, m, d));
+    if ((threadIdx.x & 31) == 0) reduce[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = reduce[0];
+#pragma unroll
+    for (int w = 1; w < THREADS / 32; ++w) m = fminf(m, reduce[w]);
+    return m;
+}
+
+}  // namespace
+
 constexpr int SAMPLE_THREADS = 128;
 constexpr int SAMPLE_WARPS = SAMPLE_THREADS / 32;
 // A residency hint of 8 blocks (32 warps) per SM: with the bound alone, ptxas
@@ -134,15 +171,18 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
             out_weight[j] = p;  // the leaf value, until the last block turns it into a weight
         }
     }
-    // The weights need the batch minimum: the last block stages every leaf
-    // value in shared memory with one round of loads, takes the minimum there
-    // and writes the weights.
-    if (dt_last_block(counter, gridDim.x)) {  // block-uniform, so the barriers below are safe
+    if (counter == nullptr) {
+        // A split draw: sumtree_weights takes the minimum, writes the weights
+        // and advances *step.
+        if (blockIdx.x == 0 && threadIdx.x == 0) *beta_out = dt_sample_beta(*step, beta_start, beta_end, beta_steps);
+    } else if (dt_last_block(counter, gridDim.x)) {  // block-uniform, so the barriers below are safe
+        // The weights need the batch minimum: the last block stages every leaf
+        // value in shared memory with one round of loads, takes the minimum
+        // there and writes the weights.
         extern __shared__ float batch_p[];  // `batch` floats
         __shared__ float reduce[SAMPLE_WARPS];
         const unsigned long long s = *step;  // read by every thread before thread 0 advances it
-        const double progress = s >= beta_steps ? 1.0 : (double)s / (double)beta_steps;
-        const float beta = (float)((double)beta_start + ((double)beta_end - (double)beta_start) * progress);
+        const float beta = dt_sample_beta(s, beta_start, beta_end, beta_steps);
         float m = dt_inf();
 #pragma unroll 4
         for (int k = threadIdx.x; k < batch; k += SAMPLE_THREADS) {
@@ -150,19 +190,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
             batch_p[k] = pk;
             m = fminf(m, pk);
         }
-        // The minimum in each warp by shuffles, then of the warps' minima (a
-        // minimum does not depend on the order it is taken in).
-#pragma unroll
-        for (int d = 16; d >= 1; d >>= 1) m = fminf(m, __shfl_xor_sync(DT_FULL_MASK, m, d));
-        if (lane == 0) reduce[warp] = m;
-        __syncthreads();
-        float p_min = reduce[0];
-#pragma unroll
-        for (int w = 1; w < SAMPLE_WARPS; ++w) p_min = fminf(p_min, reduce[w]);
-        for (int k = threadIdx.x; k < batch; k += SAMPLE_THREADS) {
-            const float pk = batch_p[k];
-            out_weight[k] = pk > 0.0f ? powf(p_min / pk, beta) : 0.0f;
-        }
+        const float p_min = dt_block_min<SAMPLE_THREADS>(m, reduce);
+        for (int k = threadIdx.x; k < batch; k += SAMPLE_THREADS) out_weight[k] = dt_is_weight(p_min, batch_p[k], beta);
         if (threadIdx.x == 0) {
             *step = s + 1ull;
             if (beta_out != nullptr) *beta_out = beta;
@@ -196,5 +225,38 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
             batch_reward[j] = reward[leaf];
             batch_done[j] = done[leaf];
         }
+    }
+}
+
+// sumtree_weights: the second launch of a split draw (sumtree_sample with a
+// null counter), after that launch:
+//   w_j = (p_min / p_j)^beta, p_min = min_k drawn[k] over the batch (0 where
+//   p_j is 0), into out_weight[j]; block 0 then advances *step and copies the
+//   beta the sampler used (beta_in) to beta_out when that is not null. No block
+//   reads *step but block 0, and each block takes the minimum itself (a minimum
+//   has no order): the weights are sumtree_sample's last block's, bit for bit.
+//   While *gate != 0 (gate not null) nothing is written.
+// Launch: block WEIGHTS_THREADS (pinned), grid = ceil(B / WEIGHTS_THREADS).
+// `drawn` and `out_weight` must not overlap.
+constexpr int WEIGHTS_THREADS = 128;
+
+extern "C" __global__ void __launch_bounds__(WEIGHTS_THREADS) sumtree_weights(
+        const float* drawn, int batch, const float* beta_in, unsigned long long* step, float* beta_out,
+        float* out_weight, const int* gate) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    if (gate != nullptr && *gate) return;
+    __shared__ float reduce[WEIGHTS_THREADS / 32];
+    const float beta = *beta_in;
+    const int j = blockIdx.x * WEIGHTS_THREADS + threadIdx.x;
+    const float pj = j < batch ? __ldcg(&drawn[j]) : 0.0f;
+    float m = dt_inf();
+#pragma unroll 4
+    for (int k = threadIdx.x; k < batch; k += WEIGHTS_THREADS) m = fminf(m, __ldcg(&drawn[k]));
+    const float p_min = dt_block_min<WEIGHTS_THREADS>(m, reduce);
+    if (j < batch) out_weight[j] = dt_is_weight(p_min, pj, beta);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        *step += 1ull;
+        if (beta_out != nullptr) *beta_out = beta;
     }
 }

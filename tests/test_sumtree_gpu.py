@@ -480,3 +480,67 @@ def test_update_sample_rebuild_capture_into_one_graph(device, stream, rng):
     assert int(tree.step.to_numpy()[0]) == 50
     assert_consistent(tree, node_rel=1e-13)
     tree.check_errors()
+
+
+@pytest.mark.parametrize("where", ["forked stream", "same stream"])
+def test_split_draw_matches_the_one_launch_draw_bit_for_bit(device, stream, rng, where):
+    """sample(weights_stream=...) draws in two launches (sumtree_sample with no counter, then
+    sumtree_weights); across graph replays with a beta schedule and a gate, its indices,
+    weights, beta and step are the one-launch draw's, bit for bit, and the weights are the
+    float64 reference's. B = 384 gives sumtree_weights three blocks, each of which must
+    take the minimum over the whole batch."""
+    from drvtrain import Stream
+    from drvtrain.stream import join
+    c, b, launches, replays = 5000, 384, 2, 4
+    pri = rng.uniform(0.05, 1.5, c).astype(np.float32)
+    pri[rng.random(c) < 0.1] = 0.0
+    seed = int(rng.integers(2**63))
+    trees = [SumTree(c, alpha=0.6, seed=seed, max_batch=512) for _ in range(2)]
+    for t in trees:
+        t.set_priorities(pri)
+    side = Stream() if where == "forked stream" else stream
+    start, end, steps = float(rng.uniform(0.1, 0.5)), float(rng.uniform(0.6, 1.0)), 5
+    gate = DeviceBuffer.from_numpy(np.zeros(1, np.int32))
+    out = [[(DeviceBuffer(b, np.int32), DeviceBuffer(b, np.float32), DeviceBuffer(1, np.float32))
+            for _ in range(launches)] for _ in trees]
+    with capture(stream) as graph:
+        for k in range(launches):
+            for t, tree in enumerate(trees):
+                idx, w, used = out[t][k]
+                for buf in (idx, w, used):
+                    buf.poison(stream=stream)
+                tree.sample(b, stream=stream, beta=(start, end, steps), indices=idx, weights=w, beta_out=used,
+                            gate=gate, weights_stream=side if t == 1 else None)
+                if t == 1 and side is not stream:
+                    join(stream, side)
+    assert sum(k.function == "sumtree_weights" for k in graph.kernel_nodes()) == launches
+    assert {k.grid[0] for k in graph.kernel_nodes() if k.function == "sumtree_weights"} == {3}
+    exe = graph.instantiate()
+    leaves = trees[0].leaves_numpy().astype(np.float64)
+    total = math.fsum(leaves)
+    drawn = 0  # ungated replays so far
+    for r in range(replays):
+        gated = r == 1
+        gate.copy_from_numpy(np.array([int(gated)], np.int32))
+        exe.launch(stream)
+        stream.synchronize()
+        for k in range(launches):
+            one, two = ([buf.to_numpy() for buf in out[t][k]] for t in range(2))
+            if gated:  # nothing drawn, nothing written
+                assert all(np.all(a.view(np.uint32) == 0xFFFFFFFF) for a in one + two), f"replay {r}"
+                continue
+            for name, x, y in zip(("indices", "weights", "beta"), one, two):
+                assert x.tobytes() == y.tobytes(), f"replay {r}, launch {k}: {name}"
+            idx, w, used = two
+            beta = start + (end - start) * min(1.0, (drawn * launches + k) / steps)
+            assert float(used[0]) == pytest.approx(beta, rel=2e-6, abs=2e-7), f"replay {r}, launch {k}"
+            assert not np.isnan(w).any() and np.all(leaves[idx] > 0)
+            np.testing.assert_allclose(w, importance_weights(leaves[idx], total, stored=c, beta=beta),
+                                       rtol=1e-5, err_msg=f"replay {r}, launch {k}")
+        drawn += not gated
+    want_steps = launches * (replays - 1)
+    assert [int(t.step.to_numpy()[0]) for t in trees] == [want_steps, want_steps]
+    for t in trees:
+        t.check_errors()
+    if side is not stream:
+        side.close()

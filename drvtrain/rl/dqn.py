@@ -1,9 +1,10 @@
 """The dueling Double-DQN step with prioritized replay, resident on the device as one graph.
 
 The maths is in ``docs/step-spec.md``. One step, in launch order:
-PER sample with IS weights and the gathered batch; the online forward on
-``s`` (main stream) while the online forward on ``s'`` and the target forward
-on ``s'`` run on two streams forked from it and joined before the loss; the
+PER sample and the gathered batch, with the IS weights by a second launch on
+a third stream; the online forward on ``s`` (main stream) while the online
+forward on ``s'`` and the target forward on ``s'`` run on two streams forked
+from it, all joined before the loss; the
 fused loss (dueling combine, Double-DQN argmax and target, IS-weighted Huber,
 the output gradient, new priorities, metrics sums); the backward; the
 gradient-norm clip, which is also the NaN guard; AdamW; the spectral power
@@ -353,8 +354,9 @@ class DQNStep:
         self.arena = Arena(self.replay.scratch_bytes(b) + net_bytes + 2 * out_bytes + 8 * b + 4096,
                            zeroed_bytes=zeroed + 1024, active=arena_active)
         self.streams = (Stream(), Stream()) if dual else ()
-        # The loss's batch means (dqn_means_*) beside the backward, joined before the
-        # optimizer, their first reader; inline on one stream.
+        # The sampler's IS weights (sumtree_weights) beside the forwards, joined before
+        # the loss; later the loss's batch means (dqn_means_*) beside the backward,
+        # joined before the optimizer, their first reader. Inline on one stream.
         self._means_stream = Stream() if dual else None
         self._head = None
         head_weights = (1 + a) * self.layout.layers[-1][1]
@@ -464,8 +466,11 @@ class DQNStep:
             fork(stream, self.streams[1])
             weight_splits = mlp.split_weights(self.params, b, arena=arena, stream=self.streams[1], gate=gate,
                                               dx_last=self._head is not None)
+        # With side streams the weights take a second launch on the means stream, so the
+        # forwards wait for no last block; joined with the forwards before the loss.
+        weights_stream = self._means_stream
         batch = self.replay.sample(b, stream=stream, beta=cfg.beta, arena=arena, uniforms=uniforms,
-                                   beta_out=self._beta_used, gate=gate)
+                                   beta_out=self._beta_used, gate=gate, weights_stream=weights_stream)
         capturing = bool(active_captures())
         head = self._head
         hidden_layers = self._forward_layers()
@@ -475,6 +480,8 @@ class DQNStep:
                 [self.params, self.params, self.target], [batch.obs, batch.next_obs, batch.next_obs],
                 arena=arena, stream=stream, gate=gate, layers=hidden_layers, cluster=net is self.cluster_net)
             target_leaves = online_leaves = capture_frontier(stream) if capturing else []
+            if weights_stream is not None:
+                join(stream, weights_stream)
         else:
             if self.streams:
                 next_stream, target_stream = self.streams
@@ -490,7 +497,7 @@ class DQNStep:
                                    layers=hidden_layers, sms=self._forward_sms)
             online_leaves = capture_frontier(stream) if capturing else []
             if self.streams:
-                join(stream, next_stream, target_stream)
+                join(stream, next_stream, target_stream, *([weights_stream] if weights_stream else []))
         dout = arena.array((b, 1 + a), np.float32)
         priorities = arena.array(b, np.float32)
         a_star = arena.array(b, np.int32)

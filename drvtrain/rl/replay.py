@@ -135,10 +135,13 @@ class ReplayBuffer:
 
     # -------------------------------------------------------------- sampling
     def sample(self, batch: int, *, stream, beta, arena: Arena, uniforms=None,
-               beta_out: DeviceBuffer | None = None, gate: DeviceBuffer | None = None) -> Batch:
-        """A stratified batch with IS weights, gathered into arena slices in one launch.
+               beta_out: DeviceBuffer | None = None, gate: DeviceBuffer | None = None,
+               weights_stream=None) -> Batch:
+        """A stratified batch with IS weights, gathered into arena slices in one launch
+        (the weights in a second, on ``weights_stream``, when that is given).
 
-        ``beta``, ``uniforms``, ``beta_out`` and ``gate`` are as in :meth:`SumTree.sample`;
+        ``beta``, ``uniforms``, ``beta_out``, ``gate`` and ``weights_stream`` are as in
+        :meth:`SumTree.sample`;
         the slices take :meth:`scratch_bytes` of the arena.
         """
         out = Batch(**{name: arena.array(shape, dtype)
@@ -146,7 +149,8 @@ class ReplayBuffer:
         gather = (self.obs, self.next_obs, self.action, self.reward, self.done, self.obs_dim,
                   out.obs, out.next_obs, out.action, out.reward, out.done)
         self.tree.sample(batch, stream=stream, beta=beta, indices=out.indices, weights=out.weights,
-                         uniforms=uniforms, gather=gather, beta_out=beta_out, gate=gate)
+                         uniforms=uniforms, gather=gather, beta_out=beta_out, gate=gate,
+                         weights_stream=weights_stream)
         return out
 
     def scratch_bytes(self, batch: int) -> int:

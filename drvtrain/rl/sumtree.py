@@ -20,6 +20,7 @@ import numpy as np
 from ..flags import ErrorFlags
 from ..kernel import builtin_module
 from ..memory import DeviceBuffer
+from ..stream import fork
 
 __all__ = ["SumTree", "ReplayError", "beta_schedule", "tree_levels"]
 
@@ -124,7 +125,8 @@ class SumTree:
         self.nodes = DeviceBuffer.from_numpy(np.zeros(self.internal, np.float64))
         self.leaves = DeviceBuffer.from_numpy(np.zeros(_round32(self.capacity), np.float32))
         # Device state: the RNG step (u64), the sample and rebuild launch counters
-        # (u32 each), the largest leaf value written so far (f32).
+        # (u32 each), the largest leaf value written so far (f32), and the beta a
+        # split draw's first launch hands to its second (f32).
         state = np.zeros(6, np.uint32)
         state[4] = np.float32(initial_priority ** self.alpha).view(np.uint32)
         self._state = DeviceBuffer.from_numpy(state)
@@ -132,6 +134,9 @@ class SumTree:
         self._sample_counter = self._state.view(np.uint32, (1,), 8)
         self._rebuild_counter = self._state.view(np.uint32, (1,), 12)
         self._max_leaf = self._state.view(np.float32, (1,), 16)
+        self._split_beta = self._state.view(np.float32, (1,), 20)
+        # A split draw's leaf values, between its two launches.
+        self._drawn = DeviceBuffer(self.max_batch, np.float32)
         self.flags = ErrorFlags(_FLAGS)
         mod = builtin_module("sumtree.cu")
         # update runs on any block that is a multiple of 32; rebuild and sample
@@ -141,6 +146,7 @@ class SumTree:
         self._sample = mod.kernel("sumtree_sample",
                                   "ptr ptr i32 i32 i32 u64 ptr ptr f32 f32 u64 ptr ptr ptr ptr ptr ptr "
                                   "ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr", fixed_block=True)
+        self._weights = mod.kernel("sumtree_weights", "ptr i32 ptr ptr ptr ptr ptr", fixed_block=True)
 
     # -------------------------------------------------------------- device views
     def total(self) -> DeviceBuffer:
@@ -230,7 +236,8 @@ class SumTree:
 
     def sample(self, batch: int, *, stream, beta, indices: DeviceBuffer, weights: DeviceBuffer,
                uniforms: DeviceBuffer | None = None, gather=None,
-               beta_out: DeviceBuffer | None = None, gate: DeviceBuffer | None = None) -> None:
+               beta_out: DeviceBuffer | None = None, gate: DeviceBuffer | None = None,
+               weights_stream=None) -> None:
         """Draw a stratified batch into ``indices`` (int32) and IS ``weights`` (float32).
 
         ``beta`` is a constant in [0, 1] or a schedule ``(start, end, steps)``
@@ -242,6 +249,17 @@ class SumTree:
         ``(storage, batch)`` from the replay buffer, which copies the sampled
         transitions in the same launch. ``gate`` (int32, one element): while
         non-zero the launch draws nothing and writes nothing, not even ``step``.
+
+        The weights need the batch's smallest drawn leaf. By default one
+        launch draws, gathers and then, in its last block, writes the weights.
+        With ``weights_stream`` (a stream, which may be ``stream`` itself) the
+        draw takes two launches: the draw and the gather on ``stream``, then,
+        forked from it, the weights, ``beta_out`` and the advance of ``step``
+        on ``weights_stream``. Work queued next on ``stream`` that reads only
+        the indices or the gathered rows then waits for no last block. Join
+        ``weights_stream`` into every stream that reads the weights,
+        ``beta_out`` or ``step``, and before the tree samples again. The bits
+        are the same either way.
         """
         if not 1 <= batch <= self.max_batch:
             raise ValueError(f"batch must be in [1, {self.max_batch}], got {batch}")
@@ -253,13 +271,27 @@ class SumTree:
         if beta_out is not None:
             _device_array(beta_out, np.float32, "beta_out", 1, "a DeviceBuffer or None")
         rows = gather if gather is not None else (0,) * 11
+        gate_ptr = gate if gate is not None else 0
+        beta_ptr = beta_out if beta_out is not None else 0
+        split = weights_stream is not None
         block = self._sample.block
+        # A split draw's first launch leaves the leaf values and beta to its second
+        # (no counter: no last block, and no staging in shared memory).
         self._sample.launch(-(-batch // (block // 32)), block,
                             self.nodes, self.leaves, self.capacity, self.height, batch, self.seed, self.step,
                             uniforms if uniforms is not None else 0, beta_start, beta_end, beta_steps,
-                            beta_out if beta_out is not None else 0, indices, weights, self._sample_counter,
-                            self.flags.counts, self.flags.published, *rows,
-                            gate if gate is not None else 0, stream=stream, shared_mem=4 * batch)
+                            self._split_beta if split else beta_ptr, indices, self._drawn if split else weights,
+                            0 if split else self._sample_counter, self.flags.counts, self.flags.published, *rows,
+                            gate_ptr, stream=stream, shared_mem=0 if split else 4 * batch)
+        if split:
+            if weights_stream is not stream:
+                fork(stream, weights_stream)
+            # An ordinary launch on a forked stream: a second programmatic dependent of
+            # one kernel has measured slower (docs/perf-notes.md, nineteenth pass).
+            block = self._weights.block
+            self._weights.launch(-(-batch // block), block, self._drawn, batch, self._split_beta, self.step,
+                                 beta_ptr, weights, gate_ptr, stream=weights_stream,
+                                 dependent=False if weights_stream is not stream else None)
 
     # -------------------------------------------------------------- host side
     def set_priorities(self, priorities) -> None:
@@ -320,5 +352,5 @@ class SumTree:
         return float(self.total().to_numpy()[0])
 
     def close(self) -> None:
-        for buf in (self.nodes, self.leaves, self._state, self.flags):
+        for buf in (self.nodes, self.leaves, self._state, self._drawn, self.flags):
             buf.close()
