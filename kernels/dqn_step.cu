@@ -40,12 +40,6 @@
 constexpr int FINISH_THREADS = 256;
 constexpr int FINISH_MAX_MATS = 64;  // spectral matrices a finish block stages (drvtrain.rl.dqn checks it)
 constexpr int FINISH_GROUP = 4;      // matrices whose ||y||^2 one block-sum pass takes
-// A thread loads its first FINISH_AHEAD float4s of params (and target) before
-// the sums, and the rest FINISH_AHEAD at a time. The step launches up to 4
-// finish blocks per SM (drvtrain.rl.dqn), all resident at once only at 64
-// registers a thread, where three ahead spill.
-constexpr int FINISH_AHEAD = 2;
-constexpr int FINISH_MIN_BLOCKS = 4;
 constexpr int METRIC_FIELDS = 7;     // the step follows them as an int
 
 namespace {
@@ -96,23 +90,19 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, long long first, lon
                                             long long* step_counter, float* ring, int ring_slots,
                                             unsigned int* skip_counts, unsigned int* skip_published,
                                             long long* skipped_step) {
-    // Everything the first FINISH_AHEAD float4s and the first ||y|| sums need is
-    // loaded before anything waits on it: the flag, t (hard copies), this
-    // thread's first float4s of params (and of the target for Polyak), its first
-    // row partial of the first matrices and its first element of y. The float4s
-    // are then in flight while the block sums and sigma's double chain run.
+    // Everything the first float4 and the first ||y|| sums need is loaded before
+    // anything waits on it: the flag, t (hard copies), this thread's first
+    // float4 of params and target, its first row partial of the first matrices
+    // and its first element of y.
     const int skip_value = *skip;
     const bool hard = period > 0;
     const int t_value = hard ? *adam_t : 0;
     float4* p4 = reinterpret_cast<float4*>(params);
     float4* t4 = reinterpret_cast<float4*>(target);
-    const long long n4 = n / 4;
-    float4 p[FINISH_AHEAD], t[FINISH_AHEAD];
-#pragma unroll
-    for (int k = 0; k < FINISH_AHEAD; ++k) {
-        const long long i = first + k * stride;
-        p[k] = i < n4 ? p4[i] : float4{};
-        t[k] = i < n4 && !hard ? t4[i] : float4{};
+    float4 p = {}, t = {};
+    if (first < n / 4) {
+        p = p4[first];
+        t = t4[first];
     }
     double part0[FINISH_GROUP];
 #pragma unroll
@@ -134,11 +124,8 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, long long first, lon
     }
     dt_issued(skip_value);
     dt_issued(t_value);
-#pragma unroll
-    for (int k = 0; k < FINISH_AHEAD; ++k) {
-        dt_issued(p[k]);
-        dt_issued(t[k]);
-    }
+    dt_issued(p);
+    dt_issued(t);
 #pragma unroll
     for (int i = 0; i < FINISH_GROUP; ++i) dt_issued(part0[i]);
     dt_issued(y0);
@@ -210,8 +197,11 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, long long first, lon
     if (skipped) return;
     const bool copy = hard && (t_value % period) == 0;
     if (hard && !copy && n_mats == 0) return;
-    // Element i: the spectral scale of its matrix, then the target.
-    const auto update = [&](long long i, float4 p, float4 t) {
+    for (long long i = first; i < n / 4; i += stride) {
+        if (i != first) {
+            p = p4[i];
+            if (!hard) t = t4[i];
+        }
         const long long e = 4 * i;
         for (int m = 0; m < n_mats; ++m) {
             if (e >= sh.w_begin[m] && e < sh.w_end[m]) {
@@ -233,25 +223,12 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, long long first, lon
             t.w += tau * (p.w - t.w);
             t4[i] = t;
         }
-    };
-    for (long long i = first;; i += FINISH_AHEAD * stride) {
-#pragma unroll
-        for (int k = 0; k < FINISH_AHEAD; ++k)
-            if (i + k * stride < n4) update(i + k * stride, p[k], t[k]);
-        if (i + FINISH_AHEAD * stride >= n4) break;
-        // The next FINISH_AHEAD float4s, every load before any store.
-#pragma unroll
-        for (int k = 0; k < FINISH_AHEAD; ++k) {
-            const long long j = i + (FINISH_AHEAD + k) * stride;
-            p[k] = j < n4 ? p4[j] : float4{};
-            t[k] = j < n4 && !hard ? t4[j] : float4{};
-        }
     }
 }
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(FINISH_THREADS, FINISH_MIN_BLOCKS) dqn_finish(
+extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
         float* params, float* target, long long n, const DtSpectralMatrix* mats, int n_mats, float* u_all,
         const double* row_partials, float c, float* scale, float* sigma, float tau, int period, const int* adam_t,
         const int* skip, const float* scalars, const float* clip, const float* beta, long long* step_counter,
