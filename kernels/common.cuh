@@ -123,14 +123,29 @@ __device__ __forceinline__ bool dt_grid_sum_last(double v, double* partials, uns
     return true;
 }
 
-// The sum of partials[0 .. count) in dt_grid_sum_last's fixed order (thread t
-// adds t, t + THREADS, ..., then the block tree), read from L2: the same bits
-// in every block that calls it. Every thread of the block must call it.
+// Thread t's share of the sum of partials[0 .. count) in dt_grid_sum_last's
+// fixed order: partials t, t + THREADS, ... added to 0 in turn, read from L2.
+// The caller may have loaded the first LOADED of them already (to issue those
+// loads early), into loaded[0 .. LOADED): loaded[k] stands for partial
+// t + k * THREADS and is ignored past count. dt_block_sum of the shares gives
+// the same bits in every block that takes it.
+template <int THREADS, int LOADED = 0>
+__device__ __forceinline__ double dt_partials_share(const double* partials, int count,
+                                                    const double* loaded = nullptr) {
+    double s = 0.0;
+#pragma unroll
+    for (int k = 0; k < LOADED; ++k)
+        if ((int)threadIdx.x + k * THREADS < count) s += loaded[k];
+    for (int b = threadIdx.x + LOADED * THREADS; b < count; b += THREADS) s += __ldcg(&partials[b]);
+    return s;
+}
+
+// The sum of partials[0 .. count) in dt_grid_sum_last's fixed order (the
+// shares, then the block tree): the same bits in every block that calls it.
+// Every thread of the block must call it.
 template <int THREADS>
 __device__ __forceinline__ double dt_partials_sum(const double* partials, int count) {
-    double s = 0.0;
-    for (int b = threadIdx.x; b < count; b += THREADS) s += __ldcg(&partials[b]);
-    return dt_block_sum<THREADS>(s);
+    return dt_block_sum<THREADS>(dt_partials_share<THREADS>(partials, count));
 }
 
 // ---------------------------------------------------------------- error flags

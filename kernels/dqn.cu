@@ -153,12 +153,12 @@ __device__ __forceinline__ SampleTerms sample_loss(const float* row_next, const 
 template <int THREADS>
 __device__ __forceinline__ void sum_means(const double* partials, unsigned int blocks, int batch, float* scalars) {
     double s[3] = {0.0, 0.0, 0.0};
-    for (unsigned int b = threadIdx.x; b < blocks; b += THREADS) {
+    for (unsigned int b = threadIdx.x; b < blocks; b += THREADS) {  // three dt_partials_share in one loop
         s[0] += __ldcg(&partials[b]);
         s[1] += __ldcg(&partials[blocks + b]);
         s[2] += __ldcg(&partials[2 * blocks + b]);
     }
-    dt_block_sums<THREADS, 3>(s);
+    dt_block_sums<THREADS, 3>(s);  // the bits of three dt_partials_sum calls
     if (threadIdx.x == 0) {
         scalars[0] = (float)(s[0] / batch);
         scalars[1] = (float)(s[1] / batch);
@@ -430,10 +430,7 @@ __device__ __forceinline__ void means_kernel(const double* partials, int blocks,
     dt_wait_prior_grid();
     dt_allow_dependents();
     if (gate != nullptr && *gate) return;
-    const double* mine = partials + (long long)blockIdx.x * blocks;
-    double s = 0.0;
-    for (int b = threadIdx.x; b < blocks; b += THREADS) s += __ldcg(&mine[b]);
-    s = dt_block_sum<THREADS>(s);
+    const double s = dt_partials_sum<THREADS>(partials + (long long)blockIdx.x * blocks, blocks);
     if (threadIdx.x == 0) scalars[blockIdx.x] = (float)(s / batch);
 }
 

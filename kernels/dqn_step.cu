@@ -142,7 +142,7 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, long long first, lon
                     const double* rp = row_partials + sh.row_block0[m];
                     const double head = g == 0 ? part0[i]
                                         : ((int)threadIdx.x < sh.row_blocks[m] ? __ldcg(&rp[threadIdx.x]) : 0.0);
-                    s[i] = dt_spectral_y_share<FINISH_THREADS>(rp, sh.row_blocks[m], head);
+                    s[i] = dt_partials_share<FINISH_THREADS, 1>(rp, sh.row_blocks[m], &head);
                 }
             }
             dt_block_sums<FINISH_THREADS, FINISH_GROUP>(s);

@@ -123,11 +123,8 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_clip_step(
     }
     // The bias corrections need only t: their pow calls run before the block sum.
     DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, 1.0f, t);
-    // dt_partials_sum's order: thread t adds partials t, t + 256, ... to 0.
-    double share = 0.0;
-    if ((int)threadIdx.x < norm_blocks) share += head;
-    if (second < norm_blocks) share += next;
-    for (int b = second + ADAM_THREADS; b < norm_blocks; b += ADAM_THREADS) share += __ldcg(&partials[b]);
+    const double loaded[2] = {head, next};  // dt_partials_sum's order, its first two partials loaded above
+    const double share = dt_partials_share<ADAM_THREADS, 2>(partials, norm_blocks, loaded);
     const DtClip c = dt_clip_decide_value(dt_block_sum<ADAM_THREADS>(share), max_norm, loss != nullptr, loss_value,
                                           skip != nullptr);
     if (blockIdx.x == 0 && threadIdx.x == 0) dt_clip_publish(c, t - 1, clip, step, loss, ring, ring_slots, skip);

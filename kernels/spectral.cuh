@@ -303,19 +303,6 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const float* p
     }
 }
 
-// This thread's share of ||y||^2 for a matrix whose phase-2 partials are
-// row_partials[0 .. row_blocks): partials t, t + THREADS, ... added to 0 in
-// order, `first` (partial t, loaded earlier by the caller, 0 when t >= row_blocks)
-// standing for the first. dt_block_sum of the shares over a block of THREADS
-// threads gives the same bits in every block that does it.
-template <int THREADS>
-__device__ __forceinline__ double dt_spectral_y_share(const double* row_partials, int row_blocks, double first) {
-    double s = 0.0;
-    if ((int)threadIdx.x < row_blocks) s += first;
-    for (int b = threadIdx.x + THREADS; b < row_blocks; b += THREADS) s += __ldcg(&row_partials[b]);
-    return s;
-}
-
 // From ||y||^2 of a matrix: ||y|| (floored), sigma and the scale applied to W.
 struct DtSpectralResult {
     double y_norm;

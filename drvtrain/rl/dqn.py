@@ -310,7 +310,6 @@ class DQNStep:
         self._loss_kernel = mod.kernel("dqn_loss", LOSS_SIGNATURE, fixed_block=True)
         self._loss_grid = -(-b // self._loss_kernel.block)
         self._loss_partials = DeviceBuffer(3 * self._loss_grid, np.float64)
-        self._means = mod.kernel("dqn_means_32", MEANS_SIGNATURE, fixed_block=True)  # dqn_head's replaces it
         self._setup_spectral(mod, rng)
         self._finish = builtin_module("dqn_step.cu").kernel(
             "dqn_finish", "ptr ptr i64 ptr i32 ptr ptr f32 ptr ptr f32 i32 ptr ptr ptr ptr ptr ptr ptr i32 ptr ptr ptr",
@@ -369,11 +368,13 @@ class DQNStep:
                 self._head = head
                 self._head_grid = -(-b // _HEAD_ROWS)
                 self._head_partials = DeviceBuffer(3 * self._head_grid, np.float64)
-                self._means = mod.kernel("dqn_means_256", MEANS_SIGNATURE, fixed_block=True)
             elif cfg.fused_head:
                 warnings.warn(f"fused_head=True: the output layers take {self._head_shared} bytes of shared "
                               f"memory in a dqn_head block, this device allows {head.max_dynamic_shared()}; "
                               "the output layer, the loss and its dX run as separate kernels", stacklevel=2)
+        # The means kernel has the block size of the kernel whose partials it sums (the same tree).
+        self._means = mod.kernel("dqn_means_256" if self._head is not None else "dqn_means_32", MEANS_SIGNATURE,
+                                 fixed_block=True)
         # The weights a pre-split dX reads are split at the step's start on the target
         # stream, beside the sampler (MLP.split_weights; dqn_head computes the last dX).
         self._early_weight_splits = bool(self.streams) and bool(
