@@ -1,5 +1,6 @@
 """The Double-DQN step on the GPU against the float64 reference of docs/step-spec.md."""
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -391,6 +392,83 @@ def test_tail_matches_the_six_kernels_over_every_finish_branch(device, rng, hidd
     assert np.all(np.isfinite(fused)) and fused.tobytes() == separate.tobytes()
     for key in ("params", "target", "m", "v", "u"):
         assert s1[key].tobytes() == s2[key].tobytes(), key
+
+
+def _block_sum_bits(shares: np.ndarray) -> float:
+    """dt_block_sum (kernels/common.cuh) over 256 threads, in float64 numpy: lane l of each
+    warp takes thread values l, l + 32, ..., the eight are added in a pairwise tree, then
+    the lanes by shuffles down (a lane past the end adds its own value). IEEE double adds
+    round the same on both sides, so this gives the kernel's bits."""
+    r = [np.array(shares[32 * k: 32 * k + 32], np.float64) for k in range(8)]
+    h = 4
+    while h >= 1:
+        for k in range(h):
+            r[k] = r[k] + r[k + h]
+        h //= 2
+    x = r[0]
+    for w in (16, 8, 4, 2, 1):
+        x = np.concatenate([x[:32 - w] + x[w:], x[32 - w:] + x[32 - w:]])
+    return float(x[0])
+
+
+@pytest.mark.parametrize("hidden", [(40, 24, 33, 17, 20, 28), (4200, 8)],
+                         ids=["six-projected-layers", "tall-projected-layer"])
+def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, hidden):
+    """From the row partials and y that spectral_rows leaves, numpy in float64 reproduces the
+    finish pass's sigma, scale, u = y / ||y|| and scaled weights bit for bit: every thread's
+    share of the partials in order, the block tree, the square root, the divisions. Six
+    matrices take two groups of four; the tall layer has 263 row partials, more than a
+    block's threads."""
+    cfg = DQNConfig(obs_dim=3, hidden=hidden, n_actions=4, batch=64, capacity=1024, spectral_c=0.5,
+                    seed=int(rng.integers(1 << 30)))
+    stream = Stream()
+    step = DQNStep(cfg)
+    fill(step, rng, stream)
+    step.enqueue(stream=stream)  # one whole step, so the weights are trained ones
+    stream.synchronize()
+    assert int(step.optimizer.skip.to_numpy()[0]) == 0
+    u0 = step.u.to_numpy()
+    cb, rb = step._spectral_grids
+    for kernel, grid in ((step._spectral_columns, cb), (step._spectral_rows, rb)):
+        kernel.launch(grid, kernel.block, step.params, step._spectral_mats, step.n_spectral, step.u, step._v,
+                      step._spectral_partials, step.optimizer.skip, stream=stream)
+    stream.synchronize()
+    y, partials, params = step.u.to_numpy(), step._row_partials.to_numpy(), step.params.buffer.to_numpy()
+    step.u.copy_from_numpy(u0)
+    for buf in (step.sigma, step.spectral_scale):
+        buf.poison(stream=stream)
+    step._enqueue_spectral_and_finish(stream)  # the same two phases again, then the finish pass
+    stream.synchronize()
+    assert step._row_partials.to_numpy().tobytes() == partials.tobytes()
+    sigma, scale, u, after = (step.sigma.to_numpy(), step.spectral_scale.to_numpy(), step.u.to_numpy(),
+                              step.params.buffer.to_numpy())
+    c = float(np.float32(cfg.spectral_c))
+    projected = 0
+    for m, row in enumerate(step.spectral_table):
+        first, count = int(row["first_block_rows"]), -(-int(row["rows"]) // 16)
+        part = partials[first: first + count]
+        assert np.all(np.isfinite(part)) and np.all(part > 0)
+        shares = np.zeros(256)
+        for t in range(256):
+            acc = 0.0
+            for b in range(t, count, 256):
+                acc += float(part[b])
+            shares[t] = acc
+        y_squared = _block_sum_bits(shares)
+        y_norm = max(math.sqrt(y_squared), 1e-12)
+        sig = y_squared / y_norm
+        want_scale = np.float32(c / sig) if sig > c else np.float32(1.0)
+        projected += sig > c
+        assert sigma[m].tobytes() == np.float32(sig).tobytes(), f"sigma of matrix {m}"
+        assert scale[m].tobytes() == want_scale.tobytes(), f"scale of matrix {m}"
+        uo, rows = int(row["u_offset"]), int(row["rows"])
+        want_u = (y[uo: uo + rows].astype(np.float64) / y_norm).astype(np.float32)
+        assert u[uo: uo + rows].tobytes() == want_u.tobytes(), f"u of matrix {m}"
+        wo, n = int(row["w_offset"]), rows * int(row["cols"])
+        assert after[wo: wo + n].tobytes() == (params[wo: wo + n] * want_scale).tobytes(), f"weights of matrix {m}"
+    assert projected >= 1, "c = 0.5 scaled no matrix: the scale's branch went untested"
+    step.close()
+    stream.close()
 
 
 def test_nan_reward_skips_the_step_and_is_reported(device, rng):
