@@ -236,9 +236,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
 //   reads *step but block 0, and each block takes the minimum itself (a minimum
 //   has no order): the weights are sumtree_sample's last block's, bit for bit.
 //   While *gate != 0 (gate not null) nothing is written.
-// Launch: block WEIGHTS_THREADS (pinned), grid = ceil(B / WEIGHTS_THREADS).
-// `drawn` and `out_weight` must not overlap.
-constexpr int WEIGHTS_THREADS = 128;
+// Launch: block WEIGHTS_THREADS (pinned), grid = ceil(B / WEIGHTS_THREADS):
+// one warp a block, so a batch of 64 already takes two blocks (each block
+// reads the whole batch; the launch runs off the chain). `drawn` and
+// `out_weight` must not overlap.
+constexpr int WEIGHTS_THREADS = 32;
 
 extern "C" __global__ void __launch_bounds__(WEIGHTS_THREADS) sumtree_weights(
         const float* drawn, int batch, const float* beta_in, unsigned long long* step, float* beta_out,

@@ -595,13 +595,13 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     assert any(b == means[0].node.index for _, b in graph.programmatic_edges()) == (not dual_stream)
     backward = [k for k in kernels if k.function.startswith("linear_grad")]
     assert backward and all(graph.can_run_concurrently(means[0].node, k.node) for k in backward) == dual_stream
-    # The IS weights: with side streams a second launch of the draw (B / 128 blocks, an
-    # ordinary launch) beside every forward product and before the loss kernel; else the
+    # The IS weights: with side streams a second launch of the draw (a warp per 32 samples,
+    # an ordinary launch) beside every forward product and before the loss kernel; else the
     # sampler's last block.
     weights = [k for k in kernels if k.function == "sumtree_weights"]
     assert len(weights) == int(dual_stream)
     if dual_stream:
-        assert weights[0].grid == (cfg.batch // 128, 1, 1)
+        assert weights[0].grid == (-(-cfg.batch // 32), 1, 1) and weights[0].block == (32, 1, 1)
         assert not any(b == weights[0].node.index for _, b in graph.programmatic_edges())
         forwards = [k for k in kernels if k.function.startswith("linear_forward")]
         assert forwards and all(graph.can_run_concurrently(weights[0].node, k.node) for k in forwards)

@@ -482,16 +482,19 @@ def test_update_sample_rebuild_capture_into_one_graph(device, stream, rng):
     tree.check_errors()
 
 
-@pytest.mark.parametrize("where", ["forked stream", "same stream"])
-def test_split_draw_matches_the_one_launch_draw_bit_for_bit(device, stream, rng, where):
+@pytest.mark.parametrize("b", [1, 300, 512])
+@pytest.mark.parametrize("where", ["forked stream", "same stream", "same stream, dependent"])
+def test_split_draw_matches_the_one_launch_draw_bit_for_bit(device, stream, rng, where, b):
     """sample(weights_stream=...) draws in two launches (sumtree_sample with no counter, then
     sumtree_weights); across graph replays with a beta schedule and a gate, its indices,
     weights, beta and step are the one-launch draw's, bit for bit, and the weights are the
-    float64 reference's. B = 384 gives sumtree_weights three blocks, each of which must
-    take the minimum over the whole batch."""
+    float64 reference's. Batches of 300 and 512 give sumtree_weights 10 and 16 blocks of
+    one warp, each of which must take the minimum over the whole batch; 512 is max_batch.
+    "dependent": the second launch is a programmatic dependent launch of the first."""
     from drvtrain import Stream
+    from drvtrain.kernel import dependent_launches
     from drvtrain.stream import join
-    c, b, launches, replays = 5000, 384, 2, 4
+    c, launches, replays = 5000, 2, 4
     pri = rng.uniform(0.05, 1.5, c).astype(np.float32)
     pri[rng.random(c) < 0.1] = 0.0
     seed = int(rng.integers(2**63))
@@ -503,7 +506,7 @@ def test_split_draw_matches_the_one_launch_draw_bit_for_bit(device, stream, rng,
     gate = DeviceBuffer.from_numpy(np.zeros(1, np.int32))
     out = [[(DeviceBuffer(b, np.int32), DeviceBuffer(b, np.float32), DeviceBuffer(1, np.float32))
             for _ in range(launches)] for _ in trees]
-    with capture(stream) as graph:
+    with capture(stream) as graph, dependent_launches(where.endswith("dependent")):
         for k in range(launches):
             for t, tree in enumerate(trees):
                 idx, w, used = out[t][k]
@@ -513,8 +516,9 @@ def test_split_draw_matches_the_one_launch_draw_bit_for_bit(device, stream, rng,
                             gate=gate, weights_stream=side if t == 1 else None)
                 if t == 1 and side is not stream:
                     join(stream, side)
-    assert sum(k.function == "sumtree_weights" for k in graph.kernel_nodes()) == launches
-    assert {k.grid[0] for k in graph.kernel_nodes() if k.function == "sumtree_weights"} == {3}
+    weights = [k for k in graph.kernel_nodes() if k.function == "sumtree_weights"]
+    assert len(weights) == launches and {k.grid[0] * k.block[0] for k in weights} == {-(-b // 32) * 32}
+    assert bool(graph.programmatic_edges()) == where.endswith("dependent")
     exe = graph.instantiate()
     leaves = trees[0].leaves_numpy().astype(np.float64)
     total = math.fsum(leaves)
@@ -544,3 +548,38 @@ def test_split_draw_matches_the_one_launch_draw_bit_for_bit(device, stream, rng,
         t.check_errors()
     if side is not stream:
         side.close()
+
+
+def test_split_draw_of_an_empty_tree_is_the_one_launch_draw(device, stream, rng):
+    """Every leaf 0: both ways draw leaf 0 with weight 0 for every sample, raise the
+    empty-tree flag and advance the step."""
+    from drvtrain import Stream
+    from drvtrain.stream import join
+    c, b = 300, 70
+    side = Stream()
+    got = []
+    for split in (False, True):
+        tree = SumTree(c, alpha=0.6, seed=int(rng.integers(2**63)))
+        tree.set_priorities(np.zeros(c, np.float32))
+        idx, w = DeviceBuffer(b, np.int32), DeviceBuffer(b, np.float32)
+        for buf in (idx, w):
+            buf.poison(stream=stream)
+        tree.sample(b, stream=stream, beta=0.4, indices=idx, weights=w, weights_stream=side if split else None)
+        join(stream, side)
+        got.append((idx.to_numpy(), w.to_numpy()))
+        assert int(tree.step.to_numpy()[0]) == 1
+        with pytest.raises(ReplayError, match="sampled an empty tree"):
+            tree.check_errors()
+    assert np.all(got[0][0] == 0) and np.all(got[0][1] == 0)
+    assert got[0][0].tobytes() == got[1][0].tobytes() and got[0][1].tobytes() == got[1][1].tobytes()
+    side.close()
+
+
+def test_split_draw_refuses_a_weights_stream_that_is_not_a_stream_before_drawing(device, stream, rng):
+    tree = SumTree(64, seed=1)
+    tree.set_priorities(rng.uniform(0.1, 1.0, 64).astype(np.float32))
+    idx, w = DeviceBuffer(8, np.int32), DeviceBuffer(8, np.float32)
+    with pytest.raises(TypeError, match="weights_stream must be a Stream"):
+        tree.sample(8, stream=stream, beta=0.4, indices=idx, weights=w, weights_stream=object())
+    stream.synchronize()
+    assert int(tree.step.to_numpy()[0]) == 0

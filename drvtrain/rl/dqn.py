@@ -2,16 +2,16 @@
 
 The maths is in ``docs/step-spec.md``. One step, in launch order:
 PER sample and the gathered batch, with the IS weights by a second launch on
-a third stream; the online forward on ``s`` (main stream) while the online
-forward on ``s'`` and the target forward on ``s'`` run on two streams forked
-from it, all joined before the loss; the
-fused loss (dueling combine, Double-DQN argmax and target, IS-weighted Huber,
-the output gradient, new priorities, metrics sums); the backward; the
-gradient-norm clip, which is also the NaN guard; AdamW; the spectral power
-iteration (two launches) and beside it, on a second stream, the priority
-update; and one last pass that applies
-the spectral scales, updates the target network, counts the step and writes
-the metrics slot. No host branch anywhere: a captured step replays unchanged.
+a third stream (with side streams); the online forward on ``s`` (main
+stream) while the online forward on ``s'`` and the target forward on ``s'``
+run on two streams forked from it, all joined before the loss; the fused loss
+(dueling combine, Double-DQN argmax and target, IS-weighted Huber, the output
+gradient, new priorities, metrics sums); the backward; the gradient-norm
+clip, which is also the NaN guard; AdamW; the spectral power iteration (two
+launches) and beside it, on a second stream, the priority update; and one last
+pass that applies the spectral scales, updates the target network, counts the
+step and writes the metrics slot. No host branch anywhere: a captured step
+replays unchanged.
 """
 from __future__ import annotations
 
@@ -105,7 +105,9 @@ class DQNConfig:
     plans its products for a third of the SMs (``MLP.forward``'s ``sms``), so that
     their blocks all fit at once (with ``cluster_forward`` one launch runs them
     all, and nothing is planned that way); the weight gradients run beside the
-    data gradients' chain.
+    data gradients' chain; on a third stream the sampler's IS weights run beside
+    the forwards (``SumTree.sample``'s ``weights_stream``) and the loss's means
+    beside the backward. With ``fused`` there are no side streams.
     ``dependent_launch`` launches every kernel of the step as a programmatic
     dependent launch (compute capability 9.0+; ignored below): each kernel's
     launch overlaps the tail of the one before, and no result changes.
@@ -498,7 +500,7 @@ class DQNStep:
                                    layers=hidden_layers, sms=self._forward_sms)
             online_leaves = capture_frontier(stream) if capturing else []
             if self.streams:
-                join(stream, next_stream, target_stream, *([weights_stream] if weights_stream else []))
+                join(stream, next_stream, target_stream, *([weights_stream] if weights_stream is not None else []))
         dout = arena.array((b, 1 + a), np.float32)
         priorities = arena.array(b, np.float32)
         a_star = arena.array(b, np.int32)

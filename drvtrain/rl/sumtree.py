@@ -20,7 +20,7 @@ import numpy as np
 from ..flags import ErrorFlags
 from ..kernel import builtin_module
 from ..memory import DeviceBuffer
-from ..stream import fork
+from ..stream import Stream, fork
 
 __all__ = ["SumTree", "ReplayError", "beta_schedule", "tree_levels"]
 
@@ -274,6 +274,8 @@ class SumTree:
         gate_ptr = gate if gate is not None else 0
         beta_ptr = beta_out if beta_out is not None else 0
         split = weights_stream is not None
+        if split and not isinstance(weights_stream, Stream):  # checked before the draw launches
+            raise TypeError(f"weights_stream must be a Stream or None, got {type(weights_stream).__name__}")
         block = self._sample.block
         # A split draw's first launch leaves the leaf values and beta to its second
         # (no counter: no last block, and no staging in shared memory).
@@ -305,7 +307,6 @@ class SumTree:
         self.leaves.copy_from_numpy(leaves)
         largest = max(self._max_leaf.to_numpy()[0], leaves.max())
         self._max_leaf.copy_from_numpy(np.array([largest], np.float32))
-        from ..stream import Stream
         stream = Stream()
         self.rebuild(stream=stream)
         stream.synchronize()
