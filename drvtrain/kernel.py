@@ -522,12 +522,15 @@ class Kernel:
             pack.pack(args)
         _launch_ex(self, config, stream, pack)
 
-    def bind(self, grid, block, *args, shared_mem: int = 0, dependent: bool = False,
+    def bind(self, grid, block, *args, shared_mem: int = 0, dependent: bool | None = None,
              cluster=None, cooperative: bool = False, cluster_policy: str | None = None) -> "BoundLaunch":
         """A launch with its arguments packed once, for replaying many times.
 
-        The options are those of :meth:`launch`.
+        The options are those of :meth:`launch`; ``dependent=None`` follows the
+        ``dependent_launches`` scope around this call (not around the replays).
         """
+        if dependent is None:
+            dependent = _scope.dependent and self._dependent_capable
         if dependent or cluster is not None or cooperative or cluster_policy is not None:
             g, b, config = self._launch_config(grid, block, shared_mem, dependent, cluster, cooperative,
                                                cluster_policy)

@@ -391,6 +391,25 @@ def test_dependent_launches_scope_makes_hopper_launches_dependent_and_restores(l
                                 ("plain", None)]
 
 
+def test_bind_follows_the_scope_at_bind_time(launches):
+    """A bound launch takes the scope around bind(); replays keep what it took."""
+    from drvtrain import dependent_launches
+    hopper, ampere = hopper_kernel(), hopper_kernel(cc=(8, 0))
+    args = (fake_buffer(4096), 1)
+    plain = hopper.bind(4, 64, *args)
+    with dependent_launches():
+        bound = hopper.bind(4, 64, *args)
+        opted_out = hopper.bind(4, 64, *args, dependent=False)
+        older = ampere.bind(4, 64, *args)  # below 9.0 the scope changes nothing
+        plain.launch(FakeStream())
+    bound.launch(FakeStream())
+    assert bound.dependent is True
+    assert type(opted_out) is BoundLaunch and not opted_out.dependent
+    assert type(older) is BoundLaunch and not older.dependent
+    programmatic = (ATTR.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+    assert _kinds(launches) == [("plain", None), ("ex", [programmatic])]
+
+
 def test_dependent_launches_scope_belongs_to_its_thread(launches):
     import threading
     from drvtrain import dependent_launches

@@ -450,7 +450,7 @@ class LinearKernels:
         step's unsplit first layer on the plain kernel made the clustered second layer,
         and the step, 1 us slower, from code fetched cold)."""
         key = (role, p.tile, vector if self.precision != "f32" else 16)
-        if key in self.clustered and (p.cluster or p.splits <= p.tile.cluster_splits):
+        if key in self.clustered and p.splits <= p.tile.cluster_splits:  # a clustered plan always is
             return self.clustered[key]
         return self.kernels[key]
 
