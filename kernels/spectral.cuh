@@ -19,7 +19,7 @@
 // those partials (same order, so the same bits in every block), normalises v
 // while staging it, computes y into u_all and one partial ||y||^2 per block.
 // Neither phase has a last block: whoever needs ||y|| sums phase 2's partials
-// the same way (dt_spectral_y_squared), in every block that needs it. The
+// in the same order (dt_partials_sum in common.cuh), in every block that needs it. The
 // finish pass (dqn_step.cu) does: it takes sigma and the scale, normalises u
 // and applies W *= scale[m].
 // Between the phases v_all holds x; after phase 2, u_all holds y until the
