@@ -166,7 +166,9 @@ struct FirstDw {
     float* dw0;                // dW0 [N, in0], row-major
     float* db0;                // db0 [N]
     float* work;               // gridDim.x * gridDim.y * BN * (in0 + 1) floats
-    unsigned int* counters;    // gridDim.x zeroed uints (left zeroed)
+    unsigned int* counters;    // gridDim.x zeroed uints (left zeroed), or null: the tiles
+                               // only write their shares, and the kernel after this one sums
+                               // them (kernels/optim.cuh's DtFirstDw)
 };
 
 // The split-k workspace of a launch (floats):
@@ -433,7 +435,8 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     if constexpr (DW0) {
         // dX1 is not stored: its tile's share of dW0 and db0 is summed here, per
         // column over this tile's rows, and the last tile of each column strip
-        // (dt_last_block) adds the strip's shares in blockIdx.y order. FP32 FMAs in
+        // (dt_last_block) adds the strip's shares in blockIdx.y order (with no
+        // counters, the kernel after this one does, in the same order). FP32 FMAs in
         // a fixed order: bitwise reproducible for a fixed launch.
         static_assert(EPI == EPI_MASK && EARLY && CFG::WARPS_M * BN * (DW0_MAX_IN + 1) <= STAGES * STAGE,
                       "the masked tile, its mask from the first copies, and room for the warps' shares");
@@ -501,7 +504,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             for (int w = 0; w < CFG::WARPS_M; ++w) v += red[w * E + at];
             mine[e] = v;
         }
-        if (dt_last_block(&fd.counters[blockIdx.x], gridDim.y)) {
+        if (fd.counters != nullptr && dt_last_block(&fd.counters[blockIdx.x], gridDim.y)) {
             const float* strip = fd.work + (size_t)blockIdx.x * gridDim.y * share_floats;
             for (int e = tid; e < share_floats; e += THREADS) {
                 float v = 0.0f;

@@ -26,7 +26,12 @@
 // grad_norm_partials + adamw_clip_step: the same two steps with no last block
 //   (AdamW.step() launches them). grad_norm_partials writes its blocks' partial
 //   sums of g^2 to partials[0 .. G) exactly as grad_norm_clip's blocks do, and
-//   block 0 writes *t_next = *step + 1; it decides nothing. Every block of
+//   block 0 writes *t_next = *step + 1; it decides nothing. With `shares`
+//   non-null, dW0 and db0 (at float offsets dw0 and db0 of `grads`) are first
+//   summed from the tile shares that gemm.cu's grad_input_dw0 kernels left with
+//   no strip counters (optim.cuh's DtFirstDw: in0, cols, rows, bn), in that
+//   kernel's order, and stored into `grads`: the same gradients, norm and
+//   update as if that kernel had summed them itself. Every block of
 //   adamw_clip_step then adds the G partials in grad_norm_clip's last-block
 //   order (the same bits in every block), takes the norm, the clip scale and
 //   the NaN guard's decision from them as grad_norm_clip does, and updates its
@@ -83,11 +88,14 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_step(
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_partials(
-        const float* grads, long long n, double* partials, const int* step, int* t_next, const int* gate) {
+        float* grads, long long n, double* partials, const int* step, int* t_next, const int* gate,
+        const float* shares, long long dw0, long long db0, int in0, int cols, int rows, int bn) {
     dt_wait_prior_grid();
     dt_allow_dependents();
     if (gate != nullptr && *gate) return;
-    const double block = dt_block_sum<NORM_THREADS>(dt_sum_of_squares(dt_thread_index(), dt_grid_stride(), grads, n));
+    const DtFirstDw first_dw{shares, dw0, db0, in0, cols, rows, bn};
+    const double block = dt_block_sum<NORM_THREADS>(
+        dt_sum_of_squares_first_dw(dt_thread_index(), dt_grid_stride(), grads, n, first_dw));
     if (threadIdx.x != 0) return;
     partials[blockIdx.x] = block;
     if (blockIdx.x == 0) *t_next = *step + 1;

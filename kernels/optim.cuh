@@ -3,15 +3,86 @@
 // header). Sharing the code is what makes the two paths agree bit for bit.
 #pragma once
 
+// sum g^2 of one float4, in double: every sum of squares below adds these.
+__device__ __forceinline__ double dt_squares(float4 g) {
+    return (double)g.x * g.x + (double)g.y * g.y + (double)g.z * g.z + (double)g.w * g.w;
+}
+
 // One thread's share of sum g^2 (in double) over float4 elements first,
 // first + stride, ... below n / 4, in that order.
 __device__ __forceinline__ double dt_sum_of_squares(long long first, long long stride, const float* grads,
                                                     long long n) {
     double acc = 0.0;
     const float4* g4 = reinterpret_cast<const float4*>(grads);
+    for (long long i = first; i < n / 4; i += stride) acc += dt_squares(g4[i]);
+    return acc;
+}
+
+// The first layer's dW0 [cols, in0] and db0 [cols] of a flat gradient buffer, left
+// as per-tile shares by gemm.cu's grad_input_dw0 kernels launched with no strip
+// counters: row tile y's share of column c (strip x = c / bn, of `rows` row tiles)
+// is shares[((x * rows + y) * bn + c - x * bn) * (in0 + 1) + i], dW0[c][i] for
+// i < in0 and db0[c] for i = in0. An element's sum adds the shares in y order,
+// from 0, as that kernel's last block of a strip does: the same bits.
+// dw0 and db0 are the float offsets of dW0 and db0 in the buffer.
+constexpr int DT_FIRST_DW_MAX_ROWS = 16;  // drvtrain.nn.mlp's FIRST_DW_MAX_ROW_TILES
+
+struct DtFirstDw {
+    const float* shares;  // null: nothing to sum
+    long long dw0, db0;
+    int in0, cols, rows, bn;
+};
+
+// Whether float4 index i of the buffer holds an element of dW0 or db0.
+__device__ __forceinline__ bool dt_first_dw_touches(const DtFirstDw& f, long long i) {
+    const long long lo = 4 * i, hi = lo + 4;
+    return f.shares != nullptr && ((lo < f.dw0 + (long long)f.cols * f.in0 && hi > f.dw0) ||
+                                   (lo < f.db0 + f.cols && hi > f.db0));
+}
+
+// Element e's value: the sum of its shares inside dW0 and db0, `held` elsewhere.
+__device__ __forceinline__ float dt_first_dw_element(const DtFirstDw& f, long long e, float held) {
+    int c, i;
+    if (e >= f.dw0 && e < f.dw0 + (long long)f.cols * f.in0) {
+        const int r = (int)(e - f.dw0);
+        c = r / f.in0;
+        i = r - c * f.in0;
+    } else if (e >= f.db0 && e < f.db0 + f.cols) {
+        c = (int)(e - f.db0);
+        i = f.in0;
+    } else {
+        return held;
+    }
+    const int row = f.in0 + 1, x = c / f.bn;
+    const float* s = f.shares + ((size_t)x * f.rows * f.bn + (c - x * f.bn)) * row + i;
+    const size_t tile = (size_t)f.bn * row;
+    float v[DT_FIRST_DW_MAX_ROWS];
+#pragma unroll
+    for (int y = 0; y < DT_FIRST_DW_MAX_ROWS; ++y) v[y] = y < f.rows ? __ldcg(s + y * tile) : 0.0f;  // all in flight
+    float sum = 0.0f;
+#pragma unroll
+    for (int y = 0; y < DT_FIRST_DW_MAX_ROWS; ++y)
+        if (y < f.rows) sum += v[y];
+    return sum;
+}
+
+// dt_sum_of_squares, with dW0's and db0's elements first summed from their shares
+// and stored into `grads` (where AdamW reads them): the squares and their order
+// are dt_sum_of_squares'.
+__device__ __forceinline__ double dt_sum_of_squares_first_dw(long long first, long long stride, float* grads,
+                                                             long long n, const DtFirstDw& f) {
+    double acc = 0.0;
+    float4* g4 = reinterpret_cast<float4*>(grads);
     for (long long i = first; i < n / 4; i += stride) {
-        const float4 g = g4[i];
-        acc += (double)g.x * g.x + (double)g.y * g.y + (double)g.z * g.z + (double)g.w * g.w;
+        float4 g = g4[i];
+        if (dt_first_dw_touches(f, i)) {
+            g.x = dt_first_dw_element(f, 4 * i, g.x);
+            g.y = dt_first_dw_element(f, 4 * i + 1, g.y);
+            g.z = dt_first_dw_element(f, 4 * i + 2, g.z);
+            g.w = dt_first_dw_element(f, 4 * i + 3, g.w);
+            g4[i] = g;
+        }
+        acc += dt_squares(g);
     }
     return acc;
 }

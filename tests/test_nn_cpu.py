@@ -172,6 +172,7 @@ def test_from_widths_matches_the_out_in_list(rng):
 
 
 # ---------------------------------------------------------------- the GEMM chooser (drvtrain.nn.mlp)
+from pathlib import Path
 from types import SimpleNamespace
 
 from drvtrain.memory import DeviceBuffer
@@ -931,3 +932,43 @@ def test_folded_backward_with_dx_last_and_two_weight_streams(monkeypatch):
         ("linear_grad_input_dw0_32x32_cp16_cluster", main)]  # dX1 from dh, folded into dW0 and db0
     folded = kernels[-1][2]
     assert folded[0].ptr == dh.ptr and folded[16].ptr == x.ptr and folded[19].ptr == grads.weight(0).ptr
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["summed-here", "deferred"])
+def test_folded_backward_defers_the_strip_sums_only_when_asked(monkeypatch, defer):
+    """MLP.backward(defer_first_dw=True): the folded kernel gets no strip counters (its
+    tiles only write their shares) and the backward returns what AdamW.step needs to
+    sum them: the shares it wrote, dW0's and db0's offsets, in0, the columns, the row
+    tiles and the strip width. By default the kernel sums them itself (counters) and
+    the backward returns None."""
+    launches = []
+    _fake_kernels(monkeypatch, launches, (9, 0))
+    layout = ParamLayout.from_widths([5, 200, 96, 3])  # 200 columns: a partial last strip
+    model = mlp_module.MLP(layout)
+    arena = _FakeArena()
+    params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
+    x = DeviceBuffer._view(None, 1 << 37, (300, 5), np.float32)
+    fwd = model.forward(params, x, arena=arena, stream=object())
+    dout = DeviceBuffer._view(None, 1 << 36, (300, 3), np.float32)
+    launches.clear()
+    got = model.backward(params, grads, fwd, dout, arena=arena, stream=object(), defer_first_dw=defer)
+    folded = [e for e in launches if e[0].startswith("linear_grad_input_dw0_")]
+    assert len(folded) == 1
+    args = folded[0][2]  # ..., X0, ldx0, in0, dW0, db0, work, counters
+    assert args[18] == 5 and args[19].ptr == grads.weight(0).ptr and args[20].ptr == grads.bias(0).ptr
+    if not defer:
+        assert got is None and args[22] != 0
+        return
+    assert args[22] == 0
+    assert isinstance(got, mlp_module.FirstDwShares) and got.grads is grads and got.shares.ptr == args[21].ptr
+    assert (got.dw0_at, got.db0_at) == (layout.weight(0).offset, layout.bias(0).offset)
+    assert (got.in0, got.cols, got.rows, got.bn) == (5, 200, 10, 32)  # 300 rows: 10 row tiles of 32
+    assert got.shares.size == mlp_module.LinearKernels.first_dw_scratch(300, 200, 5)[0] == 10 * 7 * 32 * 6
+    assert got.kernel_args() == (got.shares, got.dw0_at, got.db0_at, 5, 200, 10, 32)
+
+
+def test_the_norm_kernel_sums_as_many_row_tiles_as_the_fold_may_have():
+    """kernels/optim.cuh's DT_FIRST_DW_MAX_ROWS (the share loads the norm kernel keeps in
+    flight) is FIRST_DW_MAX_ROW_TILES, the most row tiles a folded first dW has."""
+    text = (Path(mlp_module.__file__).parents[2] / "kernels" / "optim.cuh").read_text()
+    assert f"constexpr int DT_FIRST_DW_MAX_ROWS = {mlp_module.FIRST_DW_MAX_ROW_TILES};" in text

@@ -152,6 +152,68 @@ def test_grad_norm_and_clip(device, stream, rng):
     assert bits[0] == bits[1] == bits[2]
 
 
+@pytest.mark.parametrize("batch, widths", [(256, [4, 256, 256, 3]), (300, [5, 200, 96, 3]), (512, [3, 72, 40, 2]),
+                                          (33, [8, 40, 64, 7]), (1, [1, 36, 40, 2])])
+def test_first_dw_summed_by_the_norm_keeps_every_bit(device, stream, rng, batch, widths):
+    """MLP.backward(defer_first_dw=True), then AdamW.step(first_dw=...): the norm kernel
+    sums the first layer's dW and db from the tiles' shares (partial strips, float4s
+    across columns, 1 to 16 row tiles). The gradients (dW0 and db0 poisoned first), the
+    norm and scale, the parameters and both moments equal those of the backward that
+    sums them itself, bit for bit, and the gradients are within 1e-5 of float64."""
+    layout = make_layout(widths)
+    mlp = MLP(layout, tf32=False)
+    if not mlp.first_dw_folded(batch):
+        assert tuple(device.compute_capability) < (9, 0)
+        pytest.skip(f"the first dW folds on compute capability 9.0 only; this device is {device.arch}")
+    theta = random_params(layout, rng).to_numpy()
+    x = DeviceBuffer.from_numpy(rng.standard_normal((batch, widths[0])).astype(np.float32))
+    dout_host = rng.standard_normal((batch, widths[-1])).astype(np.float32)
+    dout = DeviceBuffer.from_numpy(dout_host)
+    runs = []
+    for defer in (False, True):
+        params, grads = FlatBuffer(layout), FlatBuffer(layout)
+        params.load_numpy(theta)
+        grads.weight(0).poison(stream=stream)
+        grads.bias(0).poison(stream=stream)
+        opt = AdamW(params, grads, lr=1e-2, max_norm=1e-3)  # clipped: the norm's bits reach the update
+        arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)
+        fwd = mlp.forward(params, x, arena=arena, stream=stream)
+        shares = mlp.backward(params, grads, fwd, dout, arena=arena, stream=stream, defer_first_dw=defer)
+        assert (shares is not None) == defer
+        opt.step(stream=stream, first_dw=shares)
+        acts = [a.to_numpy() for a in fwd.activations]
+        runs.append(dict(grads=grads.buffer.to_numpy(), params=params.buffer.to_numpy(),
+                         m=opt.m.buffer.to_numpy(), v=opt.v.buffer.to_numpy(), clip=opt.clip.to_numpy(), acts=acts))
+        got = grads.to_numpy()
+        arena.close()
+        opt.close()
+    for key in ("grads", "params", "m", "v", "clip"):
+        assert runs[0][key].tobytes() == runs[1][key].tobytes(), key
+    want = mlp_backward(theta, [a.astype(np.float64) for a in runs[1]["acts"]], dout_host)
+    for name, w in want.items():
+        assert rel(got[name], w) < 1e-5, f"{name}: rel {rel(got[name], w):.3g}"
+
+
+def test_adamw_step_refuses_shares_it_cannot_sum(device, stream, rng):
+    """first_dw must be MLP.backward's FirstDwShares, of this optimizer's gradients,
+    with 1 to FIRST_DW_MAX_ROW_TILES row tiles: anything else is refused before a launch."""
+    from drvtrain.nn.mlp import FIRST_DW_MAX_ROW_TILES, FirstDwShares
+    layout = make_layout([4, 64, 64, 2])
+    params, grads, other = random_params(layout, rng), FlatBuffer(layout), FlatBuffer(layout)
+    opt = AdamW(params, grads)
+    shares = DeviceBuffer(64 * 5 * 2, np.float32)
+    ok = FirstDwShares(grads, shares, layout.weight(0).offset, layout.bias(0).offset, 4, 64, 1, 32)
+    with pytest.raises(TypeError, match="FirstDwShares"):
+        opt.step(stream=stream, first_dw=ok.kernel_args())
+    with pytest.raises(ValueError, match="another gradient buffer"):
+        opt.step(stream=stream, first_dw=FirstDwShares(other, *ok.kernel_args()))
+    for rows in (0, FIRST_DW_MAX_ROW_TILES + 1):
+        with pytest.raises(ValueError, match="row tiles"):
+            opt.step(stream=stream, first_dw=FirstDwShares(grads, shares, ok.dw0_at, ok.db0_at, 4, 64, rows, 32))
+    stream.synchronize()
+    assert opt.read_state()[2] == 0  # nothing ran
+
+
 def test_hundred_adamw_steps_match_float64_recurrence(device, stream, rng):
     layout = make_layout([17, 100, 3])
     theta0 = layout.init_numpy(int(rng.integers(1 << 30)))

@@ -12,7 +12,7 @@ from ..stream import Event, fork, join
 from ..tma import tensor_map_2d
 from .layout import FlatBuffer, ParamLayout
 
-__all__ = ["MLP", "Forward", "GemmKernel", "LinearKernels", "Plan", "SplitOperand", "Tile", "TILES", "FFMA_TILE",
+__all__ = ["MLP", "Forward", "FirstDwShares", "GemmKernel", "LinearKernels", "Plan", "SplitOperand", "Tile", "TILES", "FFMA_TILE",
            "WGMMA_TILE", "PRESPLIT_MAX_TILES", "WeightSplits", "wgmma_available", "gemm", "gemm_presplit",
            "operand_map", "choose_tile", "kernel_name", "plan", "split_bytes", "split_count", "vector_width"]
 
@@ -474,11 +474,15 @@ class LinearKernels:
         return rows * cols * TILE_32.bn * (in0 + 1), cols
 
     def launch_first_dw(self, dy, ldy, w, ldw, m, n, k, *, mask, ldm, x0, ldx0, in0, dw0, db0, arena: Arena,
-                        stream, gate=None) -> GemmKernel:
+                        stream, gate=None, finish: bool = True) -> DeviceBuffer:
         """The second layer's grad-input product (dY [m, k] times W [k, n], masked by
         ``mask``) with the first layer's dW0 [n, in0] = dX^T X0 and db0 [n] (the
         column sums of dX) summed from its tiles, instead of dX itself: one launch for
-        two products, dX never stored (:meth:`plan_first_dw` must plan; checked)."""
+        two products, dX never stored (:meth:`plan_first_dw` must plan; checked).
+        Returns the tiles' shares (an arena slice, laid out as :class:`FirstDwShares`
+        says). With ``finish`` False the last tile of each column strip does not sum
+        them: dW0 and db0 are left unwritten for the next kernel to sum
+        (``AdamW.step``'s ``first_dw``)."""
         p = self.plan_first_dw(m, n, k, in0)
         if p is None:
             raise ValueError(f"no grad_input_dw0 launch of {m}x{n}x{k} with {in0} inputs here")
@@ -487,11 +491,11 @@ class LinearKernels:
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         work_floats, strips = self.first_dw_scratch(m, n, in0)
         work = arena.array(work_floats, np.float32)
-        strip_counters = arena.zeroed(strips, np.uint32)
+        strip_counters = arena.zeroed(strips, np.uint32) if finish else 0
         gemm(kernel, dy, ldy, w, ldw, 0, n, m, n, k, stream, splits=p.splits, workspace=workspace,
              counters=counters, gate=gate, cluster=p.cluster, mask=mask, ldm=ldm,
              first_dw=(x0, ldx0, in0, dw0, db0, work, strip_counters))
-        return kernel
+        return work
 
     def share(self, sms) -> int:
         """The SMs a product plans for: ``sms`` (an int from 1 to the device's count),
@@ -649,6 +653,29 @@ class WeightSplits:
     weights: dict
     stream: object
     event: object
+
+
+@dataclass(frozen=True)
+class FirstDwShares:
+    """The first layer's dW and db that ``MLP.backward(..., defer_first_dw=True)`` left
+    unsummed: row tile ``y``'s share of column ``c`` (column strip ``x = c // bn``)
+    is ``shares[((x * rows + y) * bn + c - x * bn) * (in0 + 1) + i]``, dW0[c, i] for
+    ``i < in0`` and db0[c] for ``i == in0``. ``AdamW.step(first_dw=...)`` sums them
+    into ``grads`` (at float offsets ``dw0_at`` and ``db0_at``), in the order the
+    backward would have, so every gradient keeps its bits. ``shares`` is an arena
+    slice: it is valid until the arena is reset."""
+    grads: FlatBuffer
+    shares: DeviceBuffer
+    dw0_at: int
+    db0_at: int
+    in0: int
+    cols: int
+    rows: int
+    bn: int
+
+    def kernel_args(self) -> tuple:
+        """The trailing arguments of kernels/optim.cu's grad_norm_partials."""
+        return self.shares, self.dw0_at, self.db0_at, self.in0, self.cols, self.rows, self.bn
 
 
 @dataclass(frozen=True)
@@ -887,8 +914,18 @@ class MLP:
 
     def backward(self, params: FlatBuffer, grads: FlatBuffer, forward: Forward, dout: DeviceBuffer, *,
                  arena: Arena, stream, gate=None, weight_stream=None, dx_last: DeviceBuffer | None = None,
-                 weight_splits: WeightSplits | None = None) -> None:
+                 weight_splits: WeightSplits | None = None,
+                 defer_first_dw: bool = False) -> FirstDwShares | None:
         """Gradients of the loss whose derivative by ``forward.output`` is ``dout``, into ``grads``.
+
+        ``defer_first_dw``: where the first layer's dW is folded into the second
+        layer's dX (:meth:`first_dw_folded`), leave its last step, the sum of the
+        tiles' shares into dW0 and db0, to the optimizer: the backward returns a
+        :class:`FirstDwShares` for ``AdamW.step(first_dw=...)``, whose norm kernel
+        sums them on its way (measured on the H200: docs/perf-notes.md, twenty-first
+        pass). Until that step runs, the first layer's gradients in ``grads`` are
+        not written. Elsewhere, and by default, every gradient is written here and
+        the backward returns None.
 
         ``dx_last``: the last layer's data gradient (by its input, the ReLU mask
         applied), already computed by the caller into this [batch, in] buffer;
@@ -932,6 +969,7 @@ class MLP:
                              "distinct ones")
         side_of = lambda k: sides[(last - k) % len(sides)] if sides and k > 0 else None
         folded = self.first_dw_folded(batch)  # layer 0's dW rides on layer 1's dX
+        shares = None  # what defer_first_dw leaves to the optimizer
         presplit = self.presplit_layers(batch)
         if dx_last is not None and last in presplit:  # the last layer's dX is not launched
             presplit[last] = (False, presplit[last][1])
@@ -988,9 +1026,13 @@ class MLP:
                 dy = dx_last
             elif k == 1 and folded:  # dX of layer 1 is not stored: it becomes dW0 and db0 at once
                 in0 = self.layout.layers[0][1]
-                kernels.launch_first_dw(dy, out, params.weight(k), inp, batch, inp, out, mask=x, ldm=inp,
-                                        x0=forward.activations[0], ldx0=in0, in0=in0, dw0=grads.weight(0),
-                                        db0=grads.bias(0), arena=arena, stream=stream, gate=gate)
+                work = kernels.launch_first_dw(dy, out, params.weight(k), inp, batch, inp, out, mask=x, ldm=inp,
+                                               x0=forward.activations[0], ldx0=in0, in0=in0, dw0=grads.weight(0),
+                                               db0=grads.bias(0), arena=arena, stream=stream, gate=gate,
+                                               finish=not defer_first_dw)
+                if defer_first_dw:
+                    shares = FirstDwShares(grads, work, self.layout.weight(0).offset, self.layout.bias(0).offset,
+                                           in0, inp, -(-batch // TILE_32.bm), TILE_32.bn)
                 dy = None
             elif k > 0:
                 dx = arena.array((batch, inp), np.float32)
@@ -1009,3 +1051,4 @@ class MLP:
             stream.wait(weight_splits.event)
         if forked:  # else nothing was forked
             join(stream, *(s for s in sides if s in forked))
+        return shares

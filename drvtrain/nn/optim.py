@@ -7,6 +7,7 @@ from ..driver import get_device
 from ..kernel import builtin_module
 from ..memory import DeviceBuffer
 from .layout import FlatBuffer
+from .mlp import FIRST_DW_MAX_ROW_TILES, FirstDwShares
 
 __all__ = ["AdamW"]
 
@@ -71,7 +72,8 @@ class AdamW:
                                 fixed_block=True)
         self._adamw = mod.kernel("adamw_step", "ptr ptr ptr ptr i64 f32 f64 f64 f32 f32 ptr ptr ptr",
                                  fixed_block=True)
-        self._partials = mod.kernel("grad_norm_partials", "ptr i64 ptr ptr ptr ptr", fixed_block=True)
+        self._partials = mod.kernel("grad_norm_partials", "ptr i64 ptr ptr ptr ptr ptr i64 i64 i32 i32 i32 i32",
+                                    fixed_block=True)
         self._adamw_clip = mod.kernel("adamw_clip_step",
                                       "ptr ptr ptr ptr i64 f32 f64 f64 f32 f32 ptr i32 f32 ptr ptr ptr ptr ptr i32 "
                                       "ptr ptr", fixed_block=True)
@@ -103,15 +105,32 @@ class AdamW:
                            self.lr, b1, b2, self.eps, self.weight_decay, self.clip, self.t,
                            self.skip if self.skip is not None else 0, stream=stream)
 
-    def step(self, *, stream, gate=None) -> None:
+    def step(self, *, stream, gate=None, first_dw=None) -> None:
         """Clip and update: the results of ``clip_grad_norm`` then ``apply``, bit for
         bit, with the clip decided in every block of the update (class docstring).
-        ``gate`` as ``clip_grad_norm``."""
+        ``gate`` as ``clip_grad_norm``.
+
+        ``first_dw``: the :class:`~drvtrain.nn.mlp.FirstDwShares` that
+        ``MLP.backward(..., defer_first_dw=True)`` returned for these gradients
+        (None: nothing to sum). The norm kernel sums the first layer's dW and db
+        from them into the gradient buffer before it squares them, so the
+        gradients, the norm and the update are the bits they would be had the
+        backward summed them itself."""
         if gate is not None and self.skip is None:
             raise ValueError("a gated step needs AdamW(..., nan_guard=True)")
+        if first_dw is not None:
+            if not isinstance(first_dw, FirstDwShares):
+                raise TypeError(f"first_dw must be the FirstDwShares MLP.backward returned, not "
+                                f"{type(first_dw).__name__}")
+            if first_dw.grads is not self.grads:
+                raise ValueError("first_dw holds shares of another gradient buffer than this optimizer's")
+            if not 1 <= first_dw.rows <= FIRST_DW_MAX_ROW_TILES:
+                raise ValueError(f"first_dw has {first_dw.rows} row tiles; the norm kernel sums 1 to "
+                                 f"{FIRST_DW_MAX_ROW_TILES}")
         gate = gate if gate is not None else 0
+        fold = first_dw.kernel_args() if first_dw is not None else (0, 0, 0, 1, 0, 1, 1)
         self._partials.launch(self.norm_grid, self._partials.block, self.grads, self.n, self.norm_partials, self.t,
-                              self._t_next, gate, stream=stream)
+                              self._t_next, gate, *fold, stream=stream)
         ring, slots = self._ring()
         b1, b2 = self.betas
         self._adamw_clip.launch(self._adam_grid, self._adamw_clip.block, self.params, self.grads, self.m, self.v,

@@ -107,12 +107,13 @@ class RegressionStep:
         dout = self.arena.array(out.shape, np.float32)
         self._mse.launch(self._loss_grid, self._mse.block, out, self.target, out.size, dout,
                          self._loss_partials, self._loss_counter, self.loss, stream=stream)
-        if self.weight_streams:
-            self.mlp.backward(self.params, self.grads, fwd, dout, arena=self.arena, stream=stream,
-                              weight_stream=self.weight_streams)
+        first_dw = None  # the first layer's dW left for the norm to sum (MLP.backward's defer_first_dw)
+        if self.net is self.mlp:
+            first_dw = self.mlp.backward(self.params, self.grads, fwd, dout, arena=self.arena, stream=stream,
+                                         weight_stream=self.weight_streams or None, defer_first_dw=True)
         else:
             self.net.backward(self.params, self.grads, fwd, dout, arena=self.arena, stream=stream)
-        self.optimizer.step(stream=stream)
+        self.optimizer.step(stream=stream, first_dw=first_dw)
 
     def capture(self, *, stream) -> GraphExec:
         """The step as one executable graph; replay it with ``launch(stream)``."""

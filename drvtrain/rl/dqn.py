@@ -531,12 +531,13 @@ class DQNStep:
             (self._loss_grid, self._loss_partials)
         self._means.launch(3, self._means.block, partials, grid, b, self._scalars, gate if gate is not None else 0,
                            stream=means_stream, dependent=False if means_stream is not stream else None)
+        first_dw = None  # the first layer's dW left for the norm to sum (MLP.backward's defer_first_dw)
         if self.narrow is not None:
             self.narrow.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate)
         else:
-            mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
-                         weight_stream=self._weight_streams or None, dx_last=dh,
-                         weight_splits=weight_splits)
+            first_dw = mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
+                                    weight_stream=self._weight_streams or None, dx_last=dh,
+                                    weight_splits=weight_splits, defer_first_dw=self._tail is None)
         if means_stream is not stream:  # the optimizer reads the loss for its NaN guard
             join(stream, means_stream)
         # The priority update needs the loss's priorities and the norm's NaN guard; on
@@ -545,7 +546,7 @@ class DQNStep:
         if self._tail is not None:
             self._enqueue_tail(batch, priorities, stream, gate)
         else:
-            self.optimizer.step(stream=stream, gate=gate)
+            self.optimizer.step(stream=stream, gate=gate, first_dw=first_dw)
             update_stream = self.streams[1] if self.streams else stream
             if update_stream is not stream:
                 fork(stream, update_stream)
