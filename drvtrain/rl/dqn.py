@@ -483,8 +483,6 @@ class DQNStep:
                 [self.params, self.params, self.target], [batch.obs, batch.next_obs, batch.next_obs],
                 arena=arena, stream=stream, gate=gate, layers=hidden_layers, cluster=net is self.cluster_net)
             target_leaves = online_leaves = capture_frontier(stream) if capturing else []
-            if weights_stream is not None:
-                join(stream, weights_stream)
         else:
             if self.streams:
                 next_stream, target_stream = self.streams
@@ -500,7 +498,9 @@ class DQNStep:
                                    layers=hidden_layers, sms=self._forward_sms)
             online_leaves = capture_frontier(stream) if capturing else []
             if self.streams:
-                join(stream, next_stream, target_stream, *([weights_stream] if weights_stream is not None else []))
+                join(stream, next_stream, target_stream)
+        if weights_stream is not None:  # the loss reads the weights
+            join(stream, weights_stream)
         dout = arena.array((b, 1 + a), np.float32)
         priorities = arena.array(b, np.float32)
         a_star = arena.array(b, np.int32)
