@@ -26,12 +26,12 @@
 // grad_norm_partials + adamw_clip_step: the same two steps with no last block
 //   (AdamW.step() launches them). grad_norm_partials writes its blocks' partial
 //   sums of g^2 to partials[0 .. G) exactly as grad_norm_clip's blocks do, and
-//   block 0 writes *t_next = *step + 1; it decides nothing. With `shares`
-//   non-null, dW0 and db0 (at float offsets dw0 and db0 of `grads`) are first
-//   summed from the tile shares that gemm.cu's grad_input_dw0 kernels left with
-//   no strip counters (optim.cuh's DtFirstDw: in0, cols, rows, bn), in that
-//   kernel's order, and stored into `grads`: the same gradients, norm and
-//   update as if that kernel had summed them itself. Every block of
+//   block 0 writes *t_next = *step + 1; it decides nothing.
+//   grad_norm_partials_first_dw first sums dW0 and db0 (at float offsets dw0
+//   and db0 of `grads`) from the tile shares that gemm.cu's grad_input_dw0
+//   kernels left with no strip counters (optim.cuh's DtFirstDw: in0, cols,
+//   rows, bn), in that kernel's order, and stores them into `grads`: the same
+//   gradients, norm and update as if that kernel had summed them itself. Every block of
 //   adamw_clip_step then adds the G partials in grad_norm_clip's last-block
 //   order (the same bits in every block), takes the norm, the clip scale and
 //   the NaN guard's decision from them as grad_norm_clip does, and updates its
@@ -87,18 +87,31 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_step(
     dt_adamw_elements(a, first + stride, stride, params, grads, m, v, n);
 }
 
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_partials(
-        float* grads, long long n, double* partials, const int* step, int* t_next, const int* gate,
-        const float* shares, long long dw0, long long db0, int in0, int cols, int rows, int bn) {
+// FIRST_DW: grad_norm_partials_first_dw, which sums dW0 and db0 first.
+template <bool FIRST_DW>
+__device__ __forceinline__ void norm_partials(float* grads, long long n, double* partials, const int* step,
+                                              int* t_next, const int* gate, const DtFirstDw& first_dw) {
     dt_wait_prior_grid();
     dt_allow_dependents();
     if (gate != nullptr && *gate) return;
-    const DtFirstDw first_dw{shares, dw0, db0, in0, cols, rows, bn};
+    const long long first = dt_thread_index(), stride = dt_grid_stride();
     const double block = dt_block_sum<NORM_THREADS>(
-        dt_sum_of_squares_first_dw(dt_thread_index(), dt_grid_stride(), grads, n, first_dw));
+        FIRST_DW ? dt_sum_of_squares_first_dw(first, stride, grads, n, first_dw)
+                 : dt_sum_of_squares(first, stride, grads, n));
     if (threadIdx.x != 0) return;
     partials[blockIdx.x] = block;
     if (blockIdx.x == 0) *t_next = *step + 1;
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_partials(
+        const float* grads, long long n, double* partials, const int* step, int* t_next, const int* gate) {
+    norm_partials<false>(const_cast<float*>(grads), n, partials, step, t_next, gate, DtFirstDw{});
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_partials_first_dw(
+        float* grads, long long n, double* partials, const int* step, int* t_next, const int* gate,
+        const float* shares, long long dw0, long long db0, int in0, int cols, int rows, int bn) {
+    norm_partials<true>(grads, n, partials, step, t_next, gate, DtFirstDw{shares, dw0, db0, in0, cols, rows, bn});
 }
 
 static_assert(ADAM_THREADS == NORM_THREADS, "every AdamW block adds the partials in the norm's last-block order");

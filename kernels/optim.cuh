@@ -25,10 +25,8 @@ __device__ __forceinline__ double dt_sum_of_squares(long long first, long long s
 // i < in0 and db0[c] for i = in0. An element's sum adds the shares in y order,
 // from 0, as that kernel's last block of a strip does: the same bits.
 // dw0 and db0 are the float offsets of dW0 and db0 in the buffer.
-constexpr int DT_FIRST_DW_MAX_ROWS = 16;  // drvtrain.nn.mlp's FIRST_DW_MAX_ROW_TILES
-
 struct DtFirstDw {
-    const float* shares;  // null: nothing to sum
+    const float* shares;
     long long dw0, db0;
     int in0, cols, rows, bn;
 };
@@ -36,12 +34,11 @@ struct DtFirstDw {
 // Whether float4 index i of the buffer holds an element of dW0 or db0.
 __device__ __forceinline__ bool dt_first_dw_touches(const DtFirstDw& f, long long i) {
     const long long lo = 4 * i, hi = lo + 4;
-    return f.shares != nullptr && ((lo < f.dw0 + (long long)f.cols * f.in0 && hi > f.dw0) ||
-                                   (lo < f.db0 + f.cols && hi > f.db0));
+    return (lo < f.dw0 + (long long)f.cols * f.in0 && hi > f.dw0) || (lo < f.db0 + f.cols && hi > f.db0);
 }
 
-// Element e's value: the sum of its shares inside dW0 and db0, `held` elsewhere.
-__device__ __forceinline__ float dt_first_dw_element(const DtFirstDw& f, long long e, float held) {
+// Row tile 0's share of element e, or null when e is neither in dW0 nor in db0.
+__device__ __forceinline__ const float* dt_first_dw_share0(const DtFirstDw& f, long long e) {
     int c, i;
     if (e >= f.dw0 && e < f.dw0 + (long long)f.cols * f.in0) {
         const int r = (int)(e - f.dw0);
@@ -51,19 +48,42 @@ __device__ __forceinline__ float dt_first_dw_element(const DtFirstDw& f, long lo
         c = (int)(e - f.db0);
         i = f.in0;
     } else {
-        return held;
+        return nullptr;
     }
-    const int row = f.in0 + 1, x = c / f.bn;
-    const float* s = f.shares + ((size_t)x * f.rows * f.bn + (c - x * f.bn)) * row + i;
-    const size_t tile = (size_t)f.bn * row;
-    float v[DT_FIRST_DW_MAX_ROWS];
+    const int x = c / f.bn;
+    return f.shares + ((size_t)x * f.rows * f.bn + (c - x * f.bn)) * (f.in0 + 1) + i;
+}
+
+// The float4 at index i with its dW0 and db0 elements summed from their shares (the
+// others as `held`). The four elements' share loads go out together, eight row
+// tiles at a time, before any of them is added: a float4 costs one round trip to
+// L2 per eight row tiles. The shares were written by an earlier kernel, so plain
+// loads: ptxas issued __ldcg's strong loads a few at a time, interleaved with the
+// adds (measured: the small DQN step 2.7 us slower).
+constexpr int DT_FIRST_DW_ROWS_AT_ONCE = 8;
+
+__device__ __forceinline__ float4 dt_first_dw_float4(const DtFirstDw& f, long long i, float4 held) {
+    const float* at[4];
 #pragma unroll
-    for (int y = 0; y < DT_FIRST_DW_MAX_ROWS; ++y) v[y] = y < f.rows ? __ldcg(s + y * tile) : 0.0f;  // all in flight
-    float sum = 0.0f;
+    for (int k = 0; k < 4; ++k) at[k] = dt_first_dw_share0(f, 4 * i + k);
+    const size_t tile = (size_t)f.bn * (f.in0 + 1);
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 1
+    for (int y0 = 0; y0 < f.rows; y0 += DT_FIRST_DW_ROWS_AT_ONCE) {
+        float v[4][DT_FIRST_DW_ROWS_AT_ONCE];
 #pragma unroll
-    for (int y = 0; y < DT_FIRST_DW_MAX_ROWS; ++y)
-        if (y < f.rows) sum += v[y];
-    return sum;
+        for (int y = 0; y < DT_FIRST_DW_ROWS_AT_ONCE; ++y)
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                v[k][y] = at[k] != nullptr && y0 + y < f.rows ? at[k][(y0 + y) * tile] : 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int y = 0; y < DT_FIRST_DW_ROWS_AT_ONCE; ++y)
+                if (y0 + y < f.rows) sum[k] += v[k][y];
+    }
+    return make_float4(at[0] != nullptr ? sum[0] : held.x, at[1] != nullptr ? sum[1] : held.y,
+                       at[2] != nullptr ? sum[2] : held.z, at[3] != nullptr ? sum[3] : held.w);
 }
 
 // dt_sum_of_squares, with dW0's and db0's elements first summed from their shares
@@ -76,10 +96,7 @@ __device__ __forceinline__ double dt_sum_of_squares_first_dw(long long first, lo
     for (long long i = first; i < n / 4; i += stride) {
         float4 g = g4[i];
         if (dt_first_dw_touches(f, i)) {
-            g.x = dt_first_dw_element(f, 4 * i, g.x);
-            g.y = dt_first_dw_element(f, 4 * i + 1, g.y);
-            g.z = dt_first_dw_element(f, 4 * i + 2, g.z);
-            g.w = dt_first_dw_element(f, 4 * i + 3, g.w);
+            g = dt_first_dw_float4(f, i, g);
             g4[i] = g;
         }
         acc += dt_squares(g);

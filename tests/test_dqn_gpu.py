@@ -576,7 +576,13 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     assert not failed, failed
     assert counts.per_iteration("cuGraphLaunch") == 1 and counts.per_iteration("cuEventRecord") == 1
     names = {k.function for k in step.graph.kernel_nodes()}
-    separate = {"grad_norm_partials", "adamw_clip_step", "sumtree_update", "dqn_finish"}
+    # The small step folds the first layer's dW into the second layer's dX and leaves its
+    # strip sums to the norm kernel (MLP.backward's defer_first_dw); the large one does not.
+    folded = step.online_mlp.first_dw_folded(cfg.batch)
+    assert folded == (config == "small" and tuple(device.compute_capability) >= (9, 0))
+    norm = "grad_norm_partials_first_dw" if folded else "grad_norm_partials"
+    separate = {norm, "adamw_clip_step", "sumtree_update", "dqn_finish"}
+    assert not {"grad_norm_partials", "grad_norm_partials_first_dw"} - {norm} & names
     # The small net's 3 x 256 output layer runs in one dqn_head node (forwards, loss, dX); the
     # large net's 19 x 1024 one as separate products and dqn_loss (DQNConfig.fused_head=None).
     fused = config == "small"

@@ -172,7 +172,6 @@ def test_from_widths_matches_the_out_in_list(rng):
 
 
 # ---------------------------------------------------------------- the GEMM chooser (drvtrain.nn.mlp)
-from pathlib import Path
 from types import SimpleNamespace
 
 from drvtrain.memory import DeviceBuffer
@@ -965,10 +964,3 @@ def test_folded_backward_defers_the_strip_sums_only_when_asked(monkeypatch, defe
     assert (got.in0, got.cols, got.rows, got.bn) == (5, 200, 10, 32)  # 300 rows: 10 row tiles of 32
     assert got.shares.size == mlp_module.LinearKernels.first_dw_scratch(300, 200, 5)[0] == 10 * 7 * 32 * 6
     assert got.kernel_args() == (got.shares, got.dw0_at, got.db0_at, 5, 200, 10, 32)
-
-
-def test_the_norm_kernel_sums_as_many_row_tiles_as_the_fold_may_have():
-    """kernels/optim.cuh's DT_FIRST_DW_MAX_ROWS (the share loads the norm kernel keeps in
-    flight) is FIRST_DW_MAX_ROW_TILES, the most row tiles a folded first dW has."""
-    text = (Path(mlp_module.__file__).parents[2] / "kernels" / "optim.cuh").read_text()
-    assert f"constexpr int DT_FIRST_DW_MAX_ROWS = {mlp_module.FIRST_DW_MAX_ROW_TILES};" in text

@@ -674,7 +674,7 @@ class FirstDwShares:
     bn: int
 
     def kernel_args(self) -> tuple:
-        """The trailing arguments of kernels/optim.cu's grad_norm_partials."""
+        """The trailing arguments of kernels/optim.cu's grad_norm_partials_first_dw."""
         return self.shares, self.dw0_at, self.db0_at, self.in0, self.cols, self.rows, self.bn
 
 

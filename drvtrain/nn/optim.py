@@ -72,8 +72,9 @@ class AdamW:
                                 fixed_block=True)
         self._adamw = mod.kernel("adamw_step", "ptr ptr ptr ptr i64 f32 f64 f64 f32 f32 ptr ptr ptr",
                                  fixed_block=True)
-        self._partials = mod.kernel("grad_norm_partials", "ptr i64 ptr ptr ptr ptr ptr i64 i64 i32 i32 i32 i32",
-                                    fixed_block=True)
+        self._partials = mod.kernel("grad_norm_partials", "ptr i64 ptr ptr ptr ptr", fixed_block=True)
+        self._partials_first_dw = mod.kernel("grad_norm_partials_first_dw",
+                                             "ptr i64 ptr ptr ptr ptr ptr i64 i64 i32 i32 i32 i32", fixed_block=True)
         self._adamw_clip = mod.kernel("adamw_clip_step",
                                       "ptr ptr ptr ptr i64 f32 f64 f64 f32 f32 ptr i32 f32 ptr ptr ptr ptr ptr i32 "
                                       "ptr ptr", fixed_block=True)
@@ -128,9 +129,9 @@ class AdamW:
                 raise ValueError(f"first_dw has {first_dw.rows} row tiles; the norm kernel sums 1 to "
                                  f"{FIRST_DW_MAX_ROW_TILES}")
         gate = gate if gate is not None else 0
-        fold = first_dw.kernel_args() if first_dw is not None else (0, 0, 0, 1, 0, 1, 1)
-        self._partials.launch(self.norm_grid, self._partials.block, self.grads, self.n, self.norm_partials, self.t,
-                              self._t_next, gate, *fold, stream=stream)
+        norm, fold = (self._partials, ()) if first_dw is None else (self._partials_first_dw, first_dw.kernel_args())
+        norm.launch(self.norm_grid, norm.block, self.grads, self.n, self.norm_partials, self.t, self._t_next, gate,
+                    *fold, stream=stream)
         ring, slots = self._ring()
         b1, b2 = self.betas
         self._adamw_clip.launch(self._adam_grid, self._adamw_clip.block, self.params, self.grads, self.m, self.v,

@@ -748,7 +748,8 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
                               len(heads) == 1 and not losses))
     if step.config.fused_tail:
         tails = [k for k in kernels if k.function == "dqn_tail"]
-        replaced = [k for k in kernels if k.function in ("grad_norm_partials", "adamw_clip_step", "grad_norm_clip",
+        replaced = [k for k in kernels if k.function in ("grad_norm_partials", "grad_norm_partials_first_dw",
+                                                         "adamw_clip_step", "grad_norm_clip",
                                                          "adamw_step", "sumtree_update", "dqn_finish")
                     or k.function.startswith("spectral_")]
         rows.append(Criterion("norm, priority update, AdamW, projection, finish: one node", "1", str(len(tails)),
