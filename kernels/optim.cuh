@@ -37,36 +37,47 @@ __device__ __forceinline__ bool dt_first_dw_touches(const DtFirstDw& f, long lon
     return (lo < f.dw0 + (long long)f.cols * f.in0 && hi > f.dw0) || (lo < f.db0 + f.cols && hi > f.db0);
 }
 
-// Row tile 0's share of element e, or null when e is neither in dW0 nor in db0.
-__device__ __forceinline__ const float* dt_first_dw_share0(const DtFirstDw& f, long long e) {
-    int c, i;
-    if (e >= f.dw0 && e < f.dw0 + (long long)f.cols * f.in0) {
-        const int r = (int)(e - f.dw0);
-        c = r / f.in0;
-        i = r - c * f.in0;
-    } else if (e >= f.db0 && e < f.db0 + f.cols) {
-        c = (int)(e - f.db0);
-        i = f.in0;
-    } else {
-        return nullptr;
-    }
-    const int x = c / f.bn;
-    return f.shares + ((size_t)x * f.rows * f.bn + (c - x * f.bn)) * (f.in0 + 1) + i;
-}
-
 // The float4 at index i with its dW0 and db0 elements summed from their shares (the
-// others as `held`). The four elements' share loads go out together, eight row
-// tiles at a time, before any of them is added: a float4 costs one round trip to
-// L2 per eight row tiles. The shares were written by an earlier kernel, so plain
-// loads: ptxas issued __ldcg's strong loads a few at a time, interleaved with the
-// adds (measured: the small DQN step 2.7 us slower).
+// others as `held`). dW0 and db0 start on a float4 (flat buffers align every
+// tensor to 64 floats), so a float4 that holds any of their elements starts inside
+// one of them and runs on in column order; one division finds its first column.
+// Few threads run this, two warps a scheduler, so its every instruction is on
+// the step's chain: the columns and strips advance by compares, not divisions.
+// The four elements' share loads go out together, eight row tiles at a time,
+// before any is added: one round trip to L2 per eight row tiles. The shares were
+// written by an earlier kernel, so plain loads: ptxas issued __ldcg's strong loads
+// a few at a time, interleaved with the adds.
 constexpr int DT_FIRST_DW_ROWS_AT_ONCE = 8;
 
 __device__ __forceinline__ float4 dt_first_dw_float4(const DtFirstDw& f, long long i, float4 held) {
+    const long long e = 4 * i;
+    const bool weights = e >= f.dw0 && e < f.dw0 + (long long)f.cols * f.in0;
+    int c, k0, left;  // the first element's column and index in it; elements of the region from e on
+    if (weights) {
+        const int r = (int)(e - f.dw0);
+        c = r / f.in0;
+        k0 = r - c * f.in0;
+        left = f.cols * f.in0 - r;
+    } else {  // db0: dt_first_dw_touches said it is one or the other
+        c = (int)(e - f.db0);
+        k0 = f.in0;
+        left = f.cols - c;
+    }
+    const int row = f.in0 + 1;
+    int x = c / f.bn, cl = c - x * f.bn;
     const float* at[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) at[k] = dt_first_dw_share0(f, 4 * i + k);
-    const size_t tile = (size_t)f.bn * (f.in0 + 1);
+    for (int k = 0; k < 4; ++k) {
+        at[k] = k < left ? f.shares + ((size_t)x * f.rows * f.bn + cl) * row + k0 : nullptr;
+        if (!weights || ++k0 == f.in0) {  // the next column (db0: one element a column)
+            if (weights) k0 = 0;
+            if (++cl == f.bn) {
+                cl = 0;
+                ++x;
+            }
+        }
+    }
+    const size_t tile = (size_t)f.bn * row;
     float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 1
     for (int y0 = 0; y0 < f.rows; y0 += DT_FIRST_DW_ROWS_AT_ONCE) {

@@ -195,7 +195,7 @@ def test_first_dw_summed_by_the_norm_keeps_every_bit(device, stream, rng, batch,
 
 
 def test_adamw_step_refuses_shares_it_cannot_sum(device, stream, rng):
-    """first_dw must be MLP.backward's FirstDwShares, of this optimizer's gradients,
+    """first_dw must be MLP.backward's FirstDwShares, of this optimizer's gradients, dW0 and db0 on float4s,
     with 1 to FIRST_DW_MAX_ROW_TILES row tiles: anything else is refused before a launch."""
     from drvtrain.nn.mlp import FIRST_DW_MAX_ROW_TILES, FirstDwShares
     layout = make_layout([4, 64, 64, 2])
@@ -207,6 +207,9 @@ def test_adamw_step_refuses_shares_it_cannot_sum(device, stream, rng):
         opt.step(stream=stream, first_dw=ok.kernel_args())
     with pytest.raises(ValueError, match="another gradient buffer"):
         opt.step(stream=stream, first_dw=FirstDwShares(other, *ok.kernel_args()))
+    for dw0_at, db0_at in ((ok.dw0_at + 2, ok.db0_at), (ok.db0_at, ok.dw0_at), (ok.dw0_at, layout.size - 60)):
+        with pytest.raises(ValueError, match="float4"):
+            opt.step(stream=stream, first_dw=FirstDwShares(grads, shares, dw0_at, db0_at, 4, 64, 1, 32))
     for rows in (0, FIRST_DW_MAX_ROW_TILES + 1):
         with pytest.raises(ValueError, match="row tiles"):
             opt.step(stream=stream, first_dw=FirstDwShares(grads, shares, ok.dw0_at, ok.db0_at, 4, 64, rows, 32))

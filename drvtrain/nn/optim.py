@@ -125,6 +125,13 @@ class AdamW:
                                 f"{type(first_dw).__name__}")
             if first_dw.grads is not self.grads:
                 raise ValueError("first_dw holds shares of another gradient buffer than this optimizer's")
+            n0 = first_dw.cols * first_dw.in0
+            if first_dw.dw0_at % 4 or first_dw.db0_at % 4 or not (
+                    0 <= first_dw.dw0_at and first_dw.dw0_at + n0 <= first_dw.db0_at
+                    and first_dw.db0_at + first_dw.cols <= self.n):
+                raise ValueError(f"first_dw: dW0 at {first_dw.dw0_at} ({n0} floats) and db0 at {first_dw.db0_at} "
+                                 f"({first_dw.cols}) must start on a float4, in this order, inside the "
+                                 f"{self.n}-float buffer")
             if not 1 <= first_dw.rows <= FIRST_DW_MAX_ROW_TILES:
                 raise ValueError(f"first_dw has {first_dw.rows} row tiles; the norm kernel sums 1 to "
                                  f"{FIRST_DW_MAX_ROW_TILES}")
