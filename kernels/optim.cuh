@@ -1,6 +1,7 @@
 // The bodies of optim.cu's kernels, shared with the cooperative tail of
 // dqn_step.cu, which runs them as phases of one launch (the maths: optim.cu's
 // header). Sharing the code is what makes the two paths agree bit for bit.
+// The first layer's dW sums (DtFirstDw) are grad_norm_partials_first_dw's only.
 #pragma once
 
 // sum g^2 of one float4, in double: every sum of squares below adds these.

@@ -962,5 +962,6 @@ def test_folded_backward_defers_the_strip_sums_only_when_asked(monkeypatch, defe
     assert isinstance(got, mlp_module.FirstDwShares) and got.grads is grads and got.shares.ptr == args[21].ptr
     assert (got.dw0_at, got.db0_at) == (layout.weight(0).offset, layout.bias(0).offset)
     assert (got.in0, got.cols, got.rows, got.bn) == (5, 200, 10, 32)  # 300 rows: 10 row tiles of 32
+    assert folded[0][1][:2] == (7, 10)  # the launch's strips and row tiles
     assert got.shares.size == mlp_module.LinearKernels.first_dw_scratch(300, 200, 5)[0] == 10 * 7 * 32 * 6
     assert got.kernel_args() == (got.shares, got.dw0_at, got.db0_at, 5, 200, 10, 32)

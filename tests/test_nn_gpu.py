@@ -153,13 +153,15 @@ def test_grad_norm_and_clip(device, stream, rng):
 
 
 @pytest.mark.parametrize("batch, widths", [(256, [4, 256, 256, 3]), (300, [5, 200, 96, 3]), (512, [3, 72, 40, 2]),
-                                          (33, [8, 40, 64, 7]), (1, [1, 36, 40, 2])])
+                                          (33, [8, 40, 64, 7]), (1, [1, 36, 40, 2]), (100, [3, 70, 33, 5])])
 def test_first_dw_summed_by_the_norm_keeps_every_bit(device, stream, rng, batch, widths):
     """MLP.backward(defer_first_dw=True), then AdamW.step(first_dw=...): the norm kernel
     sums the first layer's dW and db from the tiles' shares (partial strips, float4s
     across columns, 1 to 16 row tiles). The gradients (dW0 and db0 poisoned first), the
     norm and scale, the parameters and both moments equal those of the backward that
-    sums them itself, bit for bit, and the gradients are within 1e-5 of float64."""
+    sums them itself, bit for bit, and the gradients are within 1e-5 of float64. 70
+    columns end dW0 (210 floats) and db0 mid-float4: the padding after them holds
+    random values in both runs, and must keep them."""
     layout = make_layout(widths)
     mlp = MLP(layout, tf32=False)
     if not mlp.first_dw_folded(batch):
@@ -169,10 +171,12 @@ def test_first_dw_summed_by_the_norm_keeps_every_bit(device, stream, rng, batch,
     x = DeviceBuffer.from_numpy(rng.standard_normal((batch, widths[0])).astype(np.float32))
     dout_host = rng.standard_normal((batch, widths[-1])).astype(np.float32)
     dout = DeviceBuffer.from_numpy(dout_host)
+    padded = (rng.standard_normal(layout.size) * 1e-3).astype(np.float32)  # every float, padding included
     runs = []
     for defer in (False, True):
         params, grads = FlatBuffer(layout), FlatBuffer(layout)
         params.load_numpy(theta)
+        grads.buffer.copy_from_numpy(padded)
         grads.weight(0).poison(stream=stream)
         grads.bias(0).poison(stream=stream)
         opt = AdamW(params, grads, lr=1e-2, max_norm=1e-3)  # clipped: the norm's bits reach the update
@@ -189,32 +193,42 @@ def test_first_dw_summed_by_the_norm_keeps_every_bit(device, stream, rng, batch,
         opt.close()
     for key in ("grads", "params", "m", "v", "clip"):
         assert runs[0][key].tobytes() == runs[1][key].tobytes(), key
+    pad = np.ones(layout.size, bool)
+    for slot in layout.slots:
+        pad[slot.offset: slot.offset + slot.size] = False
+    assert pad.any() and runs[1]["grads"][pad].tobytes() == padded[pad].tobytes()
     want = mlp_backward(theta, [a.astype(np.float64) for a in runs[1]["acts"]], dout_host)
     for name, w in want.items():
         assert rel(got[name], w) < 1e-5, f"{name}: rel {rel(got[name], w):.3g}"
 
 
 def test_adamw_step_refuses_shares_it_cannot_sum(device, stream, rng):
-    """first_dw must be MLP.backward's FirstDwShares, of this optimizer's gradients, dW0 and db0 on float4s,
-    with 1 to FIRST_DW_MAX_ROW_TILES row tiles: anything else is refused before a launch."""
+    """first_dw must be MLP.backward's FirstDwShares, of this optimizer's gradients, for
+    this layout's first layer in 32-wide strips, of 1 to FIRST_DW_MAX_ROW_TILES row tiles,
+    in a buffer that holds them all: anything else is refused before a launch."""
     from drvtrain.nn.mlp import FIRST_DW_MAX_ROW_TILES, FirstDwShares
     layout = make_layout([4, 64, 64, 2])
     params, grads, other = random_params(layout, rng), FlatBuffer(layout), FlatBuffer(layout)
     opt = AdamW(params, grads)
-    shares = DeviceBuffer(64 * 5 * 2, np.float32)
-    ok = FirstDwShares(grads, shares, layout.weight(0).offset, layout.bias(0).offset, 4, 64, 1, 32)
+    shares = DeviceBuffer(64 * 5 * 2, np.float32)  # 2 row tiles of 64 columns x (4 + 1)
+    w0, b0 = layout.weight(0).offset, layout.bias(0).offset
+    ok = FirstDwShares(grads, shares, w0, b0, 4, 64, 2, 32)
     with pytest.raises(TypeError, match="FirstDwShares"):
         opt.step(stream=stream, first_dw=ok.kernel_args())
     with pytest.raises(ValueError, match="another gradient buffer"):
         opt.step(stream=stream, first_dw=FirstDwShares(other, *ok.kernel_args()))
-    for dw0_at, db0_at in ((ok.dw0_at + 2, ok.db0_at), (ok.db0_at, ok.dw0_at), (ok.dw0_at, layout.size - 60)):
-        with pytest.raises(ValueError, match="float4"):
-            opt.step(stream=stream, first_dw=FirstDwShares(grads, shares, dw0_at, db0_at, 4, 64, 1, 32))
+    for at, in0, cols, bn in (((w0 + 4, b0), 4, 64, 32), ((w0, layout.weight(1).offset), 4, 64, 32),
+                              ((w0, b0), 3, 64, 32), ((w0, b0), 4, 80, 32), ((w0, b0), 4, 64, 16)):
+        with pytest.raises(ValueError, match="first layer"):
+            opt.step(stream=stream, first_dw=FirstDwShares(grads, shares, *at, in0, cols, 2, bn))
     for rows in (0, FIRST_DW_MAX_ROW_TILES + 1):
         with pytest.raises(ValueError, match="row tiles"):
-            opt.step(stream=stream, first_dw=FirstDwShares(grads, shares, ok.dw0_at, ok.db0_at, 4, 64, rows, 32))
+            opt.step(stream=stream, first_dw=FirstDwShares(grads, shares, w0, b0, 4, 64, rows, 32))
+    with pytest.raises(ValueError, match="shares hold"):
+        opt.step(stream=stream, first_dw=FirstDwShares(grads, shares, w0, b0, 4, 64, 3, 32))
     stream.synchronize()
     assert opt.read_state()[2] == 0  # nothing ran
+    shares.close()
 
 
 def test_hundred_adamw_steps_match_float64_recurrence(device, stream, rng):

@@ -738,7 +738,8 @@ class MLP:
     ``backward`` writes every gradient of the layout with no float atomics:
     dW = dY^T X and db (column sums of dY) in one kernel, dX = dY W masked by
     the ReLU of the layer's input in another; where :meth:`first_dw_folded`, the
-    first layer's dW and db come out of the second layer's dX kernel.
+    first layer's dW and db come out of the second layer's dX kernel (or, with
+    ``defer_first_dw``, out of ``AdamW.step``'s norm kernel).
     """
 
     def __init__(self, layout: ParamLayout, *, tf32: bool = True, backward: str = "3xtf32", wgmma: bool = True,
@@ -924,8 +925,9 @@ class MLP:
         :class:`FirstDwShares` for ``AdamW.step(first_dw=...)``, whose norm kernel
         sums them on its way (measured on the H200: docs/perf-notes.md, twenty-first
         pass). Until that step runs, the first layer's gradients in ``grads`` are
-        not written. Elsewhere, and by default, every gradient is written here and
-        the backward returns None.
+        not written, and only ``AdamW.step`` sums them: ``clip_grad_norm`` and
+        ``apply`` take no shares. Elsewhere, and by default, every gradient is
+        written here and the backward returns None.
 
         ``dx_last``: the last layer's data gradient (by its input, the ReLU mask
         applied), already computed by the caller into this [batch, in] buffer;

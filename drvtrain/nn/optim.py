@@ -7,7 +7,7 @@ from ..driver import get_device
 from ..kernel import builtin_module
 from ..memory import DeviceBuffer
 from .layout import FlatBuffer
-from .mlp import FIRST_DW_MAX_ROW_TILES, FirstDwShares
+from .mlp import FIRST_DW_MAX_ROW_TILES, TILE_32, FirstDwShares
 
 __all__ = ["AdamW"]
 
@@ -22,7 +22,8 @@ class AdamW:
     host.
 
     ``step`` does the same in a pair of kernels with no last block: the norm
-    kernel only writes its blocks' partial sums, and every block of the AdamW
+    kernel only writes its blocks' partial sums (and, given ``first_dw``, the
+    first layer's gradients it sums first), and every block of the AdamW
     kernel adds them (in the order the norm's last block would) and decides the
     scale itself; its block 0 publishes what ``clip_grad_norm`` would. The
     results are the same bits as ``clip_grad_norm`` then ``apply``, one
@@ -125,16 +126,21 @@ class AdamW:
                                 f"{type(first_dw).__name__}")
             if first_dw.grads is not self.grads:
                 raise ValueError("first_dw holds shares of another gradient buffer than this optimizer's")
-            n0 = first_dw.cols * first_dw.in0
-            if first_dw.dw0_at % 4 or first_dw.db0_at % 4 or not (
-                    0 <= first_dw.dw0_at and first_dw.dw0_at + n0 <= first_dw.db0_at
-                    and first_dw.db0_at + first_dw.cols <= self.n):
-                raise ValueError(f"first_dw: dW0 at {first_dw.dw0_at} ({n0} floats) and db0 at {first_dw.db0_at} "
-                                 f"({first_dw.cols}) must start on a float4, in this order, inside the "
-                                 f"{self.n}-float buffer")
-            if not 1 <= first_dw.rows <= FIRST_DW_MAX_ROW_TILES:
-                raise ValueError(f"first_dw has {first_dw.rows} row tiles; the norm kernel sums 1 to "
+            # The kernel relies on the layout: dW0 and db0 start on a float4, and no
+            # float4 of theirs reaches into another tensor (every slot is padded to 64 floats).
+            layout, f = self.grads.layout, first_dw
+            w0, b0 = layout.weight(0), layout.bias(0)
+            if (f.dw0_at, f.db0_at, (f.cols, f.in0), f.bn) != (w0.offset, b0.offset, w0.shape, TILE_32.bn):
+                raise ValueError(f"first_dw describes dW0 {(f.cols, f.in0)} at {f.dw0_at}, db0 at {f.db0_at} in "
+                                 f"strips of {f.bn}; this layout's first layer is {w0.shape} at {w0.offset}, "
+                                 f"its bias at {b0.offset}, and the tiles are {TILE_32.bn} wide")
+            if not 1 <= f.rows <= FIRST_DW_MAX_ROW_TILES:
+                raise ValueError(f"first_dw has {f.rows} row tiles; a folded backward has 1 to "
                                  f"{FIRST_DW_MAX_ROW_TILES}")
+            need = f.rows * -(-f.cols // f.bn) * f.bn * (f.in0 + 1)
+            if f.shares.size < need:
+                raise ValueError(f"first_dw's shares hold {f.shares.size} floats; {f.rows} row tiles of "
+                                 f"{f.cols} x {f.in0 + 1} need {need}")
         gate = gate if gate is not None else 0
         norm, fold = (self._partials, ()) if first_dw is None else (self._partials_first_dw, first_dw.kernel_args())
         norm.launch(self.norm_grid, norm.block, self.grads, self.n, self.norm_partials, self.t, self._t_next, gate,
