@@ -31,8 +31,8 @@
 //   and db0 of `grads`) from the tile shares that gemm.cu's grad_input_dw0
 //   kernels left with no strip counters (optim.cuh's DtFirstDw: in0, cols,
 //   rows, bn), in that kernel's order, and stores them into `grads`: the same
-//   gradients, norm and update as if that kernel had summed them itself. Every block of
-//   adamw_clip_step then adds the G partials in grad_norm_clip's last-block
+//   gradients, norm and update as if that kernel had summed them itself.
+//   Every block of adamw_clip_step then adds the G partials in grad_norm_clip's last-block
 //   order (the same bits in every block), takes the norm, the clip scale and
 //   the NaN guard's decision from them as grad_norm_clip does, and updates its
 //   elements with t = *t_next; block 0 publishes clip, skip, *step = t and the
