@@ -30,8 +30,10 @@ _cuLaunchKernel = cu.cuLaunchKernel  # bound once: it is called on every launch
 _cuLaunchKernelEx = cu.cuLaunchKernelEx
 
 # Thread block clusters of up to 8 blocks run on every device that has them;
-# 16 needs CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED on the function.
+# up to 16 where the device allows a non-portable size, which a launch asks for
+# by setting CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED on the function.
 PORTABLE_CLUSTER_SIZE = 8
+MAX_CLUSTER_SIZE = 16
 # launch(cluster_policy=...): how the hardware places a launch's clusters.
 CLUSTER_POLICIES = {
     "spread": cu.CUclusterSchedulingPolicy.CU_CLUSTER_SCHEDULING_POLICY_SPREAD,
@@ -210,12 +212,14 @@ class _DynamicShared:
     Two Kernels of one ``CUfunction`` (say with and without ``fixed_block``)
     share one ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``: one must
     never lower what the other raised. Read from the driver on first need.
+    Also whether the function may run clusters above the portable size.
     """
-    __slots__ = ("allowed", "static")
+    __slots__ = ("allowed", "static", "non_portable")
 
     def __init__(self):
         self.allowed: int | None = None  # the attribute as last read or set
         self.static = 0  # bytes of the function's own __shared__ arrays
+        self.non_portable = False  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED set
 
 
 class Kernel:
@@ -345,8 +349,10 @@ class Kernel:
         (``cuOccupancyMaxActiveClusters``). A cluster's blocks share one GPC, so
         this can be less than ``max_resident_blocks`` divided by the cluster's
         size: a grid of more clusters than this runs in more than one wave.
-        Compute capability 9.0+ and at most 8 blocks a cluster, as for
-        ``launch(cluster=...)``; otherwise a ``ValueError``."""
+        Compute capability 9.0+ and at most 16 blocks a cluster, as for
+        ``launch(cluster=...)``; otherwise a ``ValueError``. 0 means the device
+        cannot run one such cluster at all (say 16 blocks that each need an SM
+        where a GPC has fewer free)."""
         b = _dims(block, "block")
         c = _dims(cluster, "cluster")
         query = lambda: int(check(cu.cuOccupancyMaxActiveClusters, self.function,
@@ -437,15 +443,26 @@ class Kernel:
         if min(c) < 1:
             raise ValueError(f"{self.name}: cluster dimensions must be at least 1, got {c}")
         size = c[0] * c[1] * c[2]
-        if size > PORTABLE_CLUSTER_SIZE:
-            raise ValueError(f"{self.name}: a cluster of {c} is {size} blocks; the portable maximum "
-                             f"is {PORTABLE_CLUSTER_SIZE} (16 would need the non-portable cluster "
-                             f"size attribute on the function, which drvtrain does not set)")
+        if size > MAX_CLUSTER_SIZE:
+            raise ValueError(f"{self.name}: a cluster of {c} is {size} blocks; at most {MAX_CLUSTER_SIZE} "
+                             f"(the portable maximum is {PORTABLE_CLUSTER_SIZE}; above it the function is "
+                             f"allowed the non-portable size)")
         for axis in range(3):
             if g[axis] % c[axis]:
                 raise ValueError(f"{self.name}: grid {g} is not divisible by cluster {c} along "
                                  f"{'xyz'[axis]}")
+        if size > PORTABLE_CLUSTER_SIZE:
+            self._allow_non_portable_clusters()
         return c
+
+    def _allow_non_portable_clusters(self) -> None:
+        """Let the function run clusters above the portable size (once per function)."""
+        state = self._dynamic_shared
+        if state.non_portable or self.function is None:
+            return
+        check(cu.cuFuncSetAttribute, self.function,
+              cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        state.non_portable = True
 
     def _require_options_cc(self, what: str) -> None:
         cc = self.compute_capability
@@ -485,7 +502,10 @@ class Kernel:
 
         ``cluster=(x, y, z)``: launch as thread block clusters of that shape
         (compute capability 9.0+); the grid must divide by it, and a cluster
-        is at most 8 blocks (the portable size). ``cluster_policy`` (with
+        is at most 16 blocks. Up to 8 (the portable size) run on every device
+        with clusters; above 8 the function is first allowed the non-portable
+        size, and the device may still refuse the launch (``max_active_clusters``
+        says 0 then). ``cluster_policy`` (with
         ``cluster`` only): how the hardware places the clusters on the GPU's
         SMs, ``"spread"`` or ``"load_balancing"`` (the driver's scheduling-policy
         preference); None leaves the default.

@@ -458,17 +458,19 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_means_256(
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_columns(
         const float* params, const DtSpectralMatrix* mats, int n_mats, const float* u_all, float* v_all,
         double* partials, const int* skip) {
+    const DtSpectralBlock where = dt_spectral_block(mats, n_mats, true, (int)blockIdx.x);  // the constant table
     dt_wait_prior_grid();
     dt_allow_dependents();
-    // The flag is loaded with the table and W: one round trip, not two.
-    dt_spectral_columns_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, partials, dt_issued_flag(skip));
+    // The flag is loaded with W and u: one round trip, not two.
+    dt_spectral_columns_block((int)blockIdx.x, where, params, u_all, v_all, partials, dt_issued_flag(skip));
 }
 
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
         const float* params, const DtSpectralMatrix* mats, int n_mats, float* u_all, const float* v_all,
         double* partials, const int* skip) {
+    const DtSpectralBlock where = dt_spectral_block(mats, n_mats, false, (int)blockIdx.x);  // the constant table
     dt_wait_prior_grid();
     dt_allow_dependents();
-    // The flag is loaded with the table, the partials, x and W: one round trip, not two.
-    dt_spectral_rows_block((int)blockIdx.x, params, mats, n_mats, u_all, v_all, partials, dt_issued_flag(skip));
+    // The flag is loaded with the partials, x and W: one round trip, not two.
+    dt_spectral_rows_block((int)blockIdx.x, where, params, u_all, v_all, partials, dt_issued_flag(skip));
 }

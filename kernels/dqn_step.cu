@@ -313,12 +313,14 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
         if (n_mats > 0) {
             dt_grid_barrier(barrier);
             for (int b = blockIdx.x; b < column_blocks; b += gridDim.x) {
-                dt_spectral_columns_block(b, params, mats, n_mats, u_all, v_all, spectral_partials, 0);
+                dt_spectral_columns_block(b, dt_spectral_block(mats, n_mats, true, b), params, u_all, v_all,
+                                          spectral_partials, 0);
                 __syncthreads();  // the body's shared arrays are free for the next phase block
             }
             dt_grid_barrier(barrier);
             for (int b = blockIdx.x; b < row_blocks; b += gridDim.x) {
-                dt_spectral_rows_block(b, params, mats, n_mats, u_all, v_all, spectral_partials, 0);
+                dt_spectral_rows_block(b, dt_spectral_block(mats, n_mats, false, b), params, u_all, v_all,
+                                       spectral_partials, 0);
                 __syncthreads();
             }
         }

@@ -44,6 +44,7 @@ constexpr int SPECTRAL_ROWS_PER_WARP = DT_SPECTRAL_ROWS_PER_BLOCK / SPECTRAL_WAR
 constexpr int SPECTRAL_V_CHUNK = 1024;                                    // floats of v staged at a time
 constexpr int SPECTRAL_V_PER_THREAD = SPECTRAL_V_CHUNK / SPECTRAL_THREADS;  // of a chunk, loaded early
 constexpr int SPECTRAL_Q_PER_LANE = SPECTRAL_V_CHUNK / 4 / 32;            // float4s of a row's chunk per lane
+constexpr int SPECTRAL_COLUMN_LOADS = 8;  // rows a columns-phase thread loads at once
 static_assert(DT_SPECTRAL_COLS_PER_BLOCK % 4 == 0 && 32 % SPECTRAL_QUADS == 0, "quads tile a warp");
 static_assert(DT_SPECTRAL_ROWS_PER_BLOCK % SPECTRAL_WARPS == 0, "rows split evenly over warps");
 
@@ -85,21 +86,44 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 
 }  // namespace
 
+// Phase block `index`'s place in the table, for either phase: the matrix, the
+// block within it (`found` -1 when no matrix holds the index) and the columns
+// phase's grid. The table is constant for the step's life, so a kernel finds
+// its block before it waits for the kernel before it: the table's loads leave
+// the chain.
+struct DtSpectralBlock {
+    DtSpectralMatrix mat;
+    int found, block, column_grid;
+};
+
+__device__ __forceinline__ DtSpectralBlock dt_spectral_block(const DtSpectralMatrix* mats, int n_mats,
+                                                             bool by_columns, int index) {
+    DtSpectralBlock b;
+    b.block = 0;
+    b.found = spectral_find(mats, n_mats, by_columns, index, b.mat, b.block);
+    b.column_grid = 0;
+    if (!by_columns)
+        for (int k = 0; k < n_mats; ++k) {
+            const DtSpectralMatrix e = mats[k];
+            b.column_grid = max(b.column_grid, e.first_block_cols + dt_spectral_column_blocks(e.cols));
+        }
+    return b;
+}
+
 // spectral_columns: x = W^T u for DT_SPECTRAL_COLS_PER_BLOCK (16) columns per
 //   block, all rows. Thread t takes column quad t % 4 and rows t / 4, t / 4 + 64, ...
 //   so a warp reads 8 rows x 64 contiguous bytes. Writes v_all[v_offset + j] = x_j
 //   and partials[index] = sum of x_j^2 over the block's columns.
 // Blocks: index in [0, sum_m ceil(cols_m / 16)) (matrix m from first_block_cols),
-//   SPECTRAL_THREADS (256) threads, every one of which calls it. `skipped`
-//   (the kernel's skip flag, loaded with the table; 0 in the cooperative tail)
-//   non-zero: it reads but writes nothing.
-__device__ __forceinline__ void dt_spectral_columns_block(int index, const float* params,
-                                                          const DtSpectralMatrix* mats, int n_mats,
-                                                          const float* u_all, float* v_all, double* partials,
-                                                          int skipped) {
-    DtSpectralMatrix mat;
-    int block = 0;
-    if (spectral_find(mats, n_mats, true, index, mat, block) < 0) return;
+//   `where` = dt_spectral_block(.., true, index), SPECTRAL_THREADS (256) threads,
+//   every one of which calls it. `skipped` (the kernel's skip flag, loaded with W
+//   and u; 0 in the cooperative tail) non-zero: it reads but writes nothing.
+__device__ __forceinline__ void dt_spectral_columns_block(int index, const DtSpectralBlock& where,
+                                                          const float* params, const float* u_all, float* v_all,
+                                                          double* partials, int skipped) {
+    if (where.found < 0) return;
+    const DtSpectralMatrix& mat = where.mat;
+    const int block = where.block;
     __shared__ double warp_sums[SPECTRAL_WARPS][DT_SPECTRAL_COLS_PER_BLOCK];
     __shared__ double squares[DT_SPECTRAL_COLS_PER_BLOCK];
 
@@ -112,14 +136,27 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
     double acc[4] = {0.0, 0.0, 0.0, 0.0};
     if (j0 < cols) {
         if (cols % 4 == 0 && aligned16(W)) {
-#pragma unroll 8
-            for (int i = lane_row; i < rows; i += SPECTRAL_ROW_LANES) {
-                const float4 w = *reinterpret_cast<const float4*>(W + (long long)i * cols + j0);
-                const double ui = u[i];
-                acc[0] += (double)w.x * ui;
-                acc[1] += (double)w.y * ui;
-                acc[2] += (double)w.z * ui;
-                acc[3] += (double)w.w * ui;
+            // SPECTRAL_COLUMN_LOADS rows at a time, every load issued before the first
+            // add (a rolled loop would wait a round trip per row: 256 rows are only 4).
+            for (int i0 = lane_row; i0 < rows; i0 += SPECTRAL_COLUMN_LOADS * SPECTRAL_ROW_LANES) {
+                float4 w[SPECTRAL_COLUMN_LOADS];
+                float uf[SPECTRAL_COLUMN_LOADS];
+#pragma unroll
+                for (int k = 0; k < SPECTRAL_COLUMN_LOADS; ++k) {
+                    const int i = i0 + k * SPECTRAL_ROW_LANES;
+                    w[k] = i < rows ? *reinterpret_cast<const float4*>(W + (long long)i * cols + j0) : float4{};
+                    uf[k] = i < rows ? u[i] : 0.0f;
+                }
+#pragma unroll
+                for (int k = 0; k < SPECTRAL_COLUMN_LOADS; ++k) {
+                    if (i0 + k * SPECTRAL_ROW_LANES < rows) {  // rows in order: the same sums
+                        const double ui = uf[k];
+                        acc[0] += (double)w[k].x * ui;
+                        acc[1] += (double)w[k].y * ui;
+                        acc[2] += (double)w[k].z * ui;
+                        acc[3] += (double)w[k].w * ui;
+                    }
+                }
             }
         } else {
             const int n = min(4, cols - j0);
@@ -162,23 +199,18 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const float
 //   1024. Writes y_i into u_all[u_offset + i] and partials[GC + index] =
 //   sum of y_i^2 over the block's rows.
 // Blocks: index in [0, sum_m ceil(rows_m / 16)) (matrix m from first_block_rows),
-//   SPECTRAL_THREADS (256) threads, every one of which calls it; after every
+//   `where` = dt_spectral_block(.., false, index), SPECTRAL_THREADS (256) threads,
+//   every one of which calls it; after every
 //   block of phase 1 has finished. The first chunk's operands (phase 1's
 //   partials, x, and on the float4 path the block's rows of W) are loaded
 //   before anything waits on them; `skipped` (the kernel's skip flag, loaded with
 //   them; 0 in the cooperative tail) non-zero: it returns before writing.
-__device__ __forceinline__ void dt_spectral_rows_block(int index, const float* params, const DtSpectralMatrix* mats,
-                                                       int n_mats, float* u_all, const float* v_all,
-                                                       double* partials, int skipped) {
-    DtSpectralMatrix mat;
-    int block = 0;
-    const int m = spectral_find(mats, n_mats, false, index, mat, block);
-    if (m < 0) return;
-    int column_grid = 0;
-    for (int k = 0; k < n_mats; ++k) {
-        const DtSpectralMatrix e = mats[k];
-        column_grid = max(column_grid, e.first_block_cols + dt_spectral_column_blocks(e.cols));
-    }
+__device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectralBlock& where, const float* params,
+                                                       float* u_all, const float* v_all, double* partials,
+                                                       int skipped) {
+    if (where.found < 0) return;
+    const DtSpectralMatrix& mat = where.mat;
+    const int block = where.block, column_grid = where.column_grid;
     __shared__ __align__(16) float v_stage[SPECTRAL_V_CHUNK];
     __shared__ double row_squares[DT_SPECTRAL_ROWS_PER_BLOCK];
 

@@ -79,9 +79,10 @@ def no_driver(monkeypatch):
 @pytest.mark.parametrize("grid, cluster, error, match", [
     (8, (0, 1, 1), ValueError, "at least 1"),
     (8, (2, -1), ValueError, "at least 1"),
-    (9, (3, 3, 1), ValueError, "9 blocks; the portable maximum is 8"),
-    (16, 16, ValueError, "portable maximum is 8.*16 would need the non-portable"),
-    ((8, 8), (4, 4), ValueError, "portable maximum"),
+    (18, (3, 6, 1), ValueError, "18 blocks; at most 16"),
+    (17, 17, ValueError, r"at most 16 \(the portable maximum is 8; above it the function is allowed the "
+                         r"non-portable size\)"),
+    ((8, 8), (8, 4), ValueError, "32 blocks; at most 16"),
     (8, (1, 2, 3, 4), TypeError, "1 to 3 dimensions"),
     (8, "2x1", TypeError, "cluster must be an int or a tuple"),
     (8, True, TypeError, "cluster must be an int or a tuple"),
@@ -180,10 +181,35 @@ class FakeFunctionDriver:
         return cu.CUresult.CUDA_SUCCESS, value
 
     def cuFuncSetAttribute(self, function, attr, value):
+        if attr == cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED:
+            self.calls.append(("non_portable", function, value))
+            return (cu.CUresult.CUDA_SUCCESS,)
         assert attr == cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.calls.append(("set", value))
         self.allowed = value
         return (cu.CUresult.CUDA_SUCCESS,)
+
+
+def test_clusters_above_eight_allow_the_non_portable_size_once_per_function(monkeypatch, launches):
+    """9 to 16 blocks a cluster: the function gets the non-portable attribute before its first
+    such launch, once, shared by every Kernel of the function; up to 8 never sets it."""
+    fake = FakeFunctionDriver(static=0, allowed=48 * 1024)
+    monkeypatch.setattr(kernel_module, "cu", fake)
+    state, function, other = _DynamicShared(), object(), object()
+    a = hopper_kernel(function=function, dynamic_shared=state)
+    b = hopper_kernel(function=function, dynamic_shared=state)
+    c = hopper_kernel(function=other)
+    s = FakeStream(3)
+    a.launch(32, 64, fake_buffer(4096), 1, stream=s, cluster=8)
+    assert fake.calls == []
+    a.launch(32, 64, fake_buffer(4096), 1, stream=s, cluster=16)
+    b.launch(24, 64, fake_buffer(4096), 1, stream=s, cluster=(12, 1, 1))
+    b.bind((32, 4), 64, fake_buffer(4096), 1, cluster=(4, 4))
+    c.launch((1, 1, 16), 64, fake_buffer(4096), 1, stream=s, cluster=(1, 1, 16))
+    assert fake.calls == [("non_portable", function, 1), ("non_portable", other, 1)]
+    dims = [next(x.value.clusterDim for x in entry[1].attrs[:entry[1].numAttrs]
+                 if x.id == ATTR.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) for entry in launches]
+    assert [(d.x, d.y, d.z) for d in dims] == [(8, 1, 1), (16, 1, 1), (12, 1, 1), (1, 1, 16)]
 
 
 def test_large_shared_memory_raises_the_function_limit_once_and_never_lowers_it(monkeypatch, launches):

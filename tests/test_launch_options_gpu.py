@@ -216,7 +216,7 @@ def test_dot_dump_marks_the_programmatic_edge(tmp_path, rng, stream, chain, verb
 # ------------------------------------------------------------------ clusters
 @pytest.mark.parametrize("grid, cluster", [
     ((16, 1), (2, 1, 1)), ((32, 1), (4, 1, 1)), ((64, 1), (8, 1, 1)), ((6, 4), (2, 2, 1)),
-    ((3, 8), (1, 4, 1)), ((8, 2), (1, 1, 1)),
+    ((3, 8), (1, 4, 1)), ((8, 2), (1, 1, 1)), ((48, 1), (16, 1, 1)), ((12, 4), (4, 4, 1)),
 ])
 @pytest.mark.parametrize("policy", [None, "spread", "load_balancing"])
 def test_cluster_ranks_ids_and_distributed_shared_memory(rng, stream, grid, cluster, policy):
@@ -331,8 +331,16 @@ def test_bad_cluster_is_refused_before_launch(stream):
     buf = DeviceBuffer(64)
     with pytest.raises(ValueError, match="not divisible"):
         kern.launch(6, 32, buf, buf, buf, buf, stream=stream, cluster=4)
-    with pytest.raises(ValueError, match="portable maximum is 8"):
-        kern.launch(16, 32, buf, buf, buf, buf, stream=stream, cluster=16)
+    with pytest.raises(ValueError, match="at most 16"):
+        kern.launch(32, 32, buf, buf, buf, buf, stream=stream, cluster=32)
+
+
+def test_max_active_clusters_counts_the_non_portable_size(stream):
+    """16-block clusters (non-portable): the occupancy query sets the function's attribute and
+    the H200 places at least one; fewer than 8-block clusters, more than none."""
+    kern = load_source(CLUSTER_SOURCE, "cluster16.cu").kernel("cluster_exchange", "ptr, ptr, ptr, ptr")
+    sixteen, eight = kern.max_active_clusters(16, 64), kern.max_active_clusters(8, 64)
+    assert 1 <= sixteen and 2 * sixteen <= eight
 
 
 # ------------------------------------------------------------------ large dynamic shared memory
