@@ -186,9 +186,11 @@ __device__ __forceinline__ int dt_issued_flag(const int* flag) {
 // Kernel.launch(..., dependent=True) may start while the kernel before it on the
 // stream is still running; dt_wait_prior_grid() blocks until that kernel has
 // finished and its writes are visible. Every drvtrain kernel calls it before its
-// first global memory access (read or write), so the overlap covers only launch
-// and block setup and no result can change. Without the launch attribute both
-// calls are no-ops.
+// first global memory access (read or write) that could touch what earlier work
+// writes or reads; before it, a kernel reads only what stays constant for the
+// step's life (the spectral kernels' and the finish pass's matrix table), so the
+// overlap covers launch, block setup and those loads, and no result can change.
+// Without the launch attribute both calls are no-ops.
 // dt_allow_dependents() lets the next kernel's blocks be scheduled once every
 // block of this grid has called it (or exited); calling it early is safe because
 // the next kernel still waits for this whole grid in dt_wait_prior_grid().

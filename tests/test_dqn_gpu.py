@@ -411,6 +411,79 @@ def _block_sum_bits(shares: np.ndarray) -> float:
     return float(x[0])
 
 
+def _columns_phase_bits(W: np.ndarray, u: np.ndarray):
+    """spectral_columns (kernels/spectral.cuh) in float64 numpy, in the kernel's order, so
+    the bits match: per 16-column block, thread t takes column quad t % 4 and rows t // 4,
+    t // 4 + 64, ... in turn (a float32 product is exact in float64, so each fused
+    multiply-add rounds as one add here); then a butterfly over the 8 row lanes of a warp
+    (xor 4, 8, 16), the 8 warps added in order, and the block's squares added in column
+    order. Returns x (float32, as stored) and the blocks' partials."""
+    rows, cols = W.shape
+    w64, u64 = W.astype(np.float64), u.astype(np.float64)
+    t = np.arange(256)
+    quad, lane_row = t % 4, t // 4
+    x, partials = np.zeros(cols, np.float32), []
+    for block in range(-(-cols // 16)):
+        acc = np.zeros((256, 4))
+        for k in range(-(-rows // 64)):
+            i = lane_row + 64 * k
+            for e in range(4):
+                j = block * 16 + 4 * quad + e
+                ok = (i < rows) & (j < cols) & (block * 16 + 4 * quad < cols)
+                acc[ok, e] = acc[ok, e] + w64[i[ok], j[ok]] * u64[i[ok]]
+        for off in (4, 8, 16):
+            acc = acc + acc[t ^ off]
+        warp_sums = acc.reshape(8, 32, 4)[:, :4, :].reshape(8, 16)  # lanes 0-3: quads 0-3, 4 columns each
+        col = np.zeros(16)
+        for w in range(8):
+            col = col + warp_sums[w]
+        j = block * 16 + np.arange(16)
+        x[j[j < cols]] = col[j < cols].astype(np.float32)
+        squares = np.where(j < cols, col * col, 0.0)
+        s = 0.0
+        for c in range(16):
+            s = s + squares[c]
+        partials.append(s)
+    return x, np.array(partials)
+
+
+@pytest.mark.parametrize("rows", [1, 63, 64, 65, 511, 512, 513, 1100])
+def test_spectral_columns_phase_is_its_order_bit_for_bit(device, rng, rows):
+    """x = W^T u and the partial ||x||^2 of each 16-column block, from spectral_columns,
+    against the float64 emulation of its summation order: bit for bit, for one matrix on
+    the float4 path (20 columns) and one on the scalar path (19 columns) in one table, at
+    row counts around the 64 row lanes and the 8 rows a thread loads at once."""
+    from drvtrain.kernel import builtin_module
+    from drvtrain.rl.dqn import _SPECTRAL_DTYPE
+    shapes = [(rows, 20), (rows + 7, 19)]
+    mats = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+    us = [rng.standard_normal(shape[0]).astype(np.float32) for shape in shapes]
+    table = np.zeros(2, _SPECTRAL_DTYPE)
+    offsets = [0, -(-(rows * 20) // 64) * 64]
+    params = np.concatenate([mats[0].ravel(), np.zeros(offsets[1] - rows * 20, np.float32), mats[1].ravel()])
+    table[0] = (offsets[0], rows, 20, 0, 0, 0, 0)
+    table[1] = (offsets[1], rows + 7, 19, rows, 20, 2, -(-rows // 16))
+    stream = Stream()
+    kernel = builtin_module("dqn.cu").kernel("spectral_columns", "ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
+    p_buf, t_buf = DeviceBuffer.from_numpy(params), DeviceBuffer.from_numpy(table.view(np.uint8))
+    u_buf = DeviceBuffer.from_numpy(np.concatenate(us))
+    v_buf, partials = DeviceBuffer(39, np.float32), DeviceBuffer(4, np.float64)
+    for buf in (v_buf, partials):
+        buf.poison(stream=stream)
+    kernel.launch(4, kernel.block, p_buf, t_buf, 2, u_buf, v_buf, partials, 0, stream=stream)
+    stream.synchronize()
+    v, got = v_buf.to_numpy(), partials.to_numpy()
+    x0, p0 = _columns_phase_bits(mats[0], us[0])
+    x1, p1 = _columns_phase_bits(mats[1], us[1])
+    assert np.all(np.isfinite(v)) and np.all(np.isfinite(got))
+    assert v.tobytes() == np.concatenate([x0, x1]).tobytes()
+    assert got.tobytes() == np.concatenate([p0, p1]).tobytes()
+    # And the formula itself, to float64 rounding.
+    for w, u, x in ((mats[0], us[0], x0), (mats[1], us[1], x1)):
+        want = w.astype(np.float64).T @ u.astype(np.float64)
+        assert rel(x, want) < 1e-6
+
+
 @pytest.mark.parametrize("hidden", [(40, 24, 33, 17, 20, 28), (4200, 8)],
                          ids=["six-projected-layers", "tall-projected-layer"])
 def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, hidden):

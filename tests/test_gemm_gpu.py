@@ -333,6 +333,9 @@ def test_mma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same_b
         with pytest.raises(ValueError, match="does not reduce its splits in a cluster"):
             gemm(refused, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, stream, splits=splits,
                  cluster=True, **prod.epilogue)
+    with pytest.raises(ValueError, match="9 splits in one cluster; a tile's splits meet in a cluster of at most 8"):
+        gemm(clustered, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, stream, splits=9,
+             cluster=True, **prod.epilogue)
     bound = TF32_BOUND if role.startswith("forward") else X3_BOUND
     runs = launch_each_way(stream, [(clustered, True), (clustered, False), (plain, False)], prod, splits, bound)
     for where, c, _ in runs:

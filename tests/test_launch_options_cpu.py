@@ -192,21 +192,31 @@ class FakeFunctionDriver:
 
 def test_clusters_above_eight_allow_the_non_portable_size_once_per_function(monkeypatch, launches):
     """9 to 16 blocks a cluster: the function gets the non-portable attribute before its first
-    such launch, once, shared by every Kernel of the function; up to 8 never sets it."""
+    such launch (or bind), once, shared by every Kernel of the function; up to 8 never sets it."""
     fake = FakeFunctionDriver(static=0, allowed=48 * 1024)
     monkeypatch.setattr(kernel_module, "cu", fake)
-    state, function, other = _DynamicShared(), object(), object()
+    recorded = kernel_module._cuLaunchKernelEx  # the fixture's recorder
+
+    def launch(config, function, *rest):  # the attribute calls and the launches in one order
+        fake.calls.append(("launch", function))
+        return recorded(config, function, *rest)
+
+    monkeypatch.setattr(kernel_module, "_cuLaunchKernelEx", launch)
+    state, function, other, bound_only = _DynamicShared(), object(), object(), object()
     a = hopper_kernel(function=function, dynamic_shared=state)
     b = hopper_kernel(function=function, dynamic_shared=state)
     c = hopper_kernel(function=other)
+    d = hopper_kernel(function=bound_only)
     s = FakeStream(3)
     a.launch(32, 64, fake_buffer(4096), 1, stream=s, cluster=8)
-    assert fake.calls == []
     a.launch(32, 64, fake_buffer(4096), 1, stream=s, cluster=16)
     b.launch(24, 64, fake_buffer(4096), 1, stream=s, cluster=(12, 1, 1))
     b.bind((32, 4), 64, fake_buffer(4096), 1, cluster=(4, 4))
     c.launch((1, 1, 16), 64, fake_buffer(4096), 1, stream=s, cluster=(1, 1, 16))
-    assert fake.calls == [("non_portable", function, 1), ("non_portable", other, 1)]
+    d.bind(16, 64, fake_buffer(4096), 1, cluster=16)  # no launch: the bind alone sets it
+    assert fake.calls == [("launch", function), ("non_portable", function, 1), ("launch", function),
+                          ("launch", function), ("non_portable", other, 1), ("launch", other),
+                          ("non_portable", bound_only, 1)]
     dims = [next(x.value.clusterDim for x in entry[1].attrs[:entry[1].numAttrs]
                  if x.id == ATTR.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) for entry in launches]
     assert [(d.x, d.y, d.z) for d in dims] == [(8, 1, 1), (16, 1, 1), (12, 1, 1), (1, 1, 16)]

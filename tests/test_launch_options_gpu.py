@@ -337,7 +337,8 @@ def test_bad_cluster_is_refused_before_launch(stream):
 
 def test_max_active_clusters_counts_the_non_portable_size(stream):
     """16-block clusters (non-portable): the occupancy query sets the function's attribute and
-    the H200 places at least one; fewer than 8-block clusters, more than none."""
+    the H200 places at least one, and at most half as many as 8-block clusters (any placement
+    of 16-block clusters splits into twice as many 8-block ones)."""
     kern = load_source(CLUSTER_SOURCE, "cluster16.cu").kernel("cluster_exchange", "ptr, ptr, ptr, ptr")
     sixteen, eight = kern.max_active_clusters(16, 64), kern.max_active_clusters(8, 64)
     assert 1 <= sixteen and 2 * sixteen <= eight

@@ -339,6 +339,7 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
         raise ValueError(f"{kernel.name} takes split operands: launch it with gemm_presplit")
     if cluster and not kernel.clusters:
         raise ValueError(f"{kernel.name} does not reduce its splits in a cluster")
+    _check_cluster_splits(kernel, splits, cluster)
     dims = (1, 1, splits) if cluster and splits > 1 else None
     grid = (-(-n // tile.bn), -(-m // tile.bm), splits)
     if tile is WGMMA_TILE and kernel.role.startswith("forward"):  # X [m, k] and W [n, k] as tensor maps
@@ -348,6 +349,15 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     policy = "load_balancing" if dims is not None and tile is not WGMMA_TILE else None
     kernel.kernel.launch(grid, kernel.kernel.block, *operands, workspace, counters, gate if gate is not None else 0,
                          *first_dw, stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
+
+
+def _check_cluster_splits(kernel: GemmKernel, splits: int, cluster: bool) -> None:
+    """A tile's splits summed in one cluster: at most the portable 8 (the wgmma kernels
+    hold 8 cluster addresses and trap on more; :func:`plan` never asks for more)."""
+    if cluster and splits > PORTABLE_CLUSTER_SIZE:
+        raise ValueError(f"{kernel.name}: {splits} splits in one cluster; a tile's splits meet in a cluster "
+                         f"of at most {PORTABLE_CLUSTER_SIZE} blocks (cluster=False sums them through the "
+                         f"workspace)")
 
 
 @dataclass(frozen=True)
@@ -389,6 +399,7 @@ def gemm_presplit(kernel: GemmKernel, a: SplitOperand, b: SplitOperand, c, ldc, 
     if -(-k_tiles // splits) > PRESPLIT_MAX_TILES:
         raise ValueError(f"{kernel.name}: {k_tiles} k tiles in {splits} splits is more than "
                          f"{PRESPLIT_MAX_TILES} a split")
+    _check_cluster_splits(kernel, splits, cluster)
     dims = (1, 1, splits) if cluster and splits > 1 else None
     grid = (-(-n // WGMMA_TILE.bn), -(-m // WGMMA_TILE.bm), splits)
     kernel.kernel.launch(grid, kernel.kernel.block, *a.maps("A"), *b.maps("B"), c, ldc, m, n, k, mask, ldm, col_sum,
