@@ -200,11 +200,11 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const DtSpe
 //   sum of y_i^2 over the block's rows.
 // Blocks: index in [0, sum_m ceil(rows_m / 16)) (matrix m from first_block_rows),
 //   `where` = dt_spectral_block(.., false, index), SPECTRAL_THREADS (256) threads,
-//   every one of which calls it; after every
-//   block of phase 1 has finished. The first chunk's operands (phase 1's
-//   partials, x, and on the float4 path the block's rows of W) are loaded
-//   before anything waits on them; `skipped` (the kernel's skip flag, loaded with
-//   them; 0 in the cooperative tail) non-zero: it returns before writing.
+//   every one of which calls it; after every block of phase 1 has finished.
+//   The first chunk's operands (phase 1's partials, x, and on the float4 path
+//   the block's rows of W) are loaded before anything waits on them; `skipped`
+//   (the kernel's skip flag, loaded with them; 0 in the cooperative tail)
+//   non-zero: it returns before writing.
 __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectralBlock& where, const float* params,
                                                        float* u_all, const float* v_all, double* partials,
                                                        int skipped) {
