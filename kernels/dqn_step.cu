@@ -21,11 +21,11 @@
 //   - block 0, thread 0: step = ++*step_counter (every step, skipped or
 //     not); the metrics slot `step mod ring_slots` gets
 //     {loss, grad_norm, clip_scale, mean_q, mean_abs_td, sigma_max, beta}
-//     (clip_scale and sigma_max 0 on a skipped step: nothing was applied)
-//     and then, after a system fence, the step itself, so a slot whose step
-//     matches is complete. A skipped step raises flag 0 of
-//     (skip_counts, skip_published) and publishes its number in
-//     skipped_step[0] (mapped memory).
+//     (clip_scale and sigma_max 0 on a skipped step: nothing was applied),
+//     each field a word tagged with the step (dt_metric_store), so a slot
+//     whose every tag is the step is complete. A skipped step publishes its
+//     number in skipped_step[0] (mapped memory) and then, after a system
+//     fence, raises flag 0 of (skip_counts, skip_published).
 // Launch: any grid, block FINISH_THREADS (pinned); n_mats <= FINISH_MAX_MATS
 // (the table is staged in shared memory; more traps). A float4 never straddles
 // two parameter views (each starts on a 64-float boundary), and padding
@@ -40,7 +40,7 @@
 constexpr int FINISH_THREADS = 256;
 constexpr int FINISH_MAX_MATS = 64;  // spectral matrices a finish block stages (drvtrain.rl.dqn checks it)
 constexpr int FINISH_GROUP = 4;      // matrices whose ||y||^2 one block-sum pass takes
-constexpr int METRIC_FIELDS = 7;     // the step follows them as an int
+constexpr int METRIC_FIELDS = 7;     // words of a metrics slot, each tagged with the step
 
 namespace {
 
@@ -87,7 +87,7 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, long long first, lon
                                             float* u_all, const double* row_partials, float c, float* scale,
                                             float* sigma, float tau, int period, const int* adam_t, const int* skip,
                                             const float* scalars, const float* clip, const float* beta,
-                                            long long* step_counter, float* ring, int ring_slots,
+                                            long long* step_counter, unsigned long long* ring, int ring_slots,
                                             unsigned int* skip_counts, unsigned int* skip_published,
                                             long long* skipped_step) {
     // Everything the first float4 and the first ||y|| sums need is loaded before
@@ -179,20 +179,20 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, long long first, lon
         float sigma_max = 0.0f;
         if (!skipped)
             for (int m = 0; m < n_mats; ++m) sigma_max = fmaxf(sigma_max, sh.sigma[m]);
-        float* slot = ring + (long long)(METRIC_FIELDS + 1) * (step % ring_slots);
-        slot[0] = loss;
-        slot[1] = norm;
-        slot[2] = skipped ? 0.0f : clip_scale;  // nothing was applied
-        slot[3] = mean_q;
-        slot[4] = mean_abs_td;
-        slot[5] = sigma_max;  // 0 on a skipped step
-        slot[6] = beta_used;
         if (skipped) {
+            // The step's number before its flag: whoever sees the count sees the number.
             reinterpret_cast<volatile long long*>(skipped_step)[0] = step;
+            __threadfence_system();
             dt_raise(skip_counts, skip_published, 0);
         }
-        __threadfence_system();
-        reinterpret_cast<volatile int*>(slot)[METRIC_FIELDS] = (int)step;
+        unsigned long long* slot = ring + (long long)METRIC_FIELDS * (step % ring_slots);
+        const float fields[METRIC_FIELDS] = {loss, norm,
+                                             skipped ? 0.0f : clip_scale,  // nothing was applied
+                                             mean_q, mean_abs_td,
+                                             sigma_max,  // 0 on a skipped step
+                                             beta_used};
+#pragma unroll
+        for (int f = 0; f < METRIC_FIELDS; ++f) dt_metric_store(&slot[f], fields[f], step);
     }
     if (skipped) return;
     const bool copy = hard && (t_value % period) == 0;
@@ -232,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
         float* params, float* target, long long n, const DtSpectralMatrix* mats, int n_mats, float* u_all,
         const double* row_partials, float c, float* scale, float* sigma, float tau, int period, const int* adam_t,
         const int* skip, const float* scalars, const float* clip, const float* beta, long long* step_counter,
-        float* ring, int ring_slots, unsigned int* skip_counts, unsigned int* skip_published,
+        unsigned long long* ring, int ring_slots, unsigned int* skip_counts, unsigned int* skip_published,
         long long* skipped_step) {
     __shared__ FinishMats sh;
     finish_stage(sh, mats, n_mats);  // the constant table, while the rows phase runs
@@ -283,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
         float c, float* sigma, float* scale, double* spectral_partials,
         // the finish pass
         float* target, float tau, int period, const float* scalars, const float* beta, long long* step_counter,
-        float* ring, int ring_slots, unsigned int* skip_counts, unsigned int* skip_published,
+        unsigned long long* ring, int ring_slots, unsigned int* skip_counts, unsigned int* skip_published,
         long long* skipped_step, unsigned int* barrier) {
     __shared__ FinishMats finish_mats;
     finish_stage(finish_mats, mats, n_mats);

@@ -3,9 +3,9 @@
 // grad_norm_clip: norm = sqrt(sum g^2) over the whole flat gradient buffer,
 //   scale = min(1, max_norm / (norm + 1e-6)), step t += 1, all on the device:
 //   clip[0] = norm, clip[1] = scale, *step = t. Then it writes the step's metrics
-//   into slot t mod K of a ring in mapped host memory: {loss, norm, scale, t},
-//   with t stored last, after a system-wide fence, so a slot whose t matches
-//   is complete. With `skip` non-null it is the step's NaN guard: *skip = 1
+//   into slot t mod K of a ring in mapped host memory: {loss, norm, scale},
+//   each field an 8-byte word tagged with t (dt_metric_store), so a slot
+//   whose every tag is t is complete. With `skip` non-null it is the step's NaN guard: *skip = 1
 //   when the norm or *loss is not finite, else 0; a skipped step leaves t
 //   (and so the metrics ring) as it was. With `gate` non-null and non-zero (a
 //   training loop's step that is not due) it only sets *skip = 2, so the
@@ -50,7 +50,8 @@ constexpr int ADAM_THREADS = 256;
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_clip(
         const float* grads, long long n, double* partials, unsigned int* counter, float max_norm,
-        float* clip, int* step, const float* loss, float* ring, int ring_slots, int* skip, const int* gate) {
+        float* clip, int* step, const float* loss, unsigned long long* ring, int ring_slots, int* skip,
+        const int* gate) {
     dt_wait_prior_grid();
     dt_allow_dependents();
     if (gate != nullptr && *gate) {  // not due: later kernels see skip = 2 and do nothing either
@@ -119,7 +120,8 @@ static_assert(ADAM_THREADS == NORM_THREADS, "every AdamW block adds the partials
 extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_clip_step(
         float* params, const float* grads, float* m, float* v, long long n, float lr, double beta1, double beta2,
         float eps, float weight_decay, const double* partials, int norm_blocks, float max_norm, const float* loss,
-        const int* t_next, float* clip, int* step, float* ring, int ring_slots, int* skip, const int* gate) {
+        const int* t_next, float* clip, int* step, unsigned long long* ring, int ring_slots, int* skip,
+        const int* gate) {
     dt_wait_prior_grid();
     dt_allow_dependents();
     // One round of loads: the first float4's operands, this thread's first two

@@ -139,9 +139,11 @@ __device__ __forceinline__ DtClip dt_clip_decide(double total, float max_norm, c
 
 // One thread writes the decision: clip = {norm, scale}, *skip (when not null),
 // and unless the step is skipped, *step = old_step + 1 and the metrics slot
-// {loss, norm, scale, t}, with t stored last after a system-wide fence.
+// t mod ring_slots: {loss, norm, scale}, each a word tagged with t
+// (dt_metric_store).
 __device__ __forceinline__ void dt_clip_publish(const DtClip& c, int old_step, float* clip, int* step,
-                                                const float* loss, float* ring, int ring_slots, int* skip) {
+                                                const float* loss, unsigned long long* ring, int ring_slots,
+                                                int* skip) {
     clip[0] = c.norm;
     clip[1] = c.scale;
     if (skip != nullptr) {
@@ -151,12 +153,10 @@ __device__ __forceinline__ void dt_clip_publish(const DtClip& c, int old_step, f
     const int t = old_step + 1;
     *step = t;
     if (ring != nullptr) {
-        float* slot = ring + 4 * (t % ring_slots);
-        slot[0] = loss != nullptr ? __ldcg(loss) : 0.0f;
-        slot[1] = c.norm;
-        slot[2] = c.scale;
-        __threadfence_system();
-        reinterpret_cast<volatile int*>(slot)[3] = t;
+        unsigned long long* slot = ring + 3 * (t % ring_slots);
+        dt_metric_store(&slot[0], loss != nullptr ? __ldcg(loss) : 0.0f, t);
+        dt_metric_store(&slot[1], c.norm, t);
+        dt_metric_store(&slot[2], c.scale, t);
     }
 }
 

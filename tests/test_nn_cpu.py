@@ -965,3 +965,19 @@ def test_folded_backward_defers_the_strip_sums_only_when_asked(monkeypatch, defe
     assert folded[0][1][:2] == (7, 10)  # the launch's strips and row tiles
     assert got.shares.size == mlp_module.LinearKernels.first_dw_scratch(300, 200, 5)[0] == 10 * 7 * 32 * 6
     assert got.kernel_args() == (got.shares, got.dw0_at, got.db0_at, 5, 200, 10, 32)
+
+
+def test_metrics_words_split_into_the_step_and_the_fields_bits(rng):
+    """A metrics word as the kernels store it (kernels/common.cuh, dt_metric_store):
+    little-endian, the float32 field first, then the step's low 32 bits."""
+    import struct
+
+    from drvtrain.nn.metrics import split_words
+    values = rng.standard_normal(6).astype(np.float32)
+    values[2], values[4] = np.nan, -np.inf  # the NaN guard's fields keep their bits
+    steps = rng.integers(1, 1 << 32, 6, dtype=np.uint64)
+    words = np.array([struct.unpack("<Q", struct.pack("<fI", v, int(t)))[0] for v, t in zip(values, steps)],
+                     np.uint64)
+    tags, got = split_words(words)
+    assert tags.dtype == np.uint32 and tags.tolist() == steps.tolist()
+    assert got.dtype == np.float32 and got.tobytes() == values.tobytes()

@@ -301,7 +301,9 @@ def test_step_is_clip_grad_norm_then_apply_bit_for_bit(device, stream, rng):
     for k, (a, b) in enumerate(zip(fused, plain)):
         assert a == b, f"step {k}"
     assert fused_ring.tobytes() == plain_ring.tobytes()
-    assert sorted(int(s) for s in fused_ring.view(np.int32)[:, 3] if s) == [1, 2, 3, 4]
+    tags = fused_ring >> np.uint64(32)
+    assert (tags == tags[:, :1]).all()  # every word of a slot carries its step
+    assert sorted(int(s) for s in tags[:, 0] if s) == [1, 2, 3, 4]
 
 
 def test_adamw_weight_decay_factor_is_rounded_once(device, stream, rng):
@@ -453,6 +455,50 @@ def test_missed_steps_are_counted_not_returned(device, rng):
     stream.synchronize()
     got = step.metrics.poll()
     assert step.metrics.missed == 12 and [m.step for m in got] == list(range(13, 21))
+
+
+def test_metrics_words_hold_the_fields_bits_under_the_step(device, rng):
+    """Each field of a slot is one 8-byte word: the float's bits in the low half,
+    the step in the high half (Metrics; dt_metric_store). Checked word by word
+    against the loss and the optimizer's norm and scale as the device holds them."""
+    layout = make_layout([8, 32, 2])
+    x, y = teacher_batch(rng, layout, 64)
+    stream = Stream()
+    step = RegressionStep(layout, 64, metrics_slots=4, seed=int(rng.integers(1 << 30)))
+    step.x.copy_from_numpy(x)
+    step.target.copy_from_numpy(y)
+    for _ in range(6):  # laps the ring once: slots 2 and 3 hold steps 6 and 3
+        step.enqueue(stream=stream)
+    stream.synchronize()
+    norm, scale, t = step.optimizer.read_state()
+    assert t == 6
+    fields = np.array([step.loss.to_numpy()[0], norm, scale], np.float32)
+    want = (np.uint64(6) << np.uint64(32)) | fields.view(np.uint32).astype(np.uint64)
+    words = step.metrics.ring.view()
+    assert words[6 % 4].tolist() == want.tolist()
+    assert (words >> np.uint64(32)).tolist() == [[4] * 3, [5] * 3, [6] * 3, [3] * 3]
+    tags, values = step.metrics.read_slot(6)
+    assert tags.tolist() == [6] * 3 and values.tobytes() == fields.tobytes()
+
+
+def test_a_slot_holding_a_word_of_another_step_is_not_returned(device, rng):
+    """The host takes a slot only when every word carries the step it wants: a word
+    of a newer step (a writer lapping the ring) or of an older one marks it missed."""
+    layout = make_layout([8, 32, 2])
+    x, y = teacher_batch(rng, layout, 64)
+    stream = Stream()
+    step = RegressionStep(layout, 64, metrics_slots=8, seed=1)
+    step.x.copy_from_numpy(x)
+    step.target.copy_from_numpy(y)
+    for _ in range(3):
+        step.enqueue(stream=stream)
+        step.metrics.record(stream)
+    stream.synchronize()
+    words = step.metrics.ring.view()
+    words[1, 2] = (words[1, 2] & np.uint64(0xFFFFFFFF)) | (np.uint64(1 + 8) << np.uint64(32))  # lapped
+    words[3, 0] = (words[3, 0] & np.uint64(0xFFFFFFFF)) | (np.uint64(3 - 1) << np.uint64(32))  # stale
+    got = step.metrics.poll()
+    assert [m.step for m in got] == [2] and step.metrics.missed == 2
 
 
 def test_step_graph_has_no_single_block_kernels_or_memsets(device):

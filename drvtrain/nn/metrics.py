@@ -6,7 +6,15 @@ import numpy as np
 from ..memory import MappedBuffer
 from ..stream import Event
 
-__all__ = ["Metrics", "StepMetrics"]
+__all__ = ["Metrics", "StepMetrics", "split_words"]
+
+
+def split_words(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Metrics words (uint64) as (tags, values): the high halves as uint32 steps
+    and the low halves as float32 fields."""
+    words = np.asarray(words, np.uint64)
+    return (words >> np.uint64(32)).astype(np.uint32), (words & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(
+        np.float32)
 
 
 class StepMetrics:
@@ -33,15 +41,19 @@ class StepMetrics:
 
 
 class Metrics:
-    """A ring of K slots in a MappedBuffer, one per step: the float ``fields``, then the step.
+    """A ring of K slots in a MappedBuffer, one per step, one 8-byte word per field.
 
     Default fields {loss, grad norm, clip scale}: the optimizer's norm kernel
-    writes slot ``t mod K`` for step ``t`` and stores ``t`` last (a slot is
-    ``width`` = len(fields) + 1 words). The host calls :meth:`record` after queuing each step;
-    :meth:`poll` returns the steps finished since the last poll, in order,
-    deciding with a non-blocking ``Event.query()`` per step. It never
-    synchronises, never copies, and never returns a slot still being written.
-    Steps that fell out of the ring before a poll (more than K queued) are
+    writes slot ``t mod K`` for step ``t``. Each word holds a field's float32
+    bits in its low half and the step's low 32 bits (its tag) in its high half,
+    written by one store the host sees whole, so a slot whose every tag is the
+    step is complete, in whatever order its words arrived (``dt_metric_store``
+    in ``kernels/common.cuh``; no fence on the device). The host calls
+    :meth:`record` after queuing each step; :meth:`poll` returns the steps
+    finished since the last poll, in order, deciding with a non-blocking
+    ``Event.query()`` per step. It never synchronises, never copies, and never
+    returns a slot with a word of another step. Steps that fell out of the ring
+    before a poll (more than K queued), or whose slot no kernel wrote, are
     counted in ``missed``.
     """
 
@@ -52,11 +64,10 @@ class Metrics:
         if not self.fields or len(set(self.fields)) != len(self.fields):
             raise ValueError(f"metrics fields must be distinct names, got {fields}")
         self.slots = int(slots)
-        self.width = len(self.fields) + 1
-        self.ring = MappedBuffer((self.slots, self.width), np.float32)
-        self._values = self.ring.view()
-        self._values[:] = 0.0
-        self._steps = self._values.view(np.int32)[:, -1]
+        self.width = len(self.fields)  # 8-byte words a slot
+        self.ring = MappedBuffer((self.slots, self.width), np.uint64)
+        self._words = self.ring.view()
+        self._words[:] = 0  # tag 0: no step has written a slot yet (steps count from 1)
         self._events = [Event() for _ in range(self.slots)]
         self.recorded = 0
         self.polled = 0
@@ -73,6 +84,11 @@ class Metrics:
         """The ring's device address, for the kernel that writes it."""
         return self.ring.ptr
 
+    def read_slot(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Slot ``index`` as it is now: the tags (uint32, one per field) and the
+        values (float32), each word read once, with one aligned 8-byte load."""
+        return split_words(self._words[index % self.slots].copy())
+
     def record(self, stream) -> None:
         """Mark the end of the step just queued on ``stream``."""
         self.recorded += 1
@@ -87,14 +103,12 @@ class Metrics:
                 self.missed += 1
             elif not self._events[slot].query():
                 break
-            elif int(self._steps[slot]) != step:
-                self.missed += 1  # a step recorded without an optimizer step behind it
             else:
-                row = self._values[slot, :-1].tolist()
-                if int(self._steps[slot]) != step:  # overwritten while we read: a newer step lapped it
-                    self.missed += 1
+                tags, values = self.read_slot(slot)
+                if np.any(tags != np.uint32(step & 0xFFFFFFFF)):
+                    self.missed += 1  # no optimizer step wrote it, or a newer step is writing it
                 else:
-                    out.append(StepMetrics(step, dict(zip(self.fields, row))))
+                    out.append(StepMetrics(step, dict(zip(self.fields, values.tolist()))))
             self.polled = step
         return out
 

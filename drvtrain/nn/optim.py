@@ -48,8 +48,8 @@ class AdamW:
         self.m, self.v = FlatBuffer(params.layout), FlatBuffer(params.layout)
         self.lr, self.betas, self.eps = float(lr), (float(betas[0]), float(betas[1])), float(eps)
         self.weight_decay, self.max_norm = float(weight_decay), float(max_norm)
-        if metrics is not None and metrics.width != 4:
-            raise ValueError("the norm kernel writes {loss, grad_norm, clip_scale, step} slots; "
+        if metrics is not None and metrics.width != 3:
+            raise ValueError("the norm kernel writes {loss, grad_norm, clip_scale} slots; "
                              f"this ring has fields {metrics.fields}")
         self.loss, self.metrics = loss, metrics
         n = params.layout.size
