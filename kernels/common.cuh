@@ -200,8 +200,10 @@ __device__ __forceinline__ int dt_issued_flag(const int* flag) {
 // finished and its writes are visible. Every drvtrain kernel calls it before its
 // first global memory access (read or write) that could touch what earlier work
 // writes or reads; before it, a kernel reads only what stays constant for the
-// step's life (the spectral kernels' and the finish pass's matrix table), so the
-// overlap covers launch, block setup and those loads, and no result can change.
+// step's life (the spectral kernels' and the finish pass's matrix table) or a
+// guess that it checks after the wait and redoes if wrong (adamw_clip_step's
+// step counter), so the overlap covers launch, block setup and that work, and
+// no result can change.
 // Without the launch attribute both calls are no-ops.
 // dt_allow_dependents() lets the next kernel's blocks be scheduled once every
 // block of this grid has called it (or exited); calling it early is safe because

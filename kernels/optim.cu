@@ -37,8 +37,9 @@
 //   the NaN guard's decision from them as grad_norm_clip does, and updates its
 //   elements with t = *t_next; block 0 publishes clip, skip, *step = t and the
 //   metrics slot as grad_norm_clip's last block does. No block of either
-//   kernel reads what another block of it writes (adamw_clip_step reads t from
-//   t_next, not from the *step its block 0 advances). With `gate` non-null and
+//   kernel depends on what another block of it writes (adamw_clip_step takes t
+//   from t_next, not from the *step its block 0 advances; it reads *step only
+//   for a guess at t, which it checks against t_next). With `gate` non-null and
 //   non-zero, grad_norm_partials returns at once and adamw_clip_step only sets
 //   *skip = 2. Launch: grad_norm_partials as grad_norm_clip (grid G, block
 //   256); adamw_clip_step any grid, block 256, with G = norm_blocks.
@@ -122,6 +123,15 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_clip_step(
         float eps, float weight_decay, const double* partials, int norm_blocks, float max_norm, const float* loss,
         const int* t_next, float* clip, int* step, unsigned long long* ring, int ring_slots, int* skip,
         const int* gate) {
+    // The bias corrections need only t, and t is the step counter plus one: a guess
+    // read through L2 before the wait lets their pow calls run under the norm
+    // kernel's tail. The guess is checked against t_next below and redone if wrong,
+    // so nothing depends on it but the time (a block that starts after block 0 has
+    // advanced the counter guesses one too many).
+    const int t_guess = __ldcg(step) + 1;
+    DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, 1.0f, t_guess);
+    dt_issued(a.step_size);  // computed here, not sunk past the wait
+    dt_issued(a.bias2_sqrt);
     dt_wait_prior_grid();
     dt_allow_dependents();
     // One round of loads: the first float4's operands, this thread's first two
@@ -144,8 +154,7 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_clip_step(
         if (blockIdx.x == 0 && threadIdx.x == 0 && skip != nullptr) *skip = 2;
         return;
     }
-    // The bias corrections need only t: their pow calls run before the block sum.
-    DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, 1.0f, t);
+    if (t != t_guess) a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, 1.0f, t);
     const double loaded[2] = {head, next};  // dt_partials_sum's order, its first two partials loaded above
     const double share = dt_partials_share<ADAM_THREADS, 2>(partials, norm_blocks, loaded);
     const DtClip c = dt_clip_decide_value(dt_block_sum<ADAM_THREADS>(share), max_norm, loss != nullptr, loss_value,

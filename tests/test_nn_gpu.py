@@ -254,6 +254,40 @@ def test_hundred_adamw_steps_match_float64_recurrence(device, stream, rng):
     assert opt.read_state()[2] == 100
 
 
+def test_adamw_takes_t_from_the_norm_kernel_when_its_guess_is_wrong(device, stream, rng):
+    """adamw_clip_step computes the bias corrections before its wait from a guess,
+    the step counter plus one, and keeps them only if t_next (the norm kernel's)
+    agrees. Here the counter is changed between the two kernels, so the guess is
+    wrong: the update must still be the float64 AdamW step for the norm kernel's t,
+    and t must be published as that t."""
+    layout = make_layout([17, 100, 3])
+    params, grads = FlatBuffer(layout, layout.init_numpy(int(rng.integers(1 << 30)))), FlatBuffer(layout)
+    lr, wd, b1, b2, eps, max_norm = 1e-2, 1e-2, 0.9, 0.999, 1e-8, 5.0
+    opt = AdamW(params, grads, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, max_norm=max_norm)
+    theta = params.buffer.to_numpy().astype(np.float64)
+    m = (rng.standard_normal(layout.size) * 0.1).astype(np.float32)
+    v = rng.uniform(1e-4, 1e-2, layout.size).astype(np.float32)
+    g = (rng.standard_normal(layout.size) * rng.uniform(0.1, 3)).astype(np.float32)
+    opt.m.buffer.copy_from_numpy(m)
+    opt.v.buffer.copy_from_numpy(v)
+    grads.buffer.copy_from_numpy(g)
+    opt.t.copy_from_numpy(np.array([2], np.int32))
+    norm = opt._partials
+    norm.launch(opt.norm_grid, norm.block, grads, opt.n, opt.norm_partials, opt.t, opt._t_next, 0, stream=stream)
+    stream.synchronize()
+    assert int(opt._t_next.to_numpy()[0]) == 3
+    opt.t.copy_from_numpy(np.array([40], np.int32))  # the guess: t = 41
+    k = opt._adamw_clip
+    k.launch(opt._adam_grid, k.block, params, grads, opt.m, opt.v, opt.n, lr, b1, b2, eps, wd, opt.norm_partials,
+             opt.norm_grid, max_norm, 0, opt._t_next, opt.clip, opt.t, 0, 1, 0, 0, stream=stream)
+    stream.synchronize()
+    _, scale = clip_scale(g, max_norm)
+    want, want_m, want_v = adamw(theta, m.astype(np.float64), v.astype(np.float64), g.astype(np.float64) * scale,
+                                 3, lr, b1, b2, eps, wd)
+    assert rel(params.buffer.to_numpy(), want) < 1e-5
+    assert rel(opt.m.buffer.to_numpy(), want_m) < 1e-5 and rel(opt.v.buffer.to_numpy(), want_v) < 1e-5
+    assert opt.read_state()[2] == 3
+
 def test_step_is_clip_grad_norm_then_apply_bit_for_bit(device, stream, rng):
     """AdamW.step decides the clip in every block of the update from the norm
     kernel's partials; clip_grad_norm then apply decide it in the norm's last
