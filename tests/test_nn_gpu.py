@@ -476,17 +476,24 @@ def test_metrics_ring_under_fast_replay_has_no_torn_or_missing_slots(device, rng
     assert all(np.isfinite(m.loss) and m.grad_norm > 0 and 0 < m.clip_scale <= 1 for m in seen)
 
 
-def test_missed_steps_are_counted_not_returned(device, rng):
+def run_recorded_steps(rng, slots: int, steps: int, seed: int = 1) -> RegressionStep:
+    """A small regression step run `steps` times eagerly, each recorded in its
+    metrics ring of `slots` slots, then synchronised; nothing polled yet."""
     layout = make_layout([8, 32, 2])
     x, y = teacher_batch(rng, layout, 64)
     stream = Stream()
-    step = RegressionStep(layout, 64, metrics_slots=8, seed=1)
+    step = RegressionStep(layout, 64, metrics_slots=slots, seed=seed)
     step.x.copy_from_numpy(x)
     step.target.copy_from_numpy(y)
-    for _ in range(20):
+    for _ in range(steps):
         step.enqueue(stream=stream)
         step.metrics.record(stream)
     stream.synchronize()
+    return step
+
+
+def test_missed_steps_are_counted_not_returned(device, rng):
+    step = run_recorded_steps(rng, 8, 20)
     got = step.metrics.poll()
     assert step.metrics.missed == 12 and [m.step for m in got] == list(range(13, 21))
 
@@ -495,15 +502,7 @@ def test_metrics_words_hold_the_fields_bits_under_the_step(device, rng):
     """Each field of a slot is one 8-byte word: the float's bits in the low half,
     the step in the high half (Metrics; dt_metric_store). Checked word by word
     against the loss and the optimizer's norm and scale as the device holds them."""
-    layout = make_layout([8, 32, 2])
-    x, y = teacher_batch(rng, layout, 64)
-    stream = Stream()
-    step = RegressionStep(layout, 64, metrics_slots=4, seed=int(rng.integers(1 << 30)))
-    step.x.copy_from_numpy(x)
-    step.target.copy_from_numpy(y)
-    for _ in range(6):  # laps the ring once: slots 2 and 3 hold steps 6 and 3
-        step.enqueue(stream=stream)
-    stream.synchronize()
+    step = run_recorded_steps(rng, 4, 6, seed=int(rng.integers(1 << 30)))  # laps the ring once
     norm, scale, t = step.optimizer.read_state()
     assert t == 6
     fields = np.array([step.loss.to_numpy()[0], norm, scale], np.float32)
@@ -518,16 +517,7 @@ def test_metrics_words_hold_the_fields_bits_under_the_step(device, rng):
 def test_a_slot_holding_a_word_of_another_step_is_not_returned(device, rng):
     """The host takes a slot only when every word carries the step it wants: a word
     of a newer step (a writer lapping the ring) or of an older one marks it missed."""
-    layout = make_layout([8, 32, 2])
-    x, y = teacher_batch(rng, layout, 64)
-    stream = Stream()
-    step = RegressionStep(layout, 64, metrics_slots=8, seed=1)
-    step.x.copy_from_numpy(x)
-    step.target.copy_from_numpy(y)
-    for _ in range(3):
-        step.enqueue(stream=stream)
-        step.metrics.record(stream)
-    stream.synchronize()
+    step = run_recorded_steps(rng, 8, 3)
     words = step.metrics.ring.view()
     words[1, 2] = (words[1, 2] & np.uint64(0xFFFFFFFF)) | (np.uint64(1 + 8) << np.uint64(32))  # lapped
     words[3, 0] = (words[3, 0] & np.uint64(0xFFFFFFFF)) | (np.uint64(3 - 1) << np.uint64(32))  # stale
