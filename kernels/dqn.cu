@@ -327,9 +327,11 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
         float* scalars, double* partials, unsigned int* counter, int* a_star, const int* gate) {
     dt_wait_prior_grid();
     dt_allow_dependents();
-    if (gate != nullptr && *gate) return;  // a step that is not due: nothing is written
+    // A step that is not due writes nothing. The gate word is loaded with the
+    // staged operands below and tested once they are in flight.
+    const int gated = gate != nullptr ? *gate : 0;
     if (n_actions < 1 || n_actions > DQN_MAX_ACTIONS) {
-        nan_means(scalars, partials, counter);
+        if (!gated) nan_means(scalars, partials, counter);
         return;
     }
     extern __shared__ float4 head_shared[];
@@ -363,6 +365,7 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
         w = weights[j];
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if (gated) return;  // grid-uniform, and before the block's first barrier
     __syncthreads();
 
     // The forwards: warp item (pass p, column c) = Q[p][r][c] for the block's rows,

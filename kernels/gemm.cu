@@ -177,13 +177,17 @@ struct FirstDw {
 template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC, bool CLUSTER, bool DW0 = false>
 __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
                                      int N, int K, const float* bias, const float* mask, int ldm, float* col_sum,
-                                     float* workspace, unsigned int* counters, FirstDw fd = {}) {
+                                     float* workspace, unsigned int* counters, const int* gate, FirstDw fd = {}) {
     constexpr int BM = CFG::BM, BN = CFG::BN, BK = CFG::BK, STAGES = CFG::STAGES, THREADS = CFG::THREADS;
     constexpr int MI = CFG::MI, NI = CFG::NI;
     using SA = Smem<BM, BK, A_KFAST>;
     using SB = Smem<BN, BK, B_KFAST>;
     constexpr int STAGE = SA::FLOATS + SB::FLOATS;
     __shared__ __align__(16) float smem[STAGES * STAGE];
+    // The gate word goes out first and is tested once the first tiles' copies are
+    // issued: its round trip overlaps theirs (reading the operands of a step that
+    // is not due is harmless; nothing is written).
+    const int gated = gate != nullptr ? *gate : 0;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wm = warp / CFG::WARPS_N, wn = warp % CFG::WARPS_N;
@@ -256,6 +260,11 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         dt_cp_async_commit();
     }
     if constexpr (EARLY) load_epilogue();
+    dt_issued(gated);
+    if (gated) {  // grid-uniform: no block of a cluster meets a barrier
+        dt_cp_async_wait<0>();
+        return;
+    }
     int read_slot = 0, write_slot = STAGES - 1;
     for (int kt = 0; kt < tiles; ++kt) {
         dt_cp_async_wait<STAGES - 2>();
@@ -725,28 +734,31 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 //   FFMA:         S * (M * N + M)
 // Every kernel waits for the grid before it (programmatic dependent launch) before
 // touching memory, the gate word included, and lets the next grid's blocks be
-// placed only after its main loop.
+// placed only after its main loop. The tensor-core kernels load the gate with
+// their first tiles and test it once those copies are issued; the FFMA kernels
+// test it first.
 #define DT_GEMM_PARAMS                                                                                    \
     const float *A, int lda, const float *B, int ldb, float *C, int ldc, int M, int N, int K,             \
         const float *bias, const float *mask, int ldm, float *col_sum, float *workspace,                  \
         unsigned int *counters, const int *gate
 #define DT_GEMM_ARGS A, lda, B, ldb, C, ldc, M, N, K, bias, mask, ldm, col_sum, workspace, counters
+#define DT_TC_GEMM_PROLOGUE dt_wait_prior_grid();
 #define DT_GEMM_PROLOGUE        \
     dt_wait_prior_grid();       \
     if (gate != nullptr && *gate) return;
 
 #define DT_TC_KERNEL(NAME, CFG, PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER)                               \
     extern "C" __global__ void __launch_bounds__(tc::CFG::THREADS) NAME(DT_GEMM_PARAMS) {                \
-        DT_GEMM_PROLOGUE                                                                                  \
-        tc::gemm<tc::CFG, tc::PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER>(DT_GEMM_ARGS);                   \
+        DT_TC_GEMM_PROLOGUE                                                                               \
+        tc::gemm<tc::CFG, tc::PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER>(DT_GEMM_ARGS, gate);             \
     }
 #define DT_DW0_PARAMS \
     , const float *x0, int ldx0, int in0, float *dw0, float *db0, float *work0, unsigned int *counters0
 #define DT_TC_DW0_KERNEL(NAME, CFG, VEC)                                                                  \
     extern "C" __global__ void __launch_bounds__(tc::CFG::THREADS) NAME(DT_GEMM_PARAMS DT_DW0_PARAMS) {   \
-        DT_GEMM_PROLOGUE                                                                                  \
+        DT_TC_GEMM_PROLOGUE                                                                               \
         tc::gemm<tc::CFG, tc::PREC_3XTF32, true, false, EPI_MASK, VEC, true, true>(                       \
-            DT_GEMM_ARGS, tc::FirstDw{x0, ldx0, in0, dw0, db0, work0, counters0});                        \
+            DT_GEMM_ARGS, gate, tc::FirstDw{x0, ldx0, in0, dw0, db0, work0, counters0});                  \
     }
 // VARIANT is the name's part after the copy width: _ (plain) or _cluster_ (CLUSTER).
 #define DT_TC_ROLES(TILE, CP, VEC, VARIANT, CLUSTER)                                                                  \

@@ -143,15 +143,24 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
         float* batch_reward, float* batch_done, const int* gate) {
     dt_wait_prior_grid();
     dt_allow_dependents();
-    if (gate != nullptr && *gate) return;  // a training loop's step that is not due: no draw, no write
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j = blockIdx.x * SAMPLE_WARPS + warp;
+    const bool draws = j < batch;
+    // A training loop's step that is not due draws and writes nothing. The gate
+    // word is loaded with the walk's first loads and tested once they are issued.
+    const int gated = gate != nullptr ? *gate : 0;
+    const double total = draws ? nodes[0] : 0.0;
+    const double first = draws ? dt_tree_first_level(nodes, leaves, height) : 0.0;
+    const long long counted = draws && uniforms == nullptr ? (long long)*step : 0;
+    dt_issued(gated);
+    dt_issued(total);
+    dt_issued(first);
+    dt_issued(counted);
+    if (gated) return;
     float p = 0.0f;
     int leaf = 0;
-    if (j < batch) {
-        const double total = nodes[0];
-        const double first = dt_tree_first_level(nodes, leaves, height);
-        const double u = uniforms ? uniforms[j] : dt_uniform53(seed, *step, (unsigned int)j);
+    if (draws) {
+        const double u = uniforms ? uniforms[j] : dt_uniform53(seed, (unsigned long long)counted, (unsigned int)j);
         const double mass = ((double)j + u) * total / (double)batch;
         if (total > 0.0) {
             leaf = dt_tree_descend(nodes, leaves, capacity, height, first, mass, total * 0x1p-40, p);

@@ -6,7 +6,7 @@ import pytest
 from drvtrain import Arena, DeviceBuffer, Stream, capture
 from drvtrain.stream import fork
 from drvtrain.nn import MLP, FlatBuffer, ParamLayout
-from drvtrain.nn.mlp import TILES, WGMMA_TILE, LinearKernels, gemm, plan, wgmma_available
+from drvtrain.nn.mlp import TILE_32, TILES, WGMMA_TILE, LinearKernels, gemm, plan, wgmma_available
 from nn_reference import mlp_backward, rel
 
 pytestmark = pytest.mark.gpu
@@ -442,6 +442,32 @@ def test_gate_skips_every_write(device, stream, rng, role, tile):
         else:
             assert rel(c[:, :n], prod.want) < (TF32_BOUND if role == "forward" else X3_BOUND), kernel.name
 
+
+
+@pytest.mark.parametrize("role", ["forward_relu", "grad_input", "grad_weight"])
+def test_gate_skips_every_write_of_a_clustered_split(device, stream, rng, role):
+    """The 32x32 tile's kernels load the gate with their first tiles and test it once
+    those copies are issued. A product split 4 ways in clusters (the small nets'
+    plan): closed, every output keeps its poison; open, the float64 product."""
+    kernels = kernels_for(role, device)
+    m = n = k = 256
+    p = kernels.plan(role, m, n, k, tile=TILE_32, splits=4, vector=16)
+    assert p.cluster and p.splits == 4, p
+    prod = Product(role, m, n, k, 16, rng)
+    arena, _ = arena_for(kernels, role, m, n, k, TILE_32)
+    gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
+    for closed in (1, 0):
+        gate.copy_from_numpy(np.full(1, closed, np.int32))
+        prod.poison(stream)
+        arena.reset()
+        kernel = kernels.launch(role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=arena,
+                                stream=stream, gate=gate, tile=TILE_32, splits=4, vector=16, **prod.epilogue)
+        assert "_cluster_" in kernel.name
+        c, sums = prod.outputs()
+        if closed:
+            assert np.isnan(c).all() and (sums is None or np.isnan(sums).all()), kernel.name
+        else:
+            assert rel(c[:, :n], prod.want) < (TF32_BOUND if role == "forward_relu" else X3_BOUND), kernel.name
 
 def test_forced_16_byte_copies_on_unaligned_operands_are_refused(device, stream, rng):
     kernels = kernels_for("forward", device)
