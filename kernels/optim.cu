@@ -95,11 +95,17 @@ __device__ __forceinline__ void norm_partials(float* grads, long long n, double*
                                               int* t_next, const int* gate, const DtFirstDw& first_dw) {
     dt_wait_prior_grid();
     dt_allow_dependents();
-    if (gate != nullptr && *gate) return;
+    // A step that is not due writes nothing. The gate word is loaded with this
+    // thread's first float4 and tested once both are issued: one round trip.
     const long long first = dt_thread_index(), stride = dt_grid_stride();
+    const int gated = gate != nullptr ? *gate : 0;
+    const float4 g_first = first < n / 4 ? reinterpret_cast<const float4*>(grads)[first] : float4{};
+    dt_issued(gated);
+    dt_issued(g_first);
+    if (gated) return;
     const double block = dt_block_sum<NORM_THREADS>(
-        FIRST_DW ? dt_sum_of_squares_first_dw(first, stride, grads, n, first_dw)
-                 : dt_sum_of_squares(first, stride, grads, n));
+        FIRST_DW ? dt_sum_of_squares_first_dw(first, stride, grads, n, first_dw, g_first)
+                 : dt_sum_of_squares_from(first, stride, grads, n, g_first));
     if (threadIdx.x != 0) return;
     partials[blockIdx.x] = block;
     if (blockIdx.x == 0) *t_next = *step + 1;

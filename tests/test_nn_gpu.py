@@ -288,6 +288,34 @@ def test_adamw_takes_t_from_the_norm_kernel_when_its_guess_is_wrong(device, stre
     assert rel(opt.m.buffer.to_numpy(), want_m) < 1e-5 and rel(opt.v.buffer.to_numpy(), want_v) < 1e-5
     assert opt.read_state()[2] == 3
 
+
+def test_norm_kernel_gate_writes_nothing_and_an_open_gate_sums_every_square(device, stream, rng):
+    """grad_norm_partials loads the gate with each thread's first float4 and tests it
+    once both are issued. Closed: its partials and t_next keep their poison. Open: the
+    partials add up to sum g^2 (float64) and t_next is t + 1."""
+    layout = make_layout([17, 100, 3])
+    params, grads = FlatBuffer(layout, layout.init_numpy(int(rng.integers(1 << 30)))), FlatBuffer(layout)
+    opt = AdamW(params, grads, lr=1e-2, max_norm=5.0)
+    g = (rng.standard_normal(layout.size) * rng.uniform(0.1, 3)).astype(np.float32)
+    grads.buffer.copy_from_numpy(g)
+    opt.t.copy_from_numpy(np.array([6], np.int32))
+    gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
+    norm = opt._partials
+    for closed in (1, 0):
+        gate.copy_from_numpy(np.full(1, closed, np.int32))
+        opt.norm_partials.poison(stream=stream)
+        opt._t_next.poison(stream=stream)
+        norm.launch(opt.norm_grid, norm.block, grads, opt.n, opt.norm_partials, opt.t, opt._t_next, gate,
+                    stream=stream)
+        stream.synchronize()
+        partials, t_next = opt.norm_partials.to_numpy(), int(opt._t_next.to_numpy()[0])
+        if closed:
+            assert np.all(partials.view(np.uint32) == 0xFFFFFFFF) and t_next == -1
+        else:
+            want = float(np.sum(g.astype(np.float64) ** 2))
+            assert abs(partials.sum() - want) / want < 1e-12 and t_next == 7
+    gate.close()
+
 def test_step_is_clip_grad_norm_then_apply_bit_for_bit(device, stream, rng):
     """AdamW.step decides the clip in every block of the update from the norm
     kernel's partials; clip_grad_norm then apply decide it in the norm's last
