@@ -44,7 +44,8 @@ __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 //            into scalars later, off the kernel's critical path.
 //          a_star [batch] int32 (may be null) = the a* of each sample, for tests
 //            and diagnostics.
-//   gate (may be null): while it points at a non-zero word the kernel returns at once.
+//   gate (may be null): while it points at a non-zero word the kernel writes nothing
+//     (dqn_loss tests it first; dqn_head once its first loads are issued).
 //   a* = argmax Q_online(s', .) (first maximum), y = r + gamma (1 - done) Q_target(s', a*),
 //   td = y - Q_online(s, a); huber with threshold huber_delta.
 // NaN: td is NaN when any Q_online(s', .) is NaN (the argmax is then

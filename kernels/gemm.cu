@@ -724,8 +724,8 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 }  // namespace
 
 // One signature for all: ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr.
-// `gate` (may be 0): when it points at a non-zero word the whole grid returns at
-// once, writing nothing (a training loop's step that is not due this iteration).
+// `gate` (may be 0): when it points at a non-zero word the whole grid returns
+// having written nothing (a training loop's step that is not due this iteration).
 // Arguments a kernel does not use (bias, mask, col_sum) may be 0; so may workspace
 // and counters with gridDim.z == 1, or for a `_cluster_` kernel launched in
 // clusters of its gridDim.z splits. Otherwise counters is one zeroed uint per output

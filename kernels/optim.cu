@@ -40,8 +40,8 @@
 //   kernel depends on what another block of it writes (adamw_clip_step takes t
 //   from t_next, not from the *step its block 0 advances; it reads *step only
 //   for a guess at t, which it checks against t_next). With `gate` non-null and
-//   non-zero, grad_norm_partials returns at once and adamw_clip_step only sets
-//   *skip = 2. Launch: grad_norm_partials as grad_norm_clip (grid G, block
+//   non-zero, grad_norm_partials writes nothing (it tests the gate once its first
+//   loads are issued) and adamw_clip_step only sets *skip = 2. Launch: grad_norm_partials as grad_norm_clip (grid G, block
 //   256); adamw_clip_step any grid, block 256, with G = norm_blocks.
 #include "common.cuh"
 #include "optim.cuh"

@@ -942,7 +942,8 @@ def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, brok
 
 
 def test_head_kernel_gate_writes_nothing(device, rng):
-    """While the gate word is non-zero dqn_head returns at once: every output keeps its poison."""
+    """While the gate word is non-zero dqn_head writes nothing (it tests the gate once its first
+    loads are issued): every output keeps its poison."""
     stream = Stream()
     gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
     case = _head_case(rng, 64, 3, 20)

@@ -443,7 +443,6 @@ def test_gate_skips_every_write(device, stream, rng, role, tile):
             assert rel(c[:, :n], prod.want) < (TF32_BOUND if role == "forward" else X3_BOUND), kernel.name
 
 
-
 @pytest.mark.parametrize("role", ["forward_relu", "grad_input", "grad_weight"])
 def test_gate_skips_every_write_of_a_clustered_split(device, stream, rng, role):
     """The 32x32 tile's kernels load the gate with their first tiles and test it once
@@ -468,6 +467,7 @@ def test_gate_skips_every_write_of_a_clustered_split(device, stream, rng, role):
             assert np.isnan(c).all() and (sums is None or np.isnan(sums).all()), kernel.name
         else:
             assert rel(c[:, :n], prod.want) < (TF32_BOUND if role == "forward_relu" else X3_BOUND), kernel.name
+
 
 def test_forced_16_byte_copies_on_unaligned_operands_are_refused(device, stream, rng):
     kernels = kernels_for("forward", device)

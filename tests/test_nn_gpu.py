@@ -292,8 +292,9 @@ def test_adamw_takes_t_from_the_norm_kernel_when_its_guess_is_wrong(device, stre
 def test_norm_kernel_gate_writes_nothing_and_an_open_gate_sums_every_square(device, stream, rng):
     """grad_norm_partials loads the gate with each thread's first float4 and tests it
     once both are issued. Closed: its partials and t_next keep their poison. Open: the
-    partials add up to sum g^2 (float64) and t_next is t + 1."""
-    layout = make_layout([17, 100, 3])
+    partials add up to sum g^2 (float64) and t_next is t + 1. Over 256 K parameters,
+    so that threads of the norm's grid take more than one float4."""
+    layout = make_layout([300, 900, 7])
     params, grads = FlatBuffer(layout, layout.init_numpy(int(rng.integers(1 << 30)))), FlatBuffer(layout)
     opt = AdamW(params, grads, lr=1e-2, max_norm=5.0)
     g = (rng.standard_normal(layout.size) * rng.uniform(0.1, 3)).astype(np.float32)
@@ -315,6 +316,7 @@ def test_norm_kernel_gate_writes_nothing_and_an_open_gate_sums_every_square(devi
             want = float(np.sum(g.astype(np.float64) ** 2))
             assert abs(partials.sum() - want) / want < 1e-12 and t_next == 7
     gate.close()
+
 
 def test_step_is_clip_grad_norm_then_apply_bit_for_bit(device, stream, rng):
     """AdamW.step decides the clip in every block of the update from the norm

@@ -86,8 +86,12 @@ class Metrics:
 
     def read_slot(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Slot ``index`` as it is now: the tags (uint32, one per field) and the
-        values (float32), each word read once, with one aligned 8-byte load."""
-        return split_words(self._words[index % self.slots].copy())
+        values (float32). Each word is read once, on its own, with one aligned
+        8-byte load; the device writes it with one aligned 8-byte store, which
+        reaches host memory as one write (a bus write of an aligned 8 bytes is
+        not split), so a word's tag and value always belong together."""
+        row = self._words[index % self.slots]
+        return split_words(np.array([row[f] for f in range(self.width)], np.uint64))
 
     def record(self, stream) -> None:
         """Mark the end of the step just queued on ``stream``."""
