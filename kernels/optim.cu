@@ -40,8 +40,8 @@
 //   kernel depends on what another block of it writes (adamw_clip_step takes t
 //   from t_next, not from the *step its block 0 advances; it reads *step only
 //   for a guess at t, which it checks against t_next). With `gate` non-null and
-//   non-zero, grad_norm_partials writes nothing (it tests the gate once its first
-//   loads are issued) and adamw_clip_step only sets *skip = 2. Launch: grad_norm_partials as grad_norm_clip (grid G, block
+//   non-zero, grad_norm_partials returns at once and adamw_clip_step only sets
+//   *skip = 2. Launch: grad_norm_partials as grad_norm_clip (grid G, block
 //   256); adamw_clip_step any grid, block 256, with G = norm_blocks.
 #include "common.cuh"
 #include "optim.cuh"
@@ -95,17 +95,11 @@ __device__ __forceinline__ void norm_partials(float* grads, long long n, double*
                                               int* t_next, const int* gate, const DtFirstDw& first_dw) {
     dt_wait_prior_grid();
     dt_allow_dependents();
-    // A step that is not due writes nothing. The gate word is loaded with this
-    // thread's first float4 and tested once both are issued: one round trip.
+    if (gate != nullptr && *gate) return;
     const long long first = dt_thread_index(), stride = dt_grid_stride();
-    const int gated = gate != nullptr ? *gate : 0;
-    const float4 g_first = first < n / 4 ? reinterpret_cast<const float4*>(grads)[first] : float4{};
-    dt_issued(gated);
-    dt_issued(g_first);
-    if (gated) return;
     const double block = dt_block_sum<NORM_THREADS>(
-        FIRST_DW ? dt_sum_of_squares_first_dw(first, stride, grads, n, first_dw, g_first)
-                 : dt_sum_of_squares_from(first, stride, grads, n, g_first));
+        FIRST_DW ? dt_sum_of_squares_first_dw(first, stride, grads, n, first_dw)
+                 : dt_sum_of_squares(first, stride, grads, n));
     if (threadIdx.x != 0) return;
     partials[blockIdx.x] = block;
     if (blockIdx.x == 0) *t_next = *step + 1;

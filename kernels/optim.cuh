@@ -19,17 +19,6 @@ __device__ __forceinline__ double dt_sum_of_squares(long long first, long long s
     return acc;
 }
 
-// The same share with element `first` already loaded by the caller (g_first,
-// when first < n / 4): the same squares in the same order, so the same bits.
-__device__ __forceinline__ double dt_sum_of_squares_from(long long first, long long stride, const float* grads,
-                                                         long long n, float4 g_first) {
-    if (first >= n / 4) return 0.0;
-    double acc = dt_squares(g_first);  // 0 + a square: the square's bits
-    const float4* g4 = reinterpret_cast<const float4*>(grads);
-    for (long long i = first + stride; i < n / 4; i += stride) acc += dt_squares(g4[i]);
-    return acc;
-}
-
 // The first layer's dW0 [cols, in0] and db0 [cols] of a flat gradient buffer, left
 // as per-tile shares by gemm.cu's grad_input_dw0 kernels launched with no strip
 // counters: row tile y's share of column c (strip x = c / bn, of `rows` row tiles)
@@ -109,15 +98,15 @@ __device__ __forceinline__ float4 dt_first_dw_float4(const DtFirstDw& f, long lo
                        at[2] != nullptr ? sum[2] : held.z, at[3] != nullptr ? sum[3] : held.w);
 }
 
-// dt_sum_of_squares_from, with dW0's and db0's elements first summed from their
-// shares and stored into `grads` (where AdamW reads them): the squares and their
-// order are dt_sum_of_squares'.
+// dt_sum_of_squares, with dW0's and db0's elements first summed from their shares
+// and stored into `grads` (where AdamW reads them): the squares and their order
+// are dt_sum_of_squares'.
 __device__ __forceinline__ double dt_sum_of_squares_first_dw(long long first, long long stride, float* grads,
-                                                             long long n, const DtFirstDw& f, float4 g_first) {
+                                                             long long n, const DtFirstDw& f) {
     double acc = 0.0;
     float4* g4 = reinterpret_cast<float4*>(grads);
     for (long long i = first; i < n / 4; i += stride) {
-        float4 g = i == first ? g_first : g4[i];
+        float4 g = g4[i];
         if (dt_first_dw_touches(f, i)) {
             g = dt_first_dw_float4(f, i, g);
             g4[i] = g;

@@ -290,10 +290,9 @@ def test_adamw_takes_t_from_the_norm_kernel_when_its_guess_is_wrong(device, stre
 
 
 def test_norm_kernel_gate_writes_nothing_and_an_open_gate_sums_every_square(device, stream, rng):
-    """grad_norm_partials loads the gate with each thread's first float4 and tests it
-    once both are issued. Closed: its partials and t_next keep their poison. Open: the
-    partials add up to sum g^2 (float64) and t_next is t + 1. Over 256 K parameters,
-    so that threads of the norm's grid take more than one float4."""
+    """grad_norm_partials with a closed gate: its partials and t_next keep their
+    poison. Open: the partials add up to sum g^2 (float64) and t_next is t + 1. Over
+    256 K parameters, so that threads of the norm's grid take more than one float4."""
     layout = make_layout([300, 900, 7])
     params, grads = FlatBuffer(layout, layout.init_numpy(int(rng.integers(1 << 30)))), FlatBuffer(layout)
     opt = AdamW(params, grads, lr=1e-2, max_norm=5.0)
