@@ -164,9 +164,10 @@ __device__ __forceinline__ void dt_raise(unsigned int* counts, unsigned int* pub
 // One field of a metrics slot in mapped host memory (drvtrain.nn.Metrics): an
 // 8-byte word, naturally aligned, with the float's bits in the low half and
 // the step's low 32 bits in the high half, written by one relaxed system-scope
-// store. Such a store is single-copy atomic, so the host never sees a value
-// under another step's tag, and a slot whose every tag is t holds step t's
-// fields whatever order the words land in: no fence, no ordering at all.
+// store. The store is single-copy atomic, and an aligned 8-byte write reaches
+// host memory whole (the bus does not split it), so the host never sees a
+// value under another step's tag, and a slot whose every tag is t holds step
+// t's fields whatever order the words land in: no fence, no ordering at all.
 __device__ __forceinline__ void dt_metric_store(unsigned long long* word, float value, long long step) {
     const unsigned long long w = (unsigned long long)(unsigned int)step << 32 | __float_as_uint(value);
     asm volatile("st.relaxed.sys.u64 [%0], %1;" ::"l"(word), "l"(w) : "memory");
