@@ -17,38 +17,50 @@ one thing:
   (DQNConfig(fused=True)): small only, the large net is too wide for them;
 - everything on one stream;
 - the wide backward products on operands split once into TF32 parts
-  (DQNConfig(presplit=True)): large only, the small net has none.
+  (DQNConfig(presplit=True)): large only, the small net has none;
+- the default step captured behind an open gate word, as a training loop
+  (`drvtrain train`) captures it: what reading the gate costs a step that runs.
 With torch installed, the same step written plainly in PyTorch
 (tools/torch_dqn.py), eager and CUDA-graph captured. Goals: <= 15 us (small)
 and <= 50 us (large).
 """
 import sys
 
+import numpy as np
+
 import _common
-from drvtrain import Stream
+from drvtrain import DeviceBuffer, Stream, capture
 from drvtrain.nn import MLP, ParamLayout
 from drvtrain.nn.narrow import NarrowMLP
 from drvtrain.rl import DQNConfig, DQNStep
 from drvtrain.timing import time_graph
 
 
-def measure(cfg, args):
+def measure(cfg, args, gated=False):
     stream = Stream()
     print(f"  {cfg.obs_dim}-{'-'.join(map(str, cfg.hidden))}-{cfg.n_actions} batch {cfg.batch}, "
           f"fused={cfg.fused} dual_stream={cfg.dual_stream} dependent_launch={cfg.dependent_launch} "
-          f"fused_tail={cfg.fused_tail} fused_head={cfg.fused_head} cluster_forward={cfg.cluster_forward}: "
-          f"filling {cfg.capacity} transitions ...", flush=True)
-    step = DQNStep(cfg)
-    step.fill_random(1, stream=stream)
-    exe = step.capture(stream=stream)
-    us = time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
-    step.check_errors()
-    graph = step.graph
-    result = (us, len(graph.nodes()), graph.longest_chain())
-    exe.close()
-    step.close()
-    stream.close()
-    return result
+          f"fused_tail={cfg.fused_tail} fused_head={cfg.fused_head} cluster_forward={cfg.cluster_forward}"
+          f"{', behind an open gate' if gated else ''}: filling {cfg.capacity} transitions ...", flush=True)
+    step, gate = DQNStep(cfg), None
+    try:
+        if gated:
+            gate = DeviceBuffer.from_numpy(np.zeros(1, np.int32))
+        step.fill_random(1, stream=stream)
+        with capture(stream) as graph:
+            step.enqueue(stream=stream, gate=gate)
+        exe = graph.instantiate()
+        try:
+            us = time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
+        finally:
+            exe.close()
+        step.check_errors()
+        return us, len(graph.nodes()), graph.longest_chain()
+    finally:
+        if gate is not None:
+            gate.close()
+        step.close()
+        stream.close()
 
 
 def torch_times(cfg, args):
@@ -65,16 +77,18 @@ def torch_times(cfg, args):
     return eager, graphed
 
 
+# (label, DQNConfig overrides, captured behind an open gate word)
 VARIANTS = (
-    ("default", {}),
-    ("no dependent launch", {"dependent_launch": False}),
-    ("output layer fused (dqn_head)", {"fused_head": True}),
-    ("output layer separate", {"fused_head": False}),
-    ("cooperative tail", {"fused_tail": True}),
-    ("three forwards in clusters", {"cluster_forward": True}),
-    ("fused narrow kernels", {"fused": True}),
-    ("one stream", {"dual_stream": False}),
-    ("pre-split wide backward", {"presplit": True}),
+    ("default", {}, False),
+    ("no dependent launch", {"dependent_launch": False}, False),
+    ("output layer fused (dqn_head)", {"fused_head": True}, False),
+    ("output layer separate", {"fused_head": False}, False),
+    ("cooperative tail", {"fused_tail": True}, False),
+    ("three forwards in clusters", {"cluster_forward": True}, False),
+    ("fused narrow kernels", {"fused": True}, False),
+    ("one stream", {"dual_stream": False}, False),
+    ("pre-split wide backward", {"presplit": True}, False),
+    ("gated (open), as a training loop runs it", {}, True),
 )
 
 
@@ -92,7 +106,7 @@ def main(argv=None) -> int:
     rows, torch_rows = [], []
     for name in (["small", "large"] if args.config == "both" else [args.config]):
         print(f"{name}:", flush=True)
-        for label, overrides in VARIANTS[:1] if args.default_only else VARIANTS:
+        for label, overrides, gated in VARIANTS[:1] if args.default_only else VARIANTS:
             cfg = getattr(DQNConfig, name)(**overrides)
             if (overrides.get("fused") or "cluster_forward" in overrides) and \
                     not NarrowMLP.supports(ParamLayout.from_widths(cfg.widths)):
@@ -100,7 +114,7 @@ def main(argv=None) -> int:
             if "presplit" in overrides and \
                     not MLP(ParamLayout.from_widths(cfg.widths), presplit=True).presplit_layers(cfg.batch):
                 continue  # no product of this net runs pre-split: the default already is this
-            rows.append((name, label, *measure(cfg, args)))
+            rows.append((name, label, *measure(cfg, args, gated)))
         torch_us = None if args.no_torch else torch_times(getattr(DQNConfig, name)(), args)
         if torch_us:
             torch_rows.append((name, *torch_us))
