@@ -187,9 +187,14 @@ __device__ __forceinline__ void dt_issued(double x) { asm volatile("" ::"d"(x));
 __device__ __forceinline__ void dt_issued(long long x) { asm volatile("" ::"l"(x)); }
 __device__ __forceinline__ void dt_issued(const float4& x) { asm volatile("" ::"f"(x.x), "f"(x.y), "f"(x.z), "f"(x.w)); }
 
-// A kernel's skip flag, 0 when `flag` is null, its load issued here.
+// A flag word (a skip flag, a training loop's gate), 0 when `flag` is null. A
+// kernel loads it with its first operands and tests it once those are issued
+// (dt_issued), so its round trip overlaps theirs.
+__device__ __forceinline__ int dt_read_flag(const int* flag) { return flag != nullptr ? *flag : 0; }
+
+// A kernel's skip flag, its load issued here.
 __device__ __forceinline__ int dt_issued_flag(const int* flag) {
-    const int value = flag != nullptr ? *flag : 0;
+    const int value = dt_read_flag(flag);
     dt_issued(value);
     return value;
 }

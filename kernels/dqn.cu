@@ -330,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
     dt_allow_dependents();
     // A step that is not due writes nothing. The gate word is loaded with the
     // staged operands below and tested once they are in flight.
-    const int gated = gate != nullptr ? *gate : 0;
+    const int gated = dt_read_flag(gate);
     if (n_actions < 1 || n_actions > DQN_MAX_ACTIONS) {
         if (!gated) nan_means(scalars, partials, counter);
         return;

@@ -187,7 +187,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // The gate word goes out first and is tested once the first tiles' copies are
     // issued: its round trip overlaps theirs (reading the operands of a step that
     // is not due is harmless; nothing is written).
-    const int gated = gate != nullptr ? *gate : 0;
+    const int gated = dt_read_flag(gate);
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wm = warp / CFG::WARPS_N, wn = warp % CFG::WARPS_N;

@@ -157,10 +157,6 @@ __device__ __forceinline__ void cp_async16(float* dst, const float* src, bool va
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<size_t>(p) & 15) == 0; }
 
-// The gate word is loaded at once and tested only after the input rows' copies are in
-// flight, so its round trip overlaps theirs. Nothing is written before the test.
-__device__ __forceinline__ int read_gate(const int* gate) { return gate != nullptr ? *gate : 0; }
-
 // ---------------------------------------------------------------- row kernels
 // A block owns 16 rows; its warps share the n8 tiles of a layer's output. Each warp streams
 // the weight fragments of its own tiles straight from L2 into registers, DEPTH k-steps
@@ -351,7 +347,7 @@ __device__ __forceinline__ void forward_block(const float* params, const float* 
     constexpr int D = TF32 ? 8 : 1;  // k-steps per register group; two groups in flight
     __shared__ __align__(16) float act[ROWS][ACT_LD];
     __shared__ __align__(16) float red[ROW_WARPS][128];
-    const int skip = read_gate(gate);
+    const int skip = dt_read_flag(gate);  // tested once the input rows' copies are in flight
     const int layers = s.layers, batch = s.batch, row0 = blockIdx.x * ROWS;
     {  // the block's input rows, zero beyond the batch and up to the next multiple of 8
         const int k_in = s.width(0), kp = round_up(k_in, 8);
@@ -496,7 +492,7 @@ __device__ void backward_data_block(const float* params, const PerLayer<const fl
                                     const NetShape& s, const int* gate) {
     __shared__ __align__(16) float grad[ROWS][ACT_LD];
     __shared__ __align__(16) float red[ROW_WARPS][128];
-    const int skip = read_gate(gate);
+    const int skip = dt_read_flag(gate);  // tested once the input rows' copies are in flight
     const int layers = s.layers, batch = s.batch, row0 = blockIdx.x * ROWS;
     if (layers < 2) return;
     {  // dout's rows, zero beyond the batch and up to the next multiple of 8
@@ -565,7 +561,7 @@ __device__ void weight_grads_block(float* grads, const PerLayer<const float>& x,
                                    float* workspace, unsigned int* counters, const int* gate) {
     __shared__ __align__(16) float gs[2][CHUNK][TILE_LD];  // dY rows: [batch][n]
     __shared__ __align__(16) float xs[2][CHUNK][TILE_LD];  // X rows:  [batch][k]
-    const int skip = read_gate(gate);
+    const int skip = dt_read_flag(gate);  // tested once the input rows' copies are in flight
     // Which layer and tile: block-uniform arithmetic over at most 4 layers.
     int tile = blockIdx.x, l = 0;
     for (; l + 1 < s.layers; ++l) {
@@ -853,7 +849,7 @@ __device__ __forceinline__ void forward_cluster_block(const float* params, const
     float* act1 = act0 + CL_ROWS * even;
     float* red = act1 + CL_ROWS * odd;
     float* slices0 = red + CL_WARPS * 2 * 128;
-    const int skip = read_gate(gate);
+    const int skip = dt_read_flag(gate);  // tested once the input rows' copies are in flight
     {
         const int k = s.width(0);
         cl_copy_rows(act0, cl_stride(k), x, k, row0, CL_ROWS, batch, k, (k & 3) == 0 && aligned16(x));

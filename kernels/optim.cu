@@ -5,8 +5,8 @@
 //   clip[0] = norm, clip[1] = scale, *step = t. Then it writes the step's metrics
 //   into slot t mod K of a ring in mapped host memory: {loss, norm, scale},
 //   each field an 8-byte word tagged with t (dt_metric_store), so a slot
-//   whose every tag is t is complete. With `skip` non-null it is the step's NaN guard: *skip = 1
-//   when the norm or *loss is not finite, else 0; a skipped step leaves t
+//   whose every tag is t is complete. With `skip` non-null it is the step's
+//   NaN guard: *skip = 1 when the norm or *loss is not finite, else 0; a skipped step leaves t
 //   (and so the metrics ring) as it was. With `gate` non-null and non-zero (a
 //   training loop's step that is not due) it only sets *skip = 2, so the
 //   kernels after it skip without reporting anything.
@@ -143,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_clip_step(
     const double head = (int)threadIdx.x < norm_blocks ? __ldcg(&partials[threadIdx.x]) : 0.0;
     const double next = second < norm_blocks ? __ldcg(&partials[second]) : 0.0;
     const float loss_value = loss != nullptr ? __ldcg(loss) : 0.0f;
-    const int gated = gate != nullptr ? *gate : 0;
+    const int gated = dt_read_flag(gate);
     const int t = __ldcg(t_next);
     dt_issued(head);
     dt_issued(next);

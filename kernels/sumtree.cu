@@ -148,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
     const bool draws = j < batch;
     // A training loop's step that is not due draws and writes nothing. The gate
     // word is loaded with the walk's first loads and tested once they are issued.
-    const int gated = gate != nullptr ? *gate : 0;
+    const int gated = dt_read_flag(gate);
     const double total = draws ? nodes[0] : 0.0;
     const double first = draws ? dt_tree_first_level(nodes, leaves, height) : 0.0;
     const long long counted = draws && uniforms == nullptr ? (long long)*step : 0;
