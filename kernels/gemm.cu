@@ -171,13 +171,32 @@ struct FirstDw {
                                // them (kernels/optim.cuh's DtFirstDw)
 };
 
+// The first layer folded into the second layer's forward (X0 kernels): A = H0 =
+// relu(X0 W0^T + b0) [M, K] is computed here, not read, one k tile at a time into the
+// ring, in FP32 FMAs (the sum over in0 in order, then the bias and the ReLU as
+// dt_epilogue applies them), from X0 [M, in0] (in0 <= DW0_MAX_IN), W0 [K, in0]
+// (row-major) and b0 [K]. A split's k range is at most X0_MAX_K (its W0 and b0 are
+// staged in shared memory). Where A is not null, every block also stores there the
+// k tiles kt (counted from 0 over all of K) with kt % gridDim.x == blockIdx.x of its
+// rows and split: each element of H0 once, over the whole grid (the backward's saved
+// activation).
+constexpr int X0_MAX_K = 256;
+struct FirstLayer {
+    const float* x0;  // X0 [M, in0], rows ldx0 floats apart
+    int ldx0, in0;
+    const float* w0;  // W0 [K, in0]
+    const float* b0;  // b0 [K]
+};
+
 // The split-k workspace of a launch (floats):
 //   partials: tiles * S * BM * BN, tile-major, in fragment order (fully coalesced);
 //   row sums (grad-weight only): gridDim.y * S * BM, after the partials.
-template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC, bool CLUSTER, bool DW0 = false>
+template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC, bool CLUSTER, bool DW0 = false,
+          bool X0 = false>
 __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
                                      int N, int K, const float* bias, const float* mask, int ldm, float* col_sum,
-                                     float* workspace, unsigned int* counters, const int* gate, FirstDw fd = {}) {
+                                     float* workspace, unsigned int* counters, const int* gate, FirstDw fd = {},
+                                     FirstLayer fl = {}) {
     constexpr int BM = CFG::BM, BN = CFG::BN, BK = CFG::BK, STAGES = CFG::STAGES, THREADS = CFG::THREADS;
     constexpr int MI = CFG::MI, NI = CFG::NI;
     using SA = Smem<BM, BK, A_KFAST>;
@@ -249,12 +268,102 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     };
     constexpr bool EARLY = MI * NI <= 2;
 
+    // X0: each thread computes 4 consecutive k of one row of every A tile. Its row of
+    // X0 and two rows of W0 and b0 (k = kb + tid, kb + tid + THREADS) are loaded with
+    // the first tiles' copies, and W0 (as W0^T [IN0][X0_MAX_K], zero past in0 and past
+    // the split's k range) and b0 are staged in `first` once the gate is open. Every
+    // instruction here is on the chain (a handful of warps an SM, each one dependent
+    // instruction after another): no division, no per-element bounds; an input of at
+    // most 4 takes half the loop. A row past M computes relu(b0): only C's rows past
+    // M read it, and those are not stored.
+    constexpr int IN0 = DW0_MAX_IN, K_PER = X0 ? X0_MAX_K / THREADS : 1;
+    __shared__ __align__(16) float first[X0 ? (IN0 + 1) * X0_MAX_K : 4];
+    const int x0_row = tid / (BK / 4), x0_k = (tid % (BK / 4)) * 4;
+    const bool wide0 = X0 && fl.in0 > 4;  // grid-uniform
+    float x0v[IN0], w0v[K_PER][IN0], b0v[K_PER];
+    if constexpr (X0) {
+        static_assert(BM * BK == 4 * THREADS && X0_MAX_K % THREADS == 0 && X0_MAX_K % BK == 0 && IN0 == 8,
+                      "4 consecutive k of one row a thread; whole k tiles staged; two halves of in0");
+        if (fl.in0 < 1 || fl.in0 > IN0 || ke - kb > X0_MAX_K) __trap();  // the host refuses them first
+        // Every block of a row reads the same rows of X0 and W0 (a few KB that all the
+        // grid's blocks load at once): where in0 is 4 or 8 and the rows are 16-byte
+        // aligned, in 16-byte loads, a quarter of the requests on those L2 lines.
+        const int r = i0 + x0_row;
+        const bool vec_x0 = fl.in0 % 4 == 0 && fl.ldx0 % 4 == 0 && reinterpret_cast<size_t>(fl.x0) % 16 == 0;
+        const bool vec_w0 = fl.in0 % 4 == 0 && reinterpret_cast<size_t>(fl.w0) % 16 == 0;
+        auto load_row = [&](const float* row, bool ok, bool vec, float* v) {
+            if (vec) {
+#pragma unroll
+                for (int h = 0; h < IN0 / 4; ++h) {
+                    const float4 q = ok && 4 * h < fl.in0 ? *reinterpret_cast<const float4*>(row + 4 * h)
+                                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    v[4 * h] = q.x, v[4 * h + 1] = q.y, v[4 * h + 2] = q.z, v[4 * h + 3] = q.w;
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < IN0; ++i) v[i] = ok && i < fl.in0 ? row[i] : 0.0f;
+            }
+        };
+        load_row(fl.x0 + (size_t)r * fl.ldx0, r < M, vec_x0, x0v);
+#pragma unroll
+        for (int c = 0; c < K_PER; ++c) {
+            const int k = kb + tid + c * THREADS;
+            load_row(fl.w0 + (size_t)k * fl.in0, k < ke, vec_w0, w0v[c]);
+            b0v[c] = k < ke ? fl.b0[k] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < IN0; ++i) dt_issued(x0v[i]);
+#pragma unroll
+        for (int c = 0; c < K_PER; ++c) {
+#pragma unroll
+            for (int i = 0; i < IN0; ++i) dt_issued(w0v[c][i]);
+            dt_issued(b0v[c]);
+        }
+    }
+    // Which block of the row stores the next k tile of H0 (k tile kt: kt % gridDim.x).
+    int h0_owner = X0 ? (kb / BK) % (int)gridDim.x : 0;
+    // A tile tt of this split into ring slot `slot` (X0), and this block's share of H0.
+    auto first_tile = [&](int tt, int slot) {
+        const int kl = tt * BK + x0_k;
+        const float4 b4 = *reinterpret_cast<const float4*>(&first[IN0 * X0_MAX_K + kl]);
+        float v[4] = {b4.x, b4.y, b4.z, b4.w};
+        auto add = [&](int i) {
+            const float4 w = *reinterpret_cast<const float4*>(&first[i * X0_MAX_K + kl]);
+            v[0] = fmaf(x0v[i], w.x, v[0]);
+            v[1] = fmaf(x0v[i], w.y, v[1]);
+            v[2] = fmaf(x0v[i], w.z, v[2]);
+            v[3] = fmaf(x0v[i], w.w, v[3]);
+        };
+#pragma unroll
+        for (int i = 0; i < 4; ++i) add(i);
+        if (wide0) {
+#pragma unroll
+            for (int i = 4; i < IN0; ++i) add(i);
+        }
+        // ReLU that keeps a NaN and turns -0 into +0, as dt_epilogue's.
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = v[j] < 0.0f ? 0.0f : v[j] + 0.0f;
+        *reinterpret_cast<float4*>(&smem[slot * STAGE + SA::at(x0_row, x0_k)]) = make_float4(v[0], v[1], v[2], v[3]);
+        if (A != nullptr && h0_owner == (int)blockIdx.x && i0 + x0_row < M) {
+            const int k = kb + kl;
+            float* out = const_cast<float*>(A) + (size_t)(i0 + x0_row) * lda + k;
+            if (VEC && k + 3 < ke) {
+                *reinterpret_cast<float4*>(out) = make_float4(v[0], v[1], v[2], v[3]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    if (k + j < ke) out[j] = v[j];
+            }
+        }
+        h0_owner = h0_owner + 1 == (int)gridDim.x ? 0 : h0_owner + 1;
+    };
+
     // Prologue: STAGES - 1 tiles in flight. Every thread commits one group per
     // tile slot, empty or not, so wait_group counts stay uniform.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < tiles) {
-            la.load(smem0 + s * STAGE * 4);
+            if constexpr (!X0) la.load(smem0 + s * STAGE * 4);
             lb.load(smem0 + (s * STAGE + SA::FLOATS) * 4);
         }
         dt_cp_async_commit();
@@ -265,6 +374,20 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         dt_cp_async_wait<0>();
         return;
     }
+    if constexpr (X0) {
+        // Every entry of W0^T and b0 the tiles read, zero past in0 and the split's k range.
+#pragma unroll
+        for (int c = 0; c < K_PER; ++c) {
+            const int kl = tid + c * THREADS;
+#pragma unroll
+            for (int i = 0; i < IN0; ++i) first[i * X0_MAX_K + kl] = w0v[c][i];
+            first[IN0 * X0_MAX_K + kl] = b0v[c];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s)
+            if (s < tiles) first_tile(s, s);
+    }
     int read_slot = 0, write_slot = STAGES - 1;
     for (int kt = 0; kt < tiles; ++kt) {
         dt_cp_async_wait<STAGES - 2>();
@@ -272,7 +395,10 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         // kt - 1, whose slot the next copies overwrite.
         __syncthreads();
         if (kt + STAGES - 1 < tiles) {
-            la.load(smem0 + write_slot * STAGE * 4);
+            if constexpr (X0)
+                first_tile(kt + STAGES - 1, write_slot);
+            else
+                la.load(smem0 + write_slot * STAGE * 4);
             lb.load(smem0 + (write_slot * STAGE + SA::FLOATS) * 4);
         }
         dt_cp_async_commit();
@@ -760,6 +886,13 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
         tc::gemm<tc::CFG, tc::PREC_3XTF32, true, false, EPI_MASK, VEC, true, true>(                       \
             DT_GEMM_ARGS, gate, tc::FirstDw{x0, ldx0, in0, dw0, db0, work0, counters0});                  \
     }
+#define DT_X0_PARAMS , const float *x0, int ldx0, int in0, const float *w0, const float *b0
+#define DT_TC_X0_KERNEL(NAME, EPI, VEC)                                                                   \
+    extern "C" __global__ void __launch_bounds__(tc::Tile32x32::THREADS) NAME(DT_GEMM_PARAMS DT_X0_PARAMS) { \
+        DT_TC_GEMM_PROLOGUE                                                                               \
+        tc::gemm<tc::Tile32x32, tc::PREC_TF32, true, true, EPI, VEC, true, false, true>(                  \
+            DT_GEMM_ARGS, gate, tc::FirstDw{}, tc::FirstLayer{x0, ldx0, in0, w0, b0});                    \
+    }
 // VARIANT is the name's part after the copy width: _ (plain) or _cluster_ (CLUSTER).
 #define DT_TC_ROLES(TILE, CP, VEC, VARIANT, CLUSTER)                                                                  \
     DT_TC_KERNEL(linear_forward_##TILE##_##CP##VARIANT##tf32, Tile##TILE, PREC_TF32, true, true, EPI_BIAS, VEC,     \
@@ -782,6 +915,12 @@ DT_TC_ROLES(32x32, cp4, false, _cluster_, true)
 // (tc::FirstDw; the arguments after gate): dX itself is not stored, C may be 0.
 DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp16_cluster_3xtf32, Tile32x32, true)
 DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp4_cluster_3xtf32, Tile32x32, false)
+// The second layer's forward with the first layer computed in it (tc::FirstLayer; the
+// arguments after gate): A is where H0 is stored, or 0.
+DT_TC_X0_KERNEL(linear_forward_x0_32x32_cp16_cluster_tf32, EPI_BIAS, true)
+DT_TC_X0_KERNEL(linear_forward_x0_32x32_cp4_cluster_tf32, EPI_BIAS, false)
+DT_TC_X0_KERNEL(linear_forward_relu_x0_32x32_cp16_cluster_tf32, EPI_BIAS_RELU, true)
+DT_TC_X0_KERNEL(linear_forward_relu_x0_32x32_cp4_cluster_tf32, EPI_BIAS_RELU, false)
 
 #define DT_FFMA_KERNEL(NAME, EPI, A_KFAST, B_KFAST)                                                    \
     extern "C" __global__ void __launch_bounds__(256) NAME(DT_GEMM_PARAMS) {                            \

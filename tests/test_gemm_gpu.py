@@ -401,6 +401,117 @@ def test_first_layer_dw_folded_into_the_grad_input_matches_float64(device, strea
              m, n, k, stream, mask=prod.mask, ldm=prod.ldm, first_dw=(x0_dev, ldx0, in0, 0, 0, 0, 0))
 
 
+@pytest.mark.parametrize("vector", [16, 4])
+@pytest.mark.parametrize("role", ["forward_relu", "forward"])
+@pytest.mark.parametrize("m, n, k, in0", [(256, 256, 256, 4), (200, 77, 300, 3), (45, 40, 33, 8), (70, 64, 128, 1)],
+                         ids=["256x256x256-in4", "200x77x300-in3", "45x40x33-in8", "70x64x128-in1"])
+def test_first_layer_folded_into_the_forward_matches_float64(device, stream, rng, m, n, k, in0, role, vector):
+    """forward[_relu]_x0: the first layer, H0 = relu(X0 W0^T + b0) [m, k], is computed
+    in the second layer's product (FP32), which also stores every element of H0 once.
+    H0 against float64 at 1e-6, C (TF32 on H0) at the TF32 bound; nothing unwritten,
+    the padding of H0 and C untouched; at 1 to 4 splits (k = 300 needs 2: at most 256
+    k a split), a tile's splits in a cluster and through the workspace give the same
+    bits, and H0 the same bits at every split. Without H0's buffer (0) C is the same.
+    X0's rows are padded with NaN: a kernel that read past in0 would show it."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"the folded kernels run in clusters: compute capability 9.0; this device is {device.arch}")
+    from drvtrain.nn.mlp import X0_MAX_K
+    kernels = kernels_for("forward", device)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    x0, w0, b0, w1, b1 = f32(m, in0), f32(k, in0), f32(k), f32(n, k), f32(n)
+    ldx0, ldh, ldw = in0 + 2, padded_ld(k, vector), padded_ld(k, vector)
+    x0_dev, w1_dev = device_matrix(x0, ldx0), device_matrix(w1, ldw)
+    w0_dev, b0_dev, b1_dev = (DeviceBuffer.from_numpy(v) for v in (w0, b0, b1))
+    h0_want = np.maximum(x0.astype(np.float64) @ w0.T.astype(np.float64) + b0, 0.0)
+    want = h0_want @ w1.T.astype(np.float64) + b1
+    if role == "forward_relu":
+        want = np.maximum(want, 0.0)
+    p = kernels.plan_first_layer(role, m, n, k, in0)
+    assert p is not None and p.tile is TILE_32
+    # The rule folds nothing it cannot: a 9-wide input, or a product the wgmma tile takes.
+    assert kernels.plan_first_layer(role, m, n, k, 9) is None
+    assert kernels.plan_first_layer(role, 512, 1024, 1024, in0) is None
+    kernel = kernels.first_layer[(role, vector)]
+    h0, c = DeviceBuffer((m, ldh), np.float32), DeviceBuffer((m, n + 5), np.float32)
+    rows, cols = -(-m // 32), -(-n // 32)
+    k_tiles = -(-k // 16)
+    runs, h0_bits = [], set()
+    for splits in sorted({1, 2, 3, 4, p.splits}):
+        if -(-k_tiles // splits) * 16 > X0_MAX_K:
+            with pytest.raises(ValueError, match=f"more than {X0_MAX_K} k a split"):
+                gemm(kernel, h0, ldh, w1_dev, ldw, c, n + 5, m, n, k, stream, bias=b1_dev, splits=splits,
+                     first_layer=(x0_dev, ldx0, in0, w0_dev, b0_dev))
+            continue
+        for cluster, store in ([(True, True), (False, True), (True, False)] if splits > 1 else [(False, True),
+                                                                                                  (False, False)]):
+            for buf in (h0, c):
+                buf.poison(stream=stream)
+            floats = rows * cols * splits * 32 * 32
+            work = Arena(4 * floats + 4096, zeroed_bytes=4 * rows * cols + 512)
+            gemm(kernel, h0 if store else 0, ldh, w1_dev, ldw, c, n + 5, m, n, k, stream, bias=b1_dev,
+                 splits=splits, workspace=0 if cluster or splits == 1 else work.array(floats, np.float32),
+                 counters=0 if cluster or splits == 1 else work.zeroed(rows * cols, np.uint32), cluster=cluster,
+                 first_layer=(x0_dev, ldx0, in0, w0_dev, b0_dev))
+            got_h0, got = h0.to_numpy(), c.to_numpy()
+            where = f"{splits} splits " + ("in a cluster" if cluster else "through memory") + \
+                (", H0 stored" if store else ", H0 not stored")
+            assert not np.isnan(got[:, :n]).any(), f"{np.isnan(got[:, :n]).sum()} outputs unwritten ({where})"
+            assert rel(got[:, :n], want) < TF32_BOUND, where
+            assert np.isnan(got[:, n:]).all(), f"C's padding was written ({where})"
+            assert np.isnan(got_h0[:, k:]).all(), f"H0's padding was written ({where})"
+            if store:
+                assert not np.isnan(got_h0[:, :k]).any(), f"{np.isnan(got_h0[:, :k]).sum()} of H0 unwritten ({where})"
+                assert rel(got_h0[:, :k], h0_want) < 1e-6, where
+                h0_bits.add(got_h0[:, :k].tobytes())
+            else:
+                assert np.isnan(got_h0).all(), f"H0 was written without its buffer ({where})"
+            runs.append((splits, got[:, :n].tobytes()))
+            work.close()
+    assert len(h0_bits) == 1, "H0 changed bits with the split"
+    for splits in {s for s, _ in runs}:
+        assert len({bits for s, bits in runs if s == splits}) == 1, f"{splits} splits: the runs differ"
+    with pytest.raises(ValueError, match="with 1 <= in0 <= 8"):
+        gemm(kernel, h0, ldh, w1_dev, ldw, c, n + 5, m, n, k, stream, bias=b1_dev, splits=p.splits,
+             cluster=p.cluster, first_layer=(x0_dev, ldx0, 9, w0_dev, b0_dev))
+    with pytest.raises(ValueError, match="first_layer goes with the forward_x0 kernels"):
+        gemm(kernels.kernels[(role, TILES[1], vector)], h0, ldh, w1_dev, ldw, c, n + 5, m, n, k, stream,
+             bias=b1_dev, first_layer=(x0_dev, ldx0, in0, w0_dev, b0_dev))
+    with pytest.raises(ValueError, match="first_layer goes with the forward_x0 kernels"):
+        gemm(kernel, h0, ldh, w1_dev, ldw, c, n + 5, m, n, k, stream, bias=b1_dev, splits=p.splits,
+             cluster=p.cluster)
+
+
+def test_gate_skips_every_write_of_the_folded_forward(device, stream, rng):
+    """forward_relu_x0 (the small nets' second layer with the first computed in it),
+    4 splits in clusters: closed, H0 and C keep their poison; open, both are the
+    float64 layers."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"the folded kernels run in clusters: compute capability 9.0; this device is {device.arch}")
+    kernels = kernels_for("forward", device)
+    m = n = k = 256
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    x0, w0, b0, w1, b1 = f32(m, 4), f32(k, 4), f32(k), f32(n, k), f32(n)
+    bufs = [DeviceBuffer.from_numpy(v) for v in (x0, w0, b0, w1, b1)]
+    h0_want = np.maximum(x0.astype(np.float64) @ w0.T.astype(np.float64) + b0, 0.0)
+    want = np.maximum(h0_want @ w1.T.astype(np.float64) + b1, 0.0)
+    h0, c = DeviceBuffer((m, k), np.float32), DeviceBuffer((m, n), np.float32)
+    arena = Arena(4096, zeroed_bytes=4096)
+    gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
+    for closed in (1, 0):
+        gate.copy_from_numpy(np.full(1, closed, np.int32))
+        h0.poison(stream=stream)
+        c.poison(stream=stream)
+        arena.reset()
+        kernel = kernels.launch_first_layer("forward_relu", bufs[3], k, c, n, m, n, k, bias=bufs[4], x0=bufs[0],
+                                            ldx0=4, in0=4, w0=bufs[1], b0=bufs[2], h0=h0, arena=arena,
+                                            stream=stream, gate=gate, splits=4)
+        got_h0, got = h0.to_numpy(), c.to_numpy()
+        if closed:
+            assert np.isnan(got_h0).all() and np.isnan(got).all(), kernel.name
+        else:
+            assert rel(got_h0, h0_want) < 1e-6 and rel(got, want) < TF32_BOUND, kernel.name
+
+
 @pytest.mark.parametrize("k, splits", [(150, 4), (90, 1)], ids=["k150-4splits", "k90-3tiles"])
 @pytest.mark.parametrize("role", ["grad_input", "grad_weight"])
 def test_wgmma_backward_on_splits_with_no_k_tile_and_with_three(device, stream, rng, role, k, splits):

@@ -360,7 +360,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     else:
         assert rounded(arena.offset) + 1024 == model.scratch_bytes(batch, sms=sms)
         assert rounded(arena.zeroed_offset) == model.zeroed_bytes(batch, sms=sms)
-    assert len(kernels) == len(model._products(batch))
+    assert len(kernels) == len(model._products(batch, sms=sms))
     if cc == (9, 0) and tf32 and widths[1] == 1024 and sms is not None:
         # A third of the SMs: each forward product takes fewer, longer blocks. The
         # 1024-wide layers run unsplit on the wgmma tile (32 blocks: two thirds of 44).
@@ -387,7 +387,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
             assert stream is side and not big and big_t and (rows, cols) == (batch, widths[1])
         else:  # the layer's dY, both ways (dX and dW), on the chain
             assert stream is main and big and big_t and (rows, cols) == (batch, widths[2])
-    for (name, grid, args, stream, shared_mem, cluster), (m, n, k) in zip(kernels, model._products(batch)):
+    for (name, grid, args, stream, shared_mem, cluster), (m, n, k) in zip(kernels, model._products(batch, sms=sms)):
         if "_wgmma_" in name and "_forward" in name:  # X and W as tensor maps of 128 x 32 boxes over m x k, n x k
             map_a, map_b, _, _, *mnk, _, workspace, counters, _ = args
             col_sum = 0
@@ -429,6 +429,15 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
             assert (dw0.ptr, db0.ptr) == (grads.weight(0).ptr, grads.bias(0).ptr)
             assert work.size == grid[0] * grid[1] * 32 * (in0 + 1) and strip_counters.size == grid[0]
             assert args[10].ptr == fwd.activations[1].ptr  # the mask: layer 1's input
+        if "_x0_" in name:  # layers 0 and 1 in one launch: layer 0 computed in layer 1's product
+            assert cc >= (9, 0) and tf32 and widths[0] <= mlp_module.DW0_MAX_IN and stream is main
+            assert (m, n, k) == (batch, widths[2], widths[1]) and splits <= 4
+            x0, ldx0, in0, w0, b0 = args[16:]
+            assert (x0.ptr, ldx0, in0) == (x.ptr, widths[0], widths[0])
+            assert (w0.ptr, b0.ptr) == (params.weight(0).ptr, params.bias(0).ptr)
+            assert (args[0].ptr, args[1]) == (fwd.activations[1].ptr, widths[1])  # H0 is stored there
+            assert (args[2].ptr, args[4].ptr, args[9].ptr) == (params.weight(1).ptr, fwd.activations[2].ptr,
+                                                               params.bias(1).ptr)
         # dW of every layer but the first beside the dX chain; the first layer's dW
         # follows the last dX on the main stream (or rides on it, above).
         first_dw = "grad_weight" in name and (m, n) == (widths[1], widths[0])
@@ -455,6 +464,13 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         assert grid[:2] == (-(-n // bn), -(-m // bm))
         assert workspace.size == need, name
         assert counters.size == grid[0] * grid[1], name
+    x0_folded = cc == (9, 0) and tf32 and widths[0] <= mlp_module.DW0_MAX_IN
+    assert model.first_layer_folded(batch, sms=sms) == x0_folded
+    unfolded = mlp_module.MLP(layout, tf32=tf32, backward=backward, presplit=presplit, fold_first_layer=False)
+    assert not unfolded.first_layer_folded(batch, sms=sms)
+    assert not any(role.endswith("_x0") for role, *_ in unfolded._roles(batch, sms=sms))
+    assert sum("_x0_" in e[0] for e in kernels) == x0_folded
+    assert sum("_forward" in e[0] for e in kernels) == len(layout.layers) - x0_folded
     folded = cc == (9, 0) and backward == "3xtf32" and widths[0] <= mlp_module.DW0_MAX_IN and len(widths) >= 4
     assert model.first_dw_folded(batch) == folded
     assert sum("_dw0_" in e[0] for e in kernels) == folded
@@ -586,6 +602,13 @@ def test_kernel_names_follow_the_roles_and_precisions():
             kernel_name("grad_input_dw0", "3xtf32", tile, 16, cluster=cluster)
     with pytest.raises(ValueError, match="runs in 3xtf32"):
         kernel_name("grad_input_dw0", "f32")
+    assert kernel_name("forward_relu_x0", "tf32", TILES[1], 4, cluster=True) == \
+        "linear_forward_relu_x0_32x32_cp4_cluster_tf32"
+    for tile, cluster in ((TILES[1], False), (TILES[0], True), (WGMMA_TILE, True)):
+        with pytest.raises(ValueError, match="forward_x0 runs on tile 32x32's cluster kernels only"):
+            kernel_name("forward_x0", "tf32", tile, 16, cluster=cluster)
+    with pytest.raises(ValueError, match="runs in tf32"):
+        kernel_name("forward_relu_x0", "f32")
     with pytest.raises(ValueError, match="no kernels that sum their splits in a cluster"):
         kernel_name("forward", "tf32", TILES[0], 16, cluster=True)
     with pytest.raises(ValueError, match="runs in"):
@@ -605,7 +628,9 @@ def test_gemm_cu_compiles_for_sm_90_with_every_kernel_the_host_names():
                 names += [kernel_name(role, "3xtf32", tile, vector, cluster=cluster)
                           for role in ("grad_input", "grad_weight")]
     names += [kernel_name("grad_input_dw0", "3xtf32", TILES[1], vector, cluster=True) for vector in (16, 4)]
-    assert sum("_cluster_" in name for name in names) == 10
+    names += [kernel_name(role, "tf32", TILES[1], vector, cluster=True)
+              for role in ("forward_x0", "forward_relu_x0") for vector in (16, 4)]
+    assert sum("_cluster_" in name for name in names) == 14
     for name in names:
         assert name.encode() + b"\0" in cubin, name
 

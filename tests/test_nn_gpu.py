@@ -28,13 +28,14 @@ def random_params(layout, rng):
     return FlatBuffer(layout, layout.init_numpy(int(rng.integers(1 << 30))))
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "no-fold"])
 @pytest.mark.parametrize("tf32, bound", [(False, 1e-5), (True, 3e-3)])
 @pytest.mark.parametrize("batch, widths", SHAPES)
-def test_forward_matches_float64(device, stream, rng, batch, widths, tf32, bound):
+def test_forward_matches_float64(device, stream, rng, batch, widths, tf32, bound, fold):
     layout = make_layout(widths)
     params = random_params(layout, rng)
     x = DeviceBuffer.from_numpy(rng.standard_normal((batch, widths[0])).astype(np.float32))
-    mlp = MLP(layout, tf32=tf32)
+    mlp = MLP(layout, tf32=tf32, fold_first_layer=fold)
     arena = Arena(mlp.scratch_bytes(batch))
     arena.alloc(arena.capacity - 256).poison(stream=stream)  # unwritten activations would be NaN
     arena.reset()
@@ -44,6 +45,10 @@ def test_forward_matches_float64(device, stream, rng, batch, widths, tf32, bound
     for got, want in zip(fwd.activations[1:], ref[1:]):
         assert rel(got.to_numpy(), want) < bound
     assert rel(out, ref[-1]) < bound
+    if mlp.first_layer_folded(batch):  # the first layer computed in FP32 inside the second's product
+        assert fold and tf32 and widths[0] <= 8 and rel(fwd.activations[1].to_numpy(), ref[1]) < 1e-6
+    elif fold and tf32 and widths[0] <= 8 and tuple(device.compute_capability) >= (9, 0):
+        pytest.fail(f"{widths} at batch {batch} did not fold its first layer")
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["whole-device", "third-of-the-sms"])

@@ -19,6 +19,8 @@ __all__ = ["MLP", "Forward", "FirstDwShares", "GemmKernel", "LinearKernels", "Pl
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
 # grad_input_dw0: the same, then X0, ldx0, in0, dW0, db0, work, counters (kernels/gemm.cu's DT_DW0_PARAMS).
 _FIRST_DW_SIGNATURE = _SIGNATURE + " ptr i32 i32 ptr ptr ptr ptr"
+# The forward_x0 kernels: then X0, ldx0, in0, W0, b0 (the first layer computed in them).
+_FIRST_LAYER_SIGNATURE = _SIGNATURE + " ptr i32 i32 ptr ptr"
 # gemm_sm90a.cu's forward: X and W as tensor maps, then C, ldc, M, N, K, bias,
 # workspace, counters, gate.
 _WGMMA_FORWARD_SIGNATURE = "tmap tmap ptr i32 i32 i32 i32 ptr ptr ptr ptr"
@@ -69,15 +71,23 @@ PRESPLIT_MAX_TILES = 16  # k tiles a split of the pre-split backward may have (g
 _SPLIT_MAX_ROWS = 65535 * 32  # tf32_split: a block per 32 rows on the grid's y axis
 _WGMMA_CC = (9, 0)
 
-_ROLES = ("forward", "forward_relu", "grad_input", "grad_weight", "grad_input_dw0")
+_ROLES = ("forward", "forward_relu", "grad_input", "grad_weight", "grad_input_dw0", "forward_x0", "forward_relu_x0")
 _PRECISIONS = {"forward": ("tf32", "f32"), "forward_relu": ("tf32", "f32"),
-               "grad_input": ("3xtf32", "f32"), "grad_weight": ("3xtf32", "f32"), "grad_input_dw0": ("3xtf32",)}
+               "grad_input": ("3xtf32", "f32"), "grad_weight": ("3xtf32", "f32"), "grad_input_dw0": ("3xtf32",),
+               "forward_x0": ("tf32",), "forward_relu_x0": ("tf32",)}
 # grad_input_dw0: the second layer's dX with the first layer's dW and db folded in
 # (kernels/gemm.cu's tc::FirstDw), for a first layer of at most DW0_MAX_IN inputs.
 DW0_MAX_IN = 8
+# forward_x0, forward_relu_x0: the second layer's forward with the first layer (at most
+# DW0_MAX_IN inputs) computed in it (kernels/gemm.cu's tc::FirstLayer), for a split k
+# range of at most X0_MAX_K (its W0 and b0 are staged in shared memory).
+X0_MAX_K = 256
 # The last tile of a column strip adds the strip's shares one after another: measured
 # at 8 row tiles (batch 256); taller grids keep the two launches until measured.
 FIRST_DW_MAX_ROW_TILES = 16
+
+
+_FOLDED = ("grad_input_dw0", "forward_x0", "forward_relu_x0")  # the 32x32 tile's cluster kernels only
 
 
 def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16, presplit: bool = False,
@@ -97,8 +107,8 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
             raise ValueError(f"only the wgmma tile's 3xTF32 backward takes split operands, not {role} in "
                              f"{precision} on tile {tile.name}")
         return f"linear_{role}_wgmma_presplit_{precision}"
-    if role == "grad_input_dw0" and not (tile is TILE_32 and cluster and vector in (4, 16) and not presplit):
-        raise ValueError(f"grad_input_dw0 runs on tile 32x32's cluster kernels only, not tile {tile.name} "
+    if role in _FOLDED and not (tile is TILE_32 and cluster and vector in (4, 16) and not presplit):
+        raise ValueError(f"{role} runs on tile 32x32's cluster kernels only, not tile {tile.name} "
                          f"(cluster={cluster}, {vector}-byte copies)")
     if precision == "f32":
         if cluster:
@@ -235,6 +245,8 @@ def _signature(name: str) -> str:
         if name.startswith("linear_forward"):
             return _WGMMA_FORWARD_SIGNATURE
         return _PRESPLIT_SIGNATURE if "_presplit_" in name else _SIGNATURE
+    if "_x0_" in name:
+        return _FIRST_LAYER_SIGNATURE
     return _FIRST_DW_SIGNATURE if name.startswith("linear_grad_input_dw0_") else _SIGNATURE
 
 
@@ -315,7 +327,7 @@ class GemmKernel:
 
 
 def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
-         splits=1, workspace=0, counters=0, gate=0, cluster=False, first_dw=()):
+         splits=1, workspace=0, counters=0, gate=0, cluster=False, first_dw=(), first_layer=()):
     """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
     (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile.
     ``workspace`` and ``counters`` as :func:`plan` sizes them.
@@ -329,12 +341,25 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
 
     ``first_dw`` (the ``grad_input_dw0`` kernels, and only they): (X0, ldx0, in0, dW0,
     db0, work, counters), the first layer's input and gradients and the scratch of
-    their sums (:meth:`LinearKernels.launch_first_dw`); C is then not written."""
+    their sums (:meth:`LinearKernels.launch_first_dw`); C is then not written.
+
+    ``first_layer`` (the ``forward_x0`` and ``forward_relu_x0`` kernels, and only they):
+    (X0, ldx0, in0, W0, b0), the first layer whose output is A (computed, not read;
+    stored at ``a`` with rows ``lda`` floats apart unless ``a`` is 0), for at most
+    :data:`X0_MAX_K` k a split (:meth:`LinearKernels.launch_first_layer`)."""
     tile = kernel.tile
     if bool(first_dw) != (kernel.role == "grad_input_dw0"):
         raise ValueError(f"{kernel.name}: first_dw goes with the grad_input_dw0 kernels, and they need it")
     if first_dw and (len(first_dw) != 7 or not 1 <= first_dw[2] <= DW0_MAX_IN):
         raise ValueError(f"first_dw is (X0, ldx0, in0, dW0, db0, work, counters) with 1 <= in0 <= {DW0_MAX_IN}")
+    if bool(first_layer) != kernel.role.endswith("_x0"):
+        raise ValueError(f"{kernel.name}: first_layer goes with the forward_x0 kernels, and they need it")
+    if first_layer:
+        if len(first_layer) != 5 or not 1 <= first_layer[2] <= DW0_MAX_IN:
+            raise ValueError(f"first_layer is (X0, ldx0, in0, W0, b0) with 1 <= in0 <= {DW0_MAX_IN}")
+        k_tiles = -(-k // tile.bk)
+        if -(-k_tiles // splits) * tile.bk > X0_MAX_K:
+            raise ValueError(f"{kernel.name}: {k} k in {splits} splits is more than {X0_MAX_K} k a split")
     if kernel.presplit:
         raise ValueError(f"{kernel.name} takes split operands: launch it with gemm_presplit")
     if cluster and not kernel.clusters:
@@ -348,7 +373,7 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
         operands = (a, lda, b, ldb, c, ldc, m, n, k, bias, mask, ldm, col_sum)
     policy = "load_balancing" if dims is not None and tile is not WGMMA_TILE else None
     kernel.kernel.launch(grid, kernel.kernel.block, *operands, workspace, counters, gate if gate is not None else 0,
-                         *first_dw, stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
+                         *first_dw, *first_layer, stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
 
 
 def _check_cluster_splits(kernel: GemmKernel, splits: int, cluster: bool) -> None:
@@ -443,6 +468,11 @@ class LinearKernels:
         # The second layer's dX with the first layer's dW folded in (launch_first_dw), by copy width.
         self.first_dw = {vector: GemmKernel("grad_input_dw0", precision, TILE_32, vector, cluster=True)
                          for vector in (16, 4) if self.clusters and precision == "3xtf32" and "grad_input" in roles}
+        # The second layer's forward with the first layer computed in it (launch_first_layer),
+        # by (role, copy width).
+        self.first_layer = {(role, vector): GemmKernel(role + "_x0", precision, TILE_32, vector, cluster=True)
+                            for role in ("forward", "forward_relu") if role in roles
+                            for vector in (16, 4) if self.clusters and precision == "tf32"}
         self.wgmma = bool(wgmma and precision != "f32")
         for role in roles if self.wgmma else ():
             self.kernels[(role, WGMMA_TILE, 16)] = GemmKernel(role, precision, WGMMA_TILE, 16)
@@ -508,6 +538,42 @@ class LinearKernels:
              first_dw=(x0, ldx0, in0, dw0, db0, work, strip_counters))
         return work
 
+    def plan_first_layer(self, role, m, n, k, in0, *, sms=None, splits=None) -> Plan | None:
+        """The plan of ``role``'s (``forward`` or ``forward_relu``) m x n x k product of
+        a second layer with the first layer computed in it (:meth:`launch_first_layer`),
+        or None where that does not run: no such kernels here (compute capability 9.0
+        with clusters, TF32), ``in0`` over :data:`DW0_MAX_IN`, or a plan off the 32x32
+        tile's cluster kernels (another tile, more than ``cluster_splits`` splits) or
+        with a split k range over :data:`X0_MAX_K`. ``sms`` as :meth:`plan` takes it;
+        ``splits`` forces a split count (tests), within the same conditions."""
+        if (role, 16) not in self.first_layer or not 1 <= in0 <= DW0_MAX_IN:
+            return None
+        p = self.plan(role + "_x0", m, n, k, tile=TILE_32 if splits is not None else None, splits=splits, sms=sms)
+        k_tiles = -(-k // TILE_32.bk)
+        if p.tile is not TILE_32 or p.splits > TILE_32.cluster_splits \
+                or -(-k_tiles // p.splits) * TILE_32.bk > X0_MAX_K:
+            return None
+        return p
+
+    def launch_first_layer(self, role, w, ldw, c, ldc, m, n, k, *, bias, x0, ldx0, in0, w0, b0, h0, arena: Arena,
+                           stream, gate=None, sms=None, splits=None) -> GemmKernel:
+        """``role``'s product of the second layer, C [m, n] = H0 W^T + bias (ReLU with
+        ``forward_relu``), where H0 [m, k] = relu(X0 W0^T + b0) is computed in the
+        same launch, in FP32, from X0 [m, in0] (rows ``ldx0`` floats apart), W0 [k, in0]
+        and b0 [k]: the first layer's own launch is saved. Every element of H0 is also
+        stored at ``h0`` ([m, k], rows ``k`` floats apart) unless ``h0`` is 0.
+        :meth:`plan_first_layer` must plan (checked)."""
+        p = self.plan_first_layer(role, m, n, k, in0, sms=sms, splits=splits)
+        if p is None:
+            raise ValueError(f"no {role}_x0 launch of {m}x{n}x{k} with {in0} inputs here")
+        vector = vector_width(h0 if h0 else 0, k, w, ldw)
+        kernel = self.first_layer[(role, vector)]
+        workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
+        counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
+        gemm(kernel, h0, k, w, ldw, c, ldc, m, n, k, stream, bias=bias, splits=p.splits, workspace=workspace,
+             counters=counters, gate=gate, cluster=p.cluster, first_layer=(x0, ldx0, in0, w0, b0))
+        return kernel
+
     def share(self, sms) -> int:
         """The SMs a product plans for: ``sms`` (an int from 1 to the device's count),
         or the whole device for None; anything else is a ValueError."""
@@ -531,6 +597,8 @@ class LinearKernels:
                 kernels = [self.kernels.get((role, tile, 16))]
             elif role == "grad_input_dw0":
                 kernels = [self.first_dw.get(v) for v in (16, 4)] if tile is TILE_32 else []
+            elif role in ("forward_x0", "forward_relu_x0"):
+                kernels = [self.first_layer.get((role[:-3], v)) for v in (16, 4)] if tile is TILE_32 else []
             else:
                 kernels = [self.clustered.get((role, tile, v)) for v in (16, 4)]
             return min((k.kernel.max_active_clusters((1, 1, s), k.kernel.block, k.shared_bytes)
@@ -740,10 +808,15 @@ class MLP:
     default: on the H200 the 512x1024x1024 products take 32% (dX) and 18% (dW) less
     time, but the passes, as kernels of their own, cost more than that saves
     (docs/perf-notes.md).
+    ``fold_first_layer``: a first layer of at most 8 inputs is computed inside the
+    second layer's forward product where that plans (:meth:`first_layer_folded`).
 
     Stateless between calls: ``forward`` returns a :class:`Forward` holding its
     activations (arena slices) and ``backward`` takes it, so two forwards of
-    two parameter sets, on two streams, never touch each other's state. Every
+    two parameter sets, on two streams, never touch each other's state. Where
+    :meth:`first_layer_folded`, the first layer is computed (in FP32) inside the
+    second layer's product, which also stores its output (``fold_first_layer=False``
+    keeps the two launches). Every
     split-k product reduced through a workspace takes its tile counters from
     ``arena.zeroed``.
     ``backward`` writes every gradient of the layout with no float atomics:
@@ -754,10 +827,11 @@ class MLP:
     """
 
     def __init__(self, layout: ParamLayout, *, tf32: bool = True, backward: str = "3xtf32", wgmma: bool = True,
-                 presplit: bool = False):
+                 presplit: bool = False, fold_first_layer: bool = True):
         if backward not in ("3xtf32", "f32"):
             raise ValueError(f"backward must be '3xtf32' or 'f32', got {backward!r}")
         self.layout = layout
+        self.fold_first_layer = bool(fold_first_layer)
         self.tf32 = tf32
         self.backward_precision = backward
         device = get_device()
@@ -790,10 +864,31 @@ class MLP:
         (o1, i1), in0 = layers[1], layers[0][1]
         return self.backward_kernels.plan_first_dw(batch, i1, o1, in0) is not None
 
-    def _roles(self, batch: int):
-        """(role, m, n, k) of every product of a forward and backward, in launch order."""
+    def first_layer_folded(self, batch: int, *, sms=None, layers=None) -> bool:
+        """Whether :meth:`forward` (with these ``sms`` and ``layers``) computes the first
+        layer inside the second layer's product (one ``forward_x0`` or
+        ``forward_relu_x0`` launch for both; H0 is still stored): a forward of two or
+        more layers whose first layer takes at most :data:`DW0_MAX_IN` inputs, where
+        the second layer plans on the 32x32 tile's cluster kernels in TF32
+        (:meth:`LinearKernels.plan_first_layer`). H0 is then computed in FP32 FMAs
+        instead of TF32 products. Never with ``MLP(fold_first_layer=False)``.
+        Measured on the H200 (docs/perf-notes.md, twenty-fourth pass): a forward of
+        the small nets 1.3 us faster alone, the supervised small step 1.0 us faster;
+        the DQN step's three forwards side by side 2.6 us slower (it does not fold)."""
+        n = len(self.layout.layers)
+        if not self.fold_first_layer or layer_count(layers, n) < 2:
+            return False
+        (o1, i1), in0 = self.layout.layers[1], self.layout.layers[0][1]
+        role = "forward" if n == 2 else "forward_relu"
+        return self.forward_kernels.plan_first_layer(role, batch, o1, i1, in0, sms=sms) is not None
+
+    def _roles(self, batch: int, *, sms=None):
+        """(role, m, n, k) of every product of a forward (given ``sms``) and backward,
+        in launch order."""
         last = len(self.layout.layers) - 1
         out = [("forward" if k == last else "forward_relu", batch, o, i) for k, (o, i) in enumerate(self.layout.layers)]
+        if self.first_layer_folded(batch, sms=sms):  # one launch for the first two layers
+            out = [(out[1][0] + "_x0",) + out[1][1:]] + out[2:]
         folded = self.first_dw_folded(batch)
         for k in range(last, -1, -1):
             o, i = self.layout.layers[k]
@@ -803,17 +898,20 @@ class MLP:
                 out.append(("grad_input_dw0" if k == 1 and folded else "grad_input", batch, i, o))
         return out
 
-    def _products(self, batch: int):
-        """(m, n, k) of every product of a forward and backward, in launch order."""
-        return [(m, n, k) for _, m, n, k in self._roles(batch)]
+    def _products(self, batch: int, *, sms=None):
+        """(m, n, k) of every product of a forward (given ``sms``) and backward, in launch order."""
+        return [(m, n, k) for _, m, n, k in self._roles(batch, sms=sms)]
 
     def _plans(self, batch: int, *, sms=None):
         """(role, m, n, k, plan, pre-split) of every product, the forward's planned for
         ``sms`` SMs (:meth:`forward`)."""
-        for role, m, n, k in self._roles(batch):
+        for role, m, n, k in self._roles(batch, sms=sms):
             grad = role.startswith("grad")
             kernels = self.backward_kernels if grad else self.forward_kernels
             share = None if grad else sms
+            if role.endswith("_x0"):  # first_layer_folded planned it
+                yield role, m, n, k, kernels.plan_first_layer(role[:-3], m, n, k, self.in_features, sms=share), False
+                continue
             p = kernels.plan(role, m, n, k, sms=share)
             if p.tile is WGMMA_TILE:  # a misaligned input falls back to gemm.cu: room for either
                 q = kernels.plan(role, m, n, k, vector=4, sms=share)
@@ -856,6 +954,8 @@ class MLP:
         for role, m, n, k, p, presplit in self._plans(batch, sms=sms):
             if role == "grad_input_dw0":  # no dX: the tiles' shares of dW0 and db0
                 total += _rounded(LinearKernels.first_dw_scratch(m, n, self.in_features)[0])
+            elif role.endswith("_x0"):  # the first layer's output, then the second's
+                total += _rounded(m * k) + _rounded(m * n)
             elif role != "grad_weight":  # activations and their gradients; dW goes to grads
                 total += _rounded(m * n)
             if p.workspace_floats:
@@ -916,11 +1016,19 @@ class MLP:
         layers = layer_count(layers, n)
         acts = [x]
         last = n - 1
+        folded = self.first_layer_folded(batch, sms=sms, layers=layers)
         for k, (out, inp) in enumerate(self.layout.layers[:layers]):
             y = arena.array((batch, out), np.float32)
-            self.forward_kernels.launch("forward" if k == last else "forward_relu", acts[-1], inp, params.weight(k),
-                                        inp, y, out, batch, out, inp, arena=arena, stream=stream, gate=gate,
-                                        bias=params.bias(k), sms=sms)
+            role = "forward" if k == last else "forward_relu"
+            if folded and k == 1:  # the first layer's output is computed, and stored, here
+                in0 = self.in_features
+                self.forward_kernels.launch_first_layer(role, params.weight(1), inp, y, out, batch, out, inp,
+                                                        bias=params.bias(1), x0=x, ldx0=in0, in0=in0,
+                                                        w0=params.weight(0), b0=params.bias(0), h0=acts[1],
+                                                        arena=arena, stream=stream, gate=gate, sms=sms)
+            elif not (folded and k == 0):  # layer 0 is launched with layer 1
+                self.forward_kernels.launch(role, acts[-1], inp, params.weight(k), inp, y, out, batch, out, inp,
+                                            arena=arena, stream=stream, gate=gate, bias=params.bias(k), sms=sms)
             acts.append(y)
         return Forward(tuple(acts))
 
