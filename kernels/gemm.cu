@@ -280,7 +280,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     __shared__ __align__(16) float first[X0 ? (IN0 + 1) * X0_MAX_K : 4];
     const int x0_row = tid / (BK / 4), x0_k = (tid % (BK / 4)) * 4;
     const bool wide0 = X0 && fl.in0 > 4;  // grid-uniform
-    float x0v[IN0], w0v[K_PER][IN0], b0v[K_PER];
+    float x0v[IN0] = {}, w0v[K_PER][IN0] = {}, b0v[K_PER] = {};
     if constexpr (X0) {
         static_assert(BM * BK == 4 * THREADS && X0_MAX_K % THREADS == 0 && X0_MAX_K % BK == 0 && IN0 == 8,
                       "4 consecutive k of one row a thread; whole k tiles staged; two halves of in0");
