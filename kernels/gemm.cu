@@ -13,6 +13,9 @@
 //   linear_grad_weight_<tile>_<cp>_3xtf32    dW = dY^T X, db = sum_m dY   A = dY row-fast, B = X row-fast
 //   linear_grad_input_dw0_32x32_<cp>_cluster_3xtf32: grad-input's dX, not stored, folded into the
 //     first layer's dW0 = dX^T X0 and db0 (tc::FirstDw; its arguments follow `gate`)
+//   linear_forward[_relu]_x0_32x32_<cp>_cluster_tf32: the forward with its A = H0, the first layer's
+//     output, computed in the kernel from X0, W0 and b0 and stored at A (tc::FirstLayer; its
+//     arguments follow `gate`)
 //   linear_forward[_relu]_f32, linear_grad_input_f32, linear_grad_weight_f32: the same on FP32 FFMA.
 //
 // Tensor-core kernels: mma.sync m16n8k8 with FP32 accumulation, operands staged
@@ -173,8 +176,8 @@ struct FirstDw {
 
 // The first layer folded into the second layer's forward (X0 kernels): A = H0 =
 // relu(X0 W0^T + b0) [M, K] is computed here, not read, one k tile at a time into the
-// ring, in FP32 FMAs (the sum over in0 in order, then the bias and the ReLU as
-// dt_epilogue applies them), from X0 [M, in0] (in0 <= DW0_MAX_IN), W0 [K, in0]
+// ring, in FP32 (b0, then one FMA an input in order, then the ReLU as dt_epilogue
+// applies it), from X0 [M, in0] (in0 <= DW0_MAX_IN), W0 [K, in0]
 // (row-major) and b0 [K]. A split's k range is at most X0_MAX_K (its W0 and b0 are
 // staged in shared memory). Where A is not null, every block also stores there the
 // k tiles kt (counted from 0 over all of K) with kt % gridDim.x == blockIdx.x of its

@@ -243,6 +243,9 @@ def test_tf32_step_matches_float64_at_tf32_accuracy(device, rng, fused_head, clu
                     cluster_forward=cluster_forward, **shape)
     stream = Stream()
     step = DQNStep(cfg)
+    # The DQN step keeps the first layer's own launch (MLP(fold_first_layer=False)).
+    assert not step.online_mlp.first_layer_folded(cfg.batch)
+    assert not any("_x0_" in k.function for k in step_kernels(step))
     if shape is LARGE and wgmma_available(device):
         # The three forwards run side by side, each planned for a third of the SMs: the
         # 1024-wide layers on the wgmma tile unsplit, the output layer on it in 8 splits.

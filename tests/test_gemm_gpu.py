@@ -412,14 +412,17 @@ def test_first_layer_folded_into_the_forward_matches_float64(device, stream, rng
     the padding of H0 and C untouched; at 1 to 4 splits (k = 300 needs 2: at most 256
     k a split), a tile's splits in a cluster and through the workspace give the same
     bits, and H0 the same bits at every split. Without H0's buffer (0) C is the same.
-    X0's rows are padded with NaN: a kernel that read past in0 would show it."""
+    X0's rows of 1 and 3 inputs are padded with NaN: a kernel that read past in0 would
+    show it; those of 4 and 8 are packed and 16-byte aligned (the 16-byte loads)."""
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"the folded kernels run in clusters: compute capability 9.0; this device is {device.arch}")
     from drvtrain.nn.mlp import X0_MAX_K
     kernels = kernels_for("forward", device)
     f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
     x0, w0, b0, w1, b1 = f32(m, in0), f32(k, in0), f32(k), f32(n, k), f32(n)
-    ldx0, ldh, ldw = in0 + 2, padded_ld(k, vector), padded_ld(k, vector)
+    # Rows of 4 or 8 inputs, packed, take 16-byte loads (as a net's input does); the others
+    # are padded with NaN, so a kernel that read past in0 would show it.
+    ldx0, ldh, ldw = in0 if in0 % 4 == 0 else in0 + 2, padded_ld(k, vector), padded_ld(k, vector)
     x0_dev, w1_dev = device_matrix(x0, ldx0), device_matrix(w1, ldw)
     w0_dev, b0_dev, b1_dev = (DeviceBuffer.from_numpy(v) for v in (w0, b0, b1))
     h0_want = np.maximum(x0.astype(np.float64) @ w0.T.astype(np.float64) + b0, 0.0)

@@ -17,6 +17,7 @@ SHAPES = [  # (batch, [in, hidden..., out]): tile multiples and not
     (7, [129, 1000, 4]),
     (129, [7, 4, 129]),
     (1000, [33, 65, 7]),
+    (100, [4, 48, 3]),  # two layers: the output layer is the one folded into (forward_x0)
 ]
 
 

@@ -566,7 +566,7 @@ class LinearKernels:
         p = self.plan_first_layer(role, m, n, k, in0, sms=sms, splits=splits)
         if p is None:
             raise ValueError(f"no {role}_x0 launch of {m}x{n}x{k} with {in0} inputs here")
-        vector = vector_width(h0 if h0 else 0, k, w, ldw)
+        vector = vector_width(h0, k, w, ldw) if h0 else vector_width(0, 4, w, ldw)  # no H0: only W decides
         kernel = self.first_layer[(role, vector)]
         workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
@@ -874,7 +874,7 @@ class MLP:
         instead of TF32 products. Never with ``MLP(fold_first_layer=False)``.
         Measured on the H200 (docs/perf-notes.md, twenty-fourth pass): a forward of
         the small nets 1.3 us faster alone, the supervised small step 1.0 us faster;
-        the DQN step's three forwards side by side 2.6 us slower (it does not fold)."""
+        the DQN step's three forwards side by side 2.6 to 2.9 us slower (it does not fold)."""
         n = len(self.layout.layers)
         if not self.fold_first_layer or layer_count(layers, n) < 2:
             return False

@@ -297,7 +297,7 @@ class DQNStep:
         self.target = FlatBuffer(self.layout, init)
         self.grads = FlatBuffer(self.layout)
         # The first layer is not folded into the second's forward: with the three forwards
-        # side by side the folded products measured 2.6 us slower on the small step
+        # side by side the folded products measured 2.6 to 2.9 us slower on the small step
         # (docs/perf-notes.md, twenty-fourth pass).
         self.online_mlp = MLP(self.layout, tf32=cfg.tf32, presplit=cfg.presplit, fold_first_layer=False)
         self.metrics = Metrics(metrics_slots, METRIC_FIELDS)
