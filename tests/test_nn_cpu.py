@@ -597,18 +597,15 @@ def test_kernel_names_follow_the_roles_and_precisions():
         kernel_name("forward", "f32", cluster=True)
     assert kernel_name("grad_input_dw0", "3xtf32", TILES[1], 16, cluster=True) == \
         "linear_grad_input_dw0_32x32_cp16_cluster_3xtf32"
-    for tile, cluster in ((TILES[1], False), (TILES[0], True), (WGMMA_TILE, True)):
-        with pytest.raises(ValueError, match="grad_input_dw0 runs on tile 32x32's cluster kernels only"):
-            kernel_name("grad_input_dw0", "3xtf32", tile, 16, cluster=cluster)
-    with pytest.raises(ValueError, match="runs in 3xtf32"):
-        kernel_name("grad_input_dw0", "f32")
     assert kernel_name("forward_relu_x0", "tf32", TILES[1], 4, cluster=True) == \
         "linear_forward_relu_x0_32x32_cp4_cluster_tf32"
-    for tile, cluster in ((TILES[1], False), (TILES[0], True), (WGMMA_TILE, True)):
-        with pytest.raises(ValueError, match="forward_x0 runs on tile 32x32's cluster kernels only"):
-            kernel_name("forward_x0", "tf32", tile, 16, cluster=cluster)
-    with pytest.raises(ValueError, match="runs in tf32"):
-        kernel_name("forward_relu_x0", "f32")
+    # The folded kernels: on the 32x32 tile's cluster kernels only, in their one precision.
+    for role, precision in (("grad_input_dw0", "3xtf32"), ("forward_x0", "tf32"), ("forward_relu_x0", "tf32")):
+        for tile, cluster in ((TILES[1], False), (TILES[0], True), (WGMMA_TILE, True)):
+            with pytest.raises(ValueError, match=f"{role} runs on tile 32x32's cluster kernels only"):
+                kernel_name(role, precision, tile, 16, cluster=cluster)
+        with pytest.raises(ValueError, match=f"runs in {precision}"):
+            kernel_name(role, "f32")
     with pytest.raises(ValueError, match="no kernels that sum their splits in a cluster"):
         kernel_name("forward", "tf32", TILES[0], 16, cluster=True)
     with pytest.raises(ValueError, match="runs in"):
