@@ -206,14 +206,18 @@ __device__ __forceinline__ int dt_issued_flag(const int* flag) {
 // finished and its writes are visible. Every drvtrain kernel calls it before its
 // first global memory access (read or write) that could touch what earlier work
 // writes or reads; before it, a kernel reads only what stays constant for the
-// step's life (the spectral kernels' and the finish pass's matrix table) or a
+// step's life (the spectral kernels' and the finish pass's matrix table), a
 // guess that it checks after the wait and redoes if wrong (adamw_clip_step's
-// step counter), so the overlap covers launch, block setup and that work, and
-// no result can change.
+// step counter), or what its launcher vouches that no kernel it directly depends
+// on writes (gemm.cu's `settled` weights), so the overlap covers launch, block
+// setup and that work, and no result can change.
 // Without the launch attribute both calls are no-ops.
 // dt_allow_dependents() lets the next kernel's blocks be scheduled once every
-// block of this grid has called it (or exited); calling it early is safe because
-// the next kernel still waits for this whole grid in dt_wait_prior_grid().
+// block of this grid has called it (or exited). Every drvtrain kernel calls it
+// only after its own dt_wait_prior_grid(): so while a kernel runs ahead of its
+// wait, only the kernels it directly depends on can still be running (what the
+// `settled` reads rely on). Anywhere after the wait it is safe: the next kernel
+// still waits for this whole grid in dt_wait_prior_grid().
 __device__ __forceinline__ void dt_wait_prior_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -198,18 +198,14 @@ template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC, bo
           bool X0 = false>
 __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
                                      int N, int K, const float* bias, const float* mask, int ldm, float* col_sum,
-                                     float* workspace, unsigned int* counters, const int* gate, FirstDw fd = {},
-                                     FirstLayer fl = {}) {
+                                     float* workspace, unsigned int* counters, const int* gate, int settled,
+                                     FirstDw fd = {}, FirstLayer fl = {}) {
     constexpr int BM = CFG::BM, BN = CFG::BN, BK = CFG::BK, STAGES = CFG::STAGES, THREADS = CFG::THREADS;
     constexpr int MI = CFG::MI, NI = CFG::NI;
     using SA = Smem<BM, BK, A_KFAST>;
     using SB = Smem<BN, BK, B_KFAST>;
     constexpr int STAGE = SA::FLOATS + SB::FLOATS;
     __shared__ __align__(16) float smem[STAGES * STAGE];
-    // The gate word goes out first and is tested once the first tiles' copies are
-    // issued: its round trip overlaps theirs (reading the operands of a step that
-    // is not due is harmless; nothing is written).
-    const int gated = dt_read_flag(gate);
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wm = warp / CFG::WARPS_N, wn = warp % CFG::WARPS_N;
@@ -271,6 +267,20 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     };
     constexpr bool EARLY = MI * NI <= 2;
 
+    // `settled`: the launcher's word that no kernel this one directly depends on
+    // writes B (nor W0 and b0): a layer's weights, from the step's start until its
+    // optimizer. Every drvtrain kernel lets its dependents start only after its own
+    // wait, so while this one runs ahead of its wait only the kernels it directly
+    // depends on can still be running. B's prologue tiles then go out before the
+    // wait for the grid before this one, their round trip overlapping its tail; left
+    // uncommitted, they join the first group, which holds tile 0. Everything else,
+    // A, the epilogue's operands and the gate word, is read after the wait.
+    if (settled) {
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s)
+            if (s < tiles) lb.load(smem0 + (s * STAGE + SA::FLOATS) * 4);
+    }
+
     // X0: each thread computes 4 consecutive k of one row of every A tile. Its row of
     // X0 and two rows of W0 and b0 (k = kb + tid, kb + tid + THREADS) are loaded with
     // the first tiles' copies, and W0 (as W0^T [IN0][X0_MAX_K], zero past in0 and past
@@ -307,21 +317,27 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                 for (int i = 0; i < IN0; ++i) v[i] = ok && i < fl.in0 ? row[i] : 0.0f;
             }
         };
+        // W0 and b0 are weights: before the wait where `settled` says so (below).
+        auto load_first = [&]() {
+#pragma unroll
+            for (int c = 0; c < K_PER; ++c) {
+                const int k = kb + tid + c * THREADS;
+                load_row(fl.w0 + (size_t)k * fl.in0, k < ke, vec_w0, w0v[c]);
+                b0v[c] = k < ke ? fl.b0[k] : 0.0f;
+            }
+#pragma unroll
+            for (int c = 0; c < K_PER; ++c) {
+#pragma unroll
+                for (int i = 0; i < IN0; ++i) dt_issued(w0v[c][i]);
+                dt_issued(b0v[c]);
+            }
+        };
+        if (settled) load_first();
+        dt_wait_prior_grid();
+        if (!settled) load_first();
         load_row(fl.x0 + (size_t)r * fl.ldx0, r < M, vec_x0, x0v);
 #pragma unroll
-        for (int c = 0; c < K_PER; ++c) {
-            const int k = kb + tid + c * THREADS;
-            load_row(fl.w0 + (size_t)k * fl.in0, k < ke, vec_w0, w0v[c]);
-            b0v[c] = k < ke ? fl.b0[k] : 0.0f;
-        }
-#pragma unroll
         for (int i = 0; i < IN0; ++i) dt_issued(x0v[i]);
-#pragma unroll
-        for (int c = 0; c < K_PER; ++c) {
-#pragma unroll
-            for (int i = 0; i < IN0; ++i) dt_issued(w0v[c][i]);
-            dt_issued(b0v[c]);
-        }
     }
     // Which block of the row stores the next k tile of H0 (k tile kt: kt % gridDim.x).
     int h0_owner = X0 ? (kb / BK) % (int)gridDim.x : 0;
@@ -361,13 +377,18 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         h0_owner = h0_owner + 1 == (int)gridDim.x ? 0 : h0_owner + 1;
     };
 
-    // Prologue: STAGES - 1 tiles in flight. Every thread commits one group per
-    // tile slot, empty or not, so wait_group counts stay uniform.
+    // Prologue: STAGES - 1 tiles in flight (B's already, where settled). Every thread
+    // commits one group per tile slot, empty or not, so wait_group counts stay uniform.
+    if constexpr (!X0) dt_wait_prior_grid();  // X0 waited above, between its weights and X0
+    // The gate goes out first and is tested once the first tiles' copies are issued,
+    // so its round trip overlaps theirs (reading the operands of a step that is not
+    // due is harmless: nothing is written).
+    const int gated = dt_read_flag(gate);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < tiles) {
             if constexpr (!X0) la.load(smem0 + s * STAGE * 4);
-            lb.load(smem0 + (s * STAGE + SA::FLOATS) * 4);
+            if (!settled) lb.load(smem0 + (s * STAGE + SA::FLOATS) * 4);
         }
         dt_cp_async_commit();
     }
@@ -852,9 +873,13 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 
 }  // namespace
 
-// One signature for all: ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr.
+// One signature for all: ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr i32.
 // `gate` (may be 0): when it points at a non-zero word the whole grid returns
 // having written nothing (a training loop's step that is not due this iteration).
+// `settled` (0 or 1): B (and a folded first layer's W0 and b0) is not written by
+// any kernel this one directly depends on, so the tensor-core kernels issue B's
+// first tiles before waiting for the grid before them (tc::gemm says why that is
+// safe); the FFMA kernels ignore it.
 // Arguments a kernel does not use (bias, mask, col_sum) may be 0; so may workspace
 // and counters with gridDim.z == 1, or for a `_cluster_` kernel launched in
 // clusters of its gridDim.z splits. Otherwise counters is one zeroed uint per output
@@ -862,39 +887,36 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 //   tensor cores: gridDim.x * gridDim.y * S * BM * BN (+ gridDim.y * S * BM with col_sum)
 //   FFMA:         S * (M * N + M)
 // Every kernel waits for the grid before it (programmatic dependent launch) before
-// touching memory, the gate word included, and lets the next grid's blocks be
-// placed only after its main loop. The tensor-core kernels load the gate with
-// their first tiles and test it once those copies are issued; the FFMA kernels
-// test it first.
+// touching memory, the gate word included (a settled B's first tiles aside), and
+// lets the next grid's blocks be placed only after its main loop. The tensor-core
+// kernels load the gate with their first tiles and test it once those copies are
+// issued; the FFMA kernels test it first.
 #define DT_GEMM_PARAMS                                                                                    \
     const float *A, int lda, const float *B, int ldb, float *C, int ldc, int M, int N, int K,             \
         const float *bias, const float *mask, int ldm, float *col_sum, float *workspace,                  \
-        unsigned int *counters, const int *gate
+        unsigned int *counters, const int *gate, int settled
 #define DT_GEMM_ARGS A, lda, B, ldb, C, ldc, M, N, K, bias, mask, ldm, col_sum, workspace, counters
-#define DT_TC_GEMM_PROLOGUE dt_wait_prior_grid();
 #define DT_GEMM_PROLOGUE        \
+    (void)settled;              \
     dt_wait_prior_grid();       \
     if (gate != nullptr && *gate) return;
 
 #define DT_TC_KERNEL(NAME, CFG, PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER)                               \
     extern "C" __global__ void __launch_bounds__(tc::CFG::THREADS) NAME(DT_GEMM_PARAMS) {                \
-        DT_TC_GEMM_PROLOGUE                                                                               \
-        tc::gemm<tc::CFG, tc::PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER>(DT_GEMM_ARGS, gate);             \
+        tc::gemm<tc::CFG, tc::PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER>(DT_GEMM_ARGS, gate, settled);   \
     }
 #define DT_DW0_PARAMS \
     , const float *x0, int ldx0, int in0, float *dw0, float *db0, float *work0, unsigned int *counters0
 #define DT_TC_DW0_KERNEL(NAME, CFG, VEC)                                                                  \
     extern "C" __global__ void __launch_bounds__(tc::CFG::THREADS) NAME(DT_GEMM_PARAMS DT_DW0_PARAMS) {   \
-        DT_TC_GEMM_PROLOGUE                                                                               \
         tc::gemm<tc::CFG, tc::PREC_3XTF32, true, false, EPI_MASK, VEC, true, true>(                       \
-            DT_GEMM_ARGS, gate, tc::FirstDw{x0, ldx0, in0, dw0, db0, work0, counters0});                  \
+            DT_GEMM_ARGS, gate, settled, tc::FirstDw{x0, ldx0, in0, dw0, db0, work0, counters0});         \
     }
 #define DT_X0_PARAMS , const float *x0, int ldx0, int in0, const float *w0, const float *b0
 #define DT_TC_X0_KERNEL(NAME, EPI, VEC)                                                                   \
     extern "C" __global__ void __launch_bounds__(tc::Tile32x32::THREADS) NAME(DT_GEMM_PARAMS DT_X0_PARAMS) { \
-        DT_TC_GEMM_PROLOGUE                                                                               \
         tc::gemm<tc::Tile32x32, tc::PREC_TF32, true, true, EPI, VEC, true, false, true>(                  \
-            DT_GEMM_ARGS, gate, tc::FirstDw{}, tc::FirstLayer{x0, ldx0, in0, w0, b0});                    \
+            DT_GEMM_ARGS, gate, settled, tc::FirstDw{}, tc::FirstLayer{x0, ldx0, in0, w0, b0});           \
     }
 // VARIANT is the name's part after the copy width: _ (plain) or _cluster_ (CLUSTER).
 #define DT_TC_ROLES(TILE, CP, VEC, VARIANT, CLUSTER)                                                                  \

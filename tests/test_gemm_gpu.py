@@ -3,7 +3,8 @@ and copy width."""
 import numpy as np
 import pytest
 
-from drvtrain import Arena, DeviceBuffer, Stream, capture
+from drvtrain import Arena, DeviceBuffer, Stream, capture, dependent_launches
+from drvtrain.kernel import builtin_module
 from drvtrain.stream import fork
 from drvtrain.nn import MLP, FlatBuffer, ParamLayout
 from drvtrain.nn.mlp import TILE_32, TILES, WGMMA_TILE, LinearKernels, gemm, plan, wgmma_available
@@ -351,8 +352,9 @@ def test_first_layer_dw_folded_into_the_grad_input_matches_float64(device, strea
     sum dW0 = dX^T X0 and db0 = dX's column sums, and the last tile of each column
     strip adds the strip's shares. Against float64 at 1e-5 (3xTF32 dX, FP32 sums),
     nothing unwritten, dX's buffer untouched; at 1 to 4 splits, a tile's splits in a
-    cluster and through the workspace give the same bits. 200 x 77 and 45 x 40
-    leave edge tiles part empty (and warps with no rows); in0 = 8 is the bound."""
+    cluster and through the workspace give the same bits (every other run with W
+    settled: loaded before the wait). 200 x 77 and 45 x 40 leave edge tiles part
+    empty (and warps with no rows); in0 = 8 is the bound."""
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"the folded kernels run in clusters: compute capability 9.0; this device is {device.arch}")
     kernels = kernels_for("grad_input", device)
@@ -382,7 +384,7 @@ def test_first_layer_dw_folded_into_the_grad_input_matches_float64(device, strea
                  counters=0 if cluster or splits == 1 else work.zeroed(rows * cols, np.uint32), cluster=cluster,
                  mask=prod.mask, ldm=prod.ldm,
                  first_dw=(x0_dev, ldx0, in0, dw, db, work.array(rows * cols * 32 * (in0 + 1), np.float32),
-                           work.zeroed(cols, np.uint32)))
+                           work.zeroed(cols, np.uint32)), settled=len(runs) % 2 == 1)
             got_dw, got_db = dw.to_numpy(), db.to_numpy()
             where = f"{splits} splits " + ("in a cluster" if cluster else "through memory")
             assert not np.isnan(got_dw).any() and not np.isnan(got_db).any(), f"unwritten ({where})"
@@ -412,6 +414,7 @@ def test_first_layer_folded_into_the_forward_matches_float64(device, stream, rng
     the padding of H0 and C untouched; at 1 to 4 splits (k = 300 needs 2: at most 256
     k a split), a tile's splits in a cluster and through the workspace give the same
     bits, and H0 the same bits at every split. Without H0's buffer (0) C is the same.
+    Every other run has W, W0 and b0 settled (loaded before the wait): the same bits.
     X0's rows of 1 and 3 inputs are padded with NaN: a kernel that read past in0 would
     show it; those of 4 and 8 are packed and 16-byte aligned (the 16-byte loads)."""
     if tuple(device.compute_capability) < (9, 0):
@@ -454,7 +457,7 @@ def test_first_layer_folded_into_the_forward_matches_float64(device, stream, rng
             gemm(kernel, h0 if store else 0, ldh, w1_dev, ldw, c, n + 5, m, n, k, stream, bias=b1_dev,
                  splits=splits, workspace=0 if cluster or splits == 1 else work.array(floats, np.float32),
                  counters=0 if cluster or splits == 1 else work.zeroed(rows * cols, np.uint32), cluster=cluster,
-                 first_layer=(x0_dev, ldx0, in0, w0_dev, b0_dev))
+                 first_layer=(x0_dev, ldx0, in0, w0_dev, b0_dev), settled=len(runs) % 2 == 1)
             got_h0, got = h0.to_numpy(), c.to_numpy()
             where = f"{splits} splits " + ("in a cluster" if cluster else "through memory") + \
                 (", H0 stored" if store else ", H0 not stored")
@@ -482,6 +485,43 @@ def test_first_layer_folded_into_the_forward_matches_float64(device, stream, rng
     with pytest.raises(ValueError, match="first_layer goes with the forward_x0 kernels"):
         gemm(kernel, h0, ldh, w1_dev, ldw, c, n + 5, m, n, k, stream, bias=b1_dev, splits=p.splits,
              cluster=p.cluster)
+
+
+@pytest.mark.parametrize("role, tile, vector", [v for v in VARIANTS if v.values[1] is not WGMMA_TILE
+                                                and v.values[0] != "grad_weight"])
+def test_settled_weights_load_before_the_wait_to_the_same_bits(device, stream, rng, role, tile, vector):
+    """gemm.cu's forward and dX products with ``settled`` (B, the weights, loaded before
+    waiting for the kernel before): A is poisoned, then written by a slow one-block
+    kernel launched just before the product, both dependent launches, so the product's
+    blocks start while A is still poison. C is the same bits as an ordinary launch's
+    and within the float64 bound, three times over: a product that read A (or the
+    mask) before its wait, or lost one of B's early tiles, would show it."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"programmatic dependent launch needs compute capability 9.0; this device is {device.arch}")
+    m, n, k = 200, 77, 300  # edge tiles, and split k on both tiles
+    kernels = kernels_for(role, device)
+    prod = Product(role, m, n, k, vector, rng)
+    arena, p = arena_for(kernels, role, m, n, k, tile)
+    prod.poison(stream)
+    kernel = prod.launch(kernels, arena, stream, tile, vector)
+    want, _ = prod.outputs()
+    assert not np.isnan(want[:, :n]).any() and rel(want[:, :n], prod.want) < TF32_BOUND
+    a_values = DeviceBuffer.from_numpy(prod.a.to_numpy())  # A as it lies, padding included
+    copy = builtin_module("elementwise.cu").kernel("scale_f32", "ptr ptr f32 i32")
+    for _ in range(3):
+        prod.a.poison(stream=stream)
+        prod.poison(stream)
+        arena.reset()
+        with dependent_launches(True):
+            copy.launch(1, 128, prod.a, a_values, 1.0, prod.a.size, stream=stream)  # one slow block
+            again = kernels.launch(role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k,
+                                   arena=arena, stream=stream, tile=tile, vector=vector, settled=True,
+                                   **prod.epilogue)
+        assert again.name == kernel.name
+        got, _ = prod.outputs()
+        assert not np.isnan(got[:, :n]).any(), f"{kernel.name}: {np.isnan(got[:, :n]).sum()} outputs NaN or unwritten"
+        assert got.tobytes() == want.tobytes(), f"{kernel.name}: settled changed the bits ({p.splits} splits)"
+    arena.close()
 
 
 def test_gate_skips_every_write_of_the_folded_forward(device, stream, rng):

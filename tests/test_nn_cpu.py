@@ -308,6 +308,7 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
     monkeypatch.setattr(mlp_module, "_operand_maps", {})
 
 
+@pytest.mark.parametrize("settled", [False, True], ids=["unsettled", "settled"])
 @pytest.mark.parametrize("sms", [None, 44], ids=["whole-device", "third"])
 @pytest.mark.parametrize("presplit", [True, False], ids=["presplit", "no-presplit"])
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90-wgmma"])
@@ -315,11 +316,13 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
 @pytest.mark.parametrize("widths, batch", [([4, 256, 256, 3], 256), ([128, 1024, 1024, 19], 512),
                                            ([129, 1000, 4], 7), ([33, 65, 7], 1000), ([258, 64, 5], 16384)])
 def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths, batch, tf32, backward, cc,
-                                                             presplit, sms):
+                                                             presplit, sms, settled):
     """Exactly, unless a product runs on the wgmma tile: then the accounting leaves
     room for gemm.cu's fallback too (an operand that turns out misaligned). Every
     launch's arguments, stream and workspace, the pre-split products' split passes
-    included; with a forward planned for a third of the SMs (``sms``) too."""
+    included; with a forward planned for a third of the SMs (``sms``) too. With
+    ``weights_settled``, gemm.cu's forward and dX products (B: a weight) get
+    ``settled`` = 1, its dW products (B: an activation) 0; without, all 0."""
     launches = []
     _fake_kernels(monkeypatch, launches, cc)
     layout = ParamLayout.from_widths(widths)
@@ -329,8 +332,8 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     x = DeviceBuffer._view(None, 1 << 37, (batch, widths[0]), np.float32)
     dout = DeviceBuffer._view(None, 1 << 36, (batch, widths[-1]), np.float32)
     main, side = _FakeStream(launches, "main"), _FakeStream(launches, "side")
-    fwd = model.forward(params, x, arena=arena, stream=main, sms=sms)
-    model.backward(params, grads, fwd, dout, arena=arena, stream=main, weight_stream=side)
+    fwd = model.forward(params, x, arena=arena, stream=main, sms=sms, weights_settled=settled)
+    model.backward(params, grads, fwd, dout, arena=arena, stream=main, weight_stream=side, weights_settled=settled)
     rounded = lambda nbytes: -(-nbytes // 256) * 256
     kernels = [entry for entry in launches if entry[0] not in ("fork", "join", "record", "wait")]
     splits_run = [entry for entry in kernels if entry[0] == "tf32_split"]
@@ -414,6 +417,12 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         else:
             mnk = args[6:9]
             workspace, counters, col_sum = args[13], args[14], args[12]
+            if "_wgmma_" in name:  # gemm_sm90a.cu's unsplit backward: no `settled`
+                assert len(args) == 16, name
+            else:  # gemm.cu's: settled after the gate, where B is a weight and the caller said so
+                b_is_weight = (1 << 38) <= args[2].ptr < params_end
+                assert b_is_weight == ("grad_weight" not in name), name
+                assert args[16] == int(settled and b_is_weight), name
         assert tuple(mnk) == (m, n, k)
         if "_presplit_" in name:
             want_shared = 193 * 1024
@@ -424,7 +433,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         if "_dw0_" in name:  # layer 1's dX with layer 0's dW and db folded in: on the 32x32 tile's clusters
             assert cc >= (9, 0) and backward == "3xtf32" and widths[0] <= mlp_module.DW0_MAX_IN and len(widths) >= 4
             assert (m, n, k) == (batch, widths[1], widths[2]) and splits <= 4 and args[4] == 0  # C: not written
-            x0, ldx0, in0, dw0, db0, work, strip_counters = args[16:]
+            x0, ldx0, in0, dw0, db0, work, strip_counters = args[17:]
             assert (x0.ptr, ldx0, in0) == (fwd.activations[0].ptr, widths[0], widths[0])
             assert (dw0.ptr, db0.ptr) == (grads.weight(0).ptr, grads.bias(0).ptr)
             assert work.size == grid[0] * grid[1] * 32 * (in0 + 1) and strip_counters.size == grid[0]
@@ -432,7 +441,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         if "_x0_" in name:  # layers 0 and 1 in one launch: layer 0 computed in layer 1's product
             assert cc >= (9, 0) and tf32 and widths[0] <= mlp_module.DW0_MAX_IN and stream is main
             assert (m, n, k) == (batch, widths[2], widths[1]) and splits <= 4
-            x0, ldx0, in0, w0, b0 = args[16:]
+            x0, ldx0, in0, w0, b0 = args[17:]
             assert (x0.ptr, ldx0, in0) == (x.ptr, widths[0], widths[0])
             assert (w0.ptr, b0.ptr) == (params.weight(0).ptr, params.bias(0).ptr)
             assert (args[0].ptr, args[1]) == (fwd.activations[1].ptr, widths[1])  # H0 is stored there
@@ -952,7 +961,7 @@ def test_folded_backward_with_dx_last_and_two_weight_streams(monkeypatch):
         ("linear_grad_weight_32x32_cp16_cluster", side2),  # dW1 = dh^T H1
         ("linear_grad_input_dw0_32x32_cp16_cluster", main)]  # dX1 from dh, folded into dW0 and db0
     folded = kernels[-1][2]
-    assert folded[0].ptr == dh.ptr and folded[16].ptr == x.ptr and folded[19].ptr == grads.weight(0).ptr
+    assert folded[0].ptr == dh.ptr and folded[17].ptr == x.ptr and folded[20].ptr == grads.weight(0).ptr
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["summed-here", "deferred"])
@@ -975,13 +984,13 @@ def test_folded_backward_defers_the_strip_sums_only_when_asked(monkeypatch, defe
     got = model.backward(params, grads, fwd, dout, arena=arena, stream=object(), defer_first_dw=defer)
     folded = [e for e in launches if e[0].startswith("linear_grad_input_dw0_")]
     assert len(folded) == 1
-    args = folded[0][2]  # ..., X0, ldx0, in0, dW0, db0, work, counters
-    assert args[18] == 5 and args[19].ptr == grads.weight(0).ptr and args[20].ptr == grads.bias(0).ptr
+    args = folded[0][2]  # ..., gate, settled, X0, ldx0, in0, dW0, db0, work, counters
+    assert args[19] == 5 and args[20].ptr == grads.weight(0).ptr and args[21].ptr == grads.bias(0).ptr
     if not defer:
-        assert got is None and args[22] != 0
+        assert got is None and args[23] != 0
         return
-    assert args[22] == 0
-    assert isinstance(got, mlp_module.FirstDwShares) and got.grads is grads and got.shares.ptr == args[21].ptr
+    assert args[23] == 0
+    assert isinstance(got, mlp_module.FirstDwShares) and got.grads is grads and got.shares.ptr == args[22].ptr
     assert (got.dw0_at, got.db0_at) == (layout.weight(0).offset, layout.bias(0).offset)
     assert (got.in0, got.cols, got.rows, got.bn) == (5, 200, 10, 32)  # 300 rows: 10 row tiles of 32
     assert folded[0][1][:2] == (7, 10)  # the launch's strips and row tiles

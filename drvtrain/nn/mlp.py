@@ -16,11 +16,15 @@ __all__ = ["MLP", "Forward", "FirstDwShares", "GemmKernel", "LinearKernels", "Pl
            "FFMA_TILE", "WGMMA_TILE", "PRESPLIT_MAX_TILES", "WeightSplits", "wgmma_available", "gemm", "gemm_presplit",
            "operand_map", "choose_tile", "kernel_name", "plan", "split_bytes", "split_count", "vector_width"]
 
+# A, lda, B, ldb, C, ldc, M, N, K, bias, mask, ldm, col_sum, workspace, counters, gate:
+# gemm_sm90a.cu's backward on unsplit operands.
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
-# grad_input_dw0: the same, then X0, ldx0, in0, dW0, db0, work, counters (kernels/gemm.cu's DT_DW0_PARAMS).
-_FIRST_DW_SIGNATURE = _SIGNATURE + " ptr i32 i32 ptr ptr ptr ptr"
+# kernels/gemm.cu's DT_GEMM_PARAMS: the same, then `settled` (B loads before the wait).
+_GEMM_CU_SIGNATURE = _SIGNATURE + " i32"
+# grad_input_dw0: then X0, ldx0, in0, dW0, db0, work, counters (kernels/gemm.cu's DT_DW0_PARAMS).
+_FIRST_DW_SIGNATURE = _GEMM_CU_SIGNATURE + " ptr i32 i32 ptr ptr ptr ptr"
 # The forward_x0 kernels: then X0, ldx0, in0, W0, b0 (the first layer computed in them).
-_FIRST_LAYER_SIGNATURE = _SIGNATURE + " ptr i32 i32 ptr ptr"
+_FIRST_LAYER_SIGNATURE = _GEMM_CU_SIGNATURE + " ptr i32 i32 ptr ptr"
 # gemm_sm90a.cu's forward: X and W as tensor maps, then C, ldc, M, N, K, bias,
 # workspace, counters, gate.
 _WGMMA_FORWARD_SIGNATURE = "tmap tmap ptr i32 i32 i32 i32 ptr ptr ptr ptr"
@@ -247,7 +251,7 @@ def _signature(name: str) -> str:
         return _PRESPLIT_SIGNATURE if "_presplit_" in name else _SIGNATURE
     if "_x0_" in name:
         return _FIRST_LAYER_SIGNATURE
-    return _FIRST_DW_SIGNATURE if name.startswith("linear_grad_input_dw0_") else _SIGNATURE
+    return _FIRST_DW_SIGNATURE if name.startswith("linear_grad_input_dw0_") else _GEMM_CU_SIGNATURE
 
 
 def _load_kernel(name: str):
@@ -327,10 +331,20 @@ class GemmKernel:
 
 
 def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
-         splits=1, workspace=0, counters=0, gate=0, cluster=False, first_dw=(), first_layer=()):
+         splits=1, workspace=0, counters=0, gate=0, cluster=False, first_dw=(), first_layer=(), settled=False):
     """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
     (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile.
     ``workspace`` and ``counters`` as :func:`plan` sizes them.
+
+    ``settled``: the caller vouches that no kernel this launch directly depends on
+    (the one before it on ``stream``, and those it waits for through events) writes
+    B, nor a folded first layer's W0 and b0: a layer's weights, from a step's start
+    until its optimizer. gemm.cu's tensor-core kernels then issue B's first tiles
+    before waiting for those kernels (programmatic dependent launch; without it the
+    flag changes nothing). It holds because every drvtrain kernel lets its
+    dependents start only after its own wait; a kernel of the caller's that does so
+    earlier makes the kernels before it count as direct too. The results are the
+    same bits either way. The FFMA and wgmma kernels ignore it.
 
     ``cluster`` (the wgmma kernels and gemm.cu's ``_cluster_`` kernels, compute capability 9.0+):
     launch the splits of a tile as one thread block cluster, which sums them in distributed shared
@@ -372,8 +386,9 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     else:
         operands = (a, lda, b, ldb, c, ldc, m, n, k, bias, mask, ldm, col_sum)
     policy = "load_balancing" if dims is not None and tile is not WGMMA_TILE else None
+    tail = () if tile is WGMMA_TILE else (int(bool(settled)),)  # gemm.cu's DT_GEMM_PARAMS end with it
     kernel.kernel.launch(grid, kernel.kernel.block, *operands, workspace, counters, gate if gate is not None else 0,
-                         *first_dw, *first_layer, stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
+                         *tail, *first_dw, *first_layer, stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
 
 
 def _check_cluster_splits(kernel: GemmKernel, splits: int, cluster: bool) -> None:
@@ -515,7 +530,7 @@ class LinearKernels:
         return rows * cols * TILE_32.bn * (in0 + 1), cols
 
     def launch_first_dw(self, dy, ldy, w, ldw, m, n, k, *, mask, ldm, x0, ldx0, in0, dw0, db0, arena: Arena,
-                        stream, gate=None, finish: bool = True) -> DeviceBuffer:
+                        stream, gate=None, finish: bool = True, settled: bool = False) -> DeviceBuffer:
         """The second layer's grad-input product (dY [m, k] times W [k, n], masked by
         ``mask``) with the first layer's dW0 [n, in0] = dX^T X0 and db0 [n] (the
         column sums of dX) summed from its tiles, instead of dX itself: one launch for
@@ -523,7 +538,7 @@ class LinearKernels:
         Returns the tiles' shares (an arena slice, laid out as :class:`FirstDwShares`
         says). With ``finish`` False the last tile of each column strip does not sum
         them: dW0 and db0 are left unwritten for the next kernel to sum
-        (``AdamW.step``'s ``first_dw``)."""
+        (``AdamW.step``'s ``first_dw``). ``settled``: W is, as :func:`gemm` says."""
         p = self.plan_first_dw(m, n, k, in0)
         if p is None:
             raise ValueError(f"no grad_input_dw0 launch of {m}x{n}x{k} with {in0} inputs here")
@@ -535,7 +550,7 @@ class LinearKernels:
         strip_counters = arena.zeroed(strips, np.uint32) if finish else 0
         gemm(kernel, dy, ldy, w, ldw, 0, n, m, n, k, stream, splits=p.splits, workspace=workspace,
              counters=counters, gate=gate, cluster=p.cluster, mask=mask, ldm=ldm,
-             first_dw=(x0, ldx0, in0, dw0, db0, work, strip_counters))
+             first_dw=(x0, ldx0, in0, dw0, db0, work, strip_counters), settled=settled)
         return work
 
     def plan_first_layer(self, role, m, n, k, in0, *, sms=None, splits=None) -> Plan | None:
@@ -556,13 +571,14 @@ class LinearKernels:
         return p
 
     def launch_first_layer(self, role, w, ldw, c, ldc, m, n, k, *, bias, x0, ldx0, in0, w0, b0, h0, arena: Arena,
-                           stream, gate=None, sms=None, splits=None) -> GemmKernel:
+                           stream, gate=None, sms=None, splits=None, settled: bool = False) -> GemmKernel:
         """``role``'s product of the second layer, C [m, n] = H0 W^T + bias (ReLU with
         ``forward_relu``), where H0 [m, k] = relu(X0 W0^T + b0) is computed in the
         same launch, in FP32, from X0 [m, in0] (rows ``ldx0`` floats apart), W0 [k, in0]
         and b0 [k]: the first layer's own launch is saved. Every element of H0 is also
         stored at ``h0`` ([m, k], rows ``k`` floats apart) unless ``h0`` is 0.
-        :meth:`plan_first_layer` must plan (checked)."""
+        :meth:`plan_first_layer` must plan (checked). ``settled``: W, W0 and b0 are,
+        as :func:`gemm` says."""
         p = self.plan_first_layer(role, m, n, k, in0, sms=sms, splits=splits)
         if p is None:
             raise ValueError(f"no {role}_x0 launch of {m}x{n}x{k} with {in0} inputs here")
@@ -571,7 +587,7 @@ class LinearKernels:
         workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         gemm(kernel, h0, k, w, ldw, c, ldc, m, n, k, stream, bias=bias, splits=p.splits, workspace=workspace,
-             counters=counters, gate=gate, cluster=p.cluster, first_layer=(x0, ldx0, in0, w0, b0))
+             counters=counters, gate=gate, cluster=p.cluster, first_layer=(x0, ldx0, in0, w0, b0), settled=settled)
         return kernel
 
     def share(self, sms) -> int:
@@ -683,14 +699,15 @@ class LinearKernels:
         return kernel
 
     def launch(self, role, a, lda, b, ldb, c, ldc, m, n, k, *, arena: Arena, stream, gate=None, tile=None,
-               vector=None, splits=None, presplit=False, sms=None, **epilogue) -> GemmKernel:
+               vector=None, splits=None, presplit=False, sms=None, settled=False, **epilogue) -> GemmKernel:
         """Plan the product, take its workspace and counters from ``arena``, launch it.
 
         ``tile``, ``vector`` and ``splits`` force a variant (tests, benchmarks); a
         forced 16-byte copy the operands do not allow is refused. ``sms``: plan for
         that many SMs (:meth:`share`; a caller running products side by side). ``presplit``: split
         both operands into ``arena`` first and run the pre-split kernel (which must
-        plan, :meth:`plan_presplit`; it plans for the whole device). Returns the kernel that ran."""
+        plan, :meth:`plan_presplit`; it plans for the whole device). ``settled``: B is, as
+        :func:`gemm` says (the pre-split kernels ignore it). Returns the kernel that ran."""
         self.share(sms)  # checked before anything is queued
         if presplit:
             if tile is not None or vector is not None or sms is not None:
@@ -719,7 +736,7 @@ class LinearKernels:
         workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=p.splits, workspace=workspace,
-             counters=counters, gate=gate, cluster=p.cluster, **epilogue)
+             counters=counters, gate=gate, cluster=p.cluster, settled=settled, **epilogue)
         return kernel
 
 
@@ -989,7 +1006,7 @@ class MLP:
         return [k for k, (dx, _) in self.presplit_layers(batch).items() if dx and not (dx_last and k == last)]
 
     def forward(self, params: FlatBuffer, x: DeviceBuffer, *, arena: Arena, stream, gate=None,
-                layers: int | None = None, sms: int | None = None) -> Forward:
+                layers: int | None = None, sms: int | None = None, weights_settled: bool = False) -> Forward:
         """Every layer's output into arena slices; ``.output`` is [batch, out].
 
         ``gate``: an int32 device word; while it is non-zero every launch returns
@@ -1004,7 +1021,14 @@ class MLP:
         DQN step's three) gives each its share: each product then takes fewer,
         longer blocks, and the passes run at once instead of queueing for SMs. The
         arena's size then comes from :meth:`scratch_bytes` and :meth:`zeroed_bytes`
-        with the same ``sms``."""
+        with the same ``sms``.
+
+        ``weights_settled``: the caller vouches that no kernel the first product
+        directly depends on writes ``params`` (an optimizer step queued just before
+        does, under dependent launches). The products then load their first weight
+        tiles before waiting for the kernel before them (:func:`gemm`'s ``settled``;
+        measured on the H200 in docs/perf-notes.md, twenty-fifth pass). The output
+        is the same bits either way. Default False."""
         if params.layout != self.layout:
             raise ValueError("params were made for another layout")
         batch = x.shape[0] if x.shape else 0
@@ -1025,17 +1049,19 @@ class MLP:
                 self.forward_kernels.launch_first_layer(role, params.weight(1), inp, y, out, batch, out, inp,
                                                         bias=params.bias(1), x0=x, ldx0=in0, in0=in0,
                                                         w0=params.weight(0), b0=params.bias(0), h0=acts[1],
-                                                        arena=arena, stream=stream, gate=gate, sms=sms)
+                                                        arena=arena, stream=stream, gate=gate, sms=sms,
+                                                        settled=weights_settled)
             elif not (folded and k == 0):  # layer 0 is launched with layer 1
                 self.forward_kernels.launch(role, acts[-1], inp, params.weight(k), inp, y, out, batch, out, inp,
-                                            arena=arena, stream=stream, gate=gate, bias=params.bias(k), sms=sms)
+                                            arena=arena, stream=stream, gate=gate, bias=params.bias(k), sms=sms,
+                                            settled=weights_settled)
             acts.append(y)
         return Forward(tuple(acts))
 
     def backward(self, params: FlatBuffer, grads: FlatBuffer, forward: Forward, dout: DeviceBuffer, *,
                  arena: Arena, stream, gate=None, weight_stream=None, dx_last: DeviceBuffer | None = None,
                  weight_splits: WeightSplits | None = None,
-                 defer_first_dw: bool = False) -> FirstDwShares | None:
+                 defer_first_dw: bool = False, weights_settled: bool = False) -> FirstDwShares | None:
         """Gradients of the loss whose derivative by ``forward.output`` is ``dout``, into ``grads``.
 
         ``defer_first_dw``: where the first layer's dW is folded into the second
@@ -1061,6 +1087,10 @@ class MLP:
         streams takes those products in turn from the last layer's on (with two,
         the last layer's dW and the one below it run side by side). Everything
         is joined back into ``stream`` before return.
+
+        ``weights_settled``: as :meth:`forward` takes it, for the dX products (they
+        read ``params``; the dW products read activations): no kernel the backward
+        directly depends on (the loss, say) writes ``params``.
 
         Pre-split products (:meth:`presplit_layers`): a layer's dY is split on
         ``stream`` in one pass for both of its products. With ``weight_stream`` the
@@ -1150,7 +1180,7 @@ class MLP:
                 work = kernels.launch_first_dw(dy, out, params.weight(k), inp, batch, inp, out, mask=x, ldm=inp,
                                                x0=forward.activations[0], ldx0=in0, in0=in0, dw0=grads.weight(0),
                                                db0=grads.bias(0), arena=arena, stream=stream, gate=gate,
-                                               finish=not defer_first_dw)
+                                               finish=not defer_first_dw, settled=weights_settled)
                 if defer_first_dw:
                     shares = FirstDwShares(grads, work, self.layout.weight(0).offset, self.layout.bias(0).offset,
                                            in0, inp, -(-batch // TILE_32.bm), TILE_32.bn)
@@ -1166,7 +1196,7 @@ class MLP:
                                             stream=stream, gate=gate, mask=x, ldm=inp)
                 else:
                     kernels.launch("grad_input", dy, out, params.weight(k), inp, dx, inp, batch, inp, out,
-                                   arena=arena, stream=stream, gate=gate, mask=x, ldm=inp)
+                                   arena=arena, stream=stream, gate=gate, mask=x, ldm=inp, settled=weights_settled)
                 dy = dx
         if not waited:  # weight splits queued elsewhere and not needed after all: still joined
             stream.wait(weight_splits.event)
