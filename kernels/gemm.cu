@@ -17,6 +17,9 @@
 //     output, computed in the kernel from X0, W0 and b0 and stored at A (tc::FirstLayer; its
 //     arguments follow `gate`)
 //   linear_forward[_relu]_f32, linear_grad_input_f32, linear_grad_weight_f32: the same on FP32 FFMA.
+//   The tensor-core forward and grad-input kernels (the folded ones too) come twice: once more
+//   with `settled_` before the precision, for a B that no kernel they directly depend on
+//   writes (a layer's weights): B's first tiles go out before the grid wait (tc::gemm's SETTLED).
 //
 // Tensor-core kernels: mma.sync m16n8k8 with FP32 accumulation, operands staged
 // in shared memory in their global layout by cp.async through a ring of stages.
@@ -195,17 +198,23 @@ struct FirstLayer {
 //   partials: tiles * S * BM * BN, tile-major, in fragment order (fully coalesced);
 //   row sums (grad-weight only): gridDim.y * S * BM, after the partials.
 template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC, bool CLUSTER, bool DW0 = false,
-          bool X0 = false>
+          bool X0 = false, bool SETTLED = false>
 __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
                                      int N, int K, const float* bias, const float* mask, int ldm, float* col_sum,
-                                     float* workspace, unsigned int* counters, const int* gate, int settled,
-                                     FirstDw fd = {}, FirstLayer fl = {}) {
+                                     float* workspace, unsigned int* counters, const int* gate, FirstDw fd = {},
+                                     FirstLayer fl = {}) {
     constexpr int BM = CFG::BM, BN = CFG::BN, BK = CFG::BK, STAGES = CFG::STAGES, THREADS = CFG::THREADS;
     constexpr int MI = CFG::MI, NI = CFG::NI;
     using SA = Smem<BM, BK, A_KFAST>;
     using SB = Smem<BN, BK, B_KFAST>;
     constexpr int STAGE = SA::FLOATS + SB::FLOATS;
     __shared__ __align__(16) float smem[STAGES * STAGE];
+    // Unless SETTLED (below), the wait for the grid before comes first, and then the
+    // gate word, which is tested once the first tiles' copies are issued: its round
+    // trip overlaps theirs (reading the operands of a step that is not due is
+    // harmless; nothing is written).
+    if constexpr (!SETTLED) dt_wait_prior_grid();
+    int gated = SETTLED ? 0 : dt_read_flag(gate);
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wm = warp / CFG::WARPS_N, wn = warp % CFG::WARPS_N;
@@ -267,15 +276,16 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     };
     constexpr bool EARLY = MI * NI <= 2;
 
-    // `settled`: the launcher's word that no kernel this one directly depends on
-    // writes B (nor W0 and b0): a layer's weights, from the step's start until its
-    // optimizer. Every drvtrain kernel lets its dependents start only after its own
-    // wait, so while this one runs ahead of its wait only the kernels it directly
-    // depends on can still be running. B's prologue tiles then go out before the
-    // wait for the grid before this one, their round trip overlapping its tail; left
-    // uncommitted, they join the first group, which holds tile 0. Everything else,
-    // A, the epilogue's operands and the gate word, is read after the wait.
-    if (settled) {
+    // SETTLED (the `_settled_` kernels): the launcher's word that no kernel this one
+    // directly depends on writes B (nor W0 and b0): a layer's weights, from the
+    // step's start until its optimizer. Every drvtrain kernel lets its dependents
+    // start only after its own wait, so while this one runs ahead of its wait only
+    // the kernels it directly depends on can still be running. B's prologue tiles
+    // then go out before the wait for the grid before this one, their round trip
+    // overlapping its tail; left uncommitted, they join the first group, which holds
+    // tile 0. Everything else, A, the epilogue's operands and the gate word, is read
+    // after the wait.
+    if constexpr (SETTLED) {
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s)
             if (s < tiles) lb.load(smem0 + (s * STAGE + SA::FLOATS) * 4);
@@ -317,7 +327,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                 for (int i = 0; i < IN0; ++i) v[i] = ok && i < fl.in0 ? row[i] : 0.0f;
             }
         };
-        // W0 and b0 are weights: before the wait where `settled` says so (below).
+        // W0 and b0 are weights: before the wait where SETTLED says so, X0 after it.
         auto load_first = [&]() {
 #pragma unroll
             for (int c = 0; c < K_PER; ++c) {
@@ -325,6 +335,8 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                 load_row(fl.w0 + (size_t)k * fl.in0, k < ke, vec_w0, w0v[c]);
                 b0v[c] = k < ke ? fl.b0[k] : 0.0f;
             }
+        };
+        auto issued_first = [&]() {
 #pragma unroll
             for (int c = 0; c < K_PER; ++c) {
 #pragma unroll
@@ -332,12 +344,16 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                 dt_issued(b0v[c]);
             }
         };
-        if (settled) load_first();
-        dt_wait_prior_grid();
-        if (!settled) load_first();
+        if constexpr (SETTLED) {
+            load_first();
+            issued_first();
+            dt_wait_prior_grid();
+        }
         load_row(fl.x0 + (size_t)r * fl.ldx0, r < M, vec_x0, x0v);
+        if constexpr (!SETTLED) load_first();
 #pragma unroll
         for (int i = 0; i < IN0; ++i) dt_issued(x0v[i]);
+        if constexpr (!SETTLED) issued_first();
     }
     // Which block of the row stores the next k tile of H0 (k tile kt: kt % gridDim.x).
     int h0_owner = X0 ? (kb / BK) % (int)gridDim.x : 0;
@@ -377,18 +393,15 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         h0_owner = h0_owner + 1 == (int)gridDim.x ? 0 : h0_owner + 1;
     };
 
-    // Prologue: STAGES - 1 tiles in flight (B's already, where settled). Every thread
+    // Prologue: STAGES - 1 tiles in flight (B's already, where SETTLED). Every thread
     // commits one group per tile slot, empty or not, so wait_group counts stay uniform.
-    if constexpr (!X0) dt_wait_prior_grid();  // X0 waited above, between its weights and X0
-    // The gate goes out first and is tested once the first tiles' copies are issued,
-    // so its round trip overlaps theirs (reading the operands of a step that is not
-    // due is harmless: nothing is written).
-    const int gated = dt_read_flag(gate);
+    if constexpr (SETTLED && !X0) dt_wait_prior_grid();  // X0 waited above, between its weights and X0
+    if constexpr (SETTLED) gated = dt_read_flag(gate);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < tiles) {
             if constexpr (!X0) la.load(smem0 + s * STAGE * 4);
-            if (!settled) lb.load(smem0 + (s * STAGE + SA::FLOATS) * 4);
+            if constexpr (!SETTLED) lb.load(smem0 + (s * STAGE + SA::FLOATS) * 4);
         }
         dt_cp_async_commit();
     }
@@ -873,13 +886,15 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 
 }  // namespace
 
-// One signature for all: ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr i32.
+// One signature for all: ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr.
 // `gate` (may be 0): when it points at a non-zero word the whole grid returns
 // having written nothing (a training loop's step that is not due this iteration).
-// `settled` (0 or 1): B (and a folded first layer's W0 and b0) is not written by
-// any kernel this one directly depends on, so the tensor-core kernels issue B's
-// first tiles before waiting for the grid before them (tc::gemm says why that is
-// safe); the FFMA kernels ignore it.
+// The `_settled_` kernels (forward and grad-input roles, folded ones included) are
+// the same products for a B (and a folded first layer's W0 and b0) that no kernel
+// they directly depend on writes: they issue B's first tiles before waiting for
+// the grid before them (tc::gemm says why that is safe). Kernels of their own, not
+// a flag: a branch on a launch argument there measured slower on the H200 than no
+// early tiles at all (docs/perf-notes.md, twenty-fifth pass).
 // Arguments a kernel does not use (bias, mask, col_sum) may be 0; so may workspace
 // and counters with gridDim.z == 1, or for a `_cluster_` kernel launched in
 // clusters of its gridDim.z splits. Otherwise counters is one zeroed uint per output
@@ -894,40 +909,47 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 #define DT_GEMM_PARAMS                                                                                    \
     const float *A, int lda, const float *B, int ldb, float *C, int ldc, int M, int N, int K,             \
         const float *bias, const float *mask, int ldm, float *col_sum, float *workspace,                  \
-        unsigned int *counters, const int *gate, int settled
+        unsigned int *counters, const int *gate
 #define DT_GEMM_ARGS A, lda, B, ldb, C, ldc, M, N, K, bias, mask, ldm, col_sum, workspace, counters
 #define DT_GEMM_PROLOGUE        \
-    (void)settled;              \
     dt_wait_prior_grid();       \
     if (gate != nullptr && *gate) return;
 
-#define DT_TC_KERNEL(NAME, CFG, PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER)                               \
+#define DT_TC_KERNEL(NAME, CFG, PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER, SETTLED)                      \
     extern "C" __global__ void __launch_bounds__(tc::CFG::THREADS) NAME(DT_GEMM_PARAMS) {                \
-        tc::gemm<tc::CFG, tc::PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER>(DT_GEMM_ARGS, gate, settled);   \
+        tc::gemm<tc::CFG, tc::PREC, A_KFAST, B_KFAST, EPI, VEC, CLUSTER, false, false, SETTLED>(          \
+            DT_GEMM_ARGS, gate);                                                                          \
     }
 #define DT_DW0_PARAMS \
     , const float *x0, int ldx0, int in0, float *dw0, float *db0, float *work0, unsigned int *counters0
-#define DT_TC_DW0_KERNEL(NAME, CFG, VEC)                                                                  \
+#define DT_TC_DW0_KERNEL(NAME, CFG, VEC, SETTLED)                                                         \
     extern "C" __global__ void __launch_bounds__(tc::CFG::THREADS) NAME(DT_GEMM_PARAMS DT_DW0_PARAMS) {   \
-        tc::gemm<tc::CFG, tc::PREC_3XTF32, true, false, EPI_MASK, VEC, true, true>(                       \
-            DT_GEMM_ARGS, gate, settled, tc::FirstDw{x0, ldx0, in0, dw0, db0, work0, counters0});         \
+        tc::gemm<tc::CFG, tc::PREC_3XTF32, true, false, EPI_MASK, VEC, true, true, false, SETTLED>(       \
+            DT_GEMM_ARGS, gate, tc::FirstDw{x0, ldx0, in0, dw0, db0, work0, counters0});                  \
     }
 #define DT_X0_PARAMS , const float *x0, int ldx0, int in0, const float *w0, const float *b0
-#define DT_TC_X0_KERNEL(NAME, EPI, VEC)                                                                   \
+#define DT_TC_X0_KERNEL(NAME, EPI, VEC, SETTLED)                                                          \
     extern "C" __global__ void __launch_bounds__(tc::Tile32x32::THREADS) NAME(DT_GEMM_PARAMS DT_X0_PARAMS) { \
-        tc::gemm<tc::Tile32x32, tc::PREC_TF32, true, true, EPI, VEC, true, false, true>(                  \
-            DT_GEMM_ARGS, gate, settled, tc::FirstDw{}, tc::FirstLayer{x0, ldx0, in0, w0, b0});           \
+        tc::gemm<tc::Tile32x32, tc::PREC_TF32, true, true, EPI, VEC, true, false, true, SETTLED>(         \
+            DT_GEMM_ARGS, gate, tc::FirstDw{}, tc::FirstLayer{x0, ldx0, in0, w0, b0});                    \
     }
 // VARIANT is the name's part after the copy width: _ (plain) or _cluster_ (CLUSTER).
+// The roles whose B is a weight also come `_settled_` (B's first tiles before the wait).
 #define DT_TC_ROLES(TILE, CP, VEC, VARIANT, CLUSTER)                                                                  \
     DT_TC_KERNEL(linear_forward_##TILE##_##CP##VARIANT##tf32, Tile##TILE, PREC_TF32, true, true, EPI_BIAS, VEC,     \
-                 CLUSTER)                                                                                            \
+                 CLUSTER, false)                                                                                     \
     DT_TC_KERNEL(linear_forward_relu_##TILE##_##CP##VARIANT##tf32, Tile##TILE, PREC_TF32, true, true, EPI_BIAS_RELU, \
-                 VEC, CLUSTER)                                                                                       \
+                 VEC, CLUSTER, false)                                                                                \
     DT_TC_KERNEL(linear_grad_input_##TILE##_##CP##VARIANT##3xtf32, Tile##TILE, PREC_3XTF32, true, false, EPI_MASK,   \
-                 VEC, CLUSTER)                                                                                       \
+                 VEC, CLUSTER, false)                                                                                \
     DT_TC_KERNEL(linear_grad_weight_##TILE##_##CP##VARIANT##3xtf32, Tile##TILE, PREC_3XTF32, false, false, EPI_NONE, \
-                 VEC, CLUSTER)
+                 VEC, CLUSTER, false)                                                                                \
+    DT_TC_KERNEL(linear_forward_##TILE##_##CP##VARIANT##settled_tf32, Tile##TILE, PREC_TF32, true, true, EPI_BIAS,  \
+                 VEC, CLUSTER, true)                                                                                 \
+    DT_TC_KERNEL(linear_forward_relu_##TILE##_##CP##VARIANT##settled_tf32, Tile##TILE, PREC_TF32, true, true,       \
+                 EPI_BIAS_RELU, VEC, CLUSTER, true)                                                                  \
+    DT_TC_KERNEL(linear_grad_input_##TILE##_##CP##VARIANT##settled_3xtf32, Tile##TILE, PREC_3XTF32, true, false,    \
+                 EPI_MASK, VEC, CLUSTER, true)
 
 DT_TC_ROLES(64x64, cp16, true, _, false)
 DT_TC_ROLES(64x64, cp4, false, _, false)
@@ -938,14 +960,20 @@ DT_TC_ROLES(32x32, cp16, true, _cluster_, true)
 DT_TC_ROLES(32x32, cp4, false, _cluster_, true)
 // The grad-input product of the second layer with the first layer's dW and db folded in
 // (tc::FirstDw; the arguments after gate): dX itself is not stored, C may be 0.
-DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp16_cluster_3xtf32, Tile32x32, true)
-DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp4_cluster_3xtf32, Tile32x32, false)
+DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp16_cluster_3xtf32, Tile32x32, true, false)
+DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp4_cluster_3xtf32, Tile32x32, false, false)
+DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp16_cluster_settled_3xtf32, Tile32x32, true, true)
+DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp4_cluster_settled_3xtf32, Tile32x32, false, true)
 // The second layer's forward with the first layer computed in it (tc::FirstLayer; the
 // arguments after gate): A is where H0 is stored, or 0.
-DT_TC_X0_KERNEL(linear_forward_x0_32x32_cp16_cluster_tf32, EPI_BIAS, true)
-DT_TC_X0_KERNEL(linear_forward_x0_32x32_cp4_cluster_tf32, EPI_BIAS, false)
-DT_TC_X0_KERNEL(linear_forward_relu_x0_32x32_cp16_cluster_tf32, EPI_BIAS_RELU, true)
-DT_TC_X0_KERNEL(linear_forward_relu_x0_32x32_cp4_cluster_tf32, EPI_BIAS_RELU, false)
+DT_TC_X0_KERNEL(linear_forward_x0_32x32_cp16_cluster_tf32, EPI_BIAS, true, false)
+DT_TC_X0_KERNEL(linear_forward_x0_32x32_cp4_cluster_tf32, EPI_BIAS, false, false)
+DT_TC_X0_KERNEL(linear_forward_relu_x0_32x32_cp16_cluster_tf32, EPI_BIAS_RELU, true, false)
+DT_TC_X0_KERNEL(linear_forward_relu_x0_32x32_cp4_cluster_tf32, EPI_BIAS_RELU, false, false)
+DT_TC_X0_KERNEL(linear_forward_x0_32x32_cp16_cluster_settled_tf32, EPI_BIAS, true, true)
+DT_TC_X0_KERNEL(linear_forward_x0_32x32_cp4_cluster_settled_tf32, EPI_BIAS, false, true)
+DT_TC_X0_KERNEL(linear_forward_relu_x0_32x32_cp16_cluster_settled_tf32, EPI_BIAS_RELU, true, true)
+DT_TC_X0_KERNEL(linear_forward_relu_x0_32x32_cp4_cluster_settled_tf32, EPI_BIAS_RELU, false, true)
 
 #define DT_FFMA_KERNEL(NAME, EPI, A_KFAST, B_KFAST)                                                    \
     extern "C" __global__ void __launch_bounds__(256) NAME(DT_GEMM_PARAMS) {                            \

@@ -352,8 +352,8 @@ def test_first_layer_dw_folded_into_the_grad_input_matches_float64(device, strea
     sum dW0 = dX^T X0 and db0 = dX's column sums, and the last tile of each column
     strip adds the strip's shares. Against float64 at 1e-5 (3xTF32 dX, FP32 sums),
     nothing unwritten, dX's buffer untouched; at 1 to 4 splits, a tile's splits in a
-    cluster and through the workspace give the same bits (every other run with W
-    settled: loaded before the wait). 200 x 77 and 45 x 40 leave edge tiles part
+    cluster and through the workspace give the same bits (every other run on the
+    `_settled_` kernel: W before the wait). 200 x 77 and 45 x 40 leave edge tiles part
     empty (and warps with no rows); in0 = 8 is the bound."""
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"the folded kernels run in clusters: compute capability 9.0; this device is {device.arch}")
@@ -369,6 +369,8 @@ def test_first_layer_dw_folded_into_the_grad_input_matches_float64(device, strea
     # The rule folds nothing it cannot: a 9-wide input, or a product of 8 splits.
     assert kernels.plan_first_dw(m, n, k, 9) is None and kernels.plan_first_dw(200, 77, 600, 3) is None
     kernel = kernels.first_dw[vector]
+    settled = kernels.settled[(kernel.role, kernel.tile, vector, True)]
+    assert settled.name == kernel.name.replace("_3xtf32", "_settled_3xtf32")
     rows, cols = -(-m // 32), -(-n // 32)
     runs = []
     for splits in sorted({1, 2, 3, 4, p.splits}):
@@ -379,12 +381,13 @@ def test_first_layer_dw_folded_into_the_grad_input_matches_float64(device, strea
             floats = rows * cols * splits * 32 * 32
             work = Arena(4 * (floats + rows * cols * 32 * (in0 + 1)) + 4096,
                          zeroed_bytes=4 * (rows * cols + cols) + 512)
-            gemm(kernel, prod.a, prod.lda, prod.b, prod.ldb, 0, n, m, n, k, stream, splits=splits,
+            gemm(settled if len(runs) % 2 else kernel, prod.a, prod.lda, prod.b, prod.ldb, 0, n, m, n, k, stream,
+                 splits=splits,
                  workspace=0 if cluster or splits == 1 else work.array(floats, np.float32),
                  counters=0 if cluster or splits == 1 else work.zeroed(rows * cols, np.uint32), cluster=cluster,
                  mask=prod.mask, ldm=prod.ldm,
                  first_dw=(x0_dev, ldx0, in0, dw, db, work.array(rows * cols * 32 * (in0 + 1), np.float32),
-                           work.zeroed(cols, np.uint32)), settled=len(runs) % 2 == 1)
+                           work.zeroed(cols, np.uint32)))
             got_dw, got_db = dw.to_numpy(), db.to_numpy()
             where = f"{splits} splits " + ("in a cluster" if cluster else "through memory")
             assert not np.isnan(got_dw).any() and not np.isnan(got_db).any(), f"unwritten ({where})"
@@ -414,7 +417,7 @@ def test_first_layer_folded_into_the_forward_matches_float64(device, stream, rng
     the padding of H0 and C untouched; at 1 to 4 splits (k = 300 needs 2: at most 256
     k a split), a tile's splits in a cluster and through the workspace give the same
     bits, and H0 the same bits at every split. Without H0's buffer (0) C is the same.
-    Every other run has W, W0 and b0 settled (loaded before the wait): the same bits.
+    Every other run is the `_settled_` kernel (W, W0 and b0 before the wait): the same bits.
     X0's rows of 1 and 3 inputs are padded with NaN: a kernel that read past in0 would
     show it; those of 4 and 8 are packed and 16-byte aligned (the 16-byte loads)."""
     if tuple(device.compute_capability) < (9, 0):
@@ -438,6 +441,8 @@ def test_first_layer_folded_into_the_forward_matches_float64(device, stream, rng
     assert kernels.plan_first_layer(role, m, n, k, 9) is None
     assert kernels.plan_first_layer(role, 512, 1024, 1024, in0) is None
     kernel = kernels.first_layer[(role, vector)]
+    settled = kernels.settled[(kernel.role, kernel.tile, vector, True)]
+    assert settled.name == kernel.name.replace("_tf32", "_settled_tf32")
     h0, c = DeviceBuffer((m, ldh), np.float32), DeviceBuffer((m, n + 5), np.float32)
     rows, cols = -(-m // 32), -(-n // 32)
     k_tiles = -(-k // 16)
@@ -454,10 +459,11 @@ def test_first_layer_folded_into_the_forward_matches_float64(device, stream, rng
                 buf.poison(stream=stream)
             floats = rows * cols * splits * 32 * 32
             work = Arena(4 * floats + 4096, zeroed_bytes=4 * rows * cols + 512)
-            gemm(kernel, h0 if store else 0, ldh, w1_dev, ldw, c, n + 5, m, n, k, stream, bias=b1_dev,
-                 splits=splits, workspace=0 if cluster or splits == 1 else work.array(floats, np.float32),
+            gemm(settled if len(runs) % 2 else kernel, h0 if store else 0, ldh, w1_dev, ldw, c, n + 5, m, n, k,
+                 stream, bias=b1_dev, splits=splits,
+                 workspace=0 if cluster or splits == 1 else work.array(floats, np.float32),
                  counters=0 if cluster or splits == 1 else work.zeroed(rows * cols, np.uint32), cluster=cluster,
-                 first_layer=(x0_dev, ldx0, in0, w0_dev, b0_dev), settled=len(runs) % 2 == 1)
+                 first_layer=(x0_dev, ldx0, in0, w0_dev, b0_dev))
             got_h0, got = h0.to_numpy(), c.to_numpy()
             where = f"{splits} splits " + ("in a cluster" if cluster else "through memory") + \
                 (", H0 stored" if store else ", H0 not stored")
@@ -490,8 +496,8 @@ def test_first_layer_folded_into_the_forward_matches_float64(device, stream, rng
 @pytest.mark.parametrize("role, tile, vector", [v for v in VARIANTS if v.values[1] is not WGMMA_TILE
                                                 and v.values[0] != "grad_weight"])
 def test_settled_weights_load_before_the_wait_to_the_same_bits(device, stream, rng, role, tile, vector):
-    """gemm.cu's forward and dX products with ``settled`` (B, the weights, loaded before
-    waiting for the kernel before): A is poisoned, then written by a slow one-block
+    """gemm.cu's forward and dX products on their `_settled_` kernels (B, the weights,
+    loaded before waiting for the kernel before): A is poisoned, then written by a slow one-block
     kernel launched just before the product, both dependent launches, so the product's
     blocks start while A is still poison. C is the same bits as an ordinary launch's
     and within the float64 bound, three times over: a product that read A (or the
@@ -517,7 +523,8 @@ def test_settled_weights_load_before_the_wait_to_the_same_bits(device, stream, r
             again = kernels.launch(role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k,
                                    arena=arena, stream=stream, tile=tile, vector=vector, settled=True,
                                    **prod.epilogue)
-        assert again.name == kernel.name
+        assert again.settled and again.name == kernel.name.replace("_tf32", "_settled_tf32").replace(
+            "_3xtf32", "_settled_3xtf32")
         got, _ = prod.outputs()
         assert not np.isnan(got[:, :n]).any(), f"{kernel.name}: {np.isnan(got[:, :n]).sum()} outputs NaN or unwritten"
         assert got.tobytes() == want.tobytes(), f"{kernel.name}: settled changed the bits ({p.splits} splits)"

@@ -321,8 +321,8 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     room for gemm.cu's fallback too (an operand that turns out misaligned). Every
     launch's arguments, stream and workspace, the pre-split products' split passes
     included; with a forward planned for a third of the SMs (``sms``) too. With
-    ``weights_settled``, gemm.cu's forward and dX products (B: a weight) get
-    ``settled`` = 1, its dW products (B: an activation) 0; without, all 0."""
+    ``weights_settled``, gemm.cu's tensor-core forward and dX products (B: a weight)
+    run their `_settled_` kernels, the dW products (B: an activation) never do."""
     launches = []
     _fake_kernels(monkeypatch, launches, cc)
     layout = ParamLayout.from_widths(widths)
@@ -417,12 +417,12 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         else:
             mnk = args[6:9]
             workspace, counters, col_sum = args[13], args[14], args[12]
-            if "_wgmma_" in name:  # gemm_sm90a.cu's unsplit backward: no `settled`
-                assert len(args) == 16, name
-            else:  # gemm.cu's: settled after the gate, where B is a weight and the caller said so
-                b_is_weight = (1 << 38) <= args[2].ptr < params_end
-                assert b_is_weight == ("grad_weight" not in name), name
-                assert args[16] == int(settled and b_is_weight), name
+            b_is_weight = (1 << 38) <= args[2].ptr < params_end
+            assert b_is_weight == ("grad_weight" not in name), name
+        # gemm.cu's tensor-core products whose B is a weight run `_settled_` where the caller
+        # said so; the FFMA, wgmma and dW products never do.
+        tensor_core = "_wgmma_" not in name and not name.endswith("_f32")
+        assert ("_settled_" in name) == (settled and tensor_core and "grad_weight" not in name), name
         assert tuple(mnk) == (m, n, k)
         if "_presplit_" in name:
             want_shared = 193 * 1024
@@ -433,7 +433,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         if "_dw0_" in name:  # layer 1's dX with layer 0's dW and db folded in: on the 32x32 tile's clusters
             assert cc >= (9, 0) and backward == "3xtf32" and widths[0] <= mlp_module.DW0_MAX_IN and len(widths) >= 4
             assert (m, n, k) == (batch, widths[1], widths[2]) and splits <= 4 and args[4] == 0  # C: not written
-            x0, ldx0, in0, dw0, db0, work, strip_counters = args[17:]
+            x0, ldx0, in0, dw0, db0, work, strip_counters = args[16:]
             assert (x0.ptr, ldx0, in0) == (fwd.activations[0].ptr, widths[0], widths[0])
             assert (dw0.ptr, db0.ptr) == (grads.weight(0).ptr, grads.bias(0).ptr)
             assert work.size == grid[0] * grid[1] * 32 * (in0 + 1) and strip_counters.size == grid[0]
@@ -441,7 +441,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         if "_x0_" in name:  # layers 0 and 1 in one launch: layer 0 computed in layer 1's product
             assert cc >= (9, 0) and tf32 and widths[0] <= mlp_module.DW0_MAX_IN and stream is main
             assert (m, n, k) == (batch, widths[2], widths[1]) and splits <= 4
-            x0, ldx0, in0, w0, b0 = args[17:]
+            x0, ldx0, in0, w0, b0 = args[16:]
             assert (x0.ptr, ldx0, in0) == (x.ptr, widths[0], widths[0])
             assert (w0.ptr, b0.ptr) == (params.weight(0).ptr, params.bias(0).ptr)
             assert (args[0].ptr, args[1]) == (fwd.activations[1].ptr, widths[1])  # H0 is stored there
@@ -617,6 +617,15 @@ def test_kernel_names_follow_the_roles_and_precisions():
             kernel_name(role, "f32")
     with pytest.raises(ValueError, match="no kernels that sum their splits in a cluster"):
         kernel_name("forward", "tf32", TILES[0], 16, cluster=True)
+    # Settled weights: gemm.cu's tensor-core kernels of the roles whose B is a weight.
+    assert kernel_name("forward_relu", "tf32", TILES[1], 16, cluster=True, settled=True) == \
+        "linear_forward_relu_32x32_cp16_cluster_settled_tf32"
+    assert kernel_name("grad_input", "3xtf32", TILES[0], 4, settled=True) == "linear_grad_input_64x64_cp4_settled_3xtf32"
+    assert kernel_name("grad_input_dw0", "3xtf32", TILES[1], 4, cluster=True, settled=True) == \
+        "linear_grad_input_dw0_32x32_cp4_cluster_settled_3xtf32"
+    for args in (("grad_weight", "3xtf32", TILES[1], 16), ("forward", "f32"), ("forward", "tf32", WGMMA_TILE, 16)):
+        with pytest.raises(ValueError, match="no settled kernel"):
+            kernel_name(*args, settled=True)
     with pytest.raises(ValueError, match="runs in"):
         kernel_name("forward", "3xtf32", TILES[0])
     with pytest.raises(ValueError, match="backward must be"):
@@ -637,6 +646,10 @@ def test_gemm_cu_compiles_for_sm_90_with_every_kernel_the_host_names():
     names += [kernel_name(role, "tf32", TILES[1], vector, cluster=True)
               for role in ("forward_x0", "forward_relu_x0") for vector in (16, 4)]
     assert sum("_cluster_" in name for name in names) == 14
+    # Every tensor-core kernel whose B is a weight once more, settled.
+    names += [name.replace("_tf32", "_settled_tf32").replace("_3xtf32", "_settled_3xtf32") for name in names
+              if not name.endswith("_f32") and "_grad_weight_" not in name]
+    assert len(names) == 58 and sum("_settled_" in name for name in names) == 24
     for name in names:
         assert name.encode() + b"\0" in cubin, name
 
@@ -961,7 +974,7 @@ def test_folded_backward_with_dx_last_and_two_weight_streams(monkeypatch):
         ("linear_grad_weight_32x32_cp16_cluster", side2),  # dW1 = dh^T H1
         ("linear_grad_input_dw0_32x32_cp16_cluster", main)]  # dX1 from dh, folded into dW0 and db0
     folded = kernels[-1][2]
-    assert folded[0].ptr == dh.ptr and folded[17].ptr == x.ptr and folded[20].ptr == grads.weight(0).ptr
+    assert folded[0].ptr == dh.ptr and folded[16].ptr == x.ptr and folded[19].ptr == grads.weight(0).ptr
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["summed-here", "deferred"])
@@ -984,13 +997,13 @@ def test_folded_backward_defers_the_strip_sums_only_when_asked(monkeypatch, defe
     got = model.backward(params, grads, fwd, dout, arena=arena, stream=object(), defer_first_dw=defer)
     folded = [e for e in launches if e[0].startswith("linear_grad_input_dw0_")]
     assert len(folded) == 1
-    args = folded[0][2]  # ..., gate, settled, X0, ldx0, in0, dW0, db0, work, counters
-    assert args[19] == 5 and args[20].ptr == grads.weight(0).ptr and args[21].ptr == grads.bias(0).ptr
+    args = folded[0][2]  # ..., X0, ldx0, in0, dW0, db0, work, counters
+    assert args[18] == 5 and args[19].ptr == grads.weight(0).ptr and args[20].ptr == grads.bias(0).ptr
     if not defer:
-        assert got is None and args[23] != 0
+        assert got is None and args[22] != 0
         return
-    assert args[23] == 0
-    assert isinstance(got, mlp_module.FirstDwShares) and got.grads is grads and got.shares.ptr == args[22].ptr
+    assert args[22] == 0
+    assert isinstance(got, mlp_module.FirstDwShares) and got.grads is grads and got.shares.ptr == args[21].ptr
     assert (got.dw0_at, got.db0_at) == (layout.weight(0).offset, layout.bias(0).offset)
     assert (got.in0, got.cols, got.rows, got.bn) == (5, 200, 10, 32)  # 300 rows: 10 row tiles of 32
     assert folded[0][1][:2] == (7, 10)  # the launch's strips and row tiles

@@ -16,15 +16,11 @@ __all__ = ["MLP", "Forward", "FirstDwShares", "GemmKernel", "LinearKernels", "Pl
            "FFMA_TILE", "WGMMA_TILE", "PRESPLIT_MAX_TILES", "WeightSplits", "wgmma_available", "gemm", "gemm_presplit",
            "operand_map", "choose_tile", "kernel_name", "plan", "split_bytes", "split_count", "vector_width"]
 
-# A, lda, B, ldb, C, ldc, M, N, K, bias, mask, ldm, col_sum, workspace, counters, gate:
-# gemm_sm90a.cu's backward on unsplit operands.
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
-# kernels/gemm.cu's DT_GEMM_PARAMS: the same, then `settled` (B loads before the wait).
-_GEMM_CU_SIGNATURE = _SIGNATURE + " i32"
-# grad_input_dw0: then X0, ldx0, in0, dW0, db0, work, counters (kernels/gemm.cu's DT_DW0_PARAMS).
-_FIRST_DW_SIGNATURE = _GEMM_CU_SIGNATURE + " ptr i32 i32 ptr ptr ptr ptr"
+# grad_input_dw0: the same, then X0, ldx0, in0, dW0, db0, work, counters (kernels/gemm.cu's DT_DW0_PARAMS).
+_FIRST_DW_SIGNATURE = _SIGNATURE + " ptr i32 i32 ptr ptr ptr ptr"
 # The forward_x0 kernels: then X0, ldx0, in0, W0, b0 (the first layer computed in them).
-_FIRST_LAYER_SIGNATURE = _GEMM_CU_SIGNATURE + " ptr i32 i32 ptr ptr"
+_FIRST_LAYER_SIGNATURE = _SIGNATURE + " ptr i32 i32 ptr ptr"
 # gemm_sm90a.cu's forward: X and W as tensor maps, then C, ldc, M, N, K, bias,
 # workspace, counters, gate.
 _WGMMA_FORWARD_SIGNATURE = "tmap tmap ptr i32 i32 i32 i32 ptr ptr ptr ptr"
@@ -92,16 +88,21 @@ FIRST_DW_MAX_ROW_TILES = 16
 
 
 _FOLDED = ("grad_input_dw0", "forward_x0", "forward_relu_x0")  # the 32x32 tile's cluster kernels only
+# The roles whose B is a layer's weights: gemm.cu has `_settled_` kernels of them (kernel_name).
+_SETTLED_ROLES = ("forward", "forward_relu", "grad_input", "grad_input_dw0", "forward_x0", "forward_relu_x0")
 
 
 def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16, presplit: bool = False,
-                cluster: bool = False) -> str:
+                cluster: bool = False, settled: bool = False) -> str:
     """The name in kernels/gemm.cu (gemm_sm90a.cu for the wgmma tile) of ``role`` in
     ``precision`` with ``tile`` and ``vector``-byte copies; ``presplit``: the wgmma
     backward that takes its operands split (:meth:`LinearKernels.split`); ``cluster``:
     the kernel of a gemm.cu tile that sums its splits in a cluster (``_cluster_``: only
     tiles whose ``cluster_splits`` > 1; their other kernels hold no code for it). The
-    wgmma kernels all may, whatever ``cluster`` says."""
+    wgmma kernels all may, whatever ``cluster`` says. ``settled``: gemm.cu's
+    tensor-core kernel of a role whose B is a layer's weights (forward, grad-input,
+    folded or not) that loads B's first tiles before its grid wait (``_settled_``;
+    :func:`gemm` says when it may run)."""
     if role not in _ROLES:
         raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
     if precision not in _PRECISIONS[role]:
@@ -111,6 +112,9 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
             raise ValueError(f"only the wgmma tile's 3xTF32 backward takes split operands, not {role} in "
                              f"{precision} on tile {tile.name}")
         return f"linear_{role}_wgmma_presplit_{precision}"
+    if settled and (role not in _SETTLED_ROLES or precision == "f32" or tile not in TILES or presplit):
+        raise ValueError(f"no settled kernel of {role} in {precision} on tile {tile.name}: only gemm.cu's "
+                         f"tensor-core kernels of {', '.join(_SETTLED_ROLES)}")
     if role in _FOLDED and not (tile is TILE_32 and cluster and vector in (4, 16) and not presplit):
         raise ValueError(f"{role} runs on tile 32x32's cluster kernels only, not tile {tile.name} "
                          f"(cluster={cluster}, {vector}-byte copies)")
@@ -126,7 +130,8 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
         raise ValueError(f"no tensor-core kernel for tile {tile.name} with {vector}-byte copies")
     if cluster and tile.cluster_splits < 2:
         raise ValueError(f"tile {tile.name} has no kernels that sum their splits in a cluster")
-    return f"linear_{role}_{tile.name}_cp{vector}_{'cluster_' if cluster else ''}{precision}"
+    variant = ("cluster_" if cluster else "") + ("settled_" if settled else "")
+    return f"linear_{role}_{tile.name}_cp{vector}_{variant}{precision}"
 
 
 def split_count(m: int, n: int, k: int, sm_count: int, tile: Tile = FFMA_TILE, want: int | None = None) -> int:
@@ -251,7 +256,7 @@ def _signature(name: str) -> str:
         return _PRESPLIT_SIGNATURE if "_presplit_" in name else _SIGNATURE
     if "_x0_" in name:
         return _FIRST_LAYER_SIGNATURE
-    return _FIRST_DW_SIGNATURE if name.startswith("linear_grad_input_dw0_") else _GEMM_CU_SIGNATURE
+    return _FIRST_DW_SIGNATURE if name.startswith("linear_grad_input_dw0_") else _SIGNATURE
 
 
 def _load_kernel(name: str):
@@ -309,14 +314,15 @@ def wgmma_available(device=None) -> bool:
 class GemmKernel:
     """A kernel of kernels/gemm.cu (or gemm_sm90a.cu) with the tile its grid is cut in;
     ``presplit``: the wgmma backward on split operands (:func:`gemm_presplit`);
-    ``cluster``: gemm.cu's kernel that sums a tile's splits in a cluster (:func:`kernel_name`).
-    ``clusters`` says whether :func:`gemm` may launch it in clusters."""
+    ``cluster``: gemm.cu's kernel that sums a tile's splits in a cluster; ``settled``: its
+    kernel for settled weights (both: :func:`kernel_name`). ``clusters`` says whether
+    :func:`gemm` may launch it in clusters."""
 
     def __init__(self, role: str, precision: str, tile: Tile = FFMA_TILE, vector: int = 16, presplit: bool = False,
-                 cluster: bool = False):
+                 cluster: bool = False, settled: bool = False):
         self.role, self.precision, self.tile, self.vector = role, precision, tile, vector
-        self.presplit = presplit
-        self.name = kernel_name(role, precision, tile, vector, presplit, cluster)
+        self.presplit, self.cluster, self.settled = presplit, cluster, settled
+        self.name = kernel_name(role, precision, tile, vector, presplit, cluster, settled)
         self.clusters = tile is WGMMA_TILE or (cluster and precision != "f32")
         self.kernel = _load_kernel(self.name)
         if tile is not WGMMA_TILE:
@@ -331,20 +337,15 @@ class GemmKernel:
 
 
 def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
-         splits=1, workspace=0, counters=0, gate=0, cluster=False, first_dw=(), first_layer=(), settled=False):
+         splits=1, workspace=0, counters=0, gate=0, cluster=False, first_dw=(), first_layer=()):
     """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
     (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile.
     ``workspace`` and ``counters`` as :func:`plan` sizes them.
 
-    ``settled``: the caller vouches that no kernel this launch directly depends on
-    (the one before it on ``stream``, and those it waits for through events) writes
-    B, nor a folded first layer's W0 and b0: a layer's weights, from a step's start
-    until its optimizer. gemm.cu's tensor-core kernels then issue B's first tiles
-    before waiting for those kernels (programmatic dependent launch; without it the
-    flag changes nothing). It holds because every drvtrain kernel lets its
-    dependents start only after its own wait; a kernel of the caller's that does so
-    earlier makes the kernels before it count as direct too. The results are the
-    same bits either way. The FFMA and wgmma kernels ignore it.
+    A ``_settled_`` kernel (:func:`kernel_name`'s ``settled``) issues B's first tiles
+    before waiting for the kernels this launch directly depends on (programmatic
+    dependent launch): launch one only where none of them writes B (nor a folded
+    first layer's W0 and b0), as :meth:`MLP.forward`'s ``weights_settled`` says.
 
     ``cluster`` (the wgmma kernels and gemm.cu's ``_cluster_`` kernels, compute capability 9.0+):
     launch the splits of a tile as one thread block cluster, which sums them in distributed shared
@@ -386,9 +387,8 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     else:
         operands = (a, lda, b, ldb, c, ldc, m, n, k, bias, mask, ldm, col_sum)
     policy = "load_balancing" if dims is not None and tile is not WGMMA_TILE else None
-    tail = () if tile is WGMMA_TILE else (int(bool(settled)),)  # gemm.cu's DT_GEMM_PARAMS end with it
     kernel.kernel.launch(grid, kernel.kernel.block, *operands, workspace, counters, gate if gate is not None else 0,
-                         *tail, *first_dw, *first_layer, stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
+                         *first_dw, *first_layer, stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
 
 
 def _check_cluster_splits(kernel: GemmKernel, splits: int, cluster: bool) -> None:
@@ -488,6 +488,13 @@ class LinearKernels:
         self.first_layer = {(role, vector): GemmKernel(role + "_x0", precision, TILE_32, vector, cluster=True)
                             for role in ("forward", "forward_relu") if role in roles
                             for vector in (16, 4) if self.clusters and precision == "tf32"}
+        # Each gemm.cu tensor-core kernel above whose B is a weight, for settled weights
+        # (kernel_name's settled), by (role, tile, copy width, cluster).
+        loaded = list(self.kernels.values()) + list(self.clustered.values()) + list(self.first_dw.values()) + \
+            list(self.first_layer.values())
+        self.settled = {(k.role, k.tile, k.vector, k.cluster): GemmKernel(k.role, precision, k.tile, k.vector,
+                                                                          cluster=k.cluster, settled=True)
+                        for k in loaded if k.role in _SETTLED_ROLES and k.tile in TILES}
         self.wgmma = bool(wgmma and precision != "f32")
         for role in roles if self.wgmma else ():
             self.kernels[(role, WGMMA_TILE, 16)] = GemmKernel(role, precision, WGMMA_TILE, 16)
@@ -496,7 +503,7 @@ class LinearKernels:
                          for role in roles if self.wgmma and presplit and precision == "3xtf32"}
         self.split_kernel = _load_kernel("tf32_split") if self.presplit else None
 
-    def kernel_for(self, role, p: Plan, vector: int = 16) -> GemmKernel:
+    def kernel_for(self, role, p: Plan, vector: int = 16, settled: bool = False) -> GemmKernel:
         """The kernel that runs ``role``'s product planned as ``p`` with ``vector``-byte
         copies. On a tile with ``_cluster_`` kernels (loaded with ``clusters``) every
         product the cluster rule could cluster, S <= ``cluster_splits`` (unsplit ones
@@ -504,11 +511,15 @@ class LinearKernels:
         kernel, and only those with more splits run the plain one: products that run
         one after another then share their code (measured on the H200: the small DQN
         step's unsplit first layer on the plain kernel made the clustered second layer,
-        and the step, 1 us slower, from code fetched cold)."""
+        and the step, 1 us slower, from code fetched cold). ``settled``: its ``_settled_``
+        kernel where there is one (gemm.cu's tensor-core tiles, a role whose B is a
+        weight), else the same kernel."""
         key = (role, p.tile, vector if self.precision != "f32" else 16)
         if key in self.clustered and p.splits <= p.tile.cluster_splits:  # a clustered plan always is
-            return self.clustered[key]
-        return self.kernels[key]
+            kernel = self.clustered[key]
+        else:
+            kernel = self.kernels[key]
+        return self.settled.get((role, kernel.tile, kernel.vector, kernel.cluster), kernel) if settled else kernel
 
     def plan_first_dw(self, m, n, k, in0) -> Plan | None:
         """The plan of the ``grad_input_dw0`` product (dX [m, n] = dY [m, k] W [k, n],
@@ -538,11 +549,14 @@ class LinearKernels:
         Returns the tiles' shares (an arena slice, laid out as :class:`FirstDwShares`
         says). With ``finish`` False the last tile of each column strip does not sum
         them: dW0 and db0 are left unwritten for the next kernel to sum
-        (``AdamW.step``'s ``first_dw``). ``settled``: W is, as :func:`gemm` says."""
+        (``AdamW.step``'s ``first_dw``). ``settled``: W is settled, as
+        :meth:`MLP.forward`'s ``weights_settled`` says (its ``_settled_`` kernel runs)."""
         p = self.plan_first_dw(m, n, k, in0)
         if p is None:
             raise ValueError(f"no grad_input_dw0 launch of {m}x{n}x{k} with {in0} inputs here")
         kernel = self.first_dw[vector_width(dy, ldy, w, ldw)]
+        if settled:
+            kernel = self.settled[(kernel.role, kernel.tile, kernel.vector, kernel.cluster)]
         workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         work_floats, strips = self.first_dw_scratch(m, n, in0)
@@ -550,7 +564,7 @@ class LinearKernels:
         strip_counters = arena.zeroed(strips, np.uint32) if finish else 0
         gemm(kernel, dy, ldy, w, ldw, 0, n, m, n, k, stream, splits=p.splits, workspace=workspace,
              counters=counters, gate=gate, cluster=p.cluster, mask=mask, ldm=ldm,
-             first_dw=(x0, ldx0, in0, dw0, db0, work, strip_counters), settled=settled)
+             first_dw=(x0, ldx0, in0, dw0, db0, work, strip_counters))
         return work
 
     def plan_first_layer(self, role, m, n, k, in0, *, sms=None, splits=None) -> Plan | None:
@@ -577,17 +591,19 @@ class LinearKernels:
         same launch, in FP32, from X0 [m, in0] (rows ``ldx0`` floats apart), W0 [k, in0]
         and b0 [k]: the first layer's own launch is saved. Every element of H0 is also
         stored at ``h0`` ([m, k], rows ``k`` floats apart) unless ``h0`` is 0.
-        :meth:`plan_first_layer` must plan (checked). ``settled``: W, W0 and b0 are,
-        as :func:`gemm` says."""
+        :meth:`plan_first_layer` must plan (checked). ``settled``: W, W0 and b0 are
+        settled, as :meth:`MLP.forward`'s ``weights_settled`` says (the ``_settled_`` kernel runs)."""
         p = self.plan_first_layer(role, m, n, k, in0, sms=sms, splits=splits)
         if p is None:
             raise ValueError(f"no {role}_x0 launch of {m}x{n}x{k} with {in0} inputs here")
         vector = vector_width(h0, k, w, ldw) if h0 else vector_width(0, 4, w, ldw)  # no H0: only W decides
         kernel = self.first_layer[(role, vector)]
+        if settled:
+            kernel = self.settled[(kernel.role, kernel.tile, kernel.vector, kernel.cluster)]
         workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         gemm(kernel, h0, k, w, ldw, c, ldc, m, n, k, stream, bias=bias, splits=p.splits, workspace=workspace,
-             counters=counters, gate=gate, cluster=p.cluster, first_layer=(x0, ldx0, in0, w0, b0), settled=settled)
+             counters=counters, gate=gate, cluster=p.cluster, first_layer=(x0, ldx0, in0, w0, b0))
         return kernel
 
     def share(self, sms) -> int:
@@ -706,8 +722,9 @@ class LinearKernels:
         forced 16-byte copy the operands do not allow is refused. ``sms``: plan for
         that many SMs (:meth:`share`; a caller running products side by side). ``presplit``: split
         both operands into ``arena`` first and run the pre-split kernel (which must
-        plan, :meth:`plan_presplit`; it plans for the whole device). ``settled``: B is, as
-        :func:`gemm` says (the pre-split kernels ignore it). Returns the kernel that ran."""
+        plan, :meth:`plan_presplit`; it plans for the whole device). ``settled``: B is settled,
+        as :meth:`MLP.forward`'s ``weights_settled`` says: the ``_settled_`` kernel runs where
+        there is one (:meth:`kernel_for`; none on the wgmma and FFMA tiles). Returns the kernel that ran."""
         self.share(sms)  # checked before anything is queued
         if presplit:
             if tile is not None or vector is not None or sms is not None:
@@ -732,11 +749,11 @@ class LinearKernels:
             raise ValueError(f"no wgmma kernel for {role} with {vector}-byte copies here (wgmma: "
                              f"{self.wgmma}; it needs compute capability 9.0, tensor cores and 16-byte copies)")
         p = self.plan(role, m, n, k, tile=tile, splits=splits, vector=vector, sms=sms)
-        kernel = self.kernel_for(role, p, vector)
+        kernel = self.kernel_for(role, p, vector, settled=settled)
         workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=p.splits, workspace=workspace,
-             counters=counters, gate=gate, cluster=p.cluster, settled=settled, **epilogue)
+             counters=counters, gate=gate, cluster=p.cluster, **epilogue)
         return kernel
 
 
@@ -1025,10 +1042,13 @@ class MLP:
 
         ``weights_settled``: the caller vouches that no kernel the first product
         directly depends on writes ``params`` (an optimizer step queued just before
-        does, under dependent launches). The products then load their first weight
-        tiles before waiting for the kernel before them (:func:`gemm`'s ``settled``;
-        measured on the H200 in docs/perf-notes.md, twenty-fifth pass). The output
-        is the same bits either way. Default False."""
+        does, under dependent launches). The products then run gemm.cu's ``_settled_``
+        kernels, which load their first weight tiles before waiting for the kernel
+        before them (measured on the H200 in docs/perf-notes.md, twenty-fifth pass).
+        That holds because every drvtrain kernel lets its dependents start only after
+        its own wait; a kernel of the caller's that lets them start earlier makes the
+        kernels before it direct ones too. The output is the same bits either way.
+        Default False."""
         if params.layout != self.layout:
             raise ValueError("params were made for another layout")
         batch = x.shape[0] if x.shape else 0
