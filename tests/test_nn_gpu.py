@@ -569,6 +569,11 @@ def test_step_graph_has_no_single_block_kernels_or_memsets(device):
     assert set(counts) == {"kernel"}, counts
     for k in step.graph.kernel_nodes():
         assert k.grid[0] * k.grid[1] * k.grid[2] > 1, f"{k.function} launches a single block"
+    # Its backward's dX products (the one folded into dW0 included) run the `_settled_`
+    # kernels (weights_settled): its forward and dW products do not.
+    names = [k.function for k in step.graph.kernel_nodes()]
+    settled = [name for name in names if "_settled_" in name]
+    assert settled and settled == [name for name in names if name.startswith("linear_grad_input")], names
 
 
 def test_bad_inputs_fail_before_launch(device, stream, rng):

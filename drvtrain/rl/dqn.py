@@ -492,15 +492,17 @@ class DQNStep:
                 fork(stream, next_stream, target_stream)
             else:
                 next_stream = target_stream = stream
-            # The weights are settled: the step writes them only after its backward,
-            # and the forwards directly depend on the sampler alone (MLP.forward).
+            # The weights would be settled here (the step writes them only after its
+            # backward; the forwards directly depend on the sampler alone), but the step
+            # measured 0.2 us slower on the `_settled_` kernels (MLP.forward's
+            # weights_settled; docs/perf-notes.md, twenty-fifth pass): not used.
             f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream, gate=gate,
-                                   layers=hidden_layers, sms=self._forward_sms, weights_settled=True)
+                                   layers=hidden_layers, sms=self._forward_sms)
             target_leaves = capture_frontier(target_stream) if capturing else []
             f_next = mlp.forward(self.params, batch.next_obs, arena=arena, stream=next_stream, gate=gate,
-                                 layers=hidden_layers, sms=self._forward_sms, weights_settled=True)
+                                 layers=hidden_layers, sms=self._forward_sms)
             f_online = mlp.forward(self.params, batch.obs, arena=arena, stream=stream, gate=gate,
-                                   layers=hidden_layers, sms=self._forward_sms, weights_settled=True)
+                                   layers=hidden_layers, sms=self._forward_sms)
             online_leaves = capture_frontier(stream) if capturing else []
             if self.streams:
                 join(stream, next_stream, target_stream)
@@ -542,8 +544,7 @@ class DQNStep:
         else:
             first_dw = mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
                                     weight_stream=self._weight_streams or None, dx_last=dh,
-                                    weight_splits=weight_splits, defer_first_dw=self._tail is None,
-                                    weights_settled=True)
+                                    weight_splits=weight_splits, defer_first_dw=self._tail is None)
         if means_stream is not stream:  # the optimizer reads the loss for its NaN guard
             join(stream, means_stream)
         # The priority update needs the loss's priorities and the norm's NaN guard; on
