@@ -19,7 +19,8 @@
 //   linear_forward[_relu]_f32, linear_grad_input_f32, linear_grad_weight_f32: the same on FP32 FFMA.
 //   The tensor-core forward and grad-input kernels (the folded ones too) come twice: once more
 //   with `settled_` before the precision, for a B that no kernel they directly depend on
-//   writes (a layer's weights): B's first tiles go out before the grid wait (tc::gemm's SETTLED).
+//   writes (a layer's weights): B's first tiles (and a folded first layer's W0 and b0) go
+//   out before the grid wait (tc::gemm's SETTLED).
 //
 // Tensor-core kernels: mma.sync m16n8k8 with FP32 accumulation, operands staged
 // in shared memory in their global layout by cp.async through a ring of stages.
@@ -891,8 +892,8 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 // having written nothing (a training loop's step that is not due this iteration).
 // The `_settled_` kernels (forward and grad-input roles, folded ones included) are
 // the same products for a B (and a folded first layer's W0 and b0) that no kernel
-// they directly depend on writes: they issue B's first tiles before waiting for
-// the grid before them (tc::gemm says why that is safe). Kernels of their own, not
+// they directly depend on writes: they issue B's first tiles (and read W0 and b0)
+// before waiting for the grid before them (tc::gemm says why that is safe). Kernels of their own, not
 // a flag: a branch on a launch argument there measured slower on the H200 than no
 // early tiles at all (docs/perf-notes.md, twenty-fifth pass).
 // Arguments a kernel does not use (bias, mask, col_sum) may be 0; so may workspace

@@ -497,37 +497,98 @@ def test_first_layer_folded_into_the_forward_matches_float64(device, stream, rng
                                                 and v.values[0] != "grad_weight"])
 def test_settled_weights_load_before_the_wait_to_the_same_bits(device, stream, rng, role, tile, vector):
     """gemm.cu's forward and dX products on their `_settled_` kernels (B, the weights,
-    loaded before waiting for the kernel before): A is poisoned, then written by a slow one-block
-    kernel launched just before the product, both dependent launches, so the product's
-    blocks start while A is still poison. C is the same bits as an ordinary launch's
-    and within the float64 bound, three times over: a product that read A (or the
-    mask) before its wait, or lost one of B's early tiles, would show it."""
+    loaded before waiting for the kernel before): A is poisoned, then written by a slow
+    one-block kernel launched just before the product, both dependent launches, so the
+    product's blocks start while A is still poison. At the planned split and at 1, 3 and
+    8 splits (8: the 32x32 tile's plain kernels, and splits with no k tile), C is the
+    same bits as an ordinary launch's, nothing unwritten, twice over: a product that
+    read A before its wait, or lost one of B's early tiles, would show it."""
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"programmatic dependent launch needs compute capability 9.0; this device is {device.arch}")
     m, n, k = 200, 77, 300  # edge tiles, and split k on both tiles
     kernels = kernels_for(role, device)
     prod = Product(role, m, n, k, vector, rng)
-    arena, p = arena_for(kernels, role, m, n, k, tile)
-    prod.poison(stream)
-    kernel = prod.launch(kernels, arena, stream, tile, vector)
-    want, _ = prod.outputs()
-    assert not np.isnan(want[:, :n]).any() and rel(want[:, :n], prod.want) < TF32_BOUND
     a_values = DeviceBuffer.from_numpy(prod.a.to_numpy())  # A as it lies, padding included
     copy = builtin_module("elementwise.cu").kernel("scale_f32", "ptr ptr f32 i32")
-    for _ in range(3):
-        prod.a.poison(stream=stream)
+    bound = TF32_BOUND if role.startswith("forward") else X3_BOUND
+    launch = lambda arena, splits, **settled: kernels.launch(
+        role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=arena, stream=stream, tile=tile,
+        vector=vector, splits=splits, **settled, **prod.epilogue)
+    for splits in (None, 1, 3, 8):
+        p = kernels.plan(role, m, n, k, tile=tile, splits=splits)
+        arena = Arena(4 * p.workspace_floats + 1024, zeroed_bytes=4 * p.counters + 256)
         prod.poison(stream)
+        kernel = launch(arena, splits)
+        want, _ = prod.outputs()
+        assert not np.isnan(want[:, :n]).any() and rel(want[:, :n], prod.want) < bound, kernel.name
+        for _ in range(2):
+            prod.a.poison(stream=stream)
+            prod.poison(stream)
+            arena.reset()
+            with dependent_launches(True):
+                copy.launch(1, 128, prod.a, a_values, 1.0, prod.a.size, stream=stream)  # one slow block
+                again = launch(arena, splits, settled=True)
+            assert again.settled and again.name == kernel.name.replace("_tf32", "_settled_tf32").replace(
+                "_3xtf32", "_settled_3xtf32")
+            got, _ = prod.outputs()
+            where = f"{again.name}, {p.splits} splits"
+            assert not np.isnan(got[:, :n]).any(), f"{where}: {np.isnan(got[:, :n]).sum()} outputs NaN or unwritten"
+            assert got.tobytes() == want.tobytes(), f"{where}: not the ordinary launch's bits"
+        arena.close()
+
+
+@pytest.mark.parametrize("vector", [16, 4])
+@pytest.mark.parametrize("role", ["forward_relu_x0", "grad_input_dw0"])
+def test_settled_folded_kernels_read_their_input_after_the_wait(device, stream, rng, role, vector):
+    """The folded `_settled_` kernels (W, and the forward's W0 and b0, before the wait)
+    under dependent launch: the input that the kernel before writes (the forward's X0,
+    the dX's dY) is poisoned, then written by a slow one-block kernel launched just
+    before, so their blocks start while it is still poison. H0 and C (the forward), dW0
+    and db0 (the dX) are the same bits as the plain kernel's, nothing unwritten."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"the folded kernels run in clusters: compute capability 9.0; this device is {device.arch}")
+    m, n, k, in0 = 256, 256, 256, 4
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    copy = builtin_module("elementwise.cu").kernel("scale_f32", "ptr ptr f32 i32")
+    arena = Arena(1 << 22, zeroed_bytes=1 << 14)
+    if role == "forward_relu_x0":
+        kernels = kernels_for("forward", device)
+        x0 = DeviceBuffer.from_numpy(f32(m, in0))
+        w0, b0, b1 = (DeviceBuffer.from_numpy(v) for v in (f32(k, in0), f32(k), f32(n)))
+        ldw = k if vector == 16 else k + 1  # W's rows of k + 1 floats: 4-byte copies
+        w1 = device_matrix(f32(n, k), ldw)
+        h0, c = DeviceBuffer((m, k), np.float32), DeviceBuffer((m, n), np.float32)
+        written, outputs = x0, (h0, c)
+        run = lambda **settled: kernels.launch_first_layer(
+            "forward_relu", w1, ldw, c, n, m, n, k, bias=b1, x0=x0, ldx0=in0, in0=in0, w0=w0, b0=b0, h0=h0,
+            arena=arena, stream=stream, **settled)
+    else:
+        kernels = kernels_for("grad_input", device)
+        prod = Product("grad_input", m, n, k, vector, rng)
+        x0 = DeviceBuffer.from_numpy(f32(m, in0))
+        dw0, db0 = DeviceBuffer((n, in0), np.float32), DeviceBuffer((n,), np.float32)
+        written, outputs = prod.a, (dw0, db0)
+        run = lambda **settled: kernels.launch_first_dw(
+            prod.a, prod.lda, prod.b, prod.ldb, m, n, k, mask=prod.mask, ldm=prod.ldm, x0=x0, ldx0=in0, in0=in0,
+            dw0=dw0, db0=db0, arena=arena, stream=stream, **settled)
+    values = DeviceBuffer.from_numpy(written.to_numpy())
+    for buf in outputs:
+        buf.poison(stream=stream)
+    run()
+    want = [buf.to_numpy() for buf in outputs]
+    assert not any(np.isnan(w).any() for w in want)
+    for _ in range(2):
+        written.poison(stream=stream)
+        for buf in outputs:
+            buf.poison(stream=stream)
         arena.reset()
         with dependent_launches(True):
-            copy.launch(1, 128, prod.a, a_values, 1.0, prod.a.size, stream=stream)  # one slow block
-            again = kernels.launch(role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k,
-                                   arena=arena, stream=stream, tile=tile, vector=vector, settled=True,
-                                   **prod.epilogue)
-        assert again.settled and again.name == kernel.name.replace("_tf32", "_settled_tf32").replace(
-            "_3xtf32", "_settled_3xtf32")
-        got, _ = prod.outputs()
-        assert not np.isnan(got[:, :n]).any(), f"{kernel.name}: {np.isnan(got[:, :n]).sum()} outputs NaN or unwritten"
-        assert got.tobytes() == want.tobytes(), f"{kernel.name}: settled changed the bits ({p.splits} splits)"
+            copy.launch(1, 128, written, values, 1.0, written.size, stream=stream)  # one slow block
+            run(settled=True)
+        for buf, w in zip(outputs, want):
+            got = buf.to_numpy()
+            assert not np.isnan(got).any(), f"{role}: {np.isnan(got).sum()} NaN or unwritten"
+            assert got.tobytes() == w.tobytes(), f"{role}: not the plain kernel's bits"
     arena.close()
 
 

@@ -623,7 +623,8 @@ def test_kernel_names_follow_the_roles_and_precisions():
     assert kernel_name("grad_input", "3xtf32", TILES[0], 4, settled=True) == "linear_grad_input_64x64_cp4_settled_3xtf32"
     assert kernel_name("grad_input_dw0", "3xtf32", TILES[1], 4, cluster=True, settled=True) == \
         "linear_grad_input_dw0_32x32_cp4_cluster_settled_3xtf32"
-    for args in (("grad_weight", "3xtf32", TILES[1], 16), ("forward", "f32"), ("forward", "tf32", WGMMA_TILE, 16)):
+    for args in (("grad_weight", "3xtf32", TILES[1], 16), ("forward", "f32"), ("forward", "tf32", WGMMA_TILE, 16),
+                 ("grad_input", "3xtf32", WGMMA_TILE, 16, True)):  # the last: pre-split
         with pytest.raises(ValueError, match="no settled kernel"):
             kernel_name(*args, settled=True)
     with pytest.raises(ValueError, match="runs in"):

@@ -107,14 +107,14 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
         raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
     if precision not in _PRECISIONS[role]:
         raise ValueError(f"{role} runs in {' or '.join(_PRECISIONS[role])}, not {precision!r}")
+    if settled and (role not in _SETTLED_ROLES or precision == "f32" or tile not in TILES or presplit):
+        raise ValueError(f"no settled kernel of {role} in {precision} on tile {tile.name}: only gemm.cu's "
+                         f"tensor-core kernels of {', '.join(_SETTLED_ROLES)}")
     if presplit:
         if tile is not WGMMA_TILE or precision != "3xtf32":
             raise ValueError(f"only the wgmma tile's 3xTF32 backward takes split operands, not {role} in "
                              f"{precision} on tile {tile.name}")
         return f"linear_{role}_wgmma_presplit_{precision}"
-    if settled and (role not in _SETTLED_ROLES or precision == "f32" or tile not in TILES or presplit):
-        raise ValueError(f"no settled kernel of {role} in {precision} on tile {tile.name}: only gemm.cu's "
-                         f"tensor-core kernels of {', '.join(_SETTLED_ROLES)}")
     if role in _FOLDED and not (tile is TILE_32 and cluster and vector in (4, 16) and not presplit):
         raise ValueError(f"{role} runs on tile 32x32's cluster kernels only, not tile {tile.name} "
                          f"(cluster={cluster}, {vector}-byte copies)")
@@ -461,7 +461,10 @@ class LinearKernels:
     None: where the device has clusters (compute capability 9.0+). False keeps
     the workspace path (tests of it). The wgmma tile always may. ``kernels`` and
     ``clustered`` (gemm.cu's ``_cluster_`` kernels, loaded with ``clusters``) map
-    (role, tile, copy width) to a :class:`GemmKernel`."""
+    (role, tile, copy width) to a :class:`GemmKernel`; ``settled`` maps (role, tile,
+    copy width, cluster) to the ``_settled_`` kernel of each of them (and of the
+    folded ones) whose B is a weight: loaded up front with the others, used only
+    where a caller asks (:meth:`kernel_for`)."""
 
     def __init__(self, roles, precision: str, sm_count: int, *, wgmma: bool = False, presplit: bool = False,
                  clusters: bool | None = None):
@@ -1109,8 +1112,9 @@ class MLP:
         is joined back into ``stream`` before return.
 
         ``weights_settled``: as :meth:`forward` takes it, for the dX products (they
-        read ``params``; the dW products read activations): no kernel the backward
-        directly depends on (the loss, say) writes ``params``.
+        read ``params``; the dW products read activations): no kernel that any dX
+        product directly depends on (the loss, a dW product, the dX before it) writes
+        ``params``.
 
         Pre-split products (:meth:`presplit_layers`): a layer's dY is split on
         ``stream`` in one pass for both of its products. With ``weight_stream`` the

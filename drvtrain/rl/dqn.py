@@ -492,10 +492,8 @@ class DQNStep:
                 fork(stream, next_stream, target_stream)
             else:
                 next_stream = target_stream = stream
-            # The weights would be settled here (the step writes them only after its
-            # backward; the forwards directly depend on the sampler alone), but the step
-            # measured 0.2 us slower on the `_settled_` kernels (MLP.forward's
-            # weights_settled; docs/perf-notes.md, twenty-fifth pass): not used.
+            # No weights_settled (MLP.forward): the step measured 0.2 us slower on the
+            # `_settled_` kernels (docs/perf-notes.md, twenty-fifth pass).
             f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream, gate=gate,
                                    layers=hidden_layers, sms=self._forward_sms)
             target_leaves = capture_frontier(target_stream) if capturing else []
