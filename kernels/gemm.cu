@@ -893,9 +893,10 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
 // The `_settled_` kernels (forward and grad-input roles, folded ones included) are
 // the same products for a B (and a folded first layer's W0 and b0) that no kernel
 // they directly depend on writes: they issue B's first tiles (and read W0 and b0)
-// before waiting for the grid before them (tc::gemm says why that is safe). Kernels of their own, not
-// a flag: a branch on a launch argument there measured slower on the H200 than no
-// early tiles at all (docs/perf-notes.md, twenty-fifth pass).
+// before waiting for the grid before them (tc::gemm says why that is safe). They
+// are kernels of their own, not a flag: a branch on a launch argument there
+// measured slower on the H200 than no early tiles at all (docs/perf-notes.md,
+// twenty-fifth pass).
 // Arguments a kernel does not use (bias, mask, col_sum) may be 0; so may workspace
 // and counters with gridDim.z == 1, or for a `_cluster_` kernel launched in
 // clusters of its gridDim.z splits. Otherwise counters is one zeroed uint per output
