@@ -3,8 +3,7 @@ and copy width."""
 import numpy as np
 import pytest
 
-from drvtrain import Arena, DeviceBuffer, Stream, capture, dependent_launches
-from drvtrain.kernel import builtin_module
+from drvtrain import Arena, DeviceBuffer, Stream, capture, dependent_launches, kernel_dir, load_source
 from drvtrain.stream import fork
 from drvtrain.nn import MLP, FlatBuffer, ParamLayout
 from drvtrain.nn.mlp import TILE_32, TILES, WGMMA_TILE, LinearKernels, gemm, plan, wgmma_available
@@ -16,6 +15,33 @@ ROLES = ["forward", "forward_relu", "grad_input", "grad_weight"]
 # (M, N, K): not multiples of any tile; the output layer's narrow N; split-k with both tiles.
 SHAPES = [(77, 35, 45), (512, 19, 1024), (256, 3, 256), (512, 1024, 1024)]
 TF32_BOUND, X3_BOUND = 2e-3, 1e-5
+
+
+# The writer before a `_settled_` product: out = x, one block, after `ns` nanoseconds.
+# It lets the kernel launched after it start at once (a dependent launch) and then
+# waits, so it ends well after that kernel's blocks begin, whatever the host spends
+# between the two launches: a read before the product's wait sees the poison. A plain
+# one-block copy of 66 K floats ended before the folded kernels read, and a folded
+# kernel that read its input before its wait passed against it.
+LATE_COPY_SOURCE = r"""
+#include "common.cuh"
+extern "C" __global__ void late_copy(float* out, const float* x, int n, unsigned long long ns) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i];
+}
+"""
+LATE_NS = 50_000
+
+
+def late_copy():
+    return load_source(LATE_COPY_SOURCE, "late_copy.cu", include_dirs=[kernel_dir()]).kernel(
+        "late_copy", "ptr ptr i32 u64")
 
 
 def padded_ld(extent, vector):
@@ -497,19 +523,20 @@ def test_first_layer_folded_into_the_forward_matches_float64(device, stream, rng
                                                 and v.values[0] != "grad_weight"])
 def test_settled_weights_load_before_the_wait_to_the_same_bits(device, stream, rng, role, tile, vector):
     """gemm.cu's forward and dX products on their `_settled_` kernels (B, the weights,
-    loaded before waiting for the kernel before): A is poisoned, then written by a slow
-    one-block kernel launched just before the product, both dependent launches, so the
-    product's blocks start while A is still poison. At the planned split and at 1, 3 and
-    8 splits (8: the 32x32 tile's plain kernels, and splits with no k tile), C is the
-    same bits as an ordinary launch's, nothing unwritten, twice over: a product that
-    read A before its wait, or lost one of B's early tiles, would show it."""
+    loaded before waiting for the kernel before): A is poisoned, then written by a late
+    one-block kernel (`late_copy`) launched just before the product, both dependent
+    launches, so the product's blocks start while A is still poison. At the planned
+    split and at 1, 3 and 8 splits (8: the 32x32 tile's plain kernels, and splits with
+    no k tile), C is the same bits as an ordinary launch's, nothing unwritten, twice
+    over: a product that read A before its wait, or lost one of B's early tiles, would
+    show it."""
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"programmatic dependent launch needs compute capability 9.0; this device is {device.arch}")
     m, n, k = 200, 77, 300  # edge tiles, and split k on both tiles
     kernels = kernels_for(role, device)
     prod = Product(role, m, n, k, vector, rng)
     a_values = DeviceBuffer.from_numpy(prod.a.to_numpy())  # A as it lies, padding included
-    copy = builtin_module("elementwise.cu").kernel("scale_f32", "ptr ptr f32 i32")
+    copy = late_copy()
     bound = TF32_BOUND if role.startswith("forward") else X3_BOUND
     launch = lambda arena, splits, **settled: kernels.launch(
         role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=arena, stream=stream, tile=tile,
@@ -526,7 +553,7 @@ def test_settled_weights_load_before_the_wait_to_the_same_bits(device, stream, r
             prod.poison(stream)
             arena.reset()
             with dependent_launches(True):
-                copy.launch(1, 128, prod.a, a_values, 1.0, prod.a.size, stream=stream)  # one slow block
+                copy.launch(1, 128, prod.a, a_values, prod.a.size, LATE_NS, stream=stream)
                 again = launch(arena, splits, settled=True)
             assert again.settled and again.name == kernel.name.replace("_tf32", "_settled_tf32").replace(
                 "_3xtf32", "_settled_3xtf32")
@@ -542,16 +569,15 @@ def test_settled_weights_load_before_the_wait_to_the_same_bits(device, stream, r
 def test_settled_folded_kernels_read_their_input_after_the_wait(device, stream, rng, role, vector):
     """The folded `_settled_` kernels (W, and the forward's W0 and b0, before the wait)
     under dependent launch: the input that the kernel before writes (the forward's X0,
-    the dX's dY) is poisoned, then written by a one-block kernel launched just before.
-    H0 and C (the forward), dW0 and db0 (the dX) are the same bits as the plain
-    kernel's, nothing unwritten. X0 is only 1024 floats: its writer ends before the
-    forward's blocks read it, so a forward that read X0 before its wait passed this
-    test on the H200 (docs/perf-notes.md, twenty-fifth pass); a slower writer is owed."""
+    the dX's dY) is poisoned, then written by `late_copy` launched just before. H0 and
+    C (the forward), dW0 and db0 (the dX) are the same bits as the plain kernel's,
+    nothing unwritten: a forward that read X0 before its wait, or a dX that read dY
+    before it, would show it."""
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"the folded kernels run in clusters: compute capability 9.0; this device is {device.arch}")
     m, n, k, in0 = 256, 256, 256, 4
     f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
-    copy = builtin_module("elementwise.cu").kernel("scale_f32", "ptr ptr f32 i32")
+    copy = late_copy()
     arena = Arena(1 << 22, zeroed_bytes=1 << 14)
     if role == "forward_relu_x0":
         kernels = kernels_for("forward", device)
@@ -585,7 +611,7 @@ def test_settled_folded_kernels_read_their_input_after_the_wait(device, stream, 
             buf.poison(stream=stream)
         arena.reset()
         with dependent_launches(True):
-            copy.launch(1, 128, written, values, 1.0, written.size, stream=stream)  # one slow block
+            copy.launch(1, 128, written, values, written.size, LATE_NS, stream=stream)
             run(settled=True)
         for buf, w in zip(outputs, want):
             got = buf.to_numpy()

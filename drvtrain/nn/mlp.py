@@ -336,6 +336,11 @@ class GemmKernel:
         return f"<GemmKernel {self.name}>"
 
 
+def _settled_key(kernel: GemmKernel) -> tuple:
+    """The key of ``kernel``'s ``_settled_`` kernel in :attr:`LinearKernels.settled`."""
+    return kernel.role, kernel.tile, kernel.vector, kernel.cluster
+
+
 def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
          splits=1, workspace=0, counters=0, gate=0, cluster=False, first_dw=(), first_layer=()):
     """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
@@ -495,8 +500,8 @@ class LinearKernels:
         # (kernel_name's settled), by (role, tile, copy width, cluster).
         loaded = list(self.kernels.values()) + list(self.clustered.values()) + list(self.first_dw.values()) + \
             list(self.first_layer.values())
-        self.settled = {(k.role, k.tile, k.vector, k.cluster): GemmKernel(k.role, precision, k.tile, k.vector,
-                                                                          cluster=k.cluster, settled=True)
+        self.settled = {_settled_key(k): GemmKernel(k.role, precision, k.tile, k.vector, cluster=k.cluster,
+                                                    settled=True)
                         for k in loaded if k.role in _SETTLED_ROLES and k.tile in TILES}
         self.wgmma = bool(wgmma and precision != "f32")
         for role in roles if self.wgmma else ():
@@ -522,7 +527,12 @@ class LinearKernels:
             kernel = self.clustered[key]
         else:
             kernel = self.kernels[key]
-        return self.settled.get((role, kernel.tile, kernel.vector, kernel.cluster), kernel) if settled else kernel
+        return self.settled_twin(kernel) if settled else kernel
+
+    def settled_twin(self, kernel: GemmKernel) -> GemmKernel:
+        """``kernel``'s ``_settled_`` kernel (:attr:`settled`), or ``kernel`` itself where
+        it has none."""
+        return self.settled.get(_settled_key(kernel), kernel)
 
     def plan_first_dw(self, m, n, k, in0) -> Plan | None:
         """The plan of the ``grad_input_dw0`` product (dX [m, n] = dY [m, k] W [k, n],
@@ -559,7 +569,7 @@ class LinearKernels:
             raise ValueError(f"no grad_input_dw0 launch of {m}x{n}x{k} with {in0} inputs here")
         kernel = self.first_dw[vector_width(dy, ldy, w, ldw)]
         if settled:
-            kernel = self.settled[(kernel.role, kernel.tile, kernel.vector, kernel.cluster)]
+            kernel = self.settled_twin(kernel)
         workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         work_floats, strips = self.first_dw_scratch(m, n, in0)
@@ -602,7 +612,7 @@ class LinearKernels:
         vector = vector_width(h0, k, w, ldw) if h0 else vector_width(0, 4, w, ldw)  # no H0: only W decides
         kernel = self.first_layer[(role, vector)]
         if settled:
-            kernel = self.settled[(kernel.role, kernel.tile, kernel.vector, kernel.cluster)]
+            kernel = self.settled_twin(kernel)
         workspace = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         gemm(kernel, h0, k, w, ldw, c, ldc, m, n, k, stream, bias=bias, splits=p.splits, workspace=workspace,
