@@ -473,8 +473,6 @@ extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
         const float* params, const DtSpectralMatrix* mats, int n_mats, float* u_all, const float* v_all,
         double* partials, const int* skip) {
     const DtSpectralBlock where = dt_spectral_block(mats, n_mats, false, (int)blockIdx.x);  // the constant table
-    dt_wait_prior_grid();
-    dt_allow_dependents();
-    // The flag is loaded with the partials, x and W: one round trip, not two.
-    dt_spectral_rows_block((int)blockIdx.x, where, params, u_all, v_all, partials, dt_issued_flag(skip));
+    // W before the grid wait (it waits inside), the flag with the partials and x.
+    dt_spectral_rows_block<true>((int)blockIdx.x, where, params, u_all, v_all, partials, skip);
 }

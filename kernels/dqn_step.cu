@@ -319,8 +319,8 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
             }
             dt_grid_barrier(barrier);
             for (int b = blockIdx.x; b < row_blocks; b += gridDim.x) {
-                dt_spectral_rows_block(b, dt_spectral_block(mats, n_mats, false, b), params, u_all, v_all,
-                                       spectral_partials, 0);
+                dt_spectral_rows_block<false>(b, dt_spectral_block(mats, n_mats, false, b), params, u_all, v_all,
+                                              spectral_partials, nullptr);
                 __syncthreads();
             }
         }

@@ -202,13 +202,23 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const DtSpe
 //   `where` = dt_spectral_block(.., false, index), SPECTRAL_THREADS (256) threads,
 //   every one of which calls it; after every block of phase 1 has finished.
 //   The first chunk's operands (phase 1's partials, x, and on the float4 path
-//   the block's rows of W) are loaded before anything waits on them; `skipped`
-//   (the kernel's skip flag, loaded with them; 0 in the cooperative tail)
-//   non-zero: it returns before writing.
+//   the block's rows of W) are loaded before anything waits on them; the flag at
+//   `skip` (null in the cooperative tail: never set) set: it returns before writing.
+// WAIT (the spectral_rows kernel, a dependent launch after spectral_columns): the
+//   block's rows of W are loaded before its grid wait, which it calls, and the rest
+//   after it. W is settled here: the kernel before is always the columns phase,
+//   which does not write W, and W's writer (AdamW) finished before that phase's
+//   own wait returned, which every drvtrain kernel passes before it lets its
+//   dependents start (common.cuh).
+template <bool WAIT>
 __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectralBlock& where, const float* params,
                                                        float* u_all, const float* v_all, double* partials,
-                                                       int skipped) {
-    if (where.found < 0) return;
+                                                       const int* skip) {
+    if (where.found < 0) {
+        if constexpr (WAIT) dt_wait_prior_grid();
+        if constexpr (WAIT) dt_allow_dependents();
+        return;
+    }
     const DtSpectralMatrix& mat = where.mat;
     const int block = where.block, column_grid = where.column_grid;
     __shared__ __align__(16) float v_stage[SPECTRAL_V_CHUNK];
@@ -222,18 +232,12 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectr
     const int row0 = block * DT_SPECTRAL_ROWS_PER_BLOCK + warp;
     const bool vec = cols % 4 == 0 && aligned16(W);
 
-    // Everything the first chunk needs, loaded before anything waits on it: this
-    // thread's first partial of phase 1 (for ||x||), its values of x in the first
-    // chunk, and on the float4 path its lane's float4s of the warp's rows there.
+    // Everything the first chunk needs, loaded before anything waits on it: on the
+    // float4 path its lane's float4s of the warp's rows (before the grid wait where
+    // WAIT), this thread's first partial of phase 1 (for ||x||), its values of x in
+    // the first chunk.
     const int column_blocks = dt_spectral_column_blocks(cols);
     const int len0 = min(SPECTRAL_V_CHUNK, cols);
-    const double partial0 = (int)threadIdx.x < column_blocks ? partials[mat.first_block_cols + threadIdx.x] : 0.0;
-    float x0[SPECTRAL_V_PER_THREAD];
-#pragma unroll
-    for (int k = 0; k < SPECTRAL_V_PER_THREAD; ++k) {
-        const int e = threadIdx.x + k * SPECTRAL_THREADS;
-        x0[k] = e < len0 ? v_all[mat.v_offset + e] : 0.0f;
-    }
     float4 w0[SPECTRAL_ROWS_PER_WARP][SPECTRAL_Q_PER_LANE] = {};
     if (vec) {
 #pragma unroll
@@ -246,7 +250,20 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectr
             }
         }
     }
+    if constexpr (WAIT) {
+        dt_wait_prior_grid();
+        dt_allow_dependents();
+    }
+    const int skipped = dt_read_flag(skip);
+    const double partial0 = (int)threadIdx.x < column_blocks ? partials[mat.first_block_cols + threadIdx.x] : 0.0;
+    float x0[SPECTRAL_V_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < SPECTRAL_V_PER_THREAD; ++k) {
+        const int e = threadIdx.x + k * SPECTRAL_THREADS;
+        x0[k] = e < len0 ? v_all[mat.v_offset + e] : 0.0f;
+    }
     // The loads above are issued before the flag (block-uniform) is tested.
+    dt_issued(skipped);
     dt_issued(partial0);
 #pragma unroll
     for (int k = 0; k < SPECTRAL_V_PER_THREAD; ++k) dt_issued(x0[k]);

@@ -1074,6 +1074,9 @@ class MLP:
         acts = [x]
         last = n - 1
         folded = self.first_layer_folded(batch, sms=sms, layers=layers)
+        # Each product after the first directly depends only on the one before, which
+        # writes no weight: the weights are settled for it whatever the caller says.
+        settled = weights_settled
         for k, (out, inp) in enumerate(self.layout.layers[:layers]):
             y = arena.array((batch, out), np.float32)
             role = "forward" if k == last else "forward_relu"
@@ -1083,11 +1086,13 @@ class MLP:
                                                         bias=params.bias(1), x0=x, ldx0=in0, in0=in0,
                                                         w0=params.weight(0), b0=params.bias(0), h0=acts[1],
                                                         arena=arena, stream=stream, gate=gate, sms=sms,
-                                                        settled=weights_settled)
+                                                        settled=settled)
+                settled = True
             elif not (folded and k == 0):  # layer 0 is launched with layer 1
                 self.forward_kernels.launch(role, acts[-1], inp, params.weight(k), inp, y, out, batch, out, inp,
                                             arena=arena, stream=stream, gate=gate, bias=params.bias(k), sms=sms,
-                                            settled=weights_settled)
+                                            settled=settled)
+                settled = True
             acts.append(y)
         return Forward(tuple(acts))
 
