@@ -322,7 +322,8 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     launch's arguments, stream and workspace, the pre-split products' split passes
     included; with a forward planned for a third of the SMs (``sms``) too. With
     ``weights_settled``, gemm.cu's tensor-core forward and dX products (B: a weight)
-    run their `_settled_` kernels, the dW products (B: an activation) never do."""
+    run their `_settled_` kernels, the dW products (B: an activation) never do; the
+    forward's products after its first run them either way."""
     launches = []
     _fake_kernels(monkeypatch, launches, cc)
     layout = ParamLayout.from_widths(widths)
@@ -390,7 +391,9 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
             assert stream is side and not big and big_t and (rows, cols) == (batch, widths[1])
         else:  # the layer's dY, both ways (dX and dW), on the chain
             assert stream is main and big and big_t and (rows, cols) == (batch, widths[2])
-    for (name, grid, args, stream, shared_mem, cluster), (m, n, k) in zip(kernels, model._products(batch, sms=sms)):
+    first_forward = next(i for i, entry in enumerate(kernels) if "_forward" in entry[0])
+    for i, ((name, grid, args, stream, shared_mem, cluster), (m, n, k)) in enumerate(
+            zip(kernels, model._products(batch, sms=sms))):
         if "_wgmma_" in name and "_forward" in name:  # X and W as tensor maps of 128 x 32 boxes over m x k, n x k
             map_a, map_b, _, _, *mnk, _, workspace, counters, _ = args
             col_sum = 0
@@ -420,9 +423,12 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
             b_is_weight = (1 << 38) <= args[2].ptr < params_end
             assert b_is_weight == ("grad_weight" not in name), name
         # gemm.cu's tensor-core products whose B is a weight run `_settled_` where the caller
-        # said so; the FFMA, wgmma and dW products never do.
+        # said so, and the forward's products after its first always; the FFMA, wgmma and
+        # dW products never do.
         tensor_core = "_wgmma_" not in name and not name.endswith("_f32")
-        assert ("_settled_" in name) == (settled and tensor_core and "grad_weight" not in name), name
+        later_forward = "_forward" in name and i > first_forward
+        assert ("_settled_" in name) == ((settled or later_forward) and tensor_core and "grad_weight" not in name), \
+            name
         assert tuple(mnk) == (m, n, k)
         if "_presplit_" in name:
             want_shared = 193 * 1024

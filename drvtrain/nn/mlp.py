@@ -1055,13 +1055,14 @@ class MLP:
 
         ``weights_settled``: the caller vouches that no kernel the first product
         directly depends on writes ``params`` (an optimizer step queued just before
-        does, under dependent launches). The products then run gemm.cu's ``_settled_``
-        kernels, which load their first weight tiles before waiting for the kernel
-        before them (measured on the H200 in docs/perf-notes.md, twenty-fifth pass).
-        That holds because every drvtrain kernel lets its dependents start only after
-        its own wait; a kernel of the caller's that lets them start earlier makes the
-        kernels before it direct ones too. The output is the same bits either way.
-        Default False."""
+        does, under dependent launches). The first product then runs gemm.cu's
+        ``_settled_`` kernel, which loads its first weight tiles before waiting for the
+        kernel before it (measured on the H200 in docs/perf-notes.md, twenty-fifth
+        pass). The products after the first always run them: each directly depends
+        only on the product before, which writes no weight. That holds because every
+        drvtrain kernel lets its dependents start only after its own wait; a kernel of
+        the caller's that lets them start earlier makes the kernels before it direct
+        ones too. The output is the same bits either way. Default False."""
         if params.layout != self.layout:
             raise ValueError("params were made for another layout")
         batch = x.shape[0] if x.shape else 0

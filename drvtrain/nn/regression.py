@@ -110,7 +110,8 @@ class RegressionStep:
         first_dw = None  # the first layer's dW left for the norm to sum (MLP.backward's defer_first_dw)
         if self.net is self.mlp:
             # The weights are settled for the backward (its products follow the loss);
-            # not for the forward, whose kernel before it may be the last step's AdamW.
+            # not for the forward's first product, whose kernel before it may be the last
+            # step's AdamW (MLP.forward settles the later ones itself).
             first_dw = self.mlp.backward(self.params, self.grads, fwd, dout, arena=self.arena, stream=stream,
                                          weight_stream=self.weight_streams or None, defer_first_dw=True,
                                          weights_settled=True)

@@ -493,7 +493,8 @@ class DQNStep:
             else:
                 next_stream = target_stream = stream
             # No weights_settled (MLP.forward): the step measured 0.2 us slower on the
-            # `_settled_` kernels (docs/perf-notes.md, twenty-fifth pass).
+            # `_settled_` kernels (docs/perf-notes.md, twenty-fifth pass). Each pass's
+            # products after its first run them anyway (MLP.forward).
             f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream, gate=gate,
                                    layers=hidden_layers, sms=self._forward_sms)
             target_leaves = capture_frontier(target_stream) if capturing else []
