@@ -132,13 +132,24 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_clip_step(
     DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, 1.0f, t_guess);
     dt_issued(a.step_size);  // computed here, not sunk past the wait
     dt_issued(a.bias2_sqrt);
-    dt_wait_prior_grid();
-    dt_allow_dependents();
-    // One round of loads: the first float4's operands, this thread's first two
-    // partials (every one while there are at most 512), the loss, the gate and t.
+    // The first float4 of params, m and v before the wait too: the kernel before this
+    // one is always grad_norm_partials (AdamW.step launches both), which writes none
+    // of them, and whatever wrote them last (this kernel, the finish pass, the host, a
+    // caller's kernel) ended before that kernel's own wait returned, which it passes
+    // before it lets this one start (common.cuh). grads is read after the wait:
+    // grad_norm_partials_first_dw writes dW0 and db0 into it.
     const long long first = dt_thread_index(), stride = dt_grid_stride();
     DtAdamWFloat4 x;
-    if (first < n / 4) x = dt_adamw_load(first, params, grads, m, v);
+    if (first < n / 4) {
+        x.p = reinterpret_cast<const float4*>(params)[first];
+        x.m = reinterpret_cast<const float4*>(m)[first];
+        x.v = reinterpret_cast<const float4*>(v)[first];
+    }
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    // One round of loads: the first float4's gradient, this thread's first two
+    // partials (every one while there are at most 512), the loss, the gate and t.
+    if (first < n / 4) x.g = reinterpret_cast<const float4*>(grads)[first];
     const int second = threadIdx.x + ADAM_THREADS;
     const double head = (int)threadIdx.x < norm_blocks ? __ldcg(&partials[threadIdx.x]) : 0.0;
     const double next = second < norm_blocks ? __ldcg(&partials[second]) : 0.0;
