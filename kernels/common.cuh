@@ -208,9 +208,11 @@ __device__ __forceinline__ int dt_issued_flag(const int* flag) {
 // writes or reads; before it, a kernel reads only what stays constant for the
 // step's life (the spectral kernels' and the finish pass's matrix table), a
 // guess that it checks after the wait and redoes if wrong (adamw_clip_step's
-// step counter), or what its launcher vouches that no kernel it directly depends
-// on writes (gemm.cu's `settled` weights), so the overlap covers launch, block
-// setup and that work, and no result can change.
+// step counter), or what no kernel it directly depends on writes: gemm.cu's
+// `settled` weights (where its launcher vouches for it, and in a forward's
+// products after the first), spectral_rows' W (after spectral_columns) and
+// adamw_clip_step's params and moments (after grad_norm_partials). So the overlap
+// covers launch, block setup and that work, and no result can change.
 // Without the launch attribute both calls are no-ops.
 // dt_allow_dependents() lets the next kernel's blocks be scheduled once every
 // block of this grid has called it (or exited). Every drvtrain kernel calls it

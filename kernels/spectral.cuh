@@ -202,21 +202,24 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const DtSpe
 //   `where` = dt_spectral_block(.., false, index), SPECTRAL_THREADS (256) threads,
 //   every one of which calls it; after every block of phase 1 has finished.
 //   The first chunk's operands (phase 1's partials, x, and on the float4 path
-//   the block's rows of W) are loaded before anything waits on them; the flag at
-//   `skip` (null in the cooperative tail: never set) set: it returns before writing.
-// WAIT (the spectral_rows kernel, a dependent launch after spectral_columns): the
-//   block's rows of W are loaded before its grid wait, which it calls, and the rest
-//   after it. W is settled here: the kernel before is always the columns phase,
-//   which does not write W, and W's writer (AdamW) finished before that phase's
-//   own wait returned, which every drvtrain kernel passes before it lets its
-//   dependents start (common.cuh).
+//   the block's rows of W) are loaded before anything waits on them. It takes
+//   the skip flag's address (the columns phase takes its value): where the flag
+//   is set it returns before writing; the cooperative tail passes null (never set).
+// WAIT (the spectral_rows kernel, a dependent launch directly after
+//   spectral_columns): the function calls the grid wait itself, after the float4
+//   path's first chunk of the block's rows of W and before everything else. W is
+//   settled there: the columns phase does not write it, and W's writer (AdamW)
+//   ended before that phase's own wait returned, which every drvtrain kernel
+//   passes before it lets its dependents start (common.cuh).
 template <bool WAIT>
 __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectralBlock& where, const float* params,
                                                        float* u_all, const float* v_all, double* partials,
                                                        const int* skip) {
     if (where.found < 0) {
-        if constexpr (WAIT) dt_wait_prior_grid();
-        if constexpr (WAIT) dt_allow_dependents();
+        if constexpr (WAIT) {
+            dt_wait_prior_grid();
+            dt_allow_dependents();
+        }
         return;
     }
     const DtSpectralMatrix& mat = where.mat;

@@ -156,3 +156,11 @@ def test_user_source_can_include_drvtrain_headers(cache_dir):
     src = '#include "common.cuh"\nextern "C" __global__ void k(float* x) { x[dt_thread_index()] = 1; }\n'
     assert cubin_arch(compile_source(src, "user.cu", arch="sm_90").cubin) == 90
 
+
+
+def test_the_tests_late_writer_compiles_for_sm_90(cache_dir):
+    """The GPU tests' late writer (tests/late_writer.py), so that a mistake in it shows here too."""
+    from late_writer import LATE_COPY_SOURCE
+    prog = compile_source(LATE_COPY_SOURCE, "late_copy.cu", arch="sm_90", include_dirs=[compiler.kernel_dir()])
+    assert cubin_arch(prog.cubin) == 90
+    assert b"late_copy" in prog.cubin and b"copy_around_the_wait" in prog.cubin

@@ -5,11 +5,12 @@ import math
 import numpy as np
 import pytest
 
-from drvtrain import DeviceBuffer, Stream, capture
+from drvtrain import DeviceBuffer, Stream, capture, dependent_launches
 from drvtrain.rl import DQNConfig, DQNStep, TrainingError
 from drvtrain.nn.mlp import wgmma_available
 from drvtrain.rl.dqn import audit_step
 from dqn_reference import dqn_loss, dqn_step, dueling_q
+from late_writer import LATE_NS, late_copy, words
 from nn_reference import mlp_backward, mlp_forward, rel
 from per_reference import tree_inconsistency
 
@@ -487,6 +488,46 @@ def test_spectral_columns_phase_is_its_order_bit_for_bit(device, rng, rows):
         assert rel(x, want) < 1e-6
 
 
+def test_spectral_rows_reads_only_its_weights_before_its_wait(device, rng):
+    """spectral_rows loads its rows of W before its grid wait (the kernel before it, the
+    columns phase, writes no W) and x, the columns phase's partials and the flag after
+    it. With v and the partials poisoned, then written by `late_copy`, the kernel before
+    it under dependent launch, y and the row partials are the bits of an ordinary
+    launch, nothing unwritten, on the float4 path (every width a multiple of 4): a rows
+    phase that read x or the partials before its wait would meet the poison."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"programmatic dependent launch needs compute capability 9.0; this device is {device.arch}")
+    cfg = DQNConfig(obs_dim=4, hidden=(64, 48), n_actions=4, batch=64, capacity=1024, spectral_c=0.5,
+                    seed=int(rng.integers(1 << 30)))
+    stream = Stream()
+    step = DQNStep(cfg)
+    fill(step, rng, stream)
+    step.enqueue(stream=stream)  # one whole step, so the weights are trained ones
+    stream.synchronize()
+    assert step.n_spectral > 0 and all(int(row["cols"]) % 4 == 0 for row in step.spectral_table)
+    assert int(step.optimizer.skip.to_numpy()[0]) == 0
+    cb, rb = step._spectral_grids
+    columns, rows = step._spectral_columns, step._spectral_rows
+    args = (step.params, step._spectral_mats, step.n_spectral, step.u, step._v, step._spectral_partials,
+            step.optimizer.skip)
+    columns.launch(cb, columns.block, *args, stream=stream)
+    x, partials = (DeviceBuffer.from_numpy(buf.to_numpy()) for buf in (step._v, step._spectral_partials))
+    rows.launch(rb, rows.block, *args, stream=stream)
+    y_want, partials_want = step.u.to_numpy(), step._spectral_partials.to_numpy()
+    assert np.isfinite(y_want).all() and np.isfinite(partials_want).all()
+    writer = late_copy()
+    for _ in range(2):
+        for buf in (step._v, step._spectral_partials, step.u):
+            buf.poison(stream=stream)
+        with dependent_launches(True):
+            writer.launch(1, 128, step._v, x, words(x), step._spectral_partials, partials, words(partials), LATE_NS,
+                          stream=stream)
+            rows.launch(rb, rows.block, *args, stream=stream)
+        assert step.u.to_numpy().tobytes() == y_want.tobytes()
+        assert step._spectral_partials.to_numpy().tobytes() == partials_want.tobytes()
+    step.close()
+
+
 @pytest.mark.parametrize("hidden", [(40, 24, 33, 17, 20, 28), (4200, 8)],
                          ids=["six-projected-layers", "tall-projected-layer"])
 def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, hidden):
@@ -547,8 +588,11 @@ def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, h
     stream.close()
 
 
-def test_nan_reward_skips_the_step_and_is_reported(device, rng):
-    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), **ODD)
+@pytest.mark.parametrize("shape", [ODD, dict(ODD, obs_dim=4, hidden=(64, 48))], ids=["odd-widths", "float4-widths"])
+def test_nan_reward_skips_the_step_and_is_reported(device, rng, shape):
+    """A NaN loss: nothing of the state changes, the skip is reported once, and the next
+    step runs. The float4 widths take the spectral rows phase's early loads of W."""
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), **shape)
     stream = Stream()
     step = DQNStep(cfg)
     data = fill(step, rng, stream)
@@ -701,6 +745,15 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
         assert "dqn_tail" in names and not separate & names
     else:
         assert "dqn_tail" not in names and separate <= names
+        # Two kernels read before their wait what the kernel before them does not write,
+        # which holds only for that kernel before: spectral_rows (W) directly after
+        # spectral_columns, adamw_clip_step (params and moments) directly after the norm
+        # kernel, each its only predecessor, over a programmatic edge.
+        for reader, writer in (("spectral_rows", "spectral_columns"), ("adamw_clip_step", norm)):
+            after, before = ([k for k in kernels if k.function == f] for f in (reader, writer))
+            assert len(after) == len(before) == 1, (reader, writer)
+            assert graph.dependencies(after[0].node) == [before[0].node], reader
+            assert (before[0].node.index, after[0].node.index) in graph.programmatic_edges(), reader
 
 
 PRESPLIT_KERNELS = {"tf32_split", "linear_grad_input_wgmma_presplit_3xtf32",

@@ -3,10 +3,11 @@ and copy width."""
 import numpy as np
 import pytest
 
-from drvtrain import Arena, DeviceBuffer, Stream, capture, dependent_launches, kernel_dir, load_source
+from drvtrain import Arena, DeviceBuffer, Stream, capture, dependent_launches
 from drvtrain.stream import fork
 from drvtrain.nn import MLP, FlatBuffer, ParamLayout
 from drvtrain.nn.mlp import TILE_32, TILES, WGMMA_TILE, LinearKernels, gemm, plan, wgmma_available
+from late_writer import LATE_NS, late_copy, words
 from nn_reference import mlp_backward, rel
 
 pytestmark = pytest.mark.gpu
@@ -15,33 +16,6 @@ ROLES = ["forward", "forward_relu", "grad_input", "grad_weight"]
 # (M, N, K): not multiples of any tile; the output layer's narrow N; split-k with both tiles.
 SHAPES = [(77, 35, 45), (512, 19, 1024), (256, 3, 256), (512, 1024, 1024)]
 TF32_BOUND, X3_BOUND = 2e-3, 1e-5
-
-
-# The writer before a `_settled_` product: out = x, one block, after `ns` nanoseconds.
-# It lets the kernel launched after it start at once (a dependent launch) and then
-# waits, so it ends well after that kernel's blocks begin, whatever the host spends
-# between the two launches: a read before the product's wait sees the poison. A plain
-# one-block copy of 66 K floats ended before the folded kernels read, and a folded
-# kernel that read its input before its wait passed against it.
-LATE_COPY_SOURCE = r"""
-#include "common.cuh"
-extern "C" __global__ void late_copy(float* out, const float* x, int n, unsigned long long ns) {
-    dt_wait_prior_grid();
-    dt_allow_dependents();
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i];
-}
-"""
-LATE_NS = 1_000_000  # 1 ms: 50 us let a broken forward pass once
-
-
-def late_copy():
-    return load_source(LATE_COPY_SOURCE, "late_copy.cu", include_dirs=[kernel_dir()]).kernel(
-        "late_copy", "ptr ptr i32 u64")
 
 
 def padded_ld(extent, vector):
@@ -553,7 +527,7 @@ def test_settled_weights_load_before_the_wait_to_the_same_bits(device, stream, r
             prod.poison(stream)
             arena.reset()
             with dependent_launches(True):
-                copy.launch(1, 128, prod.a, a_values, prod.a.size, LATE_NS, stream=stream)
+                copy.launch(1, 128, prod.a, a_values, words(prod.a), 0, 0, 0, LATE_NS, stream=stream)
                 again = launch(arena, splits, settled=True)
             assert again.settled and again.name == kernel.name.replace("_tf32", "_settled_tf32").replace(
                 "_3xtf32", "_settled_3xtf32")
@@ -611,7 +585,7 @@ def test_settled_folded_kernels_read_their_input_after_the_wait(device, stream, 
             buf.poison(stream=stream)
         arena.reset()
         with dependent_launches(True):
-            copy.launch(1, 128, written, values, written.size, LATE_NS, stream=stream)
+            copy.launch(1, 128, written, values, words(written), 0, 0, 0, LATE_NS, stream=stream)
             run(settled=True)
         for buf, w in zip(outputs, want):
             got = buf.to_numpy()

@@ -468,8 +468,9 @@ class LinearKernels:
     ``clustered`` (gemm.cu's ``_cluster_`` kernels, loaded with ``clusters``) map
     (role, tile, copy width) to a :class:`GemmKernel`; ``settled`` maps (role, tile,
     copy width, cluster) to the ``_settled_`` kernel of each of them (and of the
-    folded ones) whose B is a weight: loaded up front with the others, used only
-    where a caller asks (:meth:`kernel_for`)."""
+    folded ones) whose B is a weight: loaded up front with the others, used where a
+    caller asks (:meth:`kernel_for`) and in :meth:`MLP.forward`'s products after
+    its first."""
 
     def __init__(self, roles, precision: str, sm_count: int, *, wgmma: bool = False, presplit: bool = False,
                  clusters: bool | None = None):
@@ -1075,9 +1076,7 @@ class MLP:
         acts = [x]
         last = n - 1
         folded = self.first_layer_folded(batch, sms=sms, layers=layers)
-        # Each product after the first directly depends only on the one before, which
-        # writes no weight: the weights are settled for it whatever the caller says.
-        settled = weights_settled
+        settled = weights_settled  # then True: each later product follows one that writes no weight
         for k, (out, inp) in enumerate(self.layout.layers[:layers]):
             y = arena.array((batch, out), np.float32)
             role = "forward" if k == last else "forward_relu"

@@ -492,9 +492,10 @@ class DQNStep:
                 fork(stream, next_stream, target_stream)
             else:
                 next_stream = target_stream = stream
-            # No weights_settled (MLP.forward): the step measured 0.2 us slower on the
-            # `_settled_` kernels (docs/perf-notes.md, twenty-fifth pass). Each pass's
-            # products after its first run them anyway (MLP.forward).
+            # No weights_settled (MLP.forward): with it every forward and dX product ran
+            # `_settled_` kernels, 0.2 us slower (docs/perf-notes.md, twenty-fifth pass).
+            # Each pass's products after its first run them without it, 0.3 us faster
+            # (twenty-sixth pass).
             f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream, gate=gate,
                                    layers=hidden_layers, sms=self._forward_sms)
             target_leaves = capture_frontier(target_stream) if capturing else []
