@@ -7,7 +7,7 @@ import pytest
 
 from drvtrain import DeviceBuffer, Stream, capture, dependent_launches
 from drvtrain.rl import DQNConfig, DQNStep, TrainingError
-from drvtrain.nn.mlp import wgmma_available
+from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
 from drvtrain.rl.dqn import audit_step
 from dqn_reference import dqn_loss, dqn_step, dueling_q
 from late_writer import LATE_NS, late_copy, words
@@ -711,14 +711,19 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     assert [r.measured for r in rows if r.name.startswith("output layer's forwards")] == (["1"] if fused else [])
     assert ("dqn_head" in names) == fused and ("dqn_loss" in names) != fused
     # Pre-split products only when asked for (DQNConfig.presplit). `_settled_` kernels only
-    # where MLP.forward takes them on its own, for each pass's products after its first
-    # on gemm.cu's tiles: the small net's second hidden layer, the large net's output
-    # layer (its hidden layers run on wgmma). The step asks for no more (measured slower:
-    # docs/perf-notes.md, twenty-fifth pass).
+    # where MLP.forward takes them on its own: each pass's products after its first that
+    # run on gemm.cu's tiles (the small net's second hidden layer; the large net's output
+    # layer where it is planned for the whole device, not on wgmma). The step asks for no
+    # more (measured slower: docs/perf-notes.md, twenty-fifth pass).
     assert not names & PRESPLIT_KERNELS
+    layers, mlp = step.layout.layers, step.online_mlp
+    later = [mlp.forward_kernels.plan("forward" if k == len(layers) - 1 else "forward_relu", cfg.batch, *layers[k],
+                                      sms=step._forward_sms) for k in range(1, step._forward_layers())]
     nodes = [k.function for k in step.graph.kernel_nodes()]
     settled = [name for name in nodes if "_settled_" in name]
-    assert len(settled) == 3 and all(name.startswith("linear_forward") for name in settled), nodes
+    assert len(settled) == 3 * sum(p.tile is not WGMMA_TILE for p in later), nodes
+    assert all(name.startswith("linear_forward") for name in settled), nodes
+    assert config == "large" or len(settled) == 3, nodes
     # The loss's means: one node of three blocks; with side streams an ordinary launch (no
     # programmatic edge into it) beside every backward product, else inline on the chain.
     graph = step.graph
