@@ -5,8 +5,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from drvtrain import Arena, DeviceBuffer, Stream
+from drvtrain import Arena, DeviceBuffer, Stream, dependent_launches
 from drvtrain.nn import MLP, AdamW, FlatBuffer, Metrics, ParamLayout, RegressionStep
+from late_writer import LATE_NS, late_copy, words
 from nn_reference import adamw, clip_scale, f32_round, mlp_backward, mlp_forward, mse, rel
 
 pytestmark = pytest.mark.gpu
@@ -235,6 +236,47 @@ def test_adamw_step_refuses_shares_it_cannot_sum(device, stream, rng):
     stream.synchronize()
     assert opt.read_state()[2] == 0  # nothing ran
     shares.close()
+
+
+def test_adamw_update_reads_only_params_and_moments_before_its_wait(device, stream, rng):
+    """adamw_clip_step (AdamW.step's second kernel) loads its first float4 of params, m and
+    v before its grid wait (the norm kernel before it writes none of them) and the
+    gradient after it. After two steps (moments not zero), a third: the gradients are
+    poisoned after the norm kernel and written again by `late_copy`, launched just before
+    the update, both dependent launches. Parameters, moments and the state words are the
+    bits of an ordinary AdamW.step from the same state: an update that read the gradient
+    before its wait would meet the poison."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"programmatic dependent launch needs compute capability 9.0; this device is {device.arch}")
+    layout = make_layout([17, 100, 3])
+    theta0 = layout.init_numpy(int(rng.integers(1 << 30)))
+    mask = np.zeros(layout.size, bool)
+    for s in layout.slots:
+        mask[s.offset: s.offset + s.size] = True
+    steps = [np.where(mask, rng.standard_normal(layout.size), 0).astype(np.float32) for _ in range(3)]
+    a, b = (AdamW(FlatBuffer(layout, theta0), FlatBuffer(layout), lr=1e-2, max_norm=5.0) for _ in range(2))
+    for g in steps[:2]:
+        for opt in (a, b):
+            opt.grads.buffer.copy_from_numpy(g)
+            opt.step(stream=stream)
+    a.grads.buffer.copy_from_numpy(steps[2])
+    a.step(stream=stream)
+    b.grads.buffer.copy_from_numpy(steps[2])
+    b._partials.launch(b.norm_grid, b._partials.block, b.grads, b.n, b.norm_partials, b.t, b._t_next, 0,
+                       stream=stream)
+    saved = DeviceBuffer.from_numpy(steps[2])
+    b.grads.buffer.poison(stream=stream)
+    ring, slots = b._ring()
+    with dependent_launches(True):
+        late_copy().launch(1, 128, b.grads.buffer, saved, words(saved), 0, 0, 0, LATE_NS, stream=stream)
+        b._adamw_clip.launch(b._adam_grid, b._adamw_clip.block, b.params, b.grads, b.m, b.v, b.n, b.lr, *b.betas,
+                             b.eps, b.weight_decay, b.norm_partials, b.norm_grid, b.max_norm, 0, b._t_next, b.clip,
+                             b.t, ring, slots, b.skip if b.skip is not None else 0, 0, stream=stream)
+    got = b.params.buffer.to_numpy()
+    assert np.isfinite(got).all() and b.read_state()[2] == 3
+    for want, have in ((a.params, b.params), (a.m, b.m), (a.v, b.v)):
+        assert want.buffer.to_numpy().tobytes() == have.buffer.to_numpy().tobytes()
+    assert a._state.to_numpy().tobytes() == b._state.to_numpy().tobytes()
 
 
 def test_hundred_adamw_steps_match_float64_recurrence(device, stream, rng):
