@@ -7,6 +7,8 @@ it as a dependent launch starts at once, and meets the poison wherever it reads
 these buffers before its own wait, however long the host takes between the two
 launches (tests/test_late_writer_gpu.py checks that it does).
 """
+import functools
+
 from drvtrain import kernel_dir, load_source
 
 LATE_COPY_SOURCE = r"""
@@ -39,7 +41,11 @@ extern "C" __global__ void copy_around_the_wait(float* out, const float* x, int 
 LATE_NS = 1_000_000  # 1 ms: far more than the host takes between two eager launches
 
 
+@functools.lru_cache(maxsize=None)
 def _module():
+    # Held for the whole run: a module whose last kernel is dropped unloads, and the
+    # unload waits for its kernels, so `late_copy().launch(...)` on a temporary would
+    # hold the host until the writer ends, and the kernel after it would not overlap.
     return load_source(LATE_COPY_SOURCE, "late_copy.cu", include_dirs=[kernel_dir()])
 
 

@@ -267,8 +267,9 @@ def test_adamw_update_reads_only_params_and_moments_before_its_wait(device, stre
     saved = DeviceBuffer.from_numpy(steps[2])
     b.grads.buffer.poison(stream=stream)
     ring, slots = b._ring()
+    writer = late_copy()
     with dependent_launches(True):
-        late_copy().launch(1, 128, b.grads.buffer, saved, words(saved), 0, 0, 0, LATE_NS, stream=stream)
+        writer.launch(1, 128, b.grads.buffer, saved, words(saved), 0, 0, 0, LATE_NS, stream=stream)
         b._adamw_clip.launch(b._adam_grid, b._adamw_clip.block, b.params, b.grads, b.m, b.v, b.n, b.lr, *b.betas,
                              b.eps, b.weight_decay, b.norm_partials, b.norm_grid, b.max_norm, 0, b._t_next, b.clip,
                              b.t, ring, slots, b.skip if b.skip is not None else 0, 0, stream=stream)
