@@ -745,6 +745,15 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
         assert forwards and all(graph.can_run_concurrently(weights[0].node, k.node) for k in forwards)
         loss = [k for k in kernels if k.function in ("dqn_head", "dqn_loss")]
         assert len(loss) == 1 and not graph.can_run_concurrently(weights[0].node, loss[0].node)
+    # Every forward and weight-gradient product starts on programmatic edges alone, those
+    # on the forked streams too: a dependent launch's edges through fork's event are
+    # programmatic (the next-state and target forwards from the sampler, each side dW
+    # from the head or the dX before its fork).
+    products = [k for k in kernels if k.function.startswith(("linear_forward", "linear_grad_weight"))]
+    assert any(k.function.startswith("linear_grad_weight") for k in products), names
+    for k in products:
+        into = [(a, b) for a, b in graph.edges() if b == k.node.index]
+        assert into and set(into) <= set(graph.programmatic_edges()), k.function
     if fused_tail:  # one cooperative node instead of the six
         assert [r.measured for r in rows if r.name.startswith("norm, priority update")] == ["1"]
         assert "dqn_tail" in names and not separate & names

@@ -1,4 +1,5 @@
 """Streams, events, capture, graph inspection and executable graphs on a real GPU."""
+import os
 import time
 
 import numpy as np
@@ -9,6 +10,7 @@ from drvtrain import (CaptureError, DeviceBuffer, Event, GraphUpdateError, Strea
                       load_source)
 from drvtrain.demo import ForkJoinDemo, wait_for
 from drvtrain.driver import active_captures
+from late_writer import LATE_NS, copy_around_the_wait, late_copy, words
 
 pytestmark = pytest.mark.gpu
 BLOCK = 256
@@ -220,6 +222,24 @@ def test_event_query_never_blocks_and_times(stream):
         Event().elapsed_ms(end)
 
 
+
+def test_dropping_a_module_waits_for_its_running_kernels(stream):
+    """What the README and `Module` warn of: the driver's unload of a module waits for
+    its running kernels, so a module dropped while its kernel spins leaves that kernel
+    ended; a module held leaves it running."""
+    done = DeviceBuffer(1, np.int32)
+    for hold in (True, False):
+        done.poison(stream=stream)
+        stream.synchronize()
+        module = load_source(SPIN_SOURCE, "spin.cu")
+        module.kernel("spin_ns", "u64, ptr").launch(1, 1, 300_000_000, done, stream=stream)
+        end = stream.record()
+        if not hold:
+            del module  # with its only kernel: the unload runs here
+        assert end.query() is (not hold)
+        wait_for(end, timeout_s=30)
+        assert done.to_numpy()[0] == 1
+
 @pytest.mark.counts_device_memory
 def test_garbage_collected_during_capture_is_freed_after_it(device, stream, elementwise):
     import gc
@@ -253,3 +273,47 @@ def test_garbage_collected_during_capture_is_freed_after_it(device, stream, elem
     np.testing.assert_array_equal(out.to_numpy(), np.full(16, 7.0, np.float32))
     exe.close()
     assert device.memory_info()[0] == before, "the buffer freed by the GC mid-capture was not released"
+
+
+
+@pytest.mark.parametrize("dependent,early", [(True, 1), (True, 0), (False, 1)],
+                         ids=["dependent-read-before-the-wait", "dependent-read-after-the-wait",
+                              "ordinary-read-before-the-wait"])
+def test_a_dependent_launch_on_a_forked_stream_is_a_programmatic_dependent(device, stream, rng, dependent, early):
+    """In a capture, a dependent launch's edges from the kernels it waits for are
+    programmatic also across streams, through `fork`'s event: the forked stream's
+    kernel starts while the parent's kernel runs. The late writer lets dependents
+    start, then spins 1 ms before it writes x: a dependent reader that reads x before
+    its wait meets the poison in every element, and after its wait the values. An
+    ordinary launch on the forked stream starts only once the writer has ended."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"programmatic dependent launch needs compute capability 9.0; this device is {device.arch}")
+    if early and dependent and any(key.startswith("NV_SANITIZER_") for key in os.environ):
+        pytest.skip("a CUDA tool is attached (compute-sanitizer, say), which runs kernels one after another")
+    n = 8192
+    values = rng.standard_normal(n).astype(np.float32)
+    source = DeviceBuffer.from_numpy(values)
+    x, out = DeviceBuffer((n,), np.float32), DeviceBuffer((n,), np.float32)
+    writer, reader = late_copy(), copy_around_the_wait()
+    child = Stream()
+    with capture(stream) as graph:
+        writer.launch(1, 128, x, source, words(x), 0, 0, 0, LATE_NS, stream=stream)
+        fork(stream, child)
+        reader.launch(n // 256, 256, out, x, n, early, stream=child, dependent=dependent)
+        join(stream, child)
+    kernels = {k.function: k.node.index for k in graph.kernel_nodes()}
+    edge = (kernels["late_copy"], kernels["copy_around_the_wait"])
+    assert kernel_predecessors(graph, graph.nodes()[edge[1]]) == {edge[0]}
+    assert (edge in graph.programmatic_edges()) == dependent
+    exe = graph.instantiate()
+    for _ in range(2):
+        x.poison(stream=stream)
+        out.poison(stream=stream)
+        exe.launch(stream)
+        got = out.to_numpy()
+        if early and dependent:
+            assert np.isnan(got).all(), f"{np.isfinite(got).sum()} of {n} reads came after the writer"
+        else:
+            assert got.tobytes() == values.tobytes()
+    exe.close()
+    child.close()
