@@ -362,6 +362,82 @@ def test_eager_graph_and_inactive_arena_are_bitwise_identical(device, rng):
             == s5[key].tobytes(), key
 
 
+def run_steps_a_graph(cfg, data_seed, steps, per_graph):
+    """``steps`` steps from one filled replay, ``per_graph`` of them a replayed graph:
+    their metrics (float32 words, every field), the learner's state and the tree's, and the graph."""
+    stream = Stream()
+    step = DQNStep(cfg)
+    fill(step, np.random.default_rng(data_seed), stream)
+    exe = step.capture(stream=stream, steps=per_graph)
+    for _ in range(steps // per_graph):
+        exe.launch(stream)
+        for _ in range(per_graph):
+            step.metrics.record(stream)
+    stream.synchronize()
+    metrics = step.metrics.poll()
+    assert step.metrics.missed == 0 and [m.step for m in metrics] == list(range(1, steps + 1))
+    words = np.array([[m.values[f] for f in step.metrics.fields] for m in metrics], np.float32)
+    state = step.state_numpy()
+    tree = step.replay.tree
+    state.update(leaves=tree.leaves.to_numpy(), nodes=tree.nodes.to_numpy(), drawn=tree.step.to_numpy())
+    step.check_errors()
+    exe.close()
+    graph, draws_beside = step.graph, step._draws_beside_the_tail
+    step.close()
+    stream.close()
+    return words, state, graph, draws_beside
+
+
+@pytest.mark.parametrize("shape", [ODD, dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=8192),
+                                   dict(ODD, dual_stream=False), dict(ODD, fused_tail=True)],
+                         ids=["odd-widths", "small", "one-stream", "cooperative-tail"])
+def test_consecutive_steps_in_one_graph_are_the_single_steps_bit_for_bit(device, rng, shape):
+    """Four steps captured as one graph give every metric and every state word that
+    four replays of the one-step graph give, over twelve steps; beta anneals, so each
+    step publishes a beta of its own. With side streams each step after the first
+    draws on the update stream after the step before's priority update, beside its
+    spectral phases and finish pass, and its IS weights (which write the beta that
+    finish pass publishes) wait for that pass."""
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), beta=(0.3, 1.0, 10), **shape)
+    data_seed = int(rng.integers(1 << 30))
+    one, one_state, _, _ = run_steps_a_graph(cfg, data_seed, 12, 1)
+    four, four_state, graph, draws_beside = run_steps_a_graph(cfg, data_seed, 12, 4)
+    # beta is the last field: 0.3 + 0.7 min(1, k / 10) at the k-th draw, k = 0 .. 11
+    assert np.all(np.isfinite(one)) and len(set(one[:, -1].tolist())) == 11
+    assert one.tobytes() == four.tobytes()
+    for key in one_state:
+        assert np.asarray(one_state[key]).tobytes() == np.asarray(four_state[key]).tobytes(), key
+    assert draws_beside == (cfg.dual_stream and not cfg.fused_tail)
+    kernels = graph.kernel_nodes()
+    assert len(graph.nodes()) == len(kernels)  # so a node's dependencies are kernels
+    named = lambda name: [k.node for k in kernels if k.function == name]
+    draws, updates, weights = named("sumtree_sample"), named("sumtree_update"), named("sumtree_weights")
+    finishes = named("dqn_finish") or named("dqn_tail")
+    assert len(draws) == len(finishes) == 4
+    for before, after in zip(range(3), range(1, 4)):
+        if draws_beside:
+            assert graph.dependencies(draws[after]) == [updates[before]]
+            assert graph.can_run_concurrently(draws[after], finishes[before])
+            assert {finishes[before].index, draws[after].index} <= {n.index for n in graph.dependencies(
+                weights[after])}
+        else:
+            assert not graph.can_run_concurrently(draws[after], finishes[before])
+
+
+def test_consecutive_steps_refuse_a_bad_count_and_fixed_draws(device, rng):
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), **ODD)
+    stream = Stream()
+    step = DQNStep(cfg)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="steps must be a positive int"):
+            step.enqueue(stream=stream, steps=bad)
+    uniforms = DeviceBuffer.from_numpy(rng.random(cfg.batch))
+    with pytest.raises(ValueError, match="uniforms replace one step's draws"):
+        step.enqueue(stream=stream, uniforms=uniforms, steps=2)
+    step.close()
+    stream.close()
+
+
 def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_six_kernels(device, rng):
     """Layers of 2200 rows and 2200 columns: both spectral phases have more blocks
     than the cooperative tail's grid (at most one per SM), so its blocks loop over

@@ -19,7 +19,11 @@ one thing:
 - the wide backward products on operands split once into TF32 parts
   (DQNConfig(presplit=True)): large only, the small net has none;
 - the default step captured behind an open gate word, as a training loop
-  (`drvtrain train`) captures it: what reading the gate costs a step that runs.
+  (`drvtrain train`) captures it: what reading the gate costs a step that runs;
+- eight consecutive steps captured as one graph (`DQNStep.capture(steps=8)`), where
+  each step after the first draws its batch beside the step before's tail: the time
+  a step when a learner takes several gradient steps in a row. Its node count and
+  chain are the whole graph's.
 With torch installed, the same step written plainly in PyTorch
 (tools/torch_dqn.py), eager and CUDA-graph captured. Goals: <= 15 us (small)
 and <= 50 us (large).
@@ -36,22 +40,23 @@ from drvtrain.rl import DQNConfig, DQNStep
 from drvtrain.timing import time_graph
 
 
-def measure(cfg, args, gated=False):
+def measure(cfg, args, gated=False, steps=1):
     stream = Stream()
     print(f"  {cfg.obs_dim}-{'-'.join(map(str, cfg.hidden))}-{cfg.n_actions} batch {cfg.batch}, "
           f"fused={cfg.fused} dual_stream={cfg.dual_stream} dependent_launch={cfg.dependent_launch} "
           f"fused_tail={cfg.fused_tail} fused_head={cfg.fused_head} cluster_forward={cfg.cluster_forward}"
-          f"{', behind an open gate' if gated else ''}: filling {cfg.capacity} transitions ...", flush=True)
+          f"{', behind an open gate' if gated else ''}{f', {steps} steps a graph' if steps > 1 else ''}"
+          f": filling {cfg.capacity} transitions ...", flush=True)
     step, gate = DQNStep(cfg), None
     try:
         if gated:
             gate = DeviceBuffer.from_numpy(np.zeros(1, np.int32))
         step.fill_random(1, stream=stream)
         with capture(stream) as graph:
-            step.enqueue(stream=stream, gate=gate)
+            step.enqueue(stream=stream, gate=gate, steps=steps)
         exe = graph.instantiate()
         try:
-            us = time_graph(exe, stream, replays=args.replays, repeats=args.repeats)
+            us = time_graph(exe, stream, replays=args.replays, repeats=args.repeats) / steps
         finally:
             exe.close()
         step.check_errors()
@@ -77,18 +82,20 @@ def torch_times(cfg, args):
     return eager, graphed
 
 
-# (label, DQNConfig overrides, captured behind an open gate word)
+# (label, DQNConfig overrides, captured behind an open gate word, steps a graph);
+# --default-only measures the first two
 VARIANTS = (
-    ("default", {}, False),
-    ("no dependent launch", {"dependent_launch": False}, False),
-    ("output layer fused (dqn_head)", {"fused_head": True}, False),
-    ("output layer separate", {"fused_head": False}, False),
-    ("cooperative tail", {"fused_tail": True}, False),
-    ("three forwards in clusters", {"cluster_forward": True}, False),
-    ("fused narrow kernels", {"fused": True}, False),
-    ("one stream", {"dual_stream": False}, False),
-    ("pre-split wide backward", {"presplit": True}, False),
-    ("gated (open), as a training loop runs it", {}, True),
+    ("default", {}, False, 1),
+    ("default, 8 consecutive steps a graph", {}, False, 8),
+    ("no dependent launch", {"dependent_launch": False}, False, 1),
+    ("output layer fused (dqn_head)", {"fused_head": True}, False, 1),
+    ("output layer separate", {"fused_head": False}, False, 1),
+    ("cooperative tail", {"fused_tail": True}, False, 1),
+    ("three forwards in clusters", {"cluster_forward": True}, False, 1),
+    ("fused narrow kernels", {"fused": True}, False, 1),
+    ("one stream", {"dual_stream": False}, False, 1),
+    ("pre-split wide backward", {"presplit": True}, False, 1),
+    ("gated (open), as a training loop runs it", {}, True, 1),
 )
 
 
@@ -99,14 +106,15 @@ def main(argv=None) -> int:
     parser.add_argument("--config", choices=["small", "large", "both"], default="both",
                         help="configuration(s) to run (default both)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
-    parser.add_argument("--default-only", action="store_true", help="measure only the default step")
+    parser.add_argument("--default-only", action="store_true",
+                        help="measure only the default step, one and eight steps a graph")
     args = parser.parse_args(argv)
     if args.replays < 500:
         parser.error("--replays must be at least 500")
     rows, torch_rows = [], []
     for name in (["small", "large"] if args.config == "both" else [args.config]):
         print(f"{name}:", flush=True)
-        for label, overrides, gated in VARIANTS[:1] if args.default_only else VARIANTS:
+        for label, overrides, gated, steps in VARIANTS[:2] if args.default_only else VARIANTS:
             cfg = getattr(DQNConfig, name)(**overrides)
             if (overrides.get("fused") or "cluster_forward" in overrides) and \
                     not NarrowMLP.supports(ParamLayout.from_widths(cfg.widths)):
@@ -114,11 +122,12 @@ def main(argv=None) -> int:
             if "presplit" in overrides and \
                     not MLP(ParamLayout.from_widths(cfg.widths), presplit=True).presplit_layers(cfg.batch):
                 continue  # no product of this net runs pre-split: the default already is this
-            rows.append((name, label, *measure(cfg, args, gated)))
+            rows.append((name, label, *measure(cfg, args, gated, steps)))
         torch_us = None if args.no_torch else torch_times(getattr(DQNConfig, name)(), args)
         if torch_us:
             torch_rows.append((name, *torch_us))
-    print("\nus per step (median of repeats of back-to-back graph replays), H2D/D2H-free, sync-free\n")
+    print("\nus per step (median of repeats of back-to-back graph replays, over the steps a graph), "
+          "H2D/D2H-free, sync-free\n")
     print("| config | variant | us per step | nodes | longest chain | goal |")
     print("|---|---|---|---|---|---|")
     for name, label, us, nodes, chain in rows:

@@ -388,6 +388,9 @@ class DQNStep:
         # (the output layer's and the hidden layer's dW side by side) unless the
         # second holds the early weight splits.
         self._weight_streams = self.streams[:1] if self._early_weight_splits else self.streams
+        # Consecutive steps draw beside the tail where the priority update runs on a
+        # stream of its own (the second side stream), not inside the cooperative tail.
+        self._draws_beside_the_tail = bool(self.streams) and self._tail is None
         # The step's forwards always run this batch through the same layers: when a narrow
         # net runs them, its kernels are compiled for that one shape (the same bits, fewer
         # instructions: NarrowMLP.fix_shape).
@@ -450,33 +453,60 @@ class DQNStep:
         self._spectral_rows = mod.kernel("spectral_rows", "ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
 
     # ------------------------------------------------------------------ the step
-    def enqueue(self, *, stream, uniforms=None, gate=None) -> None:
-        """Queue one whole step on ``stream`` (eagerly, or into a capture).
+    def enqueue(self, *, stream, uniforms=None, gate=None, steps: int = 1) -> None:
+        """Queue whole steps on ``stream`` (eagerly, or into a capture): one, or
+        ``steps`` consecutive ones with nothing between them.
 
         ``uniforms`` (float64 device buffer, one per sample) replaces the
-        sampler's Philox draws: tests feed known strata. ``gate`` (an int32
-        device word) lets the device decide: while it is non-zero the step's
-        kernels return at once and nothing changes, counters and metrics
+        sampler's Philox draws: tests feed known strata (one step only). ``gate``
+        (an int32 device word) lets the device decide: while it is non-zero the
+        steps' kernels return at once and nothing changes, counters and metrics
         included (a training loop captures the step once and gates it).
-        """
-        with dependent_launches(self.config.dependent_launch):
-            self._enqueue(stream, uniforms, gate)
 
-    def _enqueue(self, stream, uniforms, gate) -> None:
+        Consecutive steps: with side streams (``dual_stream``, the separate tail
+        kernels), each step after the first draws its batch on the update stream
+        right after the step before has written its priorities, beside that
+        step's spectral phases and finish pass, so its forward finds the batch
+        ready when the parameters are. The results are those of ``steps`` single
+        steps, bit for bit (docs/perf-notes.md, twenty-seventh pass). A host
+        that polls ``metrics`` records ``steps`` times after each such launch
+        (:meth:`Metrics.record` marks one step). Nothing may come between the
+        steps (a replay insert, an env step): queue those with ``steps=1``.
+        """
+        if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        if steps > 1 and uniforms is not None:
+            raise ValueError("uniforms replace one step's draws: pass them with steps=1")
+        with dependent_launches(self.config.dependent_launch):
+            for k in range(steps):
+                self._enqueue(stream, uniforms, gate, after_a_step=k > 0)
+
+    def _enqueue(self, stream, uniforms, gate, after_a_step=False) -> None:
         cfg = self.config
         b, a = cfg.batch, cfg.n_actions
         arena, mlp = self.arena, self.online_mlp
         arena.reset()
+        # With side streams the weights take a second launch on the means stream, so the
+        # forwards wait for no last block; joined with the forwards before the loss.
+        weights_stream = self._means_stream
+        sample = lambda on: self.replay.sample(b, stream=on, beta=cfg.beta, arena=arena, uniforms=uniforms,
+                                               beta_out=self._beta_used, gate=gate, weights_stream=weights_stream)
+        batch = None
+        if after_a_step and self._draws_beside_the_tail:
+            # The update stream's last work is the step before's priority update, the
+            # last writer of what the draw reads (the tree; the batch's arena slices
+            # were last read by that update). The IS weights' launch writes the beta
+            # that the step before's finish pass publishes: it waits for that pass.
+            fork(stream, weights_stream)
+            batch = sample(self.streams[1])
+            join(stream, self.streams[1])
         weight_splits = None
         if self._early_weight_splits:  # joined by the backward's wait for its event
             fork(stream, self.streams[1])
             weight_splits = mlp.split_weights(self.params, b, arena=arena, stream=self.streams[1], gate=gate,
                                               dx_last=self._head is not None)
-        # With side streams the weights take a second launch on the means stream, so the
-        # forwards wait for no last block; joined with the forwards before the loss.
-        weights_stream = self._means_stream
-        batch = self.replay.sample(b, stream=stream, beta=cfg.beta, arena=arena, uniforms=uniforms,
-                                   beta_out=self._beta_used, gate=gate, weights_stream=weights_stream)
+        if batch is None:
+            batch = sample(stream)
         capturing = bool(active_captures())
         head = self._head
         hidden_layers = self._forward_layers()
@@ -599,10 +629,11 @@ class DQNStep:
                             self._step_counter, self.metrics.ptr, self.metrics.slots, self.skips.counts,
                             self.skips.published, self._skipped_step.ptr, stream=stream)
 
-    def capture(self, *, stream) -> GraphExec:
-        """The whole step as one executable graph; replay it with ``launch(stream)``."""
+    def capture(self, *, stream, steps: int = 1) -> GraphExec:
+        """The whole step (or ``steps`` consecutive ones, see :meth:`enqueue`) as one
+        executable graph; replay it with ``launch(stream)``."""
         with capture(stream) as graph:
-            self.enqueue(stream=stream)
+            self.enqueue(stream=stream, steps=steps)
         self.graph = graph
         return graph.instantiate()
 
