@@ -664,9 +664,9 @@ class Module:
     """A loaded CUBIN and the kernels taken from it.
 
     Each ``Kernel`` keeps its module loaded. Once the module and its last kernel
-    are dropped the module unloads, and the driver's unload waits for the
-    module's running kernels: keep the module (or a kernel of it) alive while
-    launches of it should overlap the host and later work."""
+    are dropped the module unloads, and the driver's unload waits for running
+    kernels (the module's own at least): keep the module (or a kernel of it)
+    alive while launches of it should overlap the host and later work."""
 
     def __init__(self, program: CompiledProgram, device=None):
         self.device = device or get_device()

@@ -222,7 +222,6 @@ def test_event_query_never_blocks_and_times(stream):
         Event().elapsed_ms(end)
 
 
-
 def test_dropping_a_module_waits_for_its_running_kernels(stream):
     """What the README and `Module` warn of: the driver's unload of a module waits for
     its running kernels, so a module dropped while its kernel spins leaves that kernel
@@ -273,7 +272,6 @@ def test_garbage_collected_during_capture_is_freed_after_it(device, stream, elem
     np.testing.assert_array_equal(out.to_numpy(), np.full(16, 7.0, np.float32))
     exe.close()
     assert device.memory_info()[0] == before, "the buffer freed by the GC mid-capture was not released"
-
 
 
 @pytest.mark.parametrize("dependent,early", [(True, 1), (True, 0), (False, 1)],

@@ -86,7 +86,7 @@ def torch_times(cfg, args):
 # --default-only measures the first two
 VARIANTS = (
     ("default", {}, False, 1),
-    ("default, 8 consecutive steps a graph", {}, False, 8),
+    ("default, 8 consecutive steps a graph (nodes and chain: the graph's)", {}, False, 8),
     ("no dependent launch", {"dependent_launch": False}, False, 1),
     ("output layer fused (dqn_head)", {"fused_head": True}, False, 1),
     ("output layer separate", {"fused_head": False}, False, 1),

@@ -282,8 +282,9 @@ class _Captured:
 
 class DQNStep:
     """Owns the online and target parameters, gradients, Adam moments, the replay,
-    the arena and the metrics ring; ``enqueue`` queues one step, ``capture``
-    records it as one executable graph."""
+    the arena and the metrics ring; ``enqueue`` queues one step (or several in a
+    row), ``capture`` records them as one executable graph. ``last`` describes the
+    last step queued."""
 
     def __init__(self, config: DQNConfig, *, arena_active: bool = True, metrics_slots: int = 1024):
         if not isinstance(config, DQNConfig):
@@ -463,23 +464,28 @@ class DQNStep:
         steps' kernels return at once and nothing changes, counters and metrics
         included (a training loop captures the step once and gates it).
 
-        Consecutive steps: with side streams (``dual_stream``, the separate tail
-        kernels), each step after the first draws its batch on the update stream
-        right after the step before has written its priorities, beside that
-        step's spectral phases and finish pass, so its forward finds the batch
-        ready when the parameters are. The results are those of ``steps`` single
-        steps, bit for bit (docs/perf-notes.md, twenty-seventh pass). A host
-        that polls ``metrics`` records ``steps`` times after each such launch
-        (:meth:`Metrics.record` marks one step). Nothing may come between the
-        steps (a replay insert, an env step): queue those with ``steps=1``.
+        Consecutive steps: with side streams (``dual_stream``) and the separate
+        tail kernels (not ``fused_tail``), the defaults, each step after the first
+        draws its batch on the update stream right after the step before has
+        written its priorities, beside that step's spectral phases and finish
+        pass, so its forward finds the batch ready when the parameters are;
+        otherwise the steps follow one another as single steps do. The results
+        are those of ``steps`` single steps, bit for bit (docs/perf-notes.md,
+        twenty-seventh pass). A host that polls ``metrics`` records ``steps``
+        times after each such launch (:meth:`Metrics.record` marks one step), so
+        ``steps`` is at most the ring's slots. Use ``steps > 1`` only for
+        gradient steps with no transitions inserted between them; a training
+        loop that inserts between gradient steps queues them one at a time.
         """
-        if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"steps must be a positive int, got {steps!r}")
-        if steps > 1 and uniforms is not None:
-            raise ValueError("uniforms replace one step's draws: pass them with steps=1")
+        self._check_steps(steps, uniforms)
         with dependent_launches(self.config.dependent_launch):
             for k in range(steps):
                 self._enqueue(stream, uniforms, gate, after_a_step=k > 0)
+
+    def _check_steps(self, steps, uniforms) -> None:
+        _positive_int("steps", steps, 1, self.metrics.slots)
+        if steps > 1 and uniforms is not None:
+            raise ValueError("uniforms replace one step's draws: pass them with steps=1")
 
     def _enqueue(self, stream, uniforms, gate, after_a_step=False) -> None:
         cfg = self.config
@@ -632,6 +638,7 @@ class DQNStep:
     def capture(self, *, stream, steps: int = 1) -> GraphExec:
         """The whole step (or ``steps`` consecutive ones, see :meth:`enqueue`) as one
         executable graph; replay it with ``launch(stream)``."""
+        self._check_steps(steps, None)
         with capture(stream) as graph:
             self.enqueue(stream=stream, steps=steps)
         self.graph = graph
