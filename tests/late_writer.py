@@ -8,8 +8,12 @@ these buffers before its own wait, however long the host takes between the two
 launches (tests/test_late_writer_gpu.py checks that it does).
 """
 import functools
+import os
 
-from drvtrain import kernel_dir, load_source
+import numpy as np
+import pytest
+
+from drvtrain import DeviceBuffer, kernel_dir, load_source
 
 LATE_COPY_SOURCE = r"""
 #include "common.cuh"
@@ -61,3 +65,36 @@ def copy_around_the_wait():
 def words(buf) -> int:
     """The 32-bit words of a buffer."""
     return buf.nbytes // 4
+
+
+def skip_unless_a_read_can_race(device, early: bool) -> None:
+    """Skip a test of a read before the wait where it cannot meet the poison: on a device
+    without programmatic dependent launch, and (an early read) under a CUDA tool such as
+    compute-sanitizer, which runs kernels one after another."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"programmatic dependent launch needs compute capability 9.0; this device is {device.arch}")
+    if early and any(key.startswith("NV_SANITIZER_") for key in os.environ):
+        pytest.skip("a CUDA tool is attached (compute-sanitizer, say), which runs kernels one after another")
+
+
+class CopyCase:
+    """Fresh values, their device copy ``source``, and ``x`` (for the late writer to fill
+    from ``source``) and ``out`` (for `copy_around_the_wait` to fill from ``x``)."""
+
+    def __init__(self, rng, n: int = 8192):
+        self.n = n
+        self.values = rng.standard_normal(n).astype(np.float32)
+        self.source = DeviceBuffer.from_numpy(self.values)
+        self.x, self.out = DeviceBuffer((n,), np.float32), DeviceBuffer((n,), np.float32)
+
+    def poison(self, stream) -> None:
+        self.x.poison(stream=stream)
+        self.out.poison(stream=stream)
+
+    def check(self, read_before_the_writer: bool) -> None:
+        """``out`` holds the poison in every element, or the values in every one."""
+        got = self.out.to_numpy()
+        if read_before_the_writer:
+            assert np.isnan(got).all(), f"{np.isfinite(got).sum()} of {self.n} reads came after the writer"
+        else:
+            assert got.tobytes() == self.values.tobytes()
