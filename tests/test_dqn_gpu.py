@@ -10,7 +10,7 @@ from drvtrain.rl import DQNConfig, DQNStep, TrainingError
 from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
 from drvtrain.rl.dqn import audit_step
 from dqn_reference import dqn_loss, dqn_step, dueling_q
-from late_writer import LATE_NS, late_copy, words
+from late_writer import LATE_NS, late_copy, skip_unless_a_read_can_race, words
 from nn_reference import mlp_backward, mlp_forward, rel
 from per_reference import tree_inconsistency
 
@@ -542,6 +542,18 @@ def _columns_phase_bits(W: np.ndarray, u: np.ndarray):
     return x, np.array(partials)
 
 
+def trained_step(rng, stream, *, obs_dim, hidden):
+    """A small step (4 actions, batch 64, spectral_c 0.5) after one whole step on a filled
+    replay, so that its weights are trained ones; the stream synchronised."""
+    cfg = DQNConfig(obs_dim=obs_dim, hidden=hidden, n_actions=4, batch=64, capacity=1024, spectral_c=0.5,
+                    seed=int(rng.integers(1 << 30)))
+    step = DQNStep(cfg)
+    fill(step, rng, stream)
+    step.enqueue(stream=stream)
+    stream.synchronize()
+    return step
+
+
 @pytest.mark.parametrize("rows", [1, 63, 64, 65, 511, 512, 513, 1100])
 def test_spectral_columns_phase_is_its_order_bit_for_bit(device, rng, rows):
     """x = W^T u and the partial ||x||^2 of each 16-column block, from spectral_columns,
@@ -586,15 +598,9 @@ def test_spectral_rows_reads_only_its_weights_before_its_wait(device, rng):
     it under dependent launch, y and the row partials are the bits of an ordinary
     launch, nothing unwritten, on the float4 path (every width a multiple of 4): a rows
     phase that read x or the partials before its wait would meet the poison."""
-    if tuple(device.compute_capability) < (9, 0):
-        pytest.skip(f"programmatic dependent launch needs compute capability 9.0; this device is {device.arch}")
-    cfg = DQNConfig(obs_dim=4, hidden=(64, 48), n_actions=4, batch=64, capacity=1024, spectral_c=0.5,
-                    seed=int(rng.integers(1 << 30)))
+    skip_unless_a_read_can_race(device, early=False)
     stream = Stream()
-    step = DQNStep(cfg)
-    fill(step, rng, stream)
-    step.enqueue(stream=stream)  # one whole step, so the weights are trained ones
-    stream.synchronize()
+    step = trained_step(rng, stream, obs_dim=4, hidden=(64, 48))
     assert step.n_spectral > 0 and all(int(row["cols"]) % 4 == 0 for row in step.spectral_table)
     assert int(step.optimizer.skip.to_numpy()[0]) == 0
     cb, rb = step._spectral_grids
@@ -627,13 +633,8 @@ def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, h
     share of the partials in order, the block tree, the square root, the divisions. Six
     matrices take two groups of four; the tall layer has 263 row partials, more than a
     block's threads."""
-    cfg = DQNConfig(obs_dim=3, hidden=hidden, n_actions=4, batch=64, capacity=1024, spectral_c=0.5,
-                    seed=int(rng.integers(1 << 30)))
     stream = Stream()
-    step = DQNStep(cfg)
-    fill(step, rng, stream)
-    step.enqueue(stream=stream)  # one whole step, so the weights are trained ones
-    stream.synchronize()
+    step = trained_step(rng, stream, obs_dim=3, hidden=hidden)
     assert int(step.optimizer.skip.to_numpy()[0]) == 0
     u0 = step.u.to_numpy()
     cb, rb = step._spectral_grids
