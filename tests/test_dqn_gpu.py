@@ -651,7 +651,7 @@ def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, h
     assert step._row_partials.to_numpy().tobytes() == partials.tobytes()
     sigma, scale, u, after = (step.sigma.to_numpy(), step.spectral_scale.to_numpy(), step.u.to_numpy(),
                               step.params.buffer.to_numpy())
-    c = float(np.float32(cfg.spectral_c))
+    c = float(np.float32(step.config.spectral_c))
     projected = 0
     for m, row in enumerate(step.spectral_table):
         first, count = int(row["first_block_rows"]), -(-int(row["rows"]) // 16)
