@@ -248,6 +248,17 @@ __device__ __forceinline__ void dt_cp_async4(unsigned int dst, const float* src,
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
+// Four 8x8 matrices of 16-bit elements from shared memory (ldmatrix .x4): lane l gives
+// the address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned), and gets in
+// r[i] the 32 bits at row l / 4, bytes 4 * (l % 4) of matrix i. Read as 32-bit
+// elements, a matrix is 8 rows of 4 floats and r[i] is (row l / 4, column l % 4): an
+// m16n8k8 TF32 fragment's element.
+__device__ __forceinline__ void dt_ldmatrix_x4(unsigned int (&r)[4], unsigned int address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
 __device__ __forceinline__ void dt_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most PENDING of this thread's committed groups are still in flight.

@@ -26,7 +26,8 @@
 // in shared memory in their global layout by cp.async through a ring of stages.
 //   *_tf32:   one MMA on operands rounded to TF32 (round to nearest, as cvt.rna):
 //             about 3e-4 relative on random data.
-//   *_3xtf32: x = big + small with big = tf32(x), small = tf32(x - big); each step
+//   *_3xtf32: x = big + small with big = tf32(x), small = x - big (truncated to TF32
+//             by the tensor cores, tf32.cuh); each step
 //             adds small_a*big_b, big_a*small_b, then big_a*big_b into a fragment
 //             that is added to the FP32 accumulator with an FADD once per k tile
 //             (the tensor cores do not round their own sums to nearest): FP32
@@ -135,13 +136,21 @@ struct Loader {
     }
 
     // Queue the copies of the next tile into the tile at shared address `tile`.
-    __device__ __forceinline__ void load(unsigned int tile) {
-        const int inner_bytes = 4 * max(0, min(W, inner_end - inner));
+    // `whole`: the caller's word that every copy of every tile is in bounds (tc::gemm's
+    // `whole`), so none computes a bound.
+    __device__ __forceinline__ void load(unsigned int tile, bool whole = false) {
+        if (whole) {
 #pragma unroll
-        for (int c = 0; c < ROUNDS; ++c) {
-            const int bytes = outer + c * STEP < outer_end ? inner_bytes : 0;
-            const float* src = bytes ? ptr + c * STEP * ld : base;  // never form a wild address
-            cp_async<W>(tile + dst + c * STEP * S::STRIDE * 4, src, bytes);
+            for (int c = 0; c < ROUNDS; ++c)
+                cp_async<W>(tile + dst + c * STEP * S::STRIDE * 4, ptr + c * STEP * ld, 4 * W);
+        } else {
+            const int inner_bytes = 4 * max(0, min(W, inner_end - inner));
+#pragma unroll
+            for (int c = 0; c < ROUNDS; ++c) {
+                const int bytes = outer + c * STEP < outer_end ? inner_bytes : 0;
+                const float* src = bytes ? ptr + c * STEP * ld : base;  // never form a wild address
+                cp_async<W>(tile + dst + c * STEP * S::STRIDE * 4, src, bytes);
+            }
         }
         if (KFAST) {
             inner += BK;
@@ -153,7 +162,8 @@ struct Loader {
     }
 };
 
-// TF32 operands: round to nearest in one add, non-finite values unrounded (tf32.cuh).
+// TF32 operands: round to nearest in one add (tf32.cuh; non-finite values unrounded in
+// TF32, and as tf32.cuh says in 3xTF32).
 template <int PREC>
 __device__ __forceinline__ void split(float x, unsigned int& big, unsigned int& small) {
     dt_tf32_split<PREC == PREC_3XTF32>(x, big, small);
@@ -426,78 +436,123 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         for (int s = 0; s < STAGES - 1; ++s)
             if (s < tiles) first_tile(s, s);
     }
-    int read_slot = 0, write_slot = STAGES - 1;
-    for (int kt = 0; kt < tiles; ++kt) {
-        dt_cp_async_wait<STAGES - 2>();
-        // Tile kt has landed for every thread, and every warp is done with tile
-        // kt - 1, whose slot the next copies overwrite.
-        __syncthreads();
-        if (kt + STAGES - 1 < tiles) {
-            if constexpr (X0)
-                first_tile(kt + STAGES - 1, write_slot);
-            else
-                la.load(smem0 + write_slot * STAGE * 4);
-            lb.load(smem0 + (write_slot * STAGE + SA::FLOATS) * 4);
-        }
-        dt_cp_async_commit();
-        write_slot = write_slot == STAGES - 1 ? 0 : write_slot + 1;
-        const float* As = smem + read_slot * STAGE;
-        const float* Bs = As + SA::FLOATS;
-        read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
-        if (sums && tid < BM) {
-#pragma unroll
-            for (int k = 0; k < BK; ++k) row_sum += As[SA::at(tid, k)];
-        }
-        if (active) {
-            // 3xTF32: the tensor cores' own accumulation is not round-to-nearest, so
-            // each k tile's products are summed in a fresh fragment and added to the
-            // FP32 accumulator with an FADD (the error no longer grows with k).
-            float part[MI][NI][4];
-            if (PREC == PREC_3XTF32) {
-#pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                    for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) part[mi][ni][q] = 0.0f;
+    // The TF32 kernels' k loop (the forward roles, 32x32 tile) comes twice: where every
+    // copy of every tile is in bounds (whole k tiles, the block's rows and columns
+    // inside A and B), one that copies without bounds (Loader::load's `whole`). And
+    // their operands, both k-fast, come four fragment registers at a time from ldmatrix.
+    // The 3xTF32 kernels keep one bounded loop and single loads: with both there, the
+    // small DQN step was slower (docs/perf-notes.md, twenty-eighth pass). Block-uniform,
+    // so every thread meets the same barriers.
+    const bool whole = PREC == PREC_TF32 && BM == 32 && (ke - kb) % BK == 0 && i0 + BM <= M && j0 + BN <= N;
+    // ldmatrix: lane l addresses row l % 8 of matrix l / 8. A's four matrices are a
+    // fragment's (rows +0, k +0), (+8, +0), (+0, +4), (+8, +4); B's, two n8 fragments'
+    // (columns +0, k +0), (+0, +4), (+8, +0), (+8, +4).
+    static_assert(PREC != PREC_TF32 || (A_KFAST && B_KFAST && NI % 2 == 0), "TF32 fragments by ldmatrix");
+    const unsigned int a_ldsm = smem0 + 4u * SA::at(wm * CFG::WM + (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 4);
+    const unsigned int b_ldsm =
+        smem0 + 4u * (SA::FLOATS + SB::at(wn * CFG::WN + (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 4));
+    // Called with a constant `whole_tiles`: inlined there, each call is its own loop, and
+    // the whole one holds no bound. (A generic lambda, which would carry the constant in
+    // its type, is a host function to NVRTC 13.0.)
+    auto k_loop = [&](bool whole_tiles) {
+        int read_slot = 0, write_slot = STAGES - 1;
+        for (int kt = 0; kt < tiles; ++kt) {
+            dt_cp_async_wait<STAGES - 2>();
+            // Tile kt has landed for every thread, and every warp is done with tile
+            // kt - 1, whose slot the next copies overwrite.
+            __syncthreads();
+            if (kt + STAGES - 1 < tiles) {
+                if constexpr (X0)
+                    first_tile(kt + STAGES - 1, write_slot);
+                else
+                    la.load(smem0 + write_slot * STAGE * 4, whole_tiles);
+                lb.load(smem0 + (write_slot * STAGE + SA::FLOATS) * 4, whole_tiles);
             }
+            dt_cp_async_commit();
+            write_slot = write_slot == STAGES - 1 ? 0 : write_slot + 1;
+            // Tile kt's ring slot: as pointers (single loads, the row sums) and as a byte
+            // offset (ldmatrix); each kernel uses what its precision needs.
+            [[maybe_unused]] const float* As = smem + read_slot * STAGE;
+            [[maybe_unused]] const float* Bs = As + SA::FLOATS;
+            [[maybe_unused]] const unsigned int slot_bytes = 4u * read_slot * STAGE;
+            read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
+            if (sums && tid < BM) {
 #pragma unroll
-            for (int kk = 0; kk < BK; kk += 8) {
-                unsigned int a[MI][4], as[MI][4], b[NI][2], bs[NI][2];
+                for (int k = 0; k < BK; ++k) row_sum += As[SA::at(tid, k)];
+            }
+            if (active) {
+                // 3xTF32: the tensor cores' own accumulation is not round-to-nearest, so
+                // each k tile's products are summed in a fresh fragment and added to the
+                // FP32 accumulator with an FADD (the error no longer grows with k).
+                float part[MI][NI][4];
+                if (PREC == PREC_3XTF32) {
 #pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
+                    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                    for (int q = 0; q < 4; ++q)
-                        split<PREC>(As[a_base + SA::at(mi * 16 + (q & 1) * 8, kk + (q >> 1) * 4)], a[mi][q],
-                                    as[mi][q]);
+                        for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-                for (int ni = 0; ni < NI; ++ni)
+                            for (int q = 0; q < 4; ++q) part[mi][ni][q] = 0.0f;
+                }
 #pragma unroll
-                    for (int q = 0; q < 2; ++q)
-                        split<PREC>(Bs[b_base + SB::at(ni * 8, kk + q * 4)], b[ni][q], bs[ni][q]);
+                for (int kk = 0; kk < BK; kk += 8) {
+                    unsigned int a[MI][4], as[MI][4], b[NI][2], bs[NI][2];
+                    if constexpr (PREC == PREC_TF32) {
 #pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
+                        for (int mi = 0; mi < MI; ++mi) {
+                            unsigned int r[4];
+                            dt_ldmatrix_x4(r, a_ldsm + slot_bytes + 4u * SA::at(mi * 16, kk));
 #pragma unroll
-                    for (int ni = 0; ni < NI; ++ni) {
-                        if (PREC == PREC_3XTF32) {  // small terms first: they are the ones rounding would lose
-                            mma(part[mi][ni], as[mi], b[ni]);
-                            mma(part[mi][ni], a[mi], bs[ni]);
-                            mma(part[mi][ni], a[mi], b[ni]);
-                        } else {
-                            mma(acc[mi][ni], a[mi], b[ni]);
+                            for (int q = 0; q < 4; ++q) split<PREC>(__uint_as_float(r[q]), a[mi][q], as[mi][q]);
                         }
+#pragma unroll
+                        for (int ni = 0; ni < NI; ni += 2) {
+                            unsigned int r[4];
+                            dt_ldmatrix_x4(r, b_ldsm + slot_bytes + 4u * SB::at(ni * 8, kk));
+#pragma unroll
+                            for (int q = 0; q < 4; ++q)
+                                split<PREC>(__uint_as_float(r[q]), b[ni + (q >> 1)][q & 1], bs[ni + (q >> 1)][q & 1]);
+                        }
+                    } else {
+#pragma unroll
+                        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                            for (int q = 0; q < 4; ++q)
+                                split<PREC>(As[a_base + SA::at(mi * 16 + (q & 1) * 8, kk + (q >> 1) * 4)], a[mi][q],
+                                            as[mi][q]);
+#pragma unroll
+                        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                            for (int q = 0; q < 2; ++q)
+                                split<PREC>(Bs[b_base + SB::at(ni * 8, kk + q * 4)], b[ni][q], bs[ni][q]);
                     }
-            }
-            if (PREC == PREC_3XTF32) {
 #pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
+                    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                    for (int ni = 0; ni < NI; ++ni)
+                        for (int ni = 0; ni < NI; ++ni) {
+                            if (PREC == PREC_3XTF32) {  // small terms first: they are the ones rounding would lose
+                                mma(part[mi][ni], as[mi], b[ni]);
+                                mma(part[mi][ni], a[mi], bs[ni]);
+                                mma(part[mi][ni], a[mi], b[ni]);
+                            } else {
+                                mma(acc[mi][ni], a[mi], b[ni]);
+                            }
+                        }
+                }
+                if (PREC == PREC_3XTF32) {
 #pragma unroll
-                        for (int q = 0; q < 4; ++q) acc[mi][ni][q] += part[mi][ni][q];
+                    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                            for (int q = 0; q < 4; ++q) acc[mi][ni][q] += part[mi][ni][q];
+                }
             }
         }
-    }
+    };
+    if (whole)
+        k_loop(true);
+    else
+        k_loop(false);
     dt_cp_async_wait<0>();
     // The next kernel's blocks may be placed from here on: earlier, they would sit
     // on SMs this grid's later blocks still need (a dependent launch only).

@@ -848,12 +848,14 @@ DT_WGMMA_BACKWARD(linear_grad_weight_wgmma_3xtf32, false, false, EPI_NONE, DT_BA
 // and the same MMAs as backward(), in the same order, so the same bits for dX. The host
 // (drvtrain.nn.mlp) chooses this path for the wide products and places the passes.
 
-// TF32 parts stored as clean TF32 values (the 13 low bits the tensor cores ignore are
-// cleared), so that big + small in FP32 is within 2^-22 of x; infinities and NaNs pass
-// whole, with small = 0, as dt_tf32_split keeps them.
+// TF32 parts stored as clean TF32 values: dt_tf32_split's parts with the 13 low bits
+// the tensor cores ignore cleared, so the tensor cores read the same operands from
+// them as from the parts split in a tile (the same bits for dX), and big + small in
+// FP32 is within 2^-21 |x|; a NaN x gives a NaN small, an infinite x an infinite big
+// and a NaN small (tf32.cuh).
 __device__ __forceinline__ void clean_split(float x, unsigned int& big, unsigned int& small) {
     dt_tf32_split<true>(x, big, small);
-    if ((__float_as_uint(x) & 0x7f800000u) != 0x7f800000u) big &= 0xffffe000u, small &= 0xffffe000u;
+    big &= 0xffffe000u, small &= 0xffffe000u;
 }
 
 // The TF32 parts of X (rows x cols, rows ld floats apart): with `big` and `small`, as X

@@ -13,8 +13,9 @@ from nn_reference import mlp_backward, rel
 pytestmark = pytest.mark.gpu
 
 ROLES = ["forward", "forward_relu", "grad_input", "grad_weight"]
-# (M, N, K): not multiples of any tile; the output layer's narrow N; split-k with both tiles.
-SHAPES = [(77, 35, 45), (512, 19, 1024), (256, 3, 256), (512, 1024, 1024)]
+# (M, N, K): not multiples of any tile; the output layer's narrow N; split-k with both tiles;
+# a grid of blocks inside the operands and blocks across their edges, with whole k tiles.
+SHAPES = [(77, 35, 45), (512, 19, 1024), (256, 3, 256), (512, 1024, 1024), (100, 70, 64)]
 TF32_BOUND, X3_BOUND = 2e-3, 1e-5
 
 
@@ -176,6 +177,45 @@ def test_nan_operands_reach_the_output(device, stream, rng, role, tile, vector):
         np.testing.assert_array_equal(np.isnan(sums), want_sums)
 
 
+@pytest.mark.parametrize("role, tile, vector", VARIANTS)
+def test_an_infinite_operand_is_infinite_in_tf32_and_nan_in_3xtf32(device, stream, rng, role, tile, vector):
+    """An infinity in A reaches exactly its output row. The TF32 forward passes it
+    unrounded, so the row is infinite (or 0 where the ReLU takes -inf); the 3xTF32
+    backward splits it into an infinite big part and a NaN remainder (kernels/tf32.cuh),
+    so the row is NaN (where the ReLU mask keeps it), and a weight gradient's bias sum,
+    FP32 on the unsplit values, is infinite. Everything else stays finite."""
+    skip_unless_compiled(device, tile)
+    m, n, k = 77, 35, 45
+    i0, ka = 6, 4
+    kernels = kernels_for(role, device)
+    prod = Product(role, m, n, k, vector, rng)
+    sign = float(rng.choice([-1.0, 1.0]))
+    set_bits(prod.a, (ka, i0) if role == "grad_weight" else (i0, ka),
+             int(np.float32(sign * np.inf).view(np.uint32)))
+    arena, _ = arena_for(kernels, role, m, n, k, tile)
+    prod.poison(stream)
+    prod.launch(kernels, arena, stream, tile, vector)
+    c, sums = prod.outputs()
+    got = c[:, :n]
+    row = np.zeros((m, n), bool)
+    row[i0, :] = True
+    if role.startswith("forward"):
+        assert not np.isnan(got).any()
+        hit = np.isinf(got)
+        if role == "forward_relu":  # +inf stays; -inf becomes 0, as does a negative sum
+            assert (hit == (row & (got > 0))).all() and (got[i0] >= 0).all()
+        else:
+            assert (hit == row).all()
+    else:
+        if role == "grad_input":  # the ReLU mask zeroes what it masks, NaN or not
+            row &= prod.mask.to_numpy()[:, :n] > 0
+        np.testing.assert_array_equal(np.isnan(got), row)
+        assert np.isfinite(got[~row]).all()
+    if sums is not None:
+        assert np.isinf(sums[i0]) and np.sign(sums[i0]) == sign
+        assert np.isfinite(np.delete(sums, i0)).all()
+
+
 @pytest.mark.parametrize("role", ROLES)
 @pytest.mark.parametrize("m, n, k", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
 def test_ffma_product_matches_float64(device, stream, rng, role, m, n, k):
@@ -200,6 +240,29 @@ def test_shapes_cover_split_and_unsplit_launches_of_every_tile(device):
         for tile in tiles:
             splits = {plan(m, n, k, device.sm_count, precision=precision, tile=tile).splits for m, n, k in SHAPES}
             assert 1 in splits and max(splits) > 1, (precision, tile.name, splits)
+
+
+def test_shapes_cover_whole_and_bounded_blocks_of_the_32x32_forward(device):
+    """The 32x32 tile's TF32 kernels run a k loop without bounds in a block whose every
+    copy is in bounds (kernels/gemm.cu's `whole`: the split's k range whole k tiles, the
+    block inside M and N), the bounded loop elsewhere: SHAPES hold grids of each kind
+    and one with both."""
+    bk = TILE_32.bk
+
+    def kinds(m, n, k):
+        splits = plan(m, n, k, device.sm_count, precision="tf32", tile=TILE_32).splits
+        per = -(-(-(-k // bk)) // splits)
+        found = set()
+        for z in range(splits):
+            kb = min(k, z * per * bk)
+            ke = min(k, kb + per * bk)
+            for i0 in range(0, m, TILE_32.bm):
+                for j0 in range(0, n, TILE_32.bn):
+                    found.add((ke - kb) % bk == 0 and i0 + TILE_32.bm <= m and j0 + TILE_32.bn <= n)
+        return found
+
+    seen = [kinds(*shape) for shape in SHAPES]
+    assert {True} in seen and {False} in seen and {True, False} in seen, seen
 
 
 @pytest.mark.parametrize("role, tile, vector", [v for v in VARIANTS if v.values[2] == 16])
@@ -768,28 +831,33 @@ def test_backward_on_a_weight_stream_matches_one_stream_bitwise(device, rng, gra
 # ---------------------------------------------------------------- the pre-split backward
 
 def tf32_parts(x):
-    """float64-free numpy statement of tf32_split's parts: big = x rounded to TF32 (to
-    nearest, ties away from zero), small = (x - big) rounded the same way, both with
-    the 13 low bits clear; infinities and NaNs pass whole, with small = 0."""
+    """float64-free numpy statement of tf32_split's parts (kernels/tf32.cuh): big = x
+    rounded to TF32 (half a TF32 unit added to the bits, ties away from zero), small =
+    x - big in FP32 truncated to TF32, both with the 13 low bits clear. Nothing is
+    special-cased: an infinity gives an infinite big and a NaN small, a NaN a NaN small
+    (its NaN bits are the device's; compare NaNs as NaNs)."""
     u = np.ascontiguousarray(x, np.float32).view(np.uint32)
-    finite = (u & 0x7F800000) != 0x7F800000
-    big = np.where(finite, (u + np.uint32(0x1000)) & np.uint32(0xFFFFE000), u).astype(np.uint32)
+    big = ((u + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).astype(np.uint32)
     with np.errstate(invalid="ignore", over="ignore"):
         rest = (x.astype(np.float32) - big.view(np.float32)).astype(np.float32).view(np.uint32)
-    small = np.where(finite, (rest + np.uint32(0x1000)) & np.uint32(0xFFFFE000), 0).astype(np.uint32)
+    small = (rest & np.uint32(0xFFFFE000)).astype(np.uint32)
     return big, small
 
 
 def test_tf32_parts_reference_bounds(rng):
-    """The reference itself: big + small is x to 2^-21 relative (float64), each part
-    a TF32 value, big within half a TF32 unit of x."""
+    """The reference itself: big + small is x to under 2^-21 relative (float64), each
+    part a TF32 value, big within half a TF32 unit of x, small no larger than x - big
+    (truncated, not rounded); an infinity is an infinite big and a NaN small."""
     x = (rng.standard_normal(100000) * np.exp2(rng.integers(-60, 60, 100000))).astype(np.float32)
     big, small = tf32_parts(x)
     assert not (big & 0x1FFF).any() and not (small & 0x1FFF).any()
     b, s = big.view(np.float32).astype(np.float64), small.view(np.float32).astype(np.float64)
     xd = x.astype(np.float64)
     assert (np.abs(xd - b) <= np.abs(xd) * 2.0 ** -11).all()
-    assert (np.abs(xd - b - s) <= np.abs(xd) * 2.0 ** -21).all()
+    assert (np.abs(xd - b - s) < np.abs(xd) * 2.0 ** -21).all()
+    assert (np.abs(s) <= np.abs(xd - b)).all()
+    big, small = tf32_parts(np.array([np.inf, -np.inf, np.nan], np.float32))
+    assert (big.view(np.float32)[:2] == [np.inf, -np.inf]).all() and np.isnan(small.view(np.float32)).all()
 
 
 @pytest.mark.parametrize("as_is, transposed", [(True, True), (True, False), (False, True)])
@@ -823,7 +891,12 @@ def test_split_writes_the_tf32_parts_as_is_and_transposed(device, stream, rng, r
         assert (part.rows, part.k) == (r, k) and part.ld % 4 == 0 and k <= part.ld < k + 4
         got_big = part.big.to_numpy().view(np.uint32)
         got_small = part.small.to_numpy().view(np.uint32)
-        assert (got_big[:, :k] == want_big).all() and (got_small[:, :k] == want_small).all()
+        assert (got_big[:, :k] == want_big).all()
+        # A NaN small is the device's NaN bits (the reference's are numpy's): NaN for NaN.
+        nan = np.isnan(want_small.view(np.float32))
+        assert (np.isnan(got_small[:, :k].view(np.float32)) == nan).all()
+        assert (got_small[:, :k][~nan] == want_small[~nan]).all()
+        assert not (got_small[:, :k] & 0x1FFF).any()
         assert (got_big[:, k:] == 0xFFFFFFFF).all() and (got_small[:, k:] == 0xFFFFFFFF).all()
 
 
