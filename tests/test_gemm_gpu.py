@@ -14,8 +14,10 @@ pytestmark = pytest.mark.gpu
 
 ROLES = ["forward", "forward_relu", "grad_input", "grad_weight"]
 # (M, N, K): not multiples of any tile; the output layer's narrow N; split-k with both tiles;
-# a grid of blocks inside the operands and blocks across their edges, with whole k tiles.
-SHAPES = [(77, 35, 45), (512, 19, 1024), (256, 3, 256), (512, 1024, 1024), (100, 70, 64)]
+# a grid of blocks inside the operands and blocks across their edges, in splits of whole k
+# tiles and a last split that ends inside one, past the ring's first tiles (the 32x32
+# forward's k loop without bounds, and with them).
+SHAPES = [(77, 35, 45), (512, 19, 1024), (256, 3, 256), (512, 1024, 1024), (100, 70, 1000)]
 TF32_BOUND, X3_BOUND = 2e-3, 1e-5
 
 
