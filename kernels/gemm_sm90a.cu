@@ -851,8 +851,10 @@ DT_WGMMA_BACKWARD(linear_grad_weight_wgmma_3xtf32, false, false, EPI_NONE, DT_BA
 // TF32 parts stored as clean TF32 values: dt_tf32_split's parts with the 13 low bits
 // the tensor cores ignore cleared, so the tensor cores read the same operands from
 // them as from the parts split in a tile (the same bits for dX), and big + small in
-// FP32 is within 2^-21 |x|; a NaN x gives a NaN small, an infinite x an infinite big
-// and a NaN small (tf32.cuh).
+// FP32 is within 2^-23 |x| (tf32.cuh); a NaN x gives a NaN small, an infinite x an
+// infinite big and a NaN small. So the pre-split dW's bias sum, which adds big +
+// small, is NaN for an infinite dY where the tile kernels' sum of the values is
+// infinite: non-finite either way.
 __device__ __forceinline__ void clean_split(float x, unsigned int& big, unsigned int& small) {
     dt_tf32_split<true>(x, big, small);
     big &= 0xffffe000u, small &= 0xffffe000u;

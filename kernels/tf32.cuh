@@ -13,8 +13,11 @@
 // FP32), left for the tensor cores to truncate to TF32, and no test for non-finite
 // x: three instructions a value where rounding small and passing non-finite values
 // whole took eight (docs/perf-notes.md, twenty-eighth pass). |x - big - small| as
-// the tensor cores read them is under 2^-21 |x| (2^-22 with small rounded), and a
-// product's error against float64 stays that of its FP32 sums. A NaN's NaN still
+// the tensor cores read them stays within 2^-23 |x|, as it does with small rounded
+// (x - big has at most 12 significant bits and TF32 keeps 11: truncating moves the
+// last one, rounding the error's sign, not its size), wherever small is a normal
+// float (|x| above about 2^-113); tinier values lose more, as any TF32 split's
+// subnormal part does. A NaN's NaN still
 // reaches the output, through small: x - big is NaN whatever the add did to big's
 // bits (a NaN whose add carries into the sign reads as a zero big). An infinite x
 // reads as an infinite big with a NaN small, so its products are NaN, not infinite.

@@ -410,8 +410,8 @@ class SplitOperand:
     """A matrix's TF32 big and small parts (kernels/gemm_sm90a.cu's tf32_split), stored
     K-major as the pre-split backward reads them: ``rows`` x ``k`` floats each, rows
     ``ld`` floats apart (a multiple of 4, for the tensor maps). big + small is the
-    matrix to within 2^-21 relative (big rounded to nearest, small truncated); each
-    part is an exact TF32 value."""
+    matrix to within 2^-23 relative (big rounded to nearest, small truncated; for
+    values above about 2^-113); each part is an exact TF32 value."""
     big: DeviceBuffer
     small: DeviceBuffer
     rows: int
