@@ -439,8 +439,9 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // The 32x32 tile's TF32 kernels (the forward roles) hold two k loops: one whose
     // copies compute no bounds (Loader::load's `whole`), for a block whose every copy
     // of every tile is in bounds (whole k tiles, its rows and columns inside A and B),
-    // and the bounded one for the rest. Every TF32 kernel (both tiles, the folded first layer's too) loads its
-    // operands, both k-fast, four fragment registers at a time with ldmatrix.
+    // and the bounded one for the rest. Every TF32 kernel (both tiles, the folded first
+    // layer's too) loads its operands, both k-fast, four fragment registers at a time
+    // with ldmatrix.
     // The 3xTF32 kernels keep one bounded loop and single loads: with both there, the
     // small DQN step was slower (docs/perf-notes.md, twenty-eighth pass). Block-uniform,
     // so every thread meets the same barriers.

@@ -17,10 +17,10 @@
 // (x - big has at most 12 significant bits and TF32 keeps 11: truncating moves the
 // last one, rounding the error's sign, not its size), wherever small is a normal
 // float (|x| above about 2^-113); tinier values lose more, as any TF32 split's
-// subnormal part does. A NaN's NaN still
-// reaches the output, through small: x - big is NaN whatever the add did to big's
-// bits (a NaN whose add carries into the sign reads as a zero big). An infinite x
-// reads as an infinite big with a NaN small, so its products are NaN, not infinite.
+// subnormal part does. A NaN's NaN still reaches the output, through small: x - big
+// is NaN whatever the add did to big's bits (a NaN whose add carries into the sign
+// reads as a zero big). An infinite x reads as an infinite big with a NaN small, so
+// its products are NaN, not infinite.
 // A finite x within half a TF32 unit of FLT_MAX (|x| >= 0x7f7ff000) rounds to
 // infinity, and its terms then sum to NaN: far outside what a layer of the nets holds.
 template <bool THREE>
