@@ -411,28 +411,6 @@ __device__ __forceinline__ void dt_fence_proxy_async() {
     DT_CLUSTER_ONLY(asm volatile("fence.proxy.async.shared::cta;" ::: "memory"));
 }
 
-// Shared memory of this block (`src`, shared window) to global memory (`dst`) by the
-// copy engine: `bytes` a multiple of 16, both ends 16-byte aligned. As for
-// dt_bulk_push, the threads that wrote the source fence (dt_fence_proxy_async) and a
-// block barrier orders them before the copy. The issuing thread commits its copies
-// (dt_bulk_store_commit) and waits for them to have read the source
-// (dt_bulk_store_wait_read) before the source is written again or the block exits.
-// The writes land in global memory by the grid's end, which is what the kernels
-// after it wait for (dt_wait_prior_grid, or the stream's order).
-__device__ __forceinline__ void dt_bulk_store(void* dst, unsigned int src, unsigned int bytes) {
-    DT_CLUSTER_ONLY(asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
-                                     reinterpret_cast<unsigned long long>(dst)),
-                                 "r"(src), "r"(bytes) : "memory"));
-}
-
-__device__ __forceinline__ void dt_bulk_store_commit() {
-    DT_CLUSTER_ONLY(asm volatile("cp.async.bulk.commit_group;" ::: "memory"));
-}
-
-__device__ __forceinline__ void dt_bulk_store_wait_read() {
-    DT_CLUSTER_ONLY(asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"));
-}
-
 // ---------------------------------------------------------------- grid barrier
 // Every block of the grid waits here until all blocks have arrived, and every
 // global write before it is visible to every thread after it. Only for a

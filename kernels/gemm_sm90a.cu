@@ -200,9 +200,7 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[ACC], float* stage
 }
 
 // Rows [row_begin, row_end) of the tile through the epilogue into C; value(row, c4)
-// gives the 4 sums at columns 4 c4 .. 4 c4 + 3 of a staged row. With `out` (this
-// block's stage, when bulk_rows() holds) the results go back to their places in the
-// stage instead, for store_bulk to copy out.
+// gives the 4 sums at columns 4 c4 .. 4 c4 + 3 of a staged row.
 // Its round loops are unrolled only two rounds deep. A block runs this code once,
 // after its k loop, so every instruction is fetched cold. Fully unrolled (16 rounds,
 // up to 8 summed partials each, vector and scalar stores) it was half of the
@@ -212,7 +210,7 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[ACC], float* stage
 // A chain of one warm product loses a little: each pair of rounds waits its loads.
 template <int EPI, class Value>
 __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Value& value, float* C, int ldc, int M,
-                                           int N, const float* bias, const float* mask, int ldm, float* out) {
+                                           int N, const float* bias, const float* mask, int ldm) {
     const int tid = threadIdx.x, i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const bool vec = aligned16(C, ldc) && (EPI != EPI_MASK || aligned16(mask, ldm));
     const int c4 = tid % PER_ROW, c = j0 + 4 * c4;  // the same columns in every round
@@ -250,35 +248,13 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
             if (EPI == EPI_BIAS_RELU) y[e] = y[e] < 0.0f ? 0.0f : y[e] + 0.0f;
             if (EPI == EPI_MASK && !(m[e] > 0.0f)) y[e] = 0.0f;
         }
-        if (out) {
-            *reinterpret_cast<float4*>(out + row * STAGE_LD + 4 * c4) = *reinterpret_cast<const float4*>(y);
-        } else if (vec && c + 3 < N) {
+        if (vec && c + 3 < N) {
             *reinterpret_cast<float4*>(C + (size_t)r * ldc + c) = *reinterpret_cast<const float4*>(y);
         } else {
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 if (c + e < N) C[(size_t)r * ldc + c + e] = y[e];
         }
-    }
-}
-
-// Whether the epilogue's rows go out as bulk copies (store_bulk): each row of the
-// tile in C is then 16-byte aligned and a multiple of 16 bytes long.
-__device__ __forceinline__ bool bulk_rows(const float* C, int ldc, int N) { return aligned16(C, ldc) && N % 4 == 0; }
-
-// Rows [row_begin, row_end) of the stage (at shared::cta address `stage_addr`, the
-// epilogue applied: store_rows with `out`) into C, one bulk copy a row, issued by
-// thread row - row_begin. Every thread of the block calls it: the barrier orders the
-// stage's writes before the copies, and the copies' reads finish before it returns.
-__device__ __forceinline__ void store_bulk(int row_begin, int row_end, unsigned int stage_addr, float* C, int ldc,
-                                           int M, int N) {
-    const int tid = threadIdx.x, i0 = blockIdx.y * BM, j0 = blockIdx.x * BN, row = row_begin + tid;
-    dt_fence_proxy_async();
-    __syncthreads();
-    if (row < row_end && i0 + row < M) {
-        dt_bulk_store(C + (size_t)(i0 + row) * ldc + j0, stage_addr + 4u * row * STAGE_LD, 4u * min(BN, N - j0));
-        dt_bulk_store_commit();
-        dt_bulk_store_wait_read();
     }
 }
 
@@ -326,9 +302,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
                 if (s < splits) v.x += p[s].x, v.y += p[s].y, v.z += p[s].z, v.w += p[s].w;
             return v;
         };
-        const bool bulk = bulk_rows(C, ldc, N);
-        if (active) store_rows<EPI>(row_begin, row_end, sum, C, ldc, M, N, bias, mask, ldm, bulk ? stage : nullptr);
-        if (bulk) store_bulk(row_begin, row_end, stage_addr, C, ldc, M, N);
+        if (active) store_rows<EPI>(row_begin, row_end, sum, C, ldc, M, N, bias, mask, ldm);
         if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
             float v = 0.0f;
 #pragma unroll
@@ -346,9 +320,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
     if (active) stage_tile(acc, stage);
     __syncthreads();
     const auto staged = [&](int row, int c4) { return *reinterpret_cast<const float4*>(stage + row * STAGE_LD + 4 * c4); };
-    const bool bulk = bulk_rows(C, ldc, N);
-    if (active) store_rows<EPI>(0, BM, staged, C, ldc, M, N, bias, mask, ldm, bulk ? stage : nullptr);
-    if (bulk) store_bulk(0, BM, stage_addr, C, ldc, M, N);
+    if (active) store_rows<EPI>(0, BM, staged, C, ldc, M, N, bias, mask, ldm);
 }
 
 // What every kernel here starts with: its dynamic shared memory (at least `need`
