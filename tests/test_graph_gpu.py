@@ -238,6 +238,7 @@ def test_dropping_a_module_waits_for_its_running_kernels(stream):
         wait_for(end, timeout_s=30)
         assert done.to_numpy()[0] == 1
 
+
 @pytest.mark.counts_device_memory
 def test_garbage_collected_during_capture_is_freed_after_it(device, stream, elementwise):
     import gc
