@@ -249,12 +249,13 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
         }
     }
 #pragma unroll 1
-    for (int g = 0; g < MAX_ROUNDS; g += GROUP) {
+    for (int g = 0; g < rounds; g += GROUP) {
       float4 v[GROUP];
 #pragma unroll
       for (int u = 0; u < GROUP; ++u) {
           const int row = row_begin + (tid + THREADS * (g + u)) / PER_ROW;
-          v[u] = g + u < rounds && row < row_end ? value(row, c4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          v[u] = g + u < rounds && row < row_end && i0 + row < M && c < N ? value(row, c4)
+                                                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
 #pragma unroll
       for (int u = 0; u < GROUP; ++u) {
