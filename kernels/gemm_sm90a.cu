@@ -199,28 +199,41 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[ACC], float* stage
                 make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
 }
 
+// The 4 bias values of this thread's columns in store_rows (the same in every round),
+// zeros for the epilogues without a bias. The forward loads them before its k loop,
+// so that the epilogue does not wait for them.
+template <int EPI>
+__device__ __forceinline__ float4 epilogue_bias(const float* bias, int N) {
+    const int c = blockIdx.x * BN + 4 * ((int)threadIdx.x % PER_ROW);
+    float bv[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) bv[e] = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) && c + e < N ? bias[c + e] : 0.0f;
+    return make_float4(bv[0], bv[1], bv[2], bv[3]);
+}
+
 // Rows [row_begin, row_end) of the tile through the epilogue into C; value(row, c4)
-// gives the 4 sums at columns 4 c4 .. 4 c4 + 3 of a staged row.
-// Its round loops are unrolled only two rounds deep. A block runs this code once,
-// after its k loop, so every instruction is fetched cold. Fully unrolled (16 rounds,
-// up to 8 summed partials each, vector and scalar stores) it was half of the
-// grad-input kernel's 100 KB of code and took 11.5 us of the wide dX in the large
-// step, against 5.3 rolled; the step gained 4 us (docs/perf-notes.md, thirteenth
-// pass). Depths 1, 2 and 4 were within a run's noise of each other; 2 was fastest.
-// A chain of one warm product loses a little: each pair of rounds waits its loads.
-template <int EPI, class Value>
+// gives the 4 sums at columns 4 c4 .. 4 c4 + 3 of a staged row, bias4 the bias of
+// those columns (epilogue_bias).
+// The rounds go in groups of GROUP: the group's values are loaded first, then
+// stored, so a warp waits for its loads once a group rather than once a round (4 for
+// a staged tile, one shared load a round; 2 where each value sums the partials of a
+// cluster, up to 8 loads a round). The loop over the groups stays rolled. A block runs this code once, after its k loop,
+// so every instruction is fetched cold. Fully unrolled (16 rounds, up to 8 summed
+// partials each, vector and scalar stores) it was half of the grad-input kernel's
+// 100 KB of code and took 11.5 us of the wide dX in the large step, against 5.3
+// rolled; the step gained 4 us (docs/perf-notes.md, thirteenth pass).
+template <int EPI, int GROUP, class Value>
 __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Value& value, float* C, int ldc, int M,
-                                           int N, const float* bias, const float* mask, int ldm) {
+                                           int N, float4 bias4, const float* mask, int ldm) {
     const int tid = threadIdx.x, i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const bool vec = aligned16(C, ldc) && (EPI != EPI_MASK || aligned16(mask, ldm));
     const int c4 = tid % PER_ROW, c = j0 + 4 * c4;  // the same columns in every round
     const int rounds = ((row_end - row_begin) * PER_ROW + THREADS - 1) / THREADS;
     // The mask loads go out two rounds at a time into local memory, ahead of
-    // the stores; the bias is the same 4 values in every round.
+    // the stores.
     float4 mv[EPI == EPI_MASK ? MAX_ROUNDS : 1];
-    float bv[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) bv[e] = (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) && c + e < N ? bias[c + e] : 0.0f;
+    const float bv[4] = {bias4.x, bias4.y, bias4.z, bias4.w};
+    static_assert(MAX_ROUNDS % GROUP == 0, "whole groups of rounds");
     if (EPI == EPI_MASK) {
 #pragma unroll 2
         for (int it = 0; it < MAX_ROUNDS; ++it) {
@@ -235,12 +248,21 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
             mv[EPI == EPI_MASK ? it : 0] = *reinterpret_cast<const float4*>(m);
         }
     }
-#pragma unroll 2
-    for (int it = 0; it < MAX_ROUNDS; ++it) {
-        const int row = row_begin + (tid + THREADS * it) / PER_ROW, r = i0 + row;
+#pragma unroll 1
+    for (int g = 0; g < rounds; g += GROUP) {
+      float4 v[GROUP];
+#pragma unroll
+      for (int u = 0; u < GROUP; ++u) {
+          const int row = row_begin + (tid + THREADS * (g + u)) / PER_ROW;
+          v[u] = g + u < rounds && row < row_end && i0 + row < M && c < N ? value(row, c4)
+                                                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int u = 0; u < GROUP; ++u) {
+        const int it = g + u, row = row_begin + (tid + THREADS * it) / PER_ROW, r = i0 + row;
         if (it >= rounds || row >= row_end || r >= M || c >= N) continue;
         float y[4], m[4];
-        *reinterpret_cast<float4*>(y) = value(row, c4);
+        *reinterpret_cast<float4*>(y) = v[u];
         *reinterpret_cast<float4*>(m) = mv[EPI == EPI_MASK ? it : 0];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {  // dt_epilogue's maths (epilogue.cuh), written out: as a call it compiles differently
@@ -255,6 +277,7 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
             for (int e = 0; e < 4; ++e)
                 if (c + e < N) C[(size_t)r * ldc + c + e] = y[e];
         }
+      }
     }
 }
 
@@ -276,7 +299,7 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
 template <int EPI, int BLOCK = THREADS>
 __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bool sums, float* stage,
                                             unsigned int stage_addr, float* C, int ldc, int M, int N,
-                                            const float* bias, const float* mask, int ldm, float* col_sum,
+                                            float4 bias4, const float* mask, int ldm, float* col_sum,
                                             float* workspace, unsigned int* counters) {
     const int tid = threadIdx.x, splits = gridDim.z, z = blockIdx.z, i0 = blockIdx.y * BM;
     const bool active = BLOCK == THREADS || tid < THREADS;
@@ -302,7 +325,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
                 if (s < splits) v.x += p[s].x, v.y += p[s].y, v.z += p[s].z, v.w += p[s].w;
             return v;
         };
-        if (active) store_rows<EPI>(row_begin, row_end, sum, C, ldc, M, N, bias, mask, ldm);
+        if (active) store_rows<EPI, 2>(row_begin, row_end, sum, C, ldc, M, N, bias4, mask, ldm);
         if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
             float v = 0.0f;
 #pragma unroll
@@ -320,7 +343,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
     if (active) stage_tile(acc, stage);
     __syncthreads();
     const auto staged = [&](int row, int c4) { return *reinterpret_cast<const float4*>(stage + row * STAGE_LD + 4 * c4); };
-    if (active) store_rows<EPI>(0, BM, staged, C, ldc, M, N, bias, mask, ldm);
+    if (active) store_rows<EPI, 4>(0, BM, staged, C, ldc, M, N, bias4, mask, ldm);
 }
 
 // What every kernel here starts with: its dynamic shared memory (at least `need`
@@ -363,6 +386,7 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
     const int kb = su.kb, tiles = su.tiles;
     const int tid = threadIdx.x, wg = tid / 128;
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
+    const float4 bias4 = epilogue_bias<EPI>(bias, N);  // its wait overlaps the k loop
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) dt_mbar_init(bars + 8u * s, 1);
@@ -404,7 +428,7 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
     fence_accumulators(acc);
     dt_allow_dependents();
 
-    finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias,
+    finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias4,
                      nullptr, 0, nullptr, workspace, counters);
 }
 
@@ -773,7 +797,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         __syncthreads();
         if (tid < BM) row_sum = red[tid];
     }
-    finish_tile<EPI, BACKWARD_THREADS>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N, nullptr, mask, ldm,
+    finish_tile<EPI, BACKWARD_THREADS>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N, epilogue_bias<EPI>(nullptr, N), mask, ldm,
                                        col_sum, workspace, counters);
 }
 
@@ -1012,7 +1036,7 @@ __device__ __forceinline__ void presplit(const DtTensorMap* ab, const DtTensorMa
         __syncthreads();
         if (tid < BM) row_sum = red[2 * tid] + red[2 * tid + 1];
     }
-    finish_tile<EPI>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N, nullptr, mask, ldm, col_sum, workspace,
+    finish_tile<EPI>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N, epilogue_bias<EPI>(nullptr, N), mask, ldm, col_sum, workspace,
                      counters);
 }
 
