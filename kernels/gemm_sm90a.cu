@@ -685,7 +685,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         };
 #pragma unroll
         for (int s = 0; s < A_LEAD; ++s) copy(s);
-        if (wg == 1) named_arrive(BAR_TURN, 256);  // the first warpgroup's first turn
+        if (wg == 1 && tiles > 0) named_arrive(BAR_TURN, 256);  // the first warpgroup's first turn
         float part[ACC];
         for (int kt = 0; kt < tiles; ++kt) {
             dt_cp_async_wait<A_LEAD - 1>();      // this thread's copies of tile kt
