@@ -544,9 +544,10 @@ static_assert(BACKWARD_THREADS == DT_BACKWARD_THREADS, "the kernels' launch boun
 constexpr int START_REGISTERS = 168, CONSUMER_REGISTERS = 200, PRODUCER_REGISTERS = 104;
 static_assert(2 * 128 * CONSUMER_REGISTERS + 128 * PRODUCER_REGISTERS <= BACKWARD_THREADS * START_REGISTERS,
               "the register file");
-// Named barriers (0 is __syncthreads): the producer's own, each consumer's own,
-// set s converted, set s read.
-constexpr int BAR_PRODUCER = 1, BAR_CONSUMER = 2, BAR_FULL = 4, BAR_EMPTY = 6;
+// Named barriers (0 is __syncthreads): the producer's own, each consumer's own, set s
+// read (BAR_EMPTY + s), set s converted for consumer warpgroup wg (BAR_FULL + 2 s + wg),
+// and the consumers' turns at issuing a tile's MMAs (BAR_TURN + wg: wg's turn).
+constexpr int BAR_PRODUCER = 1, BAR_CONSUMER = 2, BAR_EMPTY = 4, BAR_FULL = 6, BAR_TURN = 10;
 
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
@@ -708,6 +709,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         };
 #pragma unroll
         for (int s = 0; s < A_LEAD; ++s) copy(s);
+        if (wg == 1 && tiles > 0) named_arrive(BAR_TURN, 256);  // the first warpgroup's first turn
         float part[ACC];
         for (int kt = 0; kt < tiles; ++kt) {
             dt_cp_async_wait<A_LEAD - 1>();      // this thread's copies of tile kt
@@ -725,7 +727,11 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
             }
             const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
             const unsigned int b_big = set, b_small = set + TILE_BYTES;
-            named_sync(BAR_FULL + (kt & 1), BACKWARD_THREADS);  // set kt % 2 holds B's tile kt
+            named_sync(BAR_FULL + 2 * (kt & 1) + wg, 256);  // set kt % 2 holds B's tile kt
+            // The warpgroups take turns at issuing a tile's MMAs, the first one first, so
+            // that the tensor cores run one's MMAs while the other waits for its own, adds
+            // them up and splits its next fragments: the two no longer stop together.
+            named_sync(BAR_TURN + wg, 256);
             fence_accumulators(part);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
@@ -736,6 +742,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
                 wgmma_m64n128k8_ra(part, big[kk], descriptor(b_big + kk * 32));
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            if (wg == 0 || kt + 1 < tiles) named_arrive(BAR_TURN + (1 - wg), 256);  // the other's turn
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             fence_accumulators(part);
             if (kt + 2 < tiles) named_arrive(BAR_EMPTY + (kt & 1), BACKWARD_THREADS);  // the producer's tile kt + 2
@@ -770,7 +777,8 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
             convert_b(raw, big, small, t0);
             convert_b(raw, big, small, t1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
-            named_arrive(BAR_FULL + (kt & 1), BACKWARD_THREADS);
+            named_arrive(BAR_FULL + 2 * (kt & 1), 256);  // for each consumer warpgroup
+            named_arrive(BAR_FULL + 2 * (kt & 1) + 1, 256);
         }
         dt_cp_async_wait<0>();  // the empty groups
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(START_REGISTERS));
