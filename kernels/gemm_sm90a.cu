@@ -217,11 +217,12 @@ __device__ __forceinline__ float4 epilogue_bias(const float* bias, int N) {
 // The rounds go in groups of GROUP: the group's values are loaded first, then
 // stored, so a warp waits for its loads once a group rather than once a round (4 for
 // a staged tile, one shared load a round; 2 where each value sums the partials of a
-// cluster, up to 8 loads a round). The loop over the groups stays rolled. A block runs this code once, after its k loop,
-// so every instruction is fetched cold. Fully unrolled (16 rounds, up to 8 summed
-// partials each, vector and scalar stores) it was half of the grad-input kernel's
-// 100 KB of code and took 11.5 us of the wide dX in the large step, against 5.3
-// rolled; the step gained 4 us (docs/perf-notes.md, thirteenth pass).
+// cluster, up to 8 loads a round). The loop over the groups stays rolled. A block
+// runs this code once, after its k loop, so every instruction is fetched cold. Fully
+// unrolled (16 rounds, up to 8 summed partials each, vector and scalar stores) it was
+// half of the grad-input kernel's 100 KB of code and took 11.5 us of the wide dX in
+// the large step, against 5.3 rolled; the step gained 4 us (docs/perf-notes.md,
+// thirteenth pass).
 template <int EPI, int GROUP, class Value>
 __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Value& value, float* C, int ldc, int M,
                                            int N, float4 bias4, const float* mask, int ldm) {
@@ -250,34 +251,34 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
     }
 #pragma unroll 1
     for (int g = 0; g < rounds; g += GROUP) {
-      float4 v[GROUP];
+        float4 v[GROUP];
 #pragma unroll
-      for (int u = 0; u < GROUP; ++u) {
-          const int row = row_begin + (tid + THREADS * (g + u)) / PER_ROW;
-          v[u] = g + u < rounds && row < row_end && i0 + row < M && c < N ? value(row, c4)
-                                                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-#pragma unroll
-      for (int u = 0; u < GROUP; ++u) {
-        const int it = g + u, row = row_begin + (tid + THREADS * it) / PER_ROW, r = i0 + row;
-        if (it >= rounds || row >= row_end || r >= M || c >= N) continue;
-        float y[4], m[4];
-        *reinterpret_cast<float4*>(y) = v[u];
-        *reinterpret_cast<float4*>(m) = mv[EPI == EPI_MASK ? it : 0];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {  // dt_epilogue's maths (epilogue.cuh), written out: as a call it compiles differently
-            if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) y[e] += bv[e];
-            if (EPI == EPI_BIAS_RELU) y[e] = y[e] < 0.0f ? 0.0f : y[e] + 0.0f;
-            if (EPI == EPI_MASK && !(m[e] > 0.0f)) y[e] = 0.0f;
+        for (int u = 0; u < GROUP; ++u) {
+            const int row = row_begin + (tid + THREADS * (g + u)) / PER_ROW;
+            v[u] = g + u < rounds && row < row_end && i0 + row < M && c < N ? value(row, c4)
+                                                                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
-        if (vec && c + 3 < N) {
-            *reinterpret_cast<float4*>(C + (size_t)r * ldc + c) = *reinterpret_cast<const float4*>(y);
-        } else {
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (c + e < N) C[(size_t)r * ldc + c + e] = y[e];
+        for (int u = 0; u < GROUP; ++u) {
+            const int it = g + u, row = row_begin + (tid + THREADS * it) / PER_ROW, r = i0 + row;
+            if (it >= rounds || row >= row_end || r >= M || c >= N) continue;
+            float y[4], m[4];
+            *reinterpret_cast<float4*>(y) = v[u];
+            *reinterpret_cast<float4*>(m) = mv[EPI == EPI_MASK ? it : 0];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {  // dt_epilogue's maths (epilogue.cuh), written out: as a call it compiles differently
+                if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) y[e] += bv[e];
+                if (EPI == EPI_BIAS_RELU) y[e] = y[e] < 0.0f ? 0.0f : y[e] + 0.0f;
+                if (EPI == EPI_MASK && !(m[e] > 0.0f)) y[e] = 0.0f;
+            }
+            if (vec && c + 3 < N) {
+                *reinterpret_cast<float4*>(C + (size_t)r * ldc + c) = *reinterpret_cast<const float4*>(y);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (c + e < N) C[(size_t)r * ldc + c + e] = y[e];
+            }
         }
-      }
     }
 }
 
@@ -805,8 +806,8 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         __syncthreads();
         if (tid < BM) row_sum = red[tid];
     }
-    finish_tile<EPI, BACKWARD_THREADS>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N, epilogue_bias<EPI>(nullptr, N), mask, ldm,
-                                       col_sum, workspace, counters);
+    finish_tile<EPI, BACKWARD_THREADS>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N,
+                                       make_float4(0.0f, 0.0f, 0.0f, 0.0f), mask, ldm, col_sum, workspace, counters);
 }
 
 }  // namespace
@@ -1044,8 +1045,8 @@ __device__ __forceinline__ void presplit(const DtTensorMap* ab, const DtTensorMa
         __syncthreads();
         if (tid < BM) row_sum = red[2 * tid] + red[2 * tid + 1];
     }
-    finish_tile<EPI>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N, epilogue_bias<EPI>(nullptr, N), mask, ldm, col_sum, workspace,
-                     counters);
+    finish_tile<EPI>(acc, row_sum, sums, su.stage(), smem0, C, ldc, M, N, make_float4(0.0f, 0.0f, 0.0f, 0.0f), mask,
+                     ldm, col_sum, workspace, counters);
 }
 
 }  // namespace
