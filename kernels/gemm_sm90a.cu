@@ -230,33 +230,25 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
     const bool vec = aligned16(C, ldc) && (EPI != EPI_MASK || aligned16(mask, ldm));
     const int c4 = tid % PER_ROW, c = j0 + 4 * c4;  // the same columns in every round
     const int rounds = ((row_end - row_begin) * PER_ROW + THREADS - 1) / THREADS;
-    // The mask loads go out two rounds at a time into local memory, ahead of
-    // the stores.
-    float4 mv[EPI == EPI_MASK ? MAX_ROUNDS : 1];
     const float bv[4] = {bias4.x, bias4.y, bias4.z, bias4.w};
     static_assert(MAX_ROUNDS % GROUP == 0, "whole groups of rounds");
-    if (EPI == EPI_MASK) {
-#pragma unroll 2
-        for (int it = 0; it < MAX_ROUNDS; ++it) {
-            const int row = row_begin + (tid + THREADS * it) / PER_ROW, r = i0 + row;
+#pragma unroll 1
+    for (int g = 0; g < rounds; g += GROUP) {
+        // The group's values and mask, all loaded before the first store.
+        float4 v[GROUP], mv[GROUP];
+#pragma unroll
+        for (int u = 0; u < GROUP; ++u) {
+            const int row = row_begin + (tid + THREADS * (g + u)) / PER_ROW, r = i0 + row;
+            const bool in = g + u < rounds && row < row_end && r < M && c < N;
+            v[u] = in ? value(row, c4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (it < rounds && row < row_end && r < M && c < N) {
+            if (EPI == EPI_MASK && in) {
                 if (vec && c + 3 < N) *reinterpret_cast<float4*>(m) = *reinterpret_cast<const float4*>(mask + (size_t)r * ldm + c);
                 else
 #pragma unroll
                     for (int e = 0; e < 4; ++e) m[e] = c + e < N ? mask[(size_t)r * ldm + c + e] : 0.0f;
             }
-            mv[EPI == EPI_MASK ? it : 0] = *reinterpret_cast<const float4*>(m);
-        }
-    }
-#pragma unroll 1
-    for (int g = 0; g < rounds; g += GROUP) {
-        float4 v[GROUP];
-#pragma unroll
-        for (int u = 0; u < GROUP; ++u) {
-            const int row = row_begin + (tid + THREADS * (g + u)) / PER_ROW;
-            v[u] = g + u < rounds && row < row_end && i0 + row < M && c < N ? value(row, c4)
-                                                                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            mv[u] = *reinterpret_cast<const float4*>(m);
         }
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) {
@@ -264,7 +256,7 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
             if (it >= rounds || row >= row_end || r >= M || c >= N) continue;
             float y[4], m[4];
             *reinterpret_cast<float4*>(y) = v[u];
-            *reinterpret_cast<float4*>(m) = mv[EPI == EPI_MASK ? it : 0];
+            *reinterpret_cast<float4*>(m) = mv[u];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {  // dt_epilogue's maths (epilogue.cuh), written out: as a call it compiles differently
                 if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) y[e] += bv[e];
