@@ -211,44 +211,67 @@ __device__ __forceinline__ float4 epilogue_bias(const float* bias, int N) {
     return make_float4(bv[0], bv[1], bv[2], bv[3]);
 }
 
+// The rounds store_rows takes for rows [row_begin, row_end) of the tile.
+__device__ __forceinline__ int row_rounds(int row_begin, int row_end) {
+    return ((row_end - row_begin) * PER_ROW + THREADS - 1) / THREADS;
+}
+
+// The ReLU mask of rounds g .. g + GROUP - 1 of store_rows (this thread's 4 columns;
+// zeros past the rounds, the rows or the columns, and for the other epilogues).
+template <int EPI, int GROUP>
+__device__ __forceinline__ void mask_group(const float* mask, int ldm, int row_begin, int row_end, int g, int M,
+                                           int N, float4 (&mv)[GROUP]) {
+    const int tid = threadIdx.x, i0 = blockIdx.y * BM, c = blockIdx.x * BN + 4 * (tid % PER_ROW);
+    const int rounds = row_rounds(row_begin, row_end);
+    const bool vec = aligned16(mask, ldm) && c + 3 < N;
+#pragma unroll
+    for (int u = 0; u < GROUP; ++u) {
+        const int row = row_begin + (tid + THREADS * (g + u)) / PER_ROW, r = i0 + row;
+        float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (EPI == EPI_MASK && g + u < rounds && row < row_end && r < M && c < N) {
+            if (vec) *reinterpret_cast<float4*>(m) = *reinterpret_cast<const float4*>(mask + (size_t)r * ldm + c);
+            else
+#pragma unroll
+                for (int e = 0; e < 4; ++e) m[e] = c + e < N ? mask[(size_t)r * ldm + c + e] : 0.0f;
+        }
+        mv[u] = *reinterpret_cast<const float4*>(m);
+    }
+}
+
 // Rows [row_begin, row_end) of the tile through the epilogue into C; value(row, c4)
 // gives the 4 sums at columns 4 c4 .. 4 c4 + 3 of a staged row, bias4 the bias of
-// those columns (epilogue_bias).
+// those columns (epilogue_bias), and `ahead` the mask of the first group of rounds
+// (mask_group, loaded by the caller before its barriers).
 // The rounds go in groups of GROUP: the group's values are loaded first, then
 // stored, so a warp waits for its loads once a group rather than once a round (4 for
 // a staged tile, one shared load a round; 2 where each value sums the partials of a
-// cluster, up to 8 loads a round). The loop over the groups stays rolled. A block
-// runs this code once, after its k loop, so every instruction is fetched cold. Fully
-// unrolled (16 rounds, up to 8 summed partials each, vector and scalar stores) it was
-// half of the grad-input kernel's 100 KB of code and took 11.5 us of the wide dX in
-// the large step, against 5.3 rolled; the step gained 4 us (docs/perf-notes.md,
-// thirteenth pass).
+// cluster, up to 8 loads a round). The mask comes from global memory, one group
+// ahead of the values, so that its loads overlap the group before. The loop over the
+// groups stays rolled. A block runs this code once, after its k loop, so every
+// instruction is fetched cold. Fully unrolled (16 rounds, up to 8 summed partials
+// each, vector and scalar stores) it was half of the grad-input kernel's 100 KB of
+// code and took 11.5 us of the wide dX in the large step, against 5.3 rolled; the
+// step gained 4 us (docs/perf-notes.md, thirteenth pass).
 template <int EPI, int GROUP, class Value>
 __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Value& value, float* C, int ldc, int M,
-                                           int N, float4 bias4, const float* mask, int ldm) {
+                                           int N, float4 bias4, const float* mask, int ldm, float4 (&ahead)[GROUP]) {
     const int tid = threadIdx.x, i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
-    const bool vec = aligned16(C, ldc) && (EPI != EPI_MASK || aligned16(mask, ldm));
+    const bool vec = aligned16(C, ldc);
     const int c4 = tid % PER_ROW, c = j0 + 4 * c4;  // the same columns in every round
-    const int rounds = ((row_end - row_begin) * PER_ROW + THREADS - 1) / THREADS;
+    const int rounds = row_rounds(row_begin, row_end);
     const float bv[4] = {bias4.x, bias4.y, bias4.z, bias4.w};
     static_assert(MAX_ROUNDS % GROUP == 0, "whole groups of rounds");
 #pragma unroll 1
     for (int g = 0; g < rounds; g += GROUP) {
-        // The group's values and mask, all loaded before the first store.
-        float4 v[GROUP], mv[GROUP];
+        float4 mv[GROUP], v[GROUP];
+#pragma unroll
+        for (int u = 0; u < GROUP; ++u) mv[u] = EPI == EPI_MASK ? ahead[u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (EPI == EPI_MASK) mask_group<EPI, GROUP>(mask, ldm, row_begin, row_end, g + GROUP, M, N, ahead);
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) {
-            const int row = row_begin + (tid + THREADS * (g + u)) / PER_ROW, r = i0 + row;
-            const bool in = g + u < rounds && row < row_end && r < M && c < N;
-            v[u] = in ? value(row, c4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (EPI == EPI_MASK && in) {
-                if (vec && c + 3 < N) *reinterpret_cast<float4*>(m) = *reinterpret_cast<const float4*>(mask + (size_t)r * ldm + c);
-                else
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) m[e] = c + e < N ? mask[(size_t)r * ldm + c + e] : 0.0f;
-            }
-            mv[u] = *reinterpret_cast<const float4*>(m);
+            const int row = row_begin + (tid + THREADS * (g + u)) / PER_ROW;
+            v[u] = g + u < rounds && row < row_end && i0 + row < M && c < N ? value(row, c4)
+                                                                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) {
@@ -298,6 +321,11 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
     const bool active = BLOCK == THREADS || tid < THREADS;
     if (splits > 1 && dt_cluster_blocks() == (unsigned int)splits) {
         if (splits > 8) __trap();  // the portable cluster size, which base[] below holds
+        float4 ahead[2];  // the first group's mask, in flight across the barriers
+        if (EPI == EPI_MASK) {
+            const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows);
+            mask_group<EPI, 2>(mask, ldm, row_begin, active ? min(BM, row_begin + rows) : row_begin, 0, M, N, ahead);
+        }
         __syncthreads();  // the other warpgroup's MMAs and any earlier use of the stage are over
         if (active) stage_tile(acc, stage);
         if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
@@ -318,7 +346,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
                 if (s < splits) v.x += p[s].x, v.y += p[s].y, v.z += p[s].z, v.w += p[s].w;
             return v;
         };
-        if (active) store_rows<EPI, 2>(row_begin, row_end, sum, C, ldc, M, N, bias4, mask, ldm);
+        if (active) store_rows<EPI, 2>(row_begin, row_end, sum, C, ldc, M, N, bias4, mask, ldm, ahead);
         if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
             float v = 0.0f;
 #pragma unroll
@@ -332,11 +360,13 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
     float r = row_sum;
     if (splits > 1 && !reduce_splits<BLOCK>(acc, workspace, counters, sums, r)) return;
     if (sums && tid < BM && i0 + tid < M) col_sum[i0 + tid] = r;
+    float4 ahead[4];  // the first group's mask, in flight across the barriers
+    if (EPI == EPI_MASK) mask_group<EPI, 4>(mask, ldm, 0, active ? BM : 0, 0, M, N, ahead);
     __syncthreads();
     if (active) stage_tile(acc, stage);
     __syncthreads();
     const auto staged = [&](int row, int c4) { return *reinterpret_cast<const float4*>(stage + row * STAGE_LD + 4 * c4); };
-    if (active) store_rows<EPI, 4>(0, BM, staged, C, ldc, M, N, bias4, mask, ldm);
+    if (active) store_rows<EPI, 4>(0, BM, staged, C, ldc, M, N, bias4, mask, ldm, ahead);
 }
 
 // What every kernel here starts with: its dynamic shared memory (at least `need`
