@@ -216,8 +216,10 @@ __device__ __forceinline__ int row_rounds(int row_begin, int row_end) {
     return ((row_end - row_begin) * PER_ROW + THREADS - 1) / THREADS;
 }
 
-// The ReLU mask of rounds g .. g + GROUP - 1 of store_rows (this thread's 4 columns;
-// zeros past the rounds, the rows or the columns, and for the other epilogues).
+// The ReLU mask of rounds g .. g + GROUP - 1 of store_rows over rows [row_begin,
+// row_end) (the range store_rows then takes; an empty one loads nothing): this
+// thread's 4 columns, zeros past the rounds, the rows or the columns. 16-byte loads
+// where the mask's alignment allows them, whatever C's.
 template <int EPI, int GROUP>
 __device__ __forceinline__ void mask_group(const float* mask, int ldm, int row_begin, int row_end, int g, int M,
                                            int N, float4 (&mv)[GROUP]) {
@@ -241,7 +243,8 @@ __device__ __forceinline__ void mask_group(const float* mask, int ldm, int row_b
 // Rows [row_begin, row_end) of the tile through the epilogue into C; value(row, c4)
 // gives the 4 sums at columns 4 c4 .. 4 c4 + 3 of a staged row, bias4 the bias of
 // those columns (epilogue_bias), and `ahead` the mask of the first group of rounds
-// (mask_group, loaded by the caller before its barriers).
+// (mask_group, loaded by the caller before its barriers; store_rows then loads each
+// next group's into it).
 // The rounds go in groups of GROUP: the group's values are loaded first, then
 // stored, so a warp waits for its loads once a group rather than once a round (4 for
 // a staged tile, one shared load a round; 2 where each value sums the partials of a
@@ -321,7 +324,10 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
     const bool active = BLOCK == THREADS || tid < THREADS;
     if (splits > 1 && dt_cluster_blocks() == (unsigned int)splits) {
         if (splits > 8) __trap();  // the portable cluster size, which base[] below holds
-        float4 ahead[2];  // the first group's mask, in flight across the barriers
+        // The first group's mask, in flight across the staging. (The cluster barrier's
+        // release is a memory barrier in the machine code, which may wait for it.)
+        // Threads that store nothing take an empty range.
+        float4 ahead[2];
         if (EPI == EPI_MASK) {
             const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows);
             mask_group<EPI, 2>(mask, ldm, row_begin, active ? min(BM, row_begin + rows) : row_begin, 0, M, N, ahead);
@@ -360,7 +366,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
     float r = row_sum;
     if (splits > 1 && !reduce_splits<BLOCK>(acc, workspace, counters, sums, r)) return;
     if (sums && tid < BM && i0 + tid < M) col_sum[i0 + tid] = r;
-    float4 ahead[4];  // the first group's mask, in flight across the barriers
+    float4 ahead[4];  // the first group's mask, in flight across the barriers (threads that store nothing: none)
     if (EPI == EPI_MASK) mask_group<EPI, 4>(mask, ldm, 0, active ? BM : 0, 0, M, N, ahead);
     __syncthreads();
     if (active) stage_tile(acc, stage);

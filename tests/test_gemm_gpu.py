@@ -351,6 +351,42 @@ def test_wgmma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same
     assert rel(clustered[0][:, :n], prod.want) < bound
 
 
+@pytest.mark.parametrize("way", ["unsplit", "cluster", "workspace"])
+@pytest.mark.parametrize("c_aligned, mask_aligned", [(True, False), (False, True)], ids=["c16-mask4", "c4-mask16"])
+def test_wgmma_grad_input_with_output_and_mask_aligned_apart(device, stream, rng, c_aligned, mask_aligned, way):
+    """The wgmma grad-input epilogue stores 16 bytes at a time where C allows it and
+    loads the ReLU mask 16 bytes at a time where the mask allows it, each decided on
+    its own: an aligned output with a mask that is not, and the other way round,
+    unsplit (the staged rounds, in groups of 4), in 3 clustered splits (43, 43 and 42
+    rows a block, groups of 2) and in 3 splits through the workspace. Float64 agrees,
+    every masked output is exactly 0, no output is left unwritten and the padding is
+    untouched."""
+    skip_unless_compiled(device, WGMMA_TILE)
+    m, n, k = 300, 260, 256
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    dy, w, x = f32(m, k), f32(k, n), np.maximum(f32(m, n), 0.0)
+    lda, ldb = padded_ld(k, 16), padded_ld(n, 16)
+    ldc, ldm = (n + 4 if c_aligned else n + 5), (n + 4 if mask_aligned else n + 1)
+    a, b, mask = device_matrix(dy, lda), device_matrix(w, ldb), device_matrix(x, ldm)
+    c = DeviceBuffer((m, ldc), np.float32)
+    c.poison(stream=stream)
+    kernel = kernels_for("grad_input", device).kernels[("grad_input", WGMMA_TILE, 16)]
+    splits = 1 if way == "unsplit" else 3
+    rows, cols = -(-m // 128), -(-n // 128)
+    floats = rows * cols * splits * 128 * 128
+    work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
+    through_memory = dict(workspace=work.array(floats, np.float32), counters=work.zeroed(rows * cols, np.uint32)) \
+        if way == "workspace" else {}
+    gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=splits, cluster=way == "cluster", mask=mask,
+         ldm=ldm, **through_memory)
+    out = c.to_numpy()
+    got = out[:, :n]
+    assert not np.isnan(got).any(), f"{np.isnan(got).sum()} outputs unwritten"
+    assert (out[:, n:].view(np.uint32) == 0xFFFFFFFF).all(), "the output's padding was written"
+    assert (got[x <= 0] == 0).all(), "an output the mask zeroes is not 0"
+    assert rel(got, (dy.astype(np.float64) @ w.astype(np.float64)) * (x > 0)) < X3_BOUND
+
+
 def launch_each_way(stream, ways, prod, splits, bound):
     """Run ``prod``'s product in ``splits`` splits once per (kernel, cluster) of
     ``ways`` (cluster True: each tile's splits as one cluster; False: through a
