@@ -420,6 +420,185 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
     publish_means<DQN_HEAD_THREADS>(terms, batch, scalars, partials, counter);
 }
 
+// ============================================================== dqn_loss_dx
+// dqn_loss and the output layer's data gradient in one kernel: where the output
+// layer runs as separate products (no dqn_head), its dX leaves the step's chain
+// as a launch of its own. Both are row-local: a block takes 32 batch rows (the
+// rows of a dqn_loss block) and DQN_LOSS_DX_COLS columns of dh, computes the
+// loss of its rows from the three Q tiles, and then its tile of dh from their
+// gradient rows. Every column block of a row block computes the same loss, from
+// the same loads in the same order; only column block 0 writes it.
+// Inputs:  q_s, q_next_online, q_next_target, action, reward, done, weights,
+//            batch, n_actions, gamma, huber_delta and gate: as dqn_loss.
+//          w_out [1 + n_actions, hidden] row-major: the online net's output layer.
+//          h_s [batch, hidden]: the online net's last hidden layer on s (its input).
+// Outputs (column block 0): dout, priorities, a_star (may be null) as dqn_loss;
+//            partials[k * gridDim.y + row block] (k = loss, Q, |td|) as a
+//            dqn_loss block with no counter, so dqn_means_32 over gridDim.y
+//            blocks gives dqn_loss's scalars, bit for bit.
+//          (every block) dh [batch, hidden] = (dout W_out) where h_s > 0, else 0:
+//            dqn_head's dh, in FP32, summed over the output columns in index order
+//            (the same bits as dqn_head's).
+// NaN and a bad n_actions: dqn_loss's rules (a bad count leaves NaN partials and
+//   writes nothing else).
+// Shared memory (dynamic, bytes): loss_dx_shared_bytes(n_actions) in
+//   drvtrain/rl/dqn.py = 4 (1 + n_actions) (3 * 32 + DQN_LOSS_DX_COLS): the three
+//   Q tiles and the block's columns of W_out, staged in one round of cp.async
+//   copies with the per-sample operands and the block's tile of h_s.
+// Launch: grid (ceil(hidden / DQN_LOSS_DX_COLS), ceil(batch / 32)), block
+//   DQN_LOSS_DX_THREADS. Thread t takes dh rows 4 (t / 32) .. + 3 of the block
+//   and columns 4 (t % 32) .. + 3: a warp stores 512 contiguous bytes a row.
+// Determinism: dqn_loss's per-sample arithmetic and block tree; fixed-order FP32
+//   dot products: bitwise reproducible.
+constexpr int DQN_LOSS_DX_THREADS = 256;
+constexpr int DQN_LOSS_DX_COLS = 128;
+constexpr int DQN_LOSS_DX_ROWS = DQN_LOSS_THREADS;  // a dqn_loss block's rows, its tree and its partials
+static_assert(DQN_LOSS_DX_COLS == 4 * 32 && DQN_LOSS_DX_ROWS == 4 * (DQN_LOSS_DX_THREADS / 32),
+              "a thread's 4 x 4 tile of dh covers the block's");
+
+extern "C" __global__ void __launch_bounds__(DQN_LOSS_DX_THREADS) dqn_loss_dx(
+        const float* q_s, const float* q_next_online, const float* q_next_target, const int* action,
+        const float* reward, const float* done, const float* weights, int batch, int n_actions,
+        float gamma, float huber_delta, const float* w_out, const float* h_s, int hidden, float* dout,
+        float* dh, float* priorities, double* partials, int* a_star, const int* gate) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    const int gated = dt_read_flag(gate);
+    const bool lead = blockIdx.x == 0;  // the column block that writes the loss's outputs
+    if (n_actions < 1 || n_actions > DQN_MAX_ACTIONS) {
+        if (!gated && lead && threadIdx.x < 3)
+            partials[(long long)threadIdx.x * gridDim.y + blockIdx.y] = __longlong_as_double(0x7ff8000000000000ll);
+        return;
+    }
+    extern __shared__ float4 loss_dx_shared[];
+    const int cols = 1 + n_actions;
+    float* tiles = reinterpret_cast<float*>(loss_dx_shared);  // [3][32 * cols]: s' online, s' target, s
+    float* w_sh = tiles + 3 * DQN_LOSS_DX_ROWS * cols;          // [cols][DQN_LOSS_DX_COLS]
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const long long j0 = (long long)blockIdx.y * DQN_LOSS_DX_ROWS;
+    const int here = (int)max(0ll, min((long long)DQN_LOSS_DX_ROWS, (long long)batch - j0));
+    const long long base = j0 * cols;
+    const int count = here * cols;
+    const int c0 = blockIdx.x * DQN_LOSS_DX_COLS;
+    const int width = min(DQN_LOSS_DX_COLS, hidden - c0);  // this block's columns of dh
+
+    // One round of loads: the Q tiles, the block's columns of W_out (zero past
+    // hidden), the per-sample operands and this thread's tile of h_s.
+    const bool vec_q = ((reinterpret_cast<unsigned long long>(q_s) |
+                         reinterpret_cast<unsigned long long>(q_next_online) |
+                         reinterpret_cast<unsigned long long>(q_next_target)) & 15ull) == 0;
+    stage_floats<DQN_LOSS_DX_THREADS>(tiles, q_next_online + base, count, vec_q);
+    stage_floats<DQN_LOSS_DX_THREADS>(tiles + DQN_LOSS_DX_ROWS * cols, q_next_target + base, count, vec_q);
+    stage_floats<DQN_LOSS_DX_THREADS>(tiles + 2 * DQN_LOSS_DX_ROWS * cols, q_s + base, count, vec_q);
+    const bool vec = (hidden & 3) == 0 &&
+                     ((reinterpret_cast<unsigned long long>(w_out) | reinterpret_cast<unsigned long long>(h_s) |
+                       reinterpret_cast<unsigned long long>(dh)) & 15ull) == 0;
+    {
+        const unsigned int w_base = (unsigned int)__cvta_generic_to_shared(w_sh);
+        if (vec) {
+#pragma unroll 1
+            for (int e = t; e < cols * (DQN_LOSS_DX_COLS / 4); e += DQN_LOSS_DX_THREADS) {
+                const int c = e / (DQN_LOSS_DX_COLS / 4), q = 4 * (e % (DQN_LOSS_DX_COLS / 4));
+                const bool in = q < width;
+                dt_cp_async16(w_base + 4u * (c * DQN_LOSS_DX_COLS + q), in ? w_out + (long long)c * hidden + c0 + q
+                                                                          : w_out, in ? 16 : 0);
+            }
+        } else {
+#pragma unroll 1
+            for (int e = t; e < cols * DQN_LOSS_DX_COLS; e += DQN_LOSS_DX_THREADS) {
+                const int c = e / DQN_LOSS_DX_COLS, q = e % DQN_LOSS_DX_COLS;
+                const bool in = q < width;
+                dt_cp_async4(w_base + 4u * e, in ? w_out + (long long)c * hidden + c0 + q : w_out, in ? 4 : 0);
+            }
+        }
+    }
+    dt_cp_async_commit();
+    const long long j = j0 + t;
+    const bool live = warp == 0 && t < here;  // warp 0 takes the loss, a row a thread
+    int a = 0;
+    float r = 0.0f, d = 0.0f, w = 0.0f;
+    if (live) {
+        a = action[j];
+        r = reward[j];
+        d = done[j];
+        w = weights[j];
+    }
+    const int row0 = 4 * warp, col = 4 * lane;  // this thread's tile of dh, in the block
+    float h[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const long long row = j0 + row0 + i;
+        const float* src = h_s + row * hidden + c0 + col;
+        if (vec) {
+            const float4 v = row < batch && col < width ? *reinterpret_cast<const float4*>(src) : float4{};
+            h[i][0] = v.x, h[i][1] = v.y, h[i][2] = v.z, h[i][3] = v.w;
+        } else {
+#pragma unroll
+            for (int x = 0; x < 4; ++x) h[i][x] = row < batch && col + x < width ? src[x] : 0.0f;
+        }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if (gated) return;  // grid-uniform, and before the block's first barrier
+    __syncthreads();
+
+    SampleTerms terms;
+    if (live) {  // row t of each Q tile is read and written by thread t only
+        float priority;
+        int best;
+        terms = sample_loss(tiles + t * cols, tiles + (DQN_LOSS_DX_ROWS + t) * cols,
+                            tiles + (2 * DQN_LOSS_DX_ROWS + t) * cols, a, r, d, w, batch, n_actions, gamma,
+                            huber_delta, &priority, &best);
+        if (lead) {
+            priorities[j] = priority;
+            if (a_star != nullptr) a_star[j] = best;
+        }
+    }
+    if (warp == 0) {  // the 32-thread tree of a dqn_loss block: shuffles only
+        double sums[3] = {terms.loss, terms.q, terms.abs_td};
+        dt_block_sums<DQN_LOSS_DX_ROWS, 3>(sums);
+        if (lead && t == 0)
+            for (int k = 0; k < 3; ++k) partials[(long long)k * gridDim.y + blockIdx.y] = sums[k];
+    }
+    __syncthreads();
+    const float* g = tiles + 2 * DQN_LOSS_DX_ROWS * cols;  // the gradient rows, where the Q(s) rows were
+    if (lead)
+        for (int e = t; e < count; e += DQN_LOSS_DX_THREADS) dout[base + e] = g[e];
+
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) acc[i][x] = 0.0f;
+#pragma unroll 2
+    for (int c = 0; c < cols; ++c) {
+        const float4 wv = *reinterpret_cast<const float4*>(w_sh + c * DQN_LOSS_DX_COLS + col);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float gi = g[(row0 + i) * cols + c];  // one word for the whole warp
+            acc[i][0] = fmaf(gi, wv.x, acc[i][0]);
+            acc[i][1] = fmaf(gi, wv.y, acc[i][1]);
+            acc[i][2] = fmaf(gi, wv.z, acc[i][2]);
+            acc[i][3] = fmaf(gi, wv.w, acc[i][3]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const long long row = j0 + row0 + i;
+        if (row >= batch) continue;
+        float v[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) v[x] = h[i][x] > 0.0f ? acc[i][x] : 0.0f;
+        float* dst = dh + row * hidden + c0 + col;
+        if (vec) {
+            if (col < width) *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+        } else {
+#pragma unroll
+            for (int x = 0; x < 4; ++x)
+                if (col + x < width) dst[x] = v[x];
+        }
+    }
+}
+
 // ============================================================== dqn_means_32, dqn_means_256
 // scalars[0..2] from the partials of a dqn_loss (dqn_means_32) or dqn_head
 // (dqn_means_256) launch of `blocks` blocks that ran with a null counter: block
