@@ -1099,7 +1099,7 @@ class MLP:
 
     def backward(self, params: FlatBuffer, grads: FlatBuffer, forward: Forward, dout: DeviceBuffer, *,
                  arena: Arena, stream, gate=None, weight_stream=None, dx_last: DeviceBuffer | None = None,
-                 weight_splits: WeightSplits | None = None,
+                 last_dw: bool = True, weight_splits: WeightSplits | None = None,
                  defer_first_dw: bool = False, weights_settled: bool = False) -> FirstDwShares | None:
         """Gradients of the loss whose derivative by ``forward.output`` is ``dout``, into ``grads``.
 
@@ -1116,6 +1116,9 @@ class MLP:
         ``dx_last``: the last layer's data gradient (by its input, the ReLU mask
         applied), already computed by the caller into this [batch, in] buffer;
         that product is then not launched and the dX chain starts from it.
+        ``last_dw=False``: the last layer's dW and db are the caller's to write
+        into ``grads`` (with ``dx_last`` only: the caller has computed that
+        layer's backward); no product is launched for them.
 
         ``weight_stream``: when given, each layer's dW/db product but the first
         layer's runs there, forked from ``stream`` once its dY is ready, so it
@@ -1150,6 +1153,8 @@ class MLP:
             if len(self.layout.layers) < 2:
                 raise ValueError("dx_last needs a hidden layer: a one-layer net has no data gradient to chain")
             _check_input("dx_last", dx_last, (batch, self.layout.layers[-1][1]))
+        if not last_dw and dx_last is None:
+            raise ValueError("last_dw=False needs dx_last: the caller computes the last layer's whole backward")
         kernels = self.backward_kernels
         last = len(self.layout.layers) - 1
         sides = tuple(weight_stream) if isinstance(weight_stream, (tuple, list)) else \
@@ -1163,7 +1168,7 @@ class MLP:
         shares = None  # what defer_first_dw leaves to the optimizer
         presplit = self.presplit_layers(batch)
         if dx_last is not None and last in presplit:  # the last layer's dX is not launched
-            presplit[last] = (False, presplit[last][1])
+            presplit[last] = (False, presplit[last][1] and last_dw)
         presplit = {k: (dx, dw) for k, (dx, dw) in presplit.items() if dx or dw}
         if weight_splits is not None:  # checked before anything is queued
             if weight_splits.batch != batch:
@@ -1200,11 +1205,13 @@ class MLP:
             if split_dx or split_dw:  # dY [batch, out]: as it lies for dX, transposed for dW
                 dy_split, dyt_split = kernels.split(dy, out, batch, out, arena=arena, stream=stream, gate=gate,
                                                     as_is=split_dx, transposed=split_dw)
-            side = side_of(k)
+            side = side_of(k) if k != last or last_dw else None
             if side is not None:
                 fork(stream, side)
                 forked.add(side)
-            if split_dw:
+            if k == last and not last_dw:
+                pass  # the caller's
+            elif split_dw:
                 if k not in inputs:  # its dW runs on stream (the first layer's, or no weight_stream): split there
                     inputs[k] = split_input(k, stream)
                 kernels.launch_presplit("grad_weight", dyt_split, inputs[k], grads.weight(k), inp, out, inp, batch,
