@@ -420,16 +420,14 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
     publish_means<DQN_HEAD_THREADS>(terms, batch, scalars, partials, counter);
 }
 
-// ============================================================== dqn_loss_dx, dqn_output_dw
-// dqn_loss and the output layer's backward in one kernel, where the output layer
-// runs as separate products (no dqn_head): its dX and its dW product leave the
-// step as launches of their own. Both are row-local, dW up to a sum over the
-// batch: a block takes 32 batch rows (the rows of a dqn_loss block) and
-// DQN_LOSS_DX_COLS columns of h(s), computes the loss of its rows from the three
-// Q tiles, then its tile of dh and its rows' share of its columns of dW and db.
-// Every column block of a row block computes the same loss, from the same loads
-// in the same order; only column block 0 writes it. dqn_output_dw adds the row
-// blocks' shares in row-block order.
+// ============================================================== dqn_loss_dx
+// dqn_loss and the output layer's data gradient in one kernel: where the output
+// layer runs as separate products (no dqn_head), its dX leaves the step's chain
+// as a launch of its own. Both are row-local: a block takes 32 batch rows (the
+// rows of a dqn_loss block) and DQN_LOSS_DX_COLS columns of dh, computes the
+// loss of its rows from the three Q tiles, and then its tile of dh from their
+// gradient rows. Every column block of a row block computes the same loss, from
+// the same loads in the same order; only column block 0 writes it.
 // Inputs:  q_s, q_next_online, q_next_target, action, reward, done, weights,
 //            batch, n_actions, gamma, huber_delta and gate: as dqn_loss.
 //          w_out [1 + n_actions, hidden] row-major: the online net's output layer.
@@ -441,21 +439,15 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
 //          (every block) dh [batch, hidden] = (dout W_out) where h_s > 0, else 0:
 //            dqn_head's dh, in FP32, summed over the output columns in index order
 //            (the same bits as dqn_head's).
-//          dw_shares [gridDim.y][1 + n_actions][hidden]: row block y's share of
-//            dW_out = dout^T h_s, sum over its rows in order of dout[r][c] h_s[r][k]
-//            (FP32, fmaf); db_shares [gridDim.y][1 + n_actions] (column block 0):
-//            its share of db_out = sum over its rows of dout[r][c], in order.
 // NaN and a bad n_actions: dqn_loss's rules (a bad count leaves NaN partials and
 //   writes nothing else).
 // Shared memory (dynamic, bytes): loss_dx_shared_bytes(n_actions) in
-//   drvtrain/rl/dqn.py = 4 ((1 + n_actions) (3 * 32 + DQN_LOSS_DX_COLS) + 32
-//   DQN_LOSS_DX_COLS): the three Q tiles, the block's columns of W_out and its
-//   tile of h_s, staged in one round of cp.async copies with the per-sample
-//   operands (zeros past hidden and past the batch).
+//   drvtrain/rl/dqn.py = 4 (1 + n_actions) (3 * 32 + DQN_LOSS_DX_COLS): the three
+//   Q tiles and the block's columns of W_out, staged in one round of cp.async
+//   copies with the per-sample operands and the block's tile of h_s.
 // Launch: grid (ceil(hidden / DQN_LOSS_DX_COLS), ceil(batch / 32)), block
-//   DQN_LOSS_DX_THREADS. dh: thread t takes rows 4 (t / 32) .. + 3 of the block and
-//   columns 4 (t % 32) .. + 3, so a warp stores 512 contiguous bytes a row; dW:
-//   thread t takes columns 4 (t % 32) .. + 3 of output columns t / 32, t / 32 + 8, ...
+//   DQN_LOSS_DX_THREADS. Thread t takes dh rows 4 (t / 32) .. + 3 of the block
+//   and columns 4 (t % 32) .. + 3: a warp stores 512 contiguous bytes a row.
 // Determinism: dqn_loss's per-sample arithmetic and block tree; fixed-order FP32
 //   dot products: bitwise reproducible.
 constexpr int DQN_LOSS_DX_THREADS = 256;
@@ -464,28 +456,11 @@ constexpr int DQN_LOSS_DX_ROWS = DQN_LOSS_THREADS;  // a dqn_loss block's rows, 
 static_assert(DQN_LOSS_DX_COLS == 4 * 32 && DQN_LOSS_DX_ROWS == 4 * (DQN_LOSS_DX_THREADS / 32),
               "a thread's 4 x 4 tile of dh covers the block's");
 
-namespace {
-
-// Four floats at dst, dst + 1, ... (16 bytes at once on the float4 path), those
-// from `width` on left alone.
-__device__ __forceinline__ void store4(float* dst, const float (&v)[4], bool vec, int width) {
-    if (vec) {
-        if (width >= 4) *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
-    } else {
-#pragma unroll
-        for (int x = 0; x < 4; ++x)
-            if (x < width) dst[x] = v[x];
-    }
-}
-
-}  // namespace
-
 extern "C" __global__ void __launch_bounds__(DQN_LOSS_DX_THREADS) dqn_loss_dx(
         const float* q_s, const float* q_next_online, const float* q_next_target, const int* action,
         const float* reward, const float* done, const float* weights, int batch, int n_actions,
         float gamma, float huber_delta, const float* w_out, const float* h_s, int hidden, float* dout,
-        float* dh, float* dw_shares, float* db_shares, float* priorities, double* partials, int* a_star,
-        const int* gate) {
+        float* dh, float* priorities, double* partials, int* a_star, const int* gate) {
     dt_wait_prior_grid();
     dt_allow_dependents();
     const int gated = dt_read_flag(gate);
@@ -499,17 +474,16 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_DX_THREADS) dqn_loss_dx(
     const int cols = 1 + n_actions;
     float* tiles = reinterpret_cast<float*>(loss_dx_shared);  // [3][32 * cols]: s' online, s' target, s
     float* w_sh = tiles + 3 * DQN_LOSS_DX_ROWS * cols;          // [cols][DQN_LOSS_DX_COLS]
-    float* h_sh = w_sh + cols * DQN_LOSS_DX_COLS;                // [32][DQN_LOSS_DX_COLS]
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const long long j0 = (long long)blockIdx.y * DQN_LOSS_DX_ROWS;
     const int here = (int)max(0ll, min((long long)DQN_LOSS_DX_ROWS, (long long)batch - j0));
     const long long base = j0 * cols;
     const int count = here * cols;
     const int c0 = blockIdx.x * DQN_LOSS_DX_COLS;
-    const int width = min(DQN_LOSS_DX_COLS, hidden - c0);  // this block's columns of h_s
+    const int width = min(DQN_LOSS_DX_COLS, hidden - c0);  // this block's columns of dh
 
-    // One round of loads: the Q tiles, the block's columns of W_out and its tile
-    // of h_s (zeros past hidden and the batch), and the per-sample operands.
+    // One round of loads: the Q tiles, the block's columns of W_out (zero past
+    // hidden), the per-sample operands and this thread's tile of h_s.
     const bool vec_q = ((reinterpret_cast<unsigned long long>(q_s) |
                          reinterpret_cast<unsigned long long>(q_next_online) |
                          reinterpret_cast<unsigned long long>(q_next_target)) & 15ull) == 0;
@@ -518,29 +492,23 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_DX_THREADS) dqn_loss_dx(
     stage_floats<DQN_LOSS_DX_THREADS>(tiles + 2 * DQN_LOSS_DX_ROWS * cols, q_s + base, count, vec_q);
     const bool vec = (hidden & 3) == 0 &&
                      ((reinterpret_cast<unsigned long long>(w_out) | reinterpret_cast<unsigned long long>(h_s) |
-                       reinterpret_cast<unsigned long long>(dh) | reinterpret_cast<unsigned long long>(dw_shares)) &
-                      15ull) == 0;
+                       reinterpret_cast<unsigned long long>(dh)) & 15ull) == 0;
     {
-        // Row i of W_out's rows (i < cols) or, past them, row i - cols of the h_s tile.
         const unsigned int w_base = (unsigned int)__cvta_generic_to_shared(w_sh);
-        const int lines = cols + DQN_LOSS_DX_ROWS;
-        const auto line = [&](int i) {
-            return i < cols ? w_out + (long long)i * hidden : h_s + (j0 + i - cols) * hidden;
-        };
-        const auto line_ok = [&](int i) { return i < cols || j0 + i - cols < batch; };
         if (vec) {
 #pragma unroll 1
-            for (int e = t; e < lines * (DQN_LOSS_DX_COLS / 4); e += DQN_LOSS_DX_THREADS) {
-                const int i = e / (DQN_LOSS_DX_COLS / 4), q = 4 * (e % (DQN_LOSS_DX_COLS / 4));
-                const bool in = q < width && line_ok(i);
-                dt_cp_async16(w_base + 4u * (i * DQN_LOSS_DX_COLS + q), in ? line(i) + c0 + q : w_out, in ? 16 : 0);
+            for (int e = t; e < cols * (DQN_LOSS_DX_COLS / 4); e += DQN_LOSS_DX_THREADS) {
+                const int c = e / (DQN_LOSS_DX_COLS / 4), q = 4 * (e % (DQN_LOSS_DX_COLS / 4));
+                const bool in = q < width;
+                dt_cp_async16(w_base + 4u * (c * DQN_LOSS_DX_COLS + q), in ? w_out + (long long)c * hidden + c0 + q
+                                                                          : w_out, in ? 16 : 0);
             }
         } else {
 #pragma unroll 1
-            for (int e = t; e < lines * DQN_LOSS_DX_COLS; e += DQN_LOSS_DX_THREADS) {
-                const int i = e / DQN_LOSS_DX_COLS, q = e % DQN_LOSS_DX_COLS;
-                const bool in = q < width && line_ok(i);
-                dt_cp_async4(w_base + 4u * e, in ? line(i) + c0 + q : w_out, in ? 4 : 0);
+            for (int e = t; e < cols * DQN_LOSS_DX_COLS; e += DQN_LOSS_DX_THREADS) {
+                const int c = e / DQN_LOSS_DX_COLS, q = e % DQN_LOSS_DX_COLS;
+                const bool in = q < width;
+                dt_cp_async4(w_base + 4u * e, in ? w_out + (long long)c * hidden + c0 + q : w_out, in ? 4 : 0);
             }
         }
     }
@@ -554,6 +522,20 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_DX_THREADS) dqn_loss_dx(
         r = reward[j];
         d = done[j];
         w = weights[j];
+    }
+    const int row0 = 4 * warp, col = 4 * lane;  // this thread's tile of dh, in the block
+    float h[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const long long row = j0 + row0 + i;
+        const float* src = h_s + row * hidden + c0 + col;
+        if (vec) {
+            const float4 v = row < batch && col < width ? *reinterpret_cast<const float4*>(src) : float4{};
+            h[i][0] = v.x, h[i][1] = v.y, h[i][2] = v.z, h[i][3] = v.w;
+        } else {
+#pragma unroll
+            for (int x = 0; x < 4; ++x) h[i][x] = row < batch && col + x < width ? src[x] : 0.0f;
+        }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     if (gated) return;  // grid-uniform, and before the block's first barrier
@@ -579,17 +561,9 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_DX_THREADS) dqn_loss_dx(
     }
     __syncthreads();
     const float* g = tiles + 2 * DQN_LOSS_DX_ROWS * cols;  // the gradient rows, where the Q(s) rows were
-    if (lead) {
+    if (lead)
         for (int e = t; e < count; e += DQN_LOSS_DX_THREADS) dout[base + e] = g[e];
-        if (t < cols) {  // db's share: the rows in order
-            float s = 0.0f;
-            for (int i = 0; i < here; ++i) s += g[i * cols + t];
-            db_shares[blockIdx.y * cols + t] = s;
-        }
-    }
 
-    // dh: rows row0 .. row0 + 3, columns col .. col + 3 of the block's.
-    const int row0 = 4 * warp, col = 4 * lane;
     float acc[4][4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -611,63 +585,18 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_DX_THREADS) dqn_loss_dx(
     for (int i = 0; i < 4; ++i) {
         const long long row = j0 + row0 + i;
         if (row >= batch) continue;
-        const float4 hv = *reinterpret_cast<const float4*>(h_sh + (row0 + i) * DQN_LOSS_DX_COLS + col);
-        const float v[4] = {hv.x > 0.0f ? acc[i][0] : 0.0f, hv.y > 0.0f ? acc[i][1] : 0.0f,
-                            hv.z > 0.0f ? acc[i][2] : 0.0f, hv.w > 0.0f ? acc[i][3] : 0.0f};
-        store4(dh + row * hidden + c0 + col, v, vec, width - col);
-    }
-
-    // dW's share: output column c, columns col .. col + 3, over the block's rows in order.
-    for (int c = warp; c < cols; c += DQN_LOSS_DX_THREADS / 32) {
-        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-        for (int i = 0; i < here; ++i) {
-            const float gi = g[i * cols + c];
-            const float4 hv = *reinterpret_cast<const float4*>(h_sh + i * DQN_LOSS_DX_COLS + col);
-            s[0] = fmaf(gi, hv.x, s[0]);
-            s[1] = fmaf(gi, hv.y, s[1]);
-            s[2] = fmaf(gi, hv.z, s[2]);
-            s[3] = fmaf(gi, hv.w, s[3]);
+        float v[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) v[x] = h[i][x] > 0.0f ? acc[i][x] : 0.0f;
+        float* dst = dh + row * hidden + c0 + col;
+        if (vec) {
+            if (col < width) *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+        } else {
+#pragma unroll
+            for (int x = 0; x < 4; ++x)
+                if (col + x < width) dst[x] = v[x];
         }
-        store4(dw_shares + ((long long)blockIdx.y * cols + c) * hidden + c0 + col, s, vec, width - col);
     }
-}
-
-// dqn_output_dw: dW_out [cols, hidden] and db_out [cols] (views of the flat
-//   gradient buffer) from dqn_loss_dx's shares, each element the sum of its
-//   row_blocks shares in row-block order from 0 (so deterministic). Elements
-//   e = thread index of the grid over cols * hidden + cols (dW's, then db's).
-//   All of an element's shares are loaded before the first is added.
-//   gate: as dqn_loss (then nothing is written).
-// Launch: grid ceil((cols * hidden + cols) / DQN_OUTPUT_DW_THREADS), block
-//   DQN_OUTPUT_DW_THREADS.
-constexpr int DQN_OUTPUT_DW_THREADS = 256;
-constexpr int DQN_OUTPUT_DW_LOADS = 16;  // shares of an element in flight at once
-
-extern "C" __global__ void __launch_bounds__(DQN_OUTPUT_DW_THREADS) dqn_output_dw(
-        const float* dw_shares, const float* db_shares, int row_blocks, int cols, int hidden, float* dw,
-        float* db, const int* gate) {
-    dt_wait_prior_grid();
-    dt_allow_dependents();
-    const int gated = dt_read_flag(gate);
-    const long long e = (long long)blockIdx.x * DQN_OUTPUT_DW_THREADS + threadIdx.x;
-    const long long weights = (long long)cols * hidden;
-    if (e >= weights + cols) return;
-    const bool is_bias = e >= weights;
-    const float* share = is_bias ? db_shares + (e - weights) : dw_shares + e;
-    const long long stride = is_bias ? cols : weights;
-    float sum = 0.0f;
-    for (int y0 = 0; y0 < row_blocks; y0 += DQN_OUTPUT_DW_LOADS) {
-        float v[DQN_OUTPUT_DW_LOADS];
-#pragma unroll
-        for (int y = 0; y < DQN_OUTPUT_DW_LOADS; ++y) v[y] = y0 + y < row_blocks ? share[(y0 + y) * stride] : 0.0f;
-#pragma unroll
-        for (int y = 0; y < DQN_OUTPUT_DW_LOADS; ++y)
-            if (y0 + y < row_blocks) sum += v[y];
-    }
-    if (gated) return;
-    if (is_bias) db[e - weights] = sum;
-    else dw[e] = sum;
 }
 
 // ============================================================== dqn_means_32, dqn_means_256

@@ -89,6 +89,6 @@ def test_loss_dx_launch_shape_is_the_kernels():
                  "constexpr int DQN_LOSS_DX_ROWS = DQN_LOSS_THREADS;", "constexpr int DQN_MAX_ACTIONS = 64;"):
         assert line in text, line
     assert loss_dx_grid(512, 1024) == (8, 16) and loss_dx_grid(100, 33) == (1, 4) and loss_dx_grid(61, 260) == (3, 2)
-    assert loss_dx_shared_bytes(18) == 4 * (19 * (3 * 32 + 128) + 32 * 128)
-    assert loss_dx_shared_bytes(64) == 74624 <= 227 * 1024
+    assert loss_dx_shared_bytes(18) == 4 * 19 * (3 * 32 + 128)
+    assert loss_dx_shared_bytes(64) == 58240 <= 227 * 1024
     assert DQNConfig.small().fused_loss_dx is True and DQNConfig.large(fused_loss_dx=False).fused_loss_dx is False

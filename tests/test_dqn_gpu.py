@@ -1179,41 +1179,31 @@ def _run_loss(q, case, n_actions, batch, gamma, delta, stream):
 
 
 def _run_loss_dx(q, case, hidden, n_actions, batch, gamma, delta, stream, gate=0, offset=0, rng=None):
-    """dqn_loss_dx, then dqn_means_32 over its row blocks' partials and dqn_output_dw over
-    its shares (the step's way), every output poisoned first. ``q``: the three Q arrays
-    (device views); W_out (``case["w"][0]``), h_s (``case["h"][0]``), dh and the dW shares
-    go to the device ``offset`` bytes past a boundary. Returns the outputs, the raw
-    partials and dW and db as host arrays."""
+    """dqn_loss_dx, then dqn_means_32 over its row blocks' partials (the step's way), every
+    output poisoned first. ``q``: the three Q arrays (device views); W_out (``case["w"][0]``)
+    and h_s (``case["h"][0]``) go to the device ``offset`` bytes past a boundary. Returns the
+    outputs and the raw partials as host arrays."""
     from drvtrain import builtin_module
-    from drvtrain.rl.dqn import (LOSS_DX_SIGNATURE, MEANS_SIGNATURE, OUTPUT_DW_SIGNATURE, loss_dx_grid,
-                                 loss_dx_shared_bytes)
+    from drvtrain.rl.dqn import LOSS_DX_SIGNATURE, MEANS_SIGNATURE, loss_dx_grid, loss_dx_shared_bytes
     mod = builtin_module("dqn.cu")
     kernel = mod.kernel("dqn_loss_dx", LOSS_DX_SIGNATURE, fixed_block=True)
     sums = mod.kernel("dqn_means_32", MEANS_SIGNATURE, fixed_block=True)
-    reduce = mod.kernel("dqn_output_dw", OUTPUT_DW_SIGNATURE, fixed_block=True)
     grid = loss_dx_grid(batch, hidden)
-    cols = 1 + max(1, min(n_actions, 64))
     w_out = _device_array(case["w"][0], offset, rng)
     h_s = _device_array(case["h"][0], offset, rng)
     per_sample = [DeviceBuffer.from_numpy(case[k]) for k in ("action", "reward", "done", "weights")]
     dh = _device_array(np.zeros((batch, hidden), np.float32), offset, rng)
-    dw_shares = _device_array(np.zeros((grid[1], cols, hidden), np.float32), offset, rng)
     outs = [DeviceBuffer((batch, 1 + n_actions)), dh, DeviceBuffer(batch), DeviceBuffer(4),
-            DeviceBuffer(batch, np.int32), DeviceBuffer(3 * grid[1], np.float64), DeviceBuffer((cols, hidden)),
-            DeviceBuffer(cols), dw_shares, DeviceBuffer((grid[1], cols))]
+            DeviceBuffer(batch, np.int32), DeviceBuffer(3 * grid[1], np.float64)]
     for buf in outs:
         buf.poison(stream=stream)
-    dout, dh, priorities, scalars, a_star, partials, dw, db, dw_shares, db_shares = outs
+    dout, dh, priorities, scalars, a_star, partials = outs
     kernel.launch(grid, kernel.block, *q, *per_sample, batch, n_actions, gamma, delta, w_out, h_s, hidden,
-                  dout, dh, dw_shares, db_shares, priorities, partials, a_star, gate, stream=stream,
-                  shared_mem=loss_dx_shared_bytes(cols - 1))
+                  dout, dh, priorities, partials, a_star, gate, stream=stream,
+                  shared_mem=loss_dx_shared_bytes(max(1, min(n_actions, 64))))
     sums.launch(3, sums.block, partials, grid[1], batch, scalars, gate, stream=stream)
-    if 1 <= n_actions <= 64:
-        n = cols * hidden + cols
-        reduce.launch(-(-n // reduce.block), reduce.block, dw_shares, db_shares, grid[1], cols, hidden, dw, db, gate,
-                      stream=stream)
     stream.synchronize()
-    names = ("dout", "dh", "priorities", "scalars", "a_star", "partials", "dw", "db")
+    names = ("dout", "dh", "priorities", "scalars", "a_star", "partials")
     return {name: buf.to_numpy() for name, buf in zip(names, outs)}
 
 
@@ -1227,8 +1217,7 @@ def _q_case(rng, n_actions, batch):
     ids=["large", "odd-scalar", "partial-blocks-float4", "most-actions", "one-action", "nan-and-bad-action",
          "misaligned", "nan-float4"])
 def test_loss_dx_kernel_matches_float64(device, rng, hidden, n_actions, batch, broken, offset):
-    """dqn_loss_dx alone (with dqn_output_dw after it): the loss of dqn_loss and the output
-    layer's dX, dW and db, against float64,
+    """dqn_loss_dx alone: the loss of dqn_loss and the output layer's dX, against float64,
     every output poisoned first; column and row blocks cut short; one to 64 actions;
     float4 and 4-byte paths (hidden % 4, or W_out, h_s and dh 4 bytes past a boundary).
     The loss's outputs and (through dqn_means_32) its scalars are dqn_loss's, bit for bit.
@@ -1264,11 +1253,6 @@ def test_loss_dx_kernel_matches_float64(device, rng, hidden, n_actions, batch, b
     want_dh = (f64(res["dout"]) @ f64(w)) * (h_clean > 0)
     assert rel(got["dh"][clean], want_dh[clean]) < 1e-5
     assert (got["dh"][clean] == 0).sum() == (want_dh[clean] == 0).sum()  # the mask, exactly
-    if not broken:  # the output layer's dW and db: sums over the whole batch
-        assert rel(got["dw"], f64(res["dout"]).T @ f64(h)) < 1e-5
-        assert rel(got["db"], f64(res["dout"]).sum(axis=0)) < 1e-5
-    else:  # NaN gradient rows reach every dW and db element (0 * NaN is NaN)
-        assert np.isnan(got["dw"]).all() and np.isnan(got["db"]).all()
     if broken:
         assert np.isnan(got["dout"][~clean]).all() and np.isnan(got["priorities"][~clean]).all()
         for r in np.flatnonzero(~clean):
@@ -1297,8 +1281,7 @@ def test_loss_dx_kernel_gives_the_heads_dh_bit_for_bit(device, rng, hidden, n_ac
 
 
 def test_loss_dx_kernel_gate_writes_nothing(device, rng):
-    """While the gate word is non-zero dqn_loss_dx (and dqn_means_32 and dqn_output_dw after
-    it) writes nothing."""
+    """While the gate word is non-zero dqn_loss_dx (and dqn_means_32 after it) writes nothing."""
     stream = Stream()
     gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
     case = _head_case(rng, 200, 3, 40)
@@ -1317,7 +1300,7 @@ def test_loss_dx_kernel_with_a_bad_action_count_writes_nan_means_only(device, rn
     q = [DeviceBuffer.from_numpy(x) for x in _q_case(rng, 3, 40)]
     got = _run_loss_dx(q, case, 64, n_actions, 40, 0.99, 1.0, stream)
     assert np.isnan(got["partials"]).all() and np.isnan(got["scalars"][:3]).all()
-    for name in ("dout", "dh", "priorities", "a_star"):  # (dW and db: their sum is not launched)
+    for name in ("dout", "dh", "priorities", "a_star"):
         assert np.all(got[name].view(np.uint32) == 0xFFFFFFFF), name
 
 

@@ -53,8 +53,7 @@ HEAD_AUTO_WEIGHTS = (512, 3072)
 LOSS_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr"
 MEANS_SIGNATURE = "ptr i32 i32 ptr ptr"
 HEAD_SIGNATURE = "ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr"
-LOSS_DX_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr"
-OUTPUT_DW_SIGNATURE = "ptr ptr i32 i32 i32 ptr ptr ptr"
+LOSS_DX_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr i32 ptr ptr ptr ptr ptr ptr"
 _LOSS_DX_ROWS, _LOSS_DX_COLS = 32, 128  # DQN_LOSS_DX_ROWS, DQN_LOSS_DX_COLS in kernels/dqn.cu
 
 
@@ -67,8 +66,8 @@ def head_shared_bytes(hidden: int, n_actions: int) -> int:
 
 def loss_dx_shared_bytes(n_actions: int) -> int:
     """Dynamic shared memory of one ``dqn_loss_dx`` block: its rows of the three Q
-    arrays, its columns of the output layer and its tile of that layer's input."""
-    return 4 * ((1 + n_actions) * (3 * _LOSS_DX_ROWS + _LOSS_DX_COLS) + _LOSS_DX_ROWS * _LOSS_DX_COLS)
+    arrays and its columns of the output layer."""
+    return 4 * (1 + n_actions) * (3 * _LOSS_DX_ROWS + _LOSS_DX_COLS)
 
 
 def loss_dx_grid(batch: int, hidden: int) -> tuple[int, int]:
@@ -146,14 +145,13 @@ class DQNConfig:
     the whole forward and backward, and ``fused_head`` has nothing to do.
     ``fused_loss_dx``: where the output layer runs as separate products (no
     ``dqn_head``) and the per-layer products run the backward, the loss and the
-    output layer's backward run as one row-local kernel (``dqn_loss_dx``: the
-    loss as ``dqn_loss`` computes it, bit for bit, then in FP32 dh and each row
-    block's share of the layer's dW and db) and a small kernel that adds the
-    shares (``dqn_output_dw``, beside the backward on a side stream) instead of
-    ``dqn_loss``, a dX product and a dW product: one launch fewer on the step's
-    chain, and no product of 256 blocks beside the wide ones. On by default (the
-    large step measured faster with it: docs/perf-notes.md); ``False`` keeps the
-    three launches.
+    output layer's data gradient run as one row-local kernel (``dqn_loss_dx``:
+    the loss as ``dqn_loss`` computes it, bit for bit, then dh in FP32) instead of
+    ``dqn_loss`` and a dX product: one launch fewer on the step's chain. The
+    output layer's dW product then waits for the other weight gradients
+    (``MLP.backward``'s ``last_dw_late``), so that it does not take the SMs the
+    wider products need first. On by default (the large step measured faster
+    with it: docs/perf-notes.md); ``False`` keeps the two launches.
     ``cluster_forward`` runs the three forward passes (up to the output layer
     when ``dqn_head`` computes that one) as one launch of thread block clusters
     (``NarrowMLP.forward_many(cluster=True)``): each cluster holds 32 rows of
@@ -415,7 +413,6 @@ class DQNStep:
                                  f"this device allows {loss_dx.max_dynamic_shared()}: set fused_loss_dx=False")
             self._loss_dx = loss_dx
             self._loss_dx_grid = loss_dx_grid(b, self.layout.layers[-1][1])
-            self._output_dw = mod.kernel("dqn_output_dw", OUTPUT_DW_SIGNATURE, fixed_block=True)
         # The means kernel has the block size of the kernel whose partials it sums (the same tree).
         self._means = mod.kernel("dqn_means_256" if self._head is not None else "dqn_means_32", MEANS_SIGNATURE,
                                  fixed_block=True)
@@ -606,23 +603,11 @@ class DQNStep:
         elif self._loss_dx is not None:
             last, hidden = len(self.layout.layers) - 1, self.layout.layers[-1][1]
             dh = arena.array((b, hidden), np.float32)
-            row_blocks = self._loss_dx_grid[1]
-            dw_shares = arena.array((row_blocks, 1 + a, hidden), np.float32)
-            db_shares = arena.array((row_blocks, 1 + a), np.float32)
             self._loss_dx.launch(self._loss_dx_grid, self._loss_dx.block, f_online.output, f_next.output,
                                  f_target.output, batch.action, batch.reward, batch.done, batch.weights, b, a,
                                  cfg.gamma, cfg.huber_delta, self.params.weight(last), f_online.activations[-2],
-                                 hidden, dout, dh, dw_shares, db_shares, priorities, self._loss_partials, a_star,
+                                 hidden, dout, dh, priorities, self._loss_partials, a_star,
                                  gate if gate is not None else 0, stream=stream, shared_mem=self._loss_dx_shared)
-            # The shares' sum beside the backward (its first reader is the norm), on the
-            # side stream that would have run the output layer's dW product.
-            dw_stream = self._weight_streams[0] if self._weight_streams else stream
-            if dw_stream is not stream:
-                fork(stream, dw_stream)
-            n_out = (1 + a) * hidden + 1 + a
-            self._output_dw.launch(-(-n_out // self._output_dw.block), self._output_dw.block, dw_shares, db_shares,
-                                   row_blocks, 1 + a, hidden, self.grads.weight(last), self.grads.bias(last),
-                                   gate if gate is not None else 0, stream=dw_stream)
         else:
             self._loss_kernel.launch(self._loss_grid, self._loss_kernel.block, f_online.output, f_next.output,
                                      f_target.output, batch.action, batch.reward, batch.done, batch.weights, b, a,
@@ -644,10 +629,8 @@ class DQNStep:
         else:
             first_dw = mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
                                     weight_stream=self._weight_streams or None, dx_last=dh,
-                                    last_dw=self._loss_dx is None, weight_splits=weight_splits,
+                                    last_dw_late=self._loss_dx is not None, weight_splits=weight_splits,
                                     defer_first_dw=self._tail is None)
-            if self._loss_dx is not None and self._weight_streams:  # the output layer's dW and db
-                join(stream, self._weight_streams[0])
         if means_stream is not stream:  # the optimizer reads the loss for its NaN guard
             join(stream, means_stream)
         # The priority update needs the loss's priorities and the norm's NaN guard; on
