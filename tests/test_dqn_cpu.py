@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from drvtrain.rl.dqn import MAX_SPECTRAL_LAYERS, DQNConfig, loss_dx_grid, loss_dx_shared_bytes
+from drvtrain.rl.dqn import MAX_SPECTRAL_LAYERS, DQNConfig
 
 
 def test_benchmark_configurations_are_valid():
@@ -43,7 +43,6 @@ def test_benchmark_configurations_are_valid():
     (dict(fused_head=1), "fused_head"),
     (dict(cluster_forward="yes"), "cluster_forward"),
     (dict(fused_tail=None), "fused_tail"),
-    (dict(fused_loss_dx=1), "fused_loss_dx"),
 ])
 def test_bad_values_name_the_field_and_the_range(overrides, field):
     with pytest.raises(ValueError, match=field):
@@ -78,17 +77,3 @@ def test_fused_head_takes_none_true_or_false():
 def test_target_update_is_what_the_kernels_take():
     assert DQNConfig.small(tau=0.01).target_update == (0.01, 0)
     assert DQNConfig.small(tau=None, target_period=250).target_update == (0.0, 250)
-
-
-def test_loss_dx_launch_shape_is_the_kernels():
-    """dqn_loss_dx's block covers the rows of a dqn_loss block (so dqn_means_32 sums its
-    partials) and 128 columns of dh; its shared memory holds three Q tiles and the
-    block's columns of the output layer, within the 227 KiB opt-in for every action count."""
-    text = (Path(__file__).parents[1] / "kernels" / "dqn.cu").read_text()
-    for line in ("constexpr int DQN_LOSS_THREADS = 32;", "constexpr int DQN_LOSS_DX_COLS = 128;",
-                 "constexpr int DQN_LOSS_DX_ROWS = DQN_LOSS_THREADS;", "constexpr int DQN_MAX_ACTIONS = 64;"):
-        assert line in text, line
-    assert loss_dx_grid(512, 1024) == (8, 16) and loss_dx_grid(100, 33) == (1, 4) and loss_dx_grid(61, 260) == (3, 2)
-    assert loss_dx_shared_bytes(18) == 4 * 19 * (3 * 32 + 128)
-    assert loss_dx_shared_bytes(64) == 58240 <= 227 * 1024
-    assert DQNConfig.small().fused_loss_dx is True and DQNConfig.large(fused_loss_dx=False).fused_loss_dx is False

@@ -175,24 +175,14 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     dict(ODD, tf32=False, cluster_forward=True),
     dict(obs_dim=4, hidden=(256, 256), n_actions=2, batch=256, capacity=4096, tf32=False, cluster_forward=True),
     dict(ODD, tf32=False, batch=102, fused_head=True, cluster_forward=True),
-    # The loss and the output layer's dX as two launches (dqn_loss and a product).
-    dict(ODD, tf32=False, fused_loss_dx=False),
-    dict(obs_dim=128, hidden=(1024, 1024), n_actions=18, batch=512, capacity=4096, tf32=False, fused_loss_dx=False),
 ], ids=["odd-shapes", "one-action", "hard-copy-spectral-c", "no-spectral-clipped", "small", "large",
         "odd-shapes-fused", "small-fused", "one-action-fused-head", "large-fused-head", "large-presplit",
         "large-fused-head-presplit-one-stream",
         "odd-shapes-fused-head", "wide-rows-float4", "wide-rows-scalar", "six-projected-layers",
         "tall-projected-layer", "odd-shapes-cluster-forward",
-        "small-cluster-forward", "odd-shapes-fused-head-cluster-forward", "odd-shapes-loss-and-dx-apart",
-        "large-loss-and-dx-apart"])
+        "small-cluster-forward", "odd-shapes-fused-head-cluster-forward"])
 def test_one_fp32_step_matches_float64(device, rng, overrides):
     step, _ = one_step(DQNConfig(seed=int(rng.integers(1 << 30)), **overrides), rng)
-    # Where no dqn_head computes the output layer's dX (and the per-layer products run the
-    # backward), dqn_loss_dx does, unless fused_loss_dx=False.
-    names = {k.function for k in step_kernels(step)}
-    want_loss_dx = step._head is None and step.narrow is None and overrides.get("fused_loss_dx", True)
-    assert ("dqn_loss_dx" in names) == want_loss_dx, names
-    assert ("dqn_loss" in names) == (step._head is None and not want_loss_dx), names
     # A share of the SMs for each forward only where three per-layer forwards run side by side.
     side_by_side = bool(step.streams) and step._forward_net is None
     assert step._forward_sms == (device.sm_count // 3 if side_by_side else None)
@@ -811,8 +801,7 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     assert (step._head is not None) == fused
     assert step.cluster_net is None and not any(n.startswith("narrow_") for n in names)
     assert [r.measured for r in rows if r.name.startswith("output layer's forwards")] == (["1"] if fused else [])
-    assert ("dqn_head" in names) == fused and ("dqn_loss_dx" in names) != fused and "dqn_loss" not in names
-    assert [r.measured for r in rows if r.name.startswith("loss and output")] == ([] if fused else ["1"])
+    assert ("dqn_head" in names) == fused and ("dqn_loss" in names) != fused
     # Pre-split products only when asked for (DQNConfig.presplit). `_settled_` kernels only
     # where MLP.forward takes them on its own: each pass's products after its first that
     # run on gemm.cu's tiles (the small net's second hidden layer; the large net's output
@@ -846,7 +835,7 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
         assert not any(b == weights[0].node.index for _, b in graph.programmatic_edges())
         forwards = [k for k in kernels if k.function.startswith("linear_forward")]
         assert forwards and all(graph.can_run_concurrently(weights[0].node, k.node) for k in forwards)
-        loss = [k for k in kernels if k.function in ("dqn_head", "dqn_loss_dx")]
+        loss = [k for k in kernels if k.function in ("dqn_head", "dqn_loss")]
         assert len(loss) == 1 and not graph.can_run_concurrently(weights[0].node, loss[0].node)
     # Every forward and weight-gradient product starts on programmatic edges alone, those
     # on the forked streams too: a dependent launch's edges through fork's event are
@@ -1146,162 +1135,6 @@ def test_head_kernel_with_a_bad_action_count_writes_nan_means_only(device, rng, 
         for name, value in got.items():
             if name != "scalars":
                 assert np.all(value.view(np.uint32) == 0xFFFFFFFF), (means, name)
-
-
-def _device_array(host, offset_bytes, rng):
-    """``host`` on the device, starting ``offset_bytes`` past a 256-byte boundary (random
-    floats before it)."""
-    if offset_bytes == 0:
-        return DeviceBuffer.from_numpy(host)
-    pad = rng.standard_normal(offset_bytes // 4).astype(np.float32)
-    return DeviceBuffer.from_numpy(np.concatenate([pad, host.ravel()])).view(host.dtype, host.shape, offset_bytes)
-
-
-def _run_loss(q, case, n_actions, batch, gamma, delta, stream):
-    """dqn_loss with no counter and then dqn_means_32 (the separate step's way): dout,
-    priorities, scalars and a_star as host arrays."""
-    from drvtrain import builtin_module
-    from drvtrain.rl.dqn import LOSS_SIGNATURE, MEANS_SIGNATURE
-    mod = builtin_module("dqn.cu")
-    loss = mod.kernel("dqn_loss", LOSS_SIGNATURE, fixed_block=True)
-    sums = mod.kernel("dqn_means_32", MEANS_SIGNATURE, fixed_block=True)
-    grid = -(-batch // loss.block)
-    per_sample = [DeviceBuffer.from_numpy(case[k]) for k in ("action", "reward", "done", "weights")]
-    outs = [DeviceBuffer((batch, 1 + n_actions)), DeviceBuffer(batch), DeviceBuffer(4), DeviceBuffer(batch, np.int32)]
-    for buf in outs:
-        buf.poison(stream=stream)
-    partials = DeviceBuffer(3 * grid, np.float64)
-    loss.launch(grid, loss.block, *q, *per_sample, batch, n_actions, gamma, delta, outs[0], outs[1], outs[2],
-                partials, 0, outs[3], 0, stream=stream)
-    sums.launch(3, sums.block, partials, grid, batch, outs[2], 0, stream=stream)
-    stream.synchronize()
-    return dict(zip(("dout", "priorities", "scalars", "a_star"), (b.to_numpy() for b in outs)))
-
-
-def _run_loss_dx(q, case, hidden, n_actions, batch, gamma, delta, stream, gate=0, offset=0, rng=None):
-    """dqn_loss_dx, then dqn_means_32 over its row blocks' partials (the step's way), every
-    output poisoned first. ``q``: the three Q arrays (device views); W_out (``case["w"][0]``)
-    and h_s (``case["h"][0]``) go to the device ``offset`` bytes past a boundary. Returns the
-    outputs and the raw partials as host arrays."""
-    from drvtrain import builtin_module
-    from drvtrain.rl.dqn import LOSS_DX_SIGNATURE, MEANS_SIGNATURE, loss_dx_grid, loss_dx_shared_bytes
-    mod = builtin_module("dqn.cu")
-    kernel = mod.kernel("dqn_loss_dx", LOSS_DX_SIGNATURE, fixed_block=True)
-    sums = mod.kernel("dqn_means_32", MEANS_SIGNATURE, fixed_block=True)
-    grid = loss_dx_grid(batch, hidden)
-    w_out = _device_array(case["w"][0], offset, rng)
-    h_s = _device_array(case["h"][0], offset, rng)
-    per_sample = [DeviceBuffer.from_numpy(case[k]) for k in ("action", "reward", "done", "weights")]
-    dh = _device_array(np.zeros((batch, hidden), np.float32), offset, rng)
-    outs = [DeviceBuffer((batch, 1 + n_actions)), dh, DeviceBuffer(batch), DeviceBuffer(4),
-            DeviceBuffer(batch, np.int32), DeviceBuffer(3 * grid[1], np.float64)]
-    for buf in outs:
-        buf.poison(stream=stream)
-    dout, dh, priorities, scalars, a_star, partials = outs
-    kernel.launch(grid, kernel.block, *q, *per_sample, batch, n_actions, gamma, delta, w_out, h_s, hidden,
-                  dout, dh, priorities, partials, a_star, gate, stream=stream,
-                  shared_mem=loss_dx_shared_bytes(max(1, min(n_actions, 64))))
-    sums.launch(3, sums.block, partials, grid[1], batch, scalars, gate, stream=stream)
-    stream.synchronize()
-    names = ("dout", "dh", "priorities", "scalars", "a_star", "partials")
-    return {name: buf.to_numpy() for name, buf in zip(names, outs)}
-
-
-def _q_case(rng, n_actions, batch):
-    return [rng.standard_normal((batch, 1 + n_actions)).astype(np.float32) for _ in range(3)]
-
-
-@pytest.mark.parametrize("hidden, n_actions, batch, broken, offset", [
-    (1024, 18, 512, False, 0), (33, 4, 100, False, 0), (260, 2, 61, False, 0), (256, 64, 40, False, 0),
-    (64, 1, 7, False, 0), (40, 3, 9, True, 0), (128, 5, 70, False, 4), (132, 5, 70, True, 0)],
-    ids=["large", "odd-scalar", "partial-blocks-float4", "most-actions", "one-action", "nan-and-bad-action",
-         "misaligned", "nan-float4"])
-def test_loss_dx_kernel_matches_float64(device, rng, hidden, n_actions, batch, broken, offset):
-    """dqn_loss_dx alone: the loss of dqn_loss and the output layer's dX, against float64,
-    every output poisoned first; column and row blocks cut short; one to 64 actions;
-    float4 and 4-byte paths (hidden % 4, or W_out, h_s and dh 4 bytes past a boundary).
-    The loss's outputs and (through dqn_means_32) its scalars are dqn_loss's, bit for bit.
-    With ``broken``: a NaN Q(s', .) in row 1 and an action out of range in row 3 (their
-    gradient rows, priorities and dh where h > 0 are NaN, the scalars NaN), and a NaN of
-    h_s in row 2 (a 0 of dh there, the rest of the row exact)."""
-    gamma, delta = 0.97, 0.8
-    case = _head_case(rng, hidden, n_actions, batch)
-    q_host = _q_case(rng, n_actions, batch)
-    clean = np.ones(batch, bool)
-    if broken:
-        q_host[1][1, 2] = np.nan
-        case["action"][3] = n_actions
-        case["h"][0][2, 5] = np.nan
-        clean[[1, 3]] = False
-    stream = Stream()
-    q = [_device_array(x, offset, rng) for x in q_host]
-    got = _run_loss_dx(q, case, hidden, n_actions, batch, gamma, delta, stream, offset=offset, rng=rng)
-    apart = _run_loss(q, case, n_actions, batch, gamma, delta, stream)
-    for name in ("dout", "priorities", "a_star"):
-        np.testing.assert_array_equal(got[name], apart[name], err_msg=name)
-    assert got["scalars"][:3].tobytes() == apart["scalars"][:3].tobytes()
-
-    f64 = lambda x: np.asarray(x, np.float64)
-    h, w = case["h"][0], case["w"][0]
-    # The reference on the broken rows made whole: every other row is the same either way.
-    q_ref = [np.where(np.isnan(x), 0.0, x) for x in q_host]
-    action_ref = np.where(clean, case["action"], 0)
-    res = dqn_loss(*q_ref, action_ref, case["reward"], case["done"], case["weights"], gamma, delta)
-    assert rel(got["dout"][clean], res["dout"][clean]) < 1e-5
-    assert rel(got["priorities"][clean], res["priorities"][clean]) < 1e-5
-    h_clean = np.where(np.isnan(h), 0.0, h)
-    want_dh = (f64(res["dout"]) @ f64(w)) * (h_clean > 0)
-    assert rel(got["dh"][clean], want_dh[clean]) < 1e-5
-    assert (got["dh"][clean] == 0).sum() == (want_dh[clean] == 0).sum()  # the mask, exactly
-    if broken:
-        assert np.isnan(got["dout"][~clean]).all() and np.isnan(got["priorities"][~clean]).all()
-        for r in np.flatnonzero(~clean):
-            assert np.isnan(got["dh"][r][h[r] > 0]).all() and (got["dh"][r][~(h[r] > 0)] == 0).all()
-        assert got["dh"][2, 5] == 0.0
-        assert np.isnan(got["scalars"][:3]).all()
-    else:
-        for value, want in zip(got["scalars"][:3], (res["loss"], res["mean_q"], res["mean_abs_td"])):
-            assert abs(value - want) <= 1e-5 * max(abs(want), 1e-3)
-    top = np.sort(dueling_q(q_ref[1]), axis=1)
-    sure = clean & ((top[:, -1] - top[:, -2] > 1e-4) if n_actions > 1 else True)
-    np.testing.assert_array_equal(got["a_star"][sure], res["a_star"][sure])
-
-
-@pytest.mark.parametrize("hidden, n_actions, batch", [(256, 2, 100), (1024, 18, 61), (33, 4, 10)])
-def test_loss_dx_kernel_gives_the_heads_dh_bit_for_bit(device, rng, hidden, n_actions, batch):
-    """Fed dqn_head's own Q rows, with the same h_s and W_out, dqn_loss_dx gives the head's
-    dout, priorities and dh bit for bit: the same loss, the same dot products in the same order."""
-    case = _head_case(rng, hidden, n_actions, batch)
-    stream = Stream()
-    head = _run_head(case, hidden, n_actions, batch, 0.99, 1.0, stream, means="kernel")
-    q = [DeviceBuffer.from_numpy(head[k]) for k in ("q_s", "q_next", "q_target")]
-    got = _run_loss_dx(q, case, hidden, n_actions, batch, 0.99, 1.0, stream, rng=rng)
-    for name in ("dout", "dh", "priorities", "a_star"):
-        assert got[name].tobytes() == head[name].tobytes(), name
-
-
-def test_loss_dx_kernel_gate_writes_nothing(device, rng):
-    """While the gate word is non-zero dqn_loss_dx (and dqn_means_32 after it) writes nothing."""
-    stream = Stream()
-    gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
-    case = _head_case(rng, 200, 3, 40)
-    q = [DeviceBuffer.from_numpy(x) for x in _q_case(rng, 3, 40)]
-    got = _run_loss_dx(q, case, 200, 3, 40, 0.99, 1.0, stream, gate=gate)
-    for name, value in got.items():  # DeviceBuffer.poison's pattern
-        assert np.all(value.view(np.uint32) == 0xFFFFFFFF), name
-
-
-@pytest.mark.parametrize("n_actions", [0, 65])
-def test_loss_dx_kernel_with_a_bad_action_count_writes_nan_means_only(device, rng, n_actions):
-    """n_actions outside [1, 64]: dqn_loss_dx leaves NaN partials, so the means are NaN, and
-    writes nothing else."""
-    stream = Stream()
-    case = _head_case(rng, 64, 3, 40)
-    q = [DeviceBuffer.from_numpy(x) for x in _q_case(rng, 3, 40)]
-    got = _run_loss_dx(q, case, 64, n_actions, 40, 0.99, 1.0, stream)
-    assert np.isnan(got["partials"]).all() and np.isnan(got["scalars"][:3]).all()
-    for name in ("dout", "dh", "priorities", "a_star"):
-        assert np.all(got[name].view(np.uint32) == 0xFFFFFFFF), name
 
 
 def test_fused_head_only_where_the_output_layers_fit(device):

@@ -10,8 +10,6 @@ one thing:
 - the output layer's forwards, the loss and its dX forced into one kernel or
   forced apart (DQNConfig(fused_head=True / False); the default picks by the
   layer's size);
-- without dqn_head, the loss and the output layer's dX as two launches
-  (DQNConfig(fused_loss_dx=False)) instead of one (`dqn_loss_dx`);
 - everything after the backward as one cooperative launch
   (DQNConfig(fused_tail=True));
 - the three forwards as one launch of thread block clusters
@@ -46,8 +44,7 @@ def measure(cfg, args, gated=False, steps=1):
     stream = Stream()
     print(f"  {cfg.obs_dim}-{'-'.join(map(str, cfg.hidden))}-{cfg.n_actions} batch {cfg.batch}, "
           f"fused={cfg.fused} dual_stream={cfg.dual_stream} dependent_launch={cfg.dependent_launch} "
-          f"fused_tail={cfg.fused_tail} fused_head={cfg.fused_head} fused_loss_dx={cfg.fused_loss_dx} "
-          f"cluster_forward={cfg.cluster_forward}"
+          f"fused_tail={cfg.fused_tail} fused_head={cfg.fused_head} cluster_forward={cfg.cluster_forward}"
           f"{', behind an open gate' if gated else ''}{f', {steps} steps a graph' if steps > 1 else ''}"
           f": filling {cfg.capacity} transitions ...", flush=True)
     step, gate = DQNStep(cfg), None
@@ -93,7 +90,6 @@ VARIANTS = (
     ("no dependent launch", {"dependent_launch": False}, False, 1),
     ("output layer fused (dqn_head)", {"fused_head": True}, False, 1),
     ("output layer separate", {"fused_head": False}, False, 1),
-    ("output layer separate, loss and its dX apart", {"fused_head": False, "fused_loss_dx": False}, False, 1),
     ("cooperative tail", {"fused_tail": True}, False, 1),
     ("three forwards in clusters", {"cluster_forward": True}, False, 1),
     ("fused narrow kernels", {"fused": True}, False, 1),

@@ -64,8 +64,6 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", type=int, default=5, help="first traced replays left out (default 5)")
     parser.add_argument("--presplit", action="store_true",
                         help="the wide backward on operands split once (DQNConfig(presplit=True))")
-    parser.add_argument("--loss-dx-apart", action="store_true",
-                        help="the loss and the output layer's dX as two launches (DQNConfig(fused_loss_dx=False))")
     args = parser.parse_args(argv)
     if args.replays < 1 or not 0 <= args.skip < args.replays:
         parser.error("need --replays >= 1 and 0 <= --skip < --replays")
@@ -75,7 +73,7 @@ def main(argv=None) -> int:
     except ImportError:
         print("trace_step: needs PyTorch (its profiler drives CUPTI); install torch", file=sys.stderr)
         return 2
-    cfg = getattr(DQNConfig, args.config)(presplit=args.presplit, fused_loss_dx=not args.loss_dx_apart)
+    cfg = getattr(DQNConfig, args.config)(presplit=args.presplit)
     stream = Stream()
     step = DQNStep(cfg)
     print(f"{args.config}: filling {cfg.capacity} transitions, capturing ...", flush=True)

@@ -1099,7 +1099,7 @@ class MLP:
 
     def backward(self, params: FlatBuffer, grads: FlatBuffer, forward: Forward, dout: DeviceBuffer, *,
                  arena: Arena, stream, gate=None, weight_stream=None, dx_last: DeviceBuffer | None = None,
-                 last_dw_late: bool = False, weight_splits: WeightSplits | None = None,
+                 weight_splits: WeightSplits | None = None,
                  defer_first_dw: bool = False, weights_settled: bool = False) -> FirstDwShares | None:
         """Gradients of the loss whose derivative by ``forward.output`` is ``dout``, into ``grads``.
 
@@ -1116,11 +1116,6 @@ class MLP:
         ``dx_last``: the last layer's data gradient (by its input, the ReLU mask
         applied), already computed by the caller into this [batch, in] buffer;
         that product is then not launched and the dX chain starts from it.
-        ``last_dw_late``: the last layer's dW product (not pre-split) is queued
-        after every other, on the stream of the second layer's dW (``stream``
-        where that is the chain's or there is none): with ``dx_last`` its
-        input is ready when the dX chain starts, and queued first it would
-        take the SMs that the chain's products and the wider dW need first.
 
         ``weight_stream``: when given, each layer's dW/db product but the first
         layer's runs there, forked from ``stream`` once its dY is ready, so it
@@ -1169,8 +1164,6 @@ class MLP:
         presplit = self.presplit_layers(batch)
         if dx_last is not None and last in presplit:  # the last layer's dX is not launched
             presplit[last] = (False, presplit[last][1])
-        if last_dw_late and last in presplit:  # nor its dW, here
-            presplit[last] = (presplit[last][0], False)
         presplit = {k: (dx, dw) for k, (dx, dw) in presplit.items() if dx or dw}
         if weight_splits is not None:  # checked before anything is queued
             if weight_splits.batch != batch:
@@ -1207,14 +1200,11 @@ class MLP:
             if split_dx or split_dw:  # dY [batch, out]: as it lies for dX, transposed for dW
                 dy_split, dyt_split = kernels.split(dy, out, batch, out, arena=arena, stream=stream, gate=gate,
                                                     as_is=split_dx, transposed=split_dw)
-            late = k == last and last_dw_late
-            side = None if late else side_of(k)
+            side = side_of(k)
             if side is not None:
                 fork(stream, side)
                 forked.add(side)
-            if late:
-                pass  # queued after the loop
-            elif split_dw:
+            if split_dw:
                 if k not in inputs:  # its dW runs on stream (the first layer's, or no weight_stream): split there
                     inputs[k] = split_input(k, stream)
                 kernels.launch_presplit("grad_weight", dyt_split, inputs[k], grads.weight(k), inp, out, inp, batch,
@@ -1248,15 +1238,6 @@ class MLP:
                     kernels.launch("grad_input", dy, out, params.weight(k), inp, dx, inp, batch, inp, out,
                                    arena=arena, stream=stream, gate=gate, mask=x, ldm=inp, settled=weights_settled)
                 dy = dx
-        if last_dw_late:
-            out, inp = self.layout.layers[last]
-            side = side_of(1) if last > 1 else None
-            if side is not None and side not in forked:
-                fork(stream, side)
-                forked.add(side)
-            kernels.launch("grad_weight", dout, out, forward.activations[last], inp, grads.weight(last), inp, out, inp,
-                           batch, arena=arena, stream=stream if side is None else side, gate=gate,
-                           col_sum=grads.bias(last))
         if not waited:  # weight splits queued elsewhere and not needed after all: still joined
             stream.wait(weight_splits.event)
         if forked:  # else nothing was forked

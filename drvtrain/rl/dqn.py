@@ -53,8 +53,6 @@ HEAD_AUTO_WEIGHTS = (512, 3072)
 LOSS_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr"
 MEANS_SIGNATURE = "ptr i32 i32 ptr ptr"
 HEAD_SIGNATURE = "ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr"
-LOSS_DX_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr i32 ptr ptr ptr ptr ptr ptr"
-_LOSS_DX_ROWS, _LOSS_DX_COLS = 32, 128  # DQN_LOSS_DX_ROWS, DQN_LOSS_DX_COLS in kernels/dqn.cu
 
 
 def head_shared_bytes(hidden: int, n_actions: int) -> int:
@@ -62,17 +60,6 @@ def head_shared_bytes(hidden: int, n_actions: int) -> int:
     ([1 + n_actions, hidden] each), its rows of the three inputs and their Q rows."""
     cols = 1 + n_actions
     return 4 * (2 * cols * hidden + 3 * _HEAD_ROWS * (hidden + cols))
-
-
-def loss_dx_shared_bytes(n_actions: int) -> int:
-    """Dynamic shared memory of one ``dqn_loss_dx`` block: its rows of the three Q
-    arrays and its columns of the output layer."""
-    return 4 * (1 + n_actions) * (3 * _LOSS_DX_ROWS + _LOSS_DX_COLS)
-
-
-def loss_dx_grid(batch: int, hidden: int) -> tuple[int, int]:
-    """``dqn_loss_dx``'s grid: column blocks of dh by row blocks of the batch."""
-    return -(-hidden // _LOSS_DX_COLS), -(-batch // _LOSS_DX_ROWS)
 
 
 class TrainingError(RuntimeError):
@@ -143,15 +130,6 @@ class DQNConfig:
     actions on a 227 KiB device; elsewhere it warns and runs them apart),
     ``False`` never. With ``fused`` on a net the narrow kernels take, they run
     the whole forward and backward, and ``fused_head`` has nothing to do.
-    ``fused_loss_dx``: where the output layer runs as separate products (no
-    ``dqn_head``) and the per-layer products run the backward, the loss and the
-    output layer's data gradient run as one row-local kernel (``dqn_loss_dx``:
-    the loss as ``dqn_loss`` computes it, bit for bit, then dh in FP32) instead of
-    ``dqn_loss`` and a dX product: one launch fewer on the step's chain. The
-    output layer's dW product then waits for the other weight gradients
-    (``MLP.backward``'s ``last_dw_late``), so that it does not take the SMs the
-    wider products need first. On by default (the large step measured faster
-    with it: docs/perf-notes.md); ``False`` keeps the two launches.
     ``cluster_forward`` runs the three forward passes (up to the output layer
     when ``dqn_head`` computes that one) as one launch of thread block clusters
     (``NarrowMLP.forward_many(cluster=True)``): each cluster holds 32 rows of
@@ -196,7 +174,6 @@ class DQNConfig:
     dependent_launch: bool = True
     fused_tail: bool = False
     fused_head: bool | None = None
-    fused_loss_dx: bool = True
     cluster_forward: bool = False
     presplit: bool = False
 
@@ -253,8 +230,7 @@ class DQNConfig:
         _positive_int("seed", self.seed, 0, 2**63 - 1)
         if self.fused_head is not None and not isinstance(self.fused_head, (bool, np.bool_)):
             raise ValueError(f"fused_head must be True, False or None, got {self.fused_head!r}")
-        for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail", "fused_loss_dx",
-                     "cluster_forward", "presplit"):
+        for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail", "cluster_forward", "presplit"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 
@@ -402,24 +378,13 @@ class DQNStep:
                 warnings.warn(f"fused_head=True: the output layers take {self._head_shared} bytes of shared "
                               f"memory in a dqn_head block, this device allows {head.max_dynamic_shared()}; "
                               "the output layer, the loss and its dX run as separate kernels", stacklevel=2)
-        # Without dqn_head (and with the per-layer products, whose backward takes a dh
-        # computed elsewhere), the loss and the output layer's dX run as one kernel.
-        self._loss_dx = None
-        if cfg.fused_loss_dx and self._head is None and self.narrow is None:
-            loss_dx = mod.kernel("dqn_loss_dx", LOSS_DX_SIGNATURE, fixed_block=True)
-            self._loss_dx_shared = loss_dx_shared_bytes(a)
-            if self._loss_dx_shared > loss_dx.max_dynamic_shared():  # never below 64 actions on sm_70+
-                raise ValueError(f"dqn_loss_dx needs {self._loss_dx_shared} bytes of shared memory a block, "
-                                 f"this device allows {loss_dx.max_dynamic_shared()}: set fused_loss_dx=False")
-            self._loss_dx = loss_dx
-            self._loss_dx_grid = loss_dx_grid(b, self.layout.layers[-1][1])
         # The means kernel has the block size of the kernel whose partials it sums (the same tree).
         self._means = mod.kernel("dqn_means_256" if self._head is not None else "dqn_means_32", MEANS_SIGNATURE,
                                  fixed_block=True)
         # The weights a pre-split dX reads are split at the step's start on the target
         # stream, beside the sampler (MLP.split_weights; dqn_head computes the last dX).
         self._early_weight_splits = bool(self.streams) and bool(
-            self.online_mlp.dx_presplit_layers(b, dx_last=self._dh_in_step))
+            self.online_mlp.dx_presplit_layers(b, dx_last=self._head is not None))
         # The backward's weight gradients beside its dX chain: on both side streams
         # (the output layer's and the hidden layer's dW side by side) unless the
         # second holds the early weight splits.
@@ -437,12 +402,6 @@ class DQNStep:
         self.graph: Graph | None = None
 
     # ------------------------------------------------------------------ setup
-    @property
-    def _dh_in_step(self) -> bool:
-        """Whether a kernel of the step's loss (dqn_head or dqn_loss_dx) computes the
-        output layer's dX, so the backward starts from dh."""
-        return self._head is not None or self._loss_dx is not None
-
     def _forward_layers(self) -> int:
         """The layers the step's forward passes run: all but the output layer when
         dqn_head runs that one."""
@@ -551,7 +510,7 @@ class DQNStep:
         if self._early_weight_splits:  # joined by the backward's wait for its event
             fork(stream, self.streams[1])
             weight_splits = mlp.split_weights(self.params, b, arena=arena, stream=self.streams[1], gate=gate,
-                                              dx_last=self._dh_in_step)
+                                              dx_last=self._head is not None)
         if batch is None:
             batch = sample(stream)
         capturing = bool(active_captures())
@@ -600,14 +559,6 @@ class DQNStep:
                         0, a_star, gate if gate is not None else 0, stream=stream, shared_mem=self._head_shared)
             f_online, f_next, f_target = (Forward(f.activations + (out,))
                                           for f, out in zip((f_online, f_next, f_target), q))
-        elif self._loss_dx is not None:
-            last, hidden = len(self.layout.layers) - 1, self.layout.layers[-1][1]
-            dh = arena.array((b, hidden), np.float32)
-            self._loss_dx.launch(self._loss_dx_grid, self._loss_dx.block, f_online.output, f_next.output,
-                                 f_target.output, batch.action, batch.reward, batch.done, batch.weights, b, a,
-                                 cfg.gamma, cfg.huber_delta, self.params.weight(last), f_online.activations[-2],
-                                 hidden, dout, dh, priorities, self._loss_partials, a_star,
-                                 gate if gate is not None else 0, stream=stream, shared_mem=self._loss_dx_shared)
         else:
             self._loss_kernel.launch(self._loss_grid, self._loss_kernel.block, f_online.output, f_next.output,
                                      f_target.output, batch.action, batch.reward, batch.done, batch.weights, b, a,
@@ -629,8 +580,7 @@ class DQNStep:
         else:
             first_dw = mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
                                     weight_stream=self._weight_streams or None, dx_last=dh,
-                                    last_dw_late=self._loss_dx is not None, weight_splits=weight_splits,
-                                    defer_first_dw=self._tail is None)
+                                    weight_splits=weight_splits, defer_first_dw=self._tail is None)
         if means_stream is not stream:  # the optimizer reads the loss for its NaN guard
             join(stream, means_stream)
         # The priority update needs the loss's priorities and the norm's NaN guard; on
@@ -841,11 +791,6 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
         losses = [k for k in kernels if k.function == "dqn_loss"]
         rows.append(Criterion("output layer's forwards, loss and dX: one node", "1", str(len(heads)),
                               len(heads) == 1 and not losses))
-    if step._loss_dx is not None:
-        fused = [k for k in kernels if k.function == "dqn_loss_dx"]
-        apart = [k for k in kernels if k.function == "dqn_loss"]
-        rows.append(Criterion("loss and output layer's dX: one node", "1", str(len(fused)),
-                              len(fused) == 1 and not apart))
     if step.config.fused_tail:
         tails = [k for k in kernels if k.function == "dqn_tail"]
         replaced = [k for k in kernels if k.function in ("grad_norm_partials", "grad_norm_partials_first_dw",
