@@ -84,6 +84,19 @@ class Product:
         sums = self.col_sum.to_numpy() if self.ref_sums is not None else None
         return c, sums
 
+    def run(self, kernels, stream, tile, vector):
+        """Plan its arena, poison the outputs, launch, and read back (C's first n columns,
+        the bias sums or None)."""
+        arena, _ = arena_for(kernels, self.role, self.m, self.n, self.k, tile)
+        self.poison(stream)
+        self.launch(kernels, arena, stream, tile, vector)
+        c, sums = self.outputs()
+        return c[:, :self.n], sums
+
+    def relu_kept(self):
+        """Where the grad-input product's ReLU mask keeps its value."""
+        return self.mask.to_numpy()[:, :self.n] > 0
+
 
 # gemm.cu's mma.sync tiles for every role and copy width, gemm_sm90a.cu's wgmma
 # tile for every role with 16-byte copies.
@@ -162,16 +175,12 @@ def test_nan_operands_reach_the_output(device, stream, rng, role, tile, vector):
                   "grad_input": ((i0, ka), (kb, j0)), "grad_weight": ((ka, i0), (kb, j0))}[role]
     set_bits(prod.a, a_at, 0x7FFFFFFF)
     set_bits(prod.b, b_at, 0xFFFFFFFF)
-    arena, _ = arena_for(kernels, role, m, n, k, tile)
-    prod.poison(stream)
-    prod.launch(kernels, arena, stream, tile, vector)
-    c, sums = prod.outputs()
-    got = c[:, :n]
+    got, sums = prod.run(kernels, stream, tile, vector)
     want_nan = np.zeros((m, n), bool)
     want_nan[i0, :] = True
     want_nan[:, j0] = True
     if role == "grad_input":  # the ReLU mask zeroes what it masks, NaN or not
-        want_nan &= prod.mask.to_numpy()[:, :n] > 0
+        want_nan &= prod.relu_kept()
     np.testing.assert_array_equal(np.isnan(got), want_nan)
     if sums is not None:
         want_sums = np.zeros(m, bool)
@@ -195,11 +204,7 @@ def test_an_infinite_operand_is_infinite_in_tf32_and_nan_in_3xtf32(device, strea
     sign = float(rng.choice([-1.0, 1.0]))
     set_bits(prod.a, (ka, i0) if role == "grad_weight" else (i0, ka),
              int(np.float32(sign * np.inf).view(np.uint32)))
-    arena, _ = arena_for(kernels, role, m, n, k, tile)
-    prod.poison(stream)
-    prod.launch(kernels, arena, stream, tile, vector)
-    c, sums = prod.outputs()
-    got = c[:, :n]
+    got, sums = prod.run(kernels, stream, tile, vector)
     row = np.zeros((m, n), bool)
     row[i0, :] = True
     if role.startswith("forward"):
@@ -211,7 +216,7 @@ def test_an_infinite_operand_is_infinite_in_tf32_and_nan_in_3xtf32(device, strea
             assert (hit == row).all()
     else:
         if role == "grad_input":  # the ReLU mask zeroes what it masks, NaN or not
-            row &= prod.mask.to_numpy()[:, :n] > 0
+            row &= prod.relu_kept()
         np.testing.assert_array_equal(np.isnan(got), row)
         assert np.isfinite(got[~row]).all()
     if sums is not None:
