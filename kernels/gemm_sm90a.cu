@@ -574,30 +574,15 @@ constexpr int START_REGISTERS = 168, CONSUMER_REGISTERS = 200, PRODUCER_REGISTER
 static_assert(2 * 128 * CONSUMER_REGISTERS + 128 * PRODUCER_REGISTERS <= BACKWARD_THREADS * START_REGISTERS,
               "the register file");
 // Named barriers (0 is __syncthreads): the producer's own, each consumer's own, set s
-// read (BAR_EMPTY + s), set s converted (BAR_FULL + s: the producer and the first
-// consumer warpgroup), and the consumers' turns at issuing a tile's MMAs (BAR_TURN +
-// wg: wg's turn). The second warpgroup learns that set s is converted from its turn:
-// the first gives it only after its own BAR_FULL sync, and a bar.arrive orders what
-// its thread saw before it for the bar.sync it completes (the PTX memory model's
-// causality order is transitive), so the producer's stores and proxy fence come first.
-constexpr int BAR_PRODUCER = 1, BAR_CONSUMER = 2, BAR_EMPTY = 4, BAR_FULL = 6, BAR_TURN = 8;
+// read (BAR_EMPTY + s), set s converted for consumer warpgroup wg (BAR_FULL + 2 s + wg),
+// and the consumers' turns at issuing a tile's MMAs (BAR_TURN + wg: wg's turn).
+constexpr int BAR_PRODUCER = 1, BAR_CONSUMER = 2, BAR_EMPTY = 4, BAR_FULL = 6, BAR_TURN = 10;
 
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-// named_sync where `when` is non-zero, as one predicated instruction: a branch around
-// a barrier before the MMAs makes ptxas wait for every wgmma.
-__device__ __forceinline__ void named_sync_if(int when, int id, int count) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %0, 0;\n"
-        "@p bar.sync %1, %2;\n"
-        "}\n" ::"r"(when), "r"(id), "r"(count)
-        : "memory");
 }
 
 // d (+)= A B for one 64 x 128 x 8 step with A from registers: this thread's
@@ -771,7 +756,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
             }
             const unsigned int set = smem0 + (kt & 1) * SET_BYTES;
             const unsigned int b_big = set, b_small = set + TILE_BYTES;
-            named_sync_if(wg == 0, BAR_FULL + (kt & 1), 256);  // set kt % 2 holds B's tile kt
+            named_sync(BAR_FULL + 2 * (kt & 1) + wg, 256);  // set kt % 2 holds B's tile kt
             // The warpgroups take turns at issuing a tile's MMAs, the first one first, so
             // that the tensor cores run one's MMAs while the other waits for its own, adds
             // them up and splits its next fragments: the two no longer stop together.
@@ -821,7 +806,8 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
             convert_b(raw, big, small, t0);
             convert_b(raw, big, small, t1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
-            named_arrive(BAR_FULL + (kt & 1), 256);  // for the first consumer warpgroup (and so the second)
+            named_arrive(BAR_FULL + 2 * (kt & 1), 256);  // for each consumer warpgroup
+            named_arrive(BAR_FULL + 2 * (kt & 1) + 1, 256);
         }
         dt_cp_async_wait<0>();  // the empty groups
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(START_REGISTERS));
