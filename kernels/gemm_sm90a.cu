@@ -216,6 +216,12 @@ __device__ __forceinline__ int row_rounds(int row_begin, int row_end) {
     return ((row_end - row_begin) * PER_ROW + THREADS - 1) / THREADS;
 }
 
+// The tile row this thread takes in round `it` of store_rows over rows from row_begin on
+// (PER_ROW threads a row, THREADS a round); mask_group loads the mask of the same rows.
+__device__ __forceinline__ int round_row(int row_begin, int it) {
+    return row_begin + ((int)threadIdx.x + THREADS * it) / PER_ROW;
+}
+
 // The ReLU mask of rounds g .. g + GROUP - 1 of store_rows over rows [row_begin,
 // row_end) (the range store_rows then takes; an empty one loads nothing): this
 // thread's 4 columns, zeros past the rounds, the rows or the columns. 16-byte loads
@@ -228,7 +234,7 @@ __device__ __forceinline__ void mask_group(const float* mask, int ldm, int row_b
     const bool vec = aligned16(mask, ldm) && c + 3 < N;
 #pragma unroll
     for (int u = 0; u < GROUP; ++u) {
-        const int row = row_begin + (tid + THREADS * (g + u)) / PER_ROW, r = i0 + row;
+        const int row = round_row(row_begin, g + u), r = i0 + row;
         float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (EPI == EPI_MASK && g + u < rounds && row < row_end && r < M && c < N) {
             if (vec) *reinterpret_cast<float4*>(m) = *reinterpret_cast<const float4*>(mask + (size_t)r * ldm + c);
@@ -272,13 +278,13 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
         if (EPI == EPI_MASK) mask_group<EPI, GROUP>(mask, ldm, row_begin, row_end, g + GROUP, M, N, ahead);
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) {
-            const int row = row_begin + (tid + THREADS * (g + u)) / PER_ROW;
+            const int row = round_row(row_begin, g + u);
             v[u] = g + u < rounds && row < row_end && i0 + row < M && c < N ? value(row, c4)
                                                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) {
-            const int it = g + u, row = row_begin + (tid + THREADS * it) / PER_ROW, r = i0 + row;
+            const int it = g + u, row = round_row(row_begin, it), r = i0 + row;
             if (it >= rounds || row >= row_end || r >= M || c >= N) continue;
             float y[4], m[4];
             *reinterpret_cast<float4*>(y) = v[u];
