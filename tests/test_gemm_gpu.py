@@ -123,6 +123,17 @@ def arena_for(kernels, role, m, n, k, tile):
     return Arena(4 * p.workspace_floats + 1024, zeroed_bytes=4 * p.counters + 256), p
 
 
+def split_workspace(tile, m, n, splits):
+    """An arena with the workspace and tile counters of an m x n product in ``splits``
+    splits summed through memory, sized as gemm.cu's header lays them out (each tile's
+    partials, then the row sums), for tests that force a split the planner would not
+    choose. Returns (arena, workspace, counters)."""
+    rows, cols = -(-m // tile.bm), -(-n // tile.bn)
+    floats = rows * cols * splits * tile.bm * tile.bn + rows * splits * tile.bm
+    work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
+    return work, work.array(floats, np.float32), work.zeroed(rows * cols, np.uint32)
+
+
 @pytest.mark.parametrize("role, tile, vector", VARIANTS)
 @pytest.mark.parametrize("m, n, k", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
 def test_product_matches_float64(device, stream, rng, role, tile, vector, m, n, k):
@@ -339,13 +350,10 @@ def test_wgmma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same
     kernels.launch(role, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=arena, stream=stream,
                    tile=WGMMA_TILE, vector=16, splits=splits, **prod.epilogue)
     clustered = prod.outputs()
-    rows, cols = -(-m // 128), -(-n // 128)
-    floats = rows * cols * p.splits * 128 * 128 + rows * p.splits * 128
-    work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
+    work, workspace, counters = split_workspace(WGMMA_TILE, m, n, p.splits)
     prod.poison(stream)
     gemm(kernels.kernels[(role, WGMMA_TILE, 16)], prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k,
-         stream, splits=p.splits, workspace=work.array(floats, np.float32),
-         counters=work.zeroed(rows * cols, np.uint32), cluster=False, **prod.epilogue)
+         stream, splits=p.splits, workspace=workspace, counters=counters, cluster=False, **prod.epilogue)
     through_memory = prod.outputs()
     assert not np.isnan(clustered[0][:, :n]).any()
     assert clustered[0].tobytes() == through_memory[0].tobytes()
@@ -377,11 +385,10 @@ def test_wgmma_grad_input_with_output_and_mask_aligned_apart(device, stream, rng
     c.poison(stream=stream)
     kernel = kernels_for("grad_input", device).kernels[("grad_input", WGMMA_TILE, 16)]
     splits = 1 if way == "unsplit" else 3
-    rows, cols = -(-m // 128), -(-n // 128)
-    floats = rows * cols * splits * 128 * 128
-    work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
-    through_memory = dict(workspace=work.array(floats, np.float32), counters=work.zeroed(rows * cols, np.uint32)) \
-        if way == "workspace" else {}
+    through_memory = {}
+    if way == "workspace":
+        work, workspace, counters = split_workspace(WGMMA_TILE, m, n, splits)
+        through_memory = dict(workspace=workspace, counters=counters)
     gemm(kernel, a, lda, b, ldb, c, ldc, m, n, k, stream, splits=splits, cluster=way == "cluster", mask=mask,
          ldm=ldm, **through_memory)
     out = c.to_numpy()
@@ -400,14 +407,11 @@ def launch_each_way(stream, ways, prod, splits, bound):
     m, n, k = prod.m, prod.n, prod.k
     runs = []
     for kernel, cluster in ways:
-        tile = kernel.tile
-        rows, cols = -(-m // tile.bm), -(-n // tile.bn)
-        floats = rows * cols * splits * tile.bm * tile.bn + rows * splits * tile.bm
-        work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
+        work, workspace, counters = split_workspace(kernel.tile, m, n, splits)
         prod.poison(stream)
         gemm(kernel, prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, stream, splits=splits,
-             workspace=0 if cluster else work.array(floats, np.float32),
-             counters=0 if cluster else work.zeroed(rows * cols, np.uint32), cluster=cluster, **prod.epilogue)
+             workspace=0 if cluster else workspace, counters=0 if cluster else counters, cluster=cluster,
+             **prod.epilogue)
         c, sums = prod.outputs()
         where = f"{kernel.name} " + ("in a cluster" if cluster else "through memory")
         assert not np.isnan(c[:, :n]).any(), f"{np.isnan(c[:, :n]).sum()} outputs unwritten ({where})"
@@ -1018,12 +1022,9 @@ def test_presplit_splits_summed_in_a_cluster_or_through_global_memory_give_the_s
             else:
                 _, a = kernels.split(prod.a, prod.lda, k, m, arena=arena, stream=stream, as_is=False, transposed=True)
             _, b = kernels.split(prod.b, prod.ldb, k, n, arena=arena, stream=stream, as_is=False, transposed=True)
-            rows, cols = -(-m // 128), -(-n // 128)
-            floats = rows * cols * splits * 128 * 128 + rows * splits * 128
-            work = Arena(4 * floats + 1024, zeroed_bytes=4 * rows * cols + 256)
+            work, workspace, counters = split_workspace(WGMMA_TILE, m, n, splits)
             gemm_presplit(kernels.presplit[role], a, b, prod.c, prod.ldc, m, n, k, stream, splits=splits,
-                          workspace=work.array(floats, np.float32), counters=work.zeroed(rows * cols, np.uint32),
-                          cluster=False, **prod.epilogue)
+                          workspace=workspace, counters=counters, cluster=False, **prod.epilogue)
         outputs.append(prod.outputs())
     (c1, s1), (c2, s2) = outputs
     assert not np.isnan(c1[:, :n]).any() and c1.tobytes() == c2.tobytes()
