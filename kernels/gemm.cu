@@ -17,6 +17,8 @@
 //     output, computed in the kernel from X0, W0 and b0 and stored at A (tc::FirstLayer; its
 //     arguments follow `gate`)
 //   linear_forward[_relu]_f32, linear_grad_input_f32, linear_grad_weight_f32: the same on FP32 FFMA.
+//   linear_grad_weight_narrow_f32: the grad-weight product of a layer of at most 32 outputs on
+//     FP32 FFMA, unsplit, in few blocks (at the end of this file).
 //   The tensor-core forward and grad-input kernels (the folded ones too) come twice: once more
 //   with `settled_` before the precision, for a B that no kernel they directly depend on
 //   writes (a layer's weights): B's first tiles (and a folded first layer's W0 and b0) go
@@ -1046,3 +1048,130 @@ DT_FFMA_KERNEL(linear_forward_f32, EPI_BIAS, true, true)
 DT_FFMA_KERNEL(linear_forward_relu_f32, EPI_BIAS_RELU, true, true)
 DT_FFMA_KERNEL(linear_grad_input_f32, EPI_MASK, true, false)
 DT_FFMA_KERNEL(linear_grad_weight_f32, EPI_NONE, false, false)
+
+// ---------------------------------------------------------------- a narrow layer's dW
+// linear_grad_weight_narrow_f32: dW = dY^T X and db = sum_m dY (the grad-weight role's
+// operands and signature) for a layer of at most narrow_dw::MAX_OUT outputs, M (an output
+// layer), in FP32 FFMA. The tiles above give such a product one row of mostly padded
+// tiles and split its k range into hundreds of small blocks, which hold SMs that a wide
+// product beside it needs whole (docs/perf-notes.md, thirty-fourth pass). Here a block
+// of THREADS takes COLS columns of dW, every output: lane l of warp w adds, for column
+// blockIdx.x * COLS + l, the rows k = w, w + SHARES, w + 2 SHARES, ... in increasing k.
+// K goes in chunks of CHUNK rows. A chunk's dY rows are staged in shared memory (zeros
+// past M and K, rows padded to 4 OUT4 floats) and read as broadcasts; each thread's
+// LOADS values of X and its share of the staging are loaded in registers one chunk
+// ahead, while the chunk before is added up, and a barrier a chunk hands the stage over.
+// The SHARES partial sums of an output are then added in warp order through shared
+// memory, and so are db's (summed by the first block's lanes l < 4 OUT4 over the same
+// rows). Launch: grid (ceil(N / COLS), 1, 1), block THREADS; no workspace, counters or
+// atomics: bitwise reproducible. Sums of FP32 products in FP32: FP32 accuracy.
+namespace narrow_dw {
+
+constexpr int THREADS = 256, COLS = 32, SHARES = THREADS / COLS, MAX_OUT = 32, CHUNK = 128;
+constexpr int LOADS = CHUNK / SHARES;  // rows of X a thread adds a chunk
+constexpr int STAGE = CHUNK * MAX_OUT;  // floats of one staged chunk (two: double buffered)
+static_assert(COLS == 32 && THREADS % 32 == 0, "a warp's lanes are a block's columns");
+static_assert(2 * STAGE >= SHARES * MAX_OUT * COLS, "the partial sums fit where the stages were");
+
+template <int OUT4>
+__device__ __forceinline__ void run(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
+                                    int N, int K, float* col_sum, float* smem, float* db_parts) {
+    constexpr int OUTP = 4 * OUT4, PER_THREAD = CHUNK * OUTP / THREADS;  // staged floats a thread a chunk
+    static_assert(CHUNK * OUTP % THREADS == 0, "whole staging rounds");
+    const int tid = threadIdx.x, lane = tid % 32, w = tid / 32;
+    const int col = blockIdx.x * COLS + lane;
+    const bool sums = col_sum != nullptr && blockIdx.x == 0;  // block-uniform
+    float acc[OUTP];
+#pragma unroll
+    for (int o = 0; o < OUTP; ++o) acc[o] = 0.0f;
+    float db = 0.0f;  // sums: lane l < OUTP's share of db[l]
+    float xn[LOADS], yn[PER_THREAD];
+    const auto load = [&](int k0) {  // chunk k0's X values and this thread's share of its dY rows
+#pragma unroll
+        for (int j = 0; j < LOADS; ++j) {
+            const int k = k0 + w + SHARES * j;
+            xn[j] = k < K && col < N ? B[(size_t)k * ldb + col] : 0.0f;
+        }
+#pragma unroll
+        for (int s = 0; s < PER_THREAD; ++s) {
+            const int i = tid + THREADS * s, r = i / OUTP, o = i - r * OUTP, k = k0 + r;
+            yn[s] = k < K && o < M ? A[(size_t)k * lda + o] : 0.0f;
+        }
+    };
+    const auto stage = [&](float* to) {
+#pragma unroll
+        for (int s = 0; s < PER_THREAD; ++s) to[tid + THREADS * s] = yn[s];
+    };
+    load(0);
+    stage(smem);
+    __syncthreads();
+    int buf = 0;
+    for (int k0 = 0; k0 < K; k0 += CHUNK, buf ^= 1) {
+        float x[LOADS];
+#pragma unroll
+        for (int j = 0; j < LOADS; ++j) x[j] = xn[j];
+        const bool next = k0 + CHUNK < K;  // block-uniform
+        if (next) load(k0 + CHUNK);
+        const float* rows = smem + buf * STAGE;
+#pragma unroll
+        for (int j = 0; j < LOADS; ++j) {
+            const float* row = rows + (w + SHARES * j) * OUTP;
+#pragma unroll
+            for (int q = 0; q < OUT4; ++q) {
+                const float4 y = reinterpret_cast<const float4*>(row)[q];
+                acc[4 * q] = fmaf(y.x, x[j], acc[4 * q]);
+                acc[4 * q + 1] = fmaf(y.y, x[j], acc[4 * q + 1]);
+                acc[4 * q + 2] = fmaf(y.z, x[j], acc[4 * q + 2]);
+                acc[4 * q + 3] = fmaf(y.w, x[j], acc[4 * q + 3]);
+            }
+            if (sums && lane < OUTP) db += row[lane];
+        }
+        if (next) stage(smem + (buf ^ 1) * STAGE);  // the other stage: nobody reads it this chunk
+        __syncthreads();
+    }
+    dt_allow_dependents();  // after the main loop, as in the other kernels
+    // Every warp's partial sums, [w][o][lane] (the stages are free: the loop ended on a barrier).
+#pragma unroll
+    for (int o = 0; o < OUTP; ++o) smem[(w * MAX_OUT + o) * COLS + lane] = acc[o];
+    if (sums && lane < OUTP) db_parts[w * MAX_OUT + lane] = db;
+    __syncthreads();
+    for (int i = tid; i < OUTP * COLS; i += THREADS) {
+        const int o = i / COLS, c = i % COLS, n = blockIdx.x * COLS + c;
+        float sum = smem[o * COLS + c];
+#pragma unroll
+        for (int s = 1; s < SHARES; ++s) sum += smem[(s * MAX_OUT + o) * COLS + c];
+        if (o < M && n < N) C[(size_t)o * ldc + n] = sum;
+    }
+    if (sums && tid < M) {
+        float sum = db_parts[tid];
+#pragma unroll
+        for (int s = 1; s < SHARES; ++s) sum += db_parts[s * MAX_OUT + tid];
+        col_sum[tid] = sum;
+    }
+}
+
+}  // namespace narrow_dw
+
+extern "C" __global__ void __launch_bounds__(narrow_dw::THREADS) linear_grad_weight_narrow_f32(DT_GEMM_PARAMS) {
+    DT_GEMM_PROLOGUE
+    __shared__ __align__(16) float smem[2 * narrow_dw::STAGE];
+    __shared__ float db_parts[narrow_dw::SHARES * narrow_dw::MAX_OUT];
+    (void)bias, (void)mask, (void)ldm, (void)workspace, (void)counters;
+    switch ((M + 3) / 4) {  // the outputs padded to a multiple of 4: one body each
+#define DT_NARROW_DW_CASE(OUT4)                                                                        \
+    case OUT4:                                                                                         \
+        narrow_dw::run<OUT4>(A, lda, B, ldb, C, ldc, M, N, K, col_sum, smem, db_parts);                \
+        break;
+        DT_NARROW_DW_CASE(1)
+        DT_NARROW_DW_CASE(2)
+        DT_NARROW_DW_CASE(3)
+        DT_NARROW_DW_CASE(4)
+        DT_NARROW_DW_CASE(5)
+        DT_NARROW_DW_CASE(6)
+        DT_NARROW_DW_CASE(7)
+        DT_NARROW_DW_CASE(8)
+#undef DT_NARROW_DW_CASE
+        default:
+            __trap();  // M outside 1 .. MAX_OUT: the host never launches it so
+    }
+}
