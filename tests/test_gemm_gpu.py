@@ -6,7 +6,7 @@ import pytest
 from drvtrain import Arena, DeviceBuffer, Stream, capture, dependent_launches
 from drvtrain.stream import fork
 from drvtrain.nn import MLP, FlatBuffer, ParamLayout
-from drvtrain.nn.mlp import NARROW_DW_TILE, TILE_32, TILES, WGMMA_TILE, LinearKernels, gemm, plan, wgmma_available
+from drvtrain.nn.mlp import TILE_32, TILES, WGMMA_TILE, LinearKernels, gemm, plan, wgmma_available
 from late_writer import LATE_NS, late_copy, words
 from nn_reference import mlp_backward, rel
 
@@ -1061,87 +1061,3 @@ def test_presplit_refuses_more_k_tiles_a_split_than_its_bound(device, stream, rn
     assert kernels.plan_presplit("grad_input", 512, 1024, 1024, splits=2) is not None
     # One tile wide: nothing to share, the rule keeps the tile-splitting kernel.
     assert kernels.plan_presplit("grad_input", 16384, 64, 512) is None
-
-
-# Grad-weight products of at most 32 outputs (NARROW_DW_TILE): one output and one k row;
-# the DQN steps' output layers (3 and 19 outputs); K neither a multiple of the kernel's
-# chunk of 128 rows nor of its 8 shares, one chunk exactly, one row past a chunk, several
-# chunks with the most outputs; N not a multiple of its 32 columns.
-NARROW_SHAPES = [(1, 7, 1), (3, 256, 256), (19, 1024, 512), (19, 37, 300), (8, 33, 128), (5, 64, 129),
-                 (32, 100, 1000)]
-
-
-@pytest.mark.parametrize("precision", ["3xtf32", "f32"])
-@pytest.mark.parametrize("m, n, k", NARROW_SHAPES, ids=["x".join(map(str, s)) for s in NARROW_SHAPES])
-def test_narrow_grad_weight_matches_float64(device, stream, rng, precision, m, n, k):
-    """A grad-weight product of at most NARROW_DW_MAX_OUT outputs runs unsplit on
-    linear_grad_weight_narrow_f32 (FP32 FFMA) in either backward precision, with
-    operands of any stride (4-byte rows where the shape allows): dW and db within 1e-5
-    of float64, nothing left unwritten, C's padding untouched, the same bits in a second
-    run and in a graph replay; with its gate closed it writes nothing."""
-    kernels = LinearKernels(("grad_input", "grad_weight"), precision, device.sm_count,
-                            wgmma=wgmma_available(device))
-    p = kernels.plan("grad_weight", m, n, k)
-    assert p.tile is NARROW_DW_TILE and p.splits == 1 and p.workspace_floats == 0 and p.counters == 0
-    prod = Product("grad_weight", m, n, k, 4, rng)
-    arena = Arena(1024)
-    gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
-    prod.poison(stream)
-    kernels.launch("grad_weight", prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=arena,
-                   stream=stream, gate=gate, **prod.epilogue)
-    c, sums = prod.outputs()
-    assert np.isnan(c).all() and np.isnan(sums).all(), "the gate was closed"
-    runs = []
-    for _ in range(2):
-        prod.poison(stream)
-        kernel = kernels.launch("grad_weight", prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k,
-                                arena=arena, stream=stream, **prod.epilogue)
-        runs.append(prod.outputs())
-    assert kernel.name == "linear_grad_weight_narrow_f32"
-    with capture(stream) as graph:
-        kernels.launch("grad_weight", prod.a, prod.lda, prod.b, prod.ldb, prod.c, prod.ldc, m, n, k, arena=arena,
-                       stream=stream, **prod.epilogue)
-    prod.poison(stream)
-    graph.instantiate().launch(stream)
-    runs.append(prod.outputs())
-    c, sums = runs[0]
-    got = c[:, :n]
-    assert not np.isnan(got).any() and not np.isnan(sums).any(), f"{np.isnan(got).sum()} outputs unwritten"
-    assert (c[:, n:].view(np.uint32) == 0xFFFFFFFF).all(), "the output's padding was written"
-    assert rel(got, prod.want) < X3_BOUND and rel(sums, prod.ref_sums) < X3_BOUND
-    for other, other_sums in runs[1:]:
-        assert other.tobytes() == c.tobytes() and other_sums.tobytes() == sums.tobytes()
-
-
-def test_narrow_grad_weight_carries_non_finite_operands(device, stream, rng):
-    """A NaN in dY makes its output's row of dW and its db NaN, an infinity in X its
-    column of dW non-finite; everything else stays finite and within 1e-5 of float64.
-    And the tile takes only what its kernel runs: more than 32 outputs, a forced split
-    or another role is refused."""
-    m, n, k = 19, 70, 300
-    kernels = LinearKernels(("grad_input", "grad_weight"), "3xtf32", device.sm_count)
-    dy = rng.standard_normal((k, m)).astype(np.float32)
-    x = rng.standard_normal((k, n)).astype(np.float32)
-    dy[117, 5] = np.nan
-    x[250, 40] = np.inf
-    a, b = device_matrix(dy, m + 1), device_matrix(x, n + 2)
-    c, db = DeviceBuffer((m, n), np.float32), DeviceBuffer((m,), np.float32)
-    for buf in (c, db):
-        buf.poison(stream=stream)
-    kernels.launch("grad_weight", a, m + 1, b, n + 2, c, n, m, n, k, arena=Arena(1024), stream=stream, col_sum=db)
-    with np.errstate(invalid="ignore"):
-        want = dy.T.astype(np.float64) @ x.astype(np.float64)
-    got, got_db = c.to_numpy(), db.to_numpy()
-    assert (np.isnan(got[5]).all() and np.isnan(got_db[5])), "dY's NaN did not reach its row and db"
-    rows = [o for o in range(m) if o != 5]
-    assert not np.isfinite(got[rows, 40]).any(), "X's infinity did not reach its column"
-    finite = np.isfinite(want)
-    assert (np.isfinite(got) == finite).all(), "finite outputs differ from float64's"
-    assert rel(got[finite], want[finite]) < X3_BOUND
-    assert np.isfinite(np.delete(got_db, 5)).all()
-    for bad in (dict(m=33), dict(splits=2)):
-        shape = dict(m=m, splits=None) | bad
-        with pytest.raises(ValueError, match="runs unsplit grad-weight products of at most 32 outputs"):
-            kernels.plan("grad_weight", shape["m"], n, k, tile=NARROW_DW_TILE, splits=shape["splits"])
-    with pytest.raises(ValueError, match="runs unsplit grad-weight products of at most 32 outputs"):
-        kernels.plan("grad_input", m, n, k, tile=NARROW_DW_TILE)

@@ -977,7 +977,7 @@ def test_folded_backward_with_dx_last_and_two_weight_streams(monkeypatch):
                    weight_stream=(side, side2), dx_last=dh)
     kernels = [e for e in launches if e[0] not in ("fork", "join")]
     assert [(e[0].split("_3xtf32")[0], e[3]) for e in kernels] == [
-        ("linear_grad_weight_narrow_f32", side),  # dW2 = dout^T H2 (3 outputs: the narrow FFMA kernel)
+        ("linear_grad_weight_32x32_cp4_cluster", side),  # dW2 = dout^T H2 (3 rows: 4-byte copies)
         ("linear_grad_weight_32x32_cp16_cluster", side2),  # dW1 = dh^T H1
         ("linear_grad_input_dw0_32x32_cp16_cluster", main)]  # dX1 from dh, folded into dW0 and db0
     folded = kernels[-1][2]

@@ -13,7 +13,7 @@ from ..tma import tensor_map_2d
 from .layout import FlatBuffer, ParamLayout
 
 __all__ = ["MLP", "Forward", "FirstDwShares", "GemmKernel", "LinearKernels", "Plan", "SplitOperand", "Tile", "TILES",
-           "FFMA_TILE", "WGMMA_TILE", "NARROW_DW_TILE", "NARROW_DW_MAX_OUT", "PRESPLIT_MAX_TILES", "WeightSplits", "wgmma_available", "gemm", "gemm_presplit",
+           "FFMA_TILE", "WGMMA_TILE", "PRESPLIT_MAX_TILES", "WeightSplits", "wgmma_available", "gemm", "gemm_presplit",
            "operand_map", "choose_tile", "kernel_name", "plan", "split_bytes", "split_count", "vector_width"]
 
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
@@ -58,13 +58,6 @@ FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
 # kernels/gemm_sm90a.cu: every role on wgmma (the forward in TF32, the backward in
 # 3xTF32), compute capability 9.0 only, 16-byte copies only; one block per SM.
 WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1, cluster_splits=PORTABLE_CLUSTER_SIZE)
-# kernels/gemm.cu's linear_grad_weight_narrow_f32: the grad-weight product of a layer of
-# at most NARROW_DW_MAX_OUT outputs (an output layer) in FP32 FFMA, every output and 32
-# columns of dW a block, its k range whole (in chunks of 128): a few short blocks where
-# the tiles above take hundreds, which held SMs the wide products beside it need (the
-# large DQN step 4.4 us slower for it: docs/perf-notes.md, thirty-fourth pass).
-NARROW_DW_MAX_OUT = 32
-NARROW_DW_TILE = Tile("narrow", NARROW_DW_MAX_OUT, 32, 128, 1, 1, 1, per_sm=1)
 # Dynamic shared memory: the forward's 5 stages of two 128 x 32 float tiles; the
 # backward's 2 sets of B's two parts and 3 raw stages of B (128 x 32 floats each),
 # and 4 raw stages of A's 64 x 32 floats for each of its 2 consumer warpgroups; 1 KB
@@ -114,10 +107,6 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
         raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
     if precision not in _PRECISIONS[role]:
         raise ValueError(f"{role} runs in {' or '.join(_PRECISIONS[role])}, not {precision!r}")
-    if tile is NARROW_DW_TILE:  # FP32 FFMA, which keeps either backward precision's accuracy
-        if role != "grad_weight" or presplit or cluster or settled:
-            raise ValueError(f"tile {tile.name} runs the grad-weight product only, unsplit, as it lies")
-        return "linear_grad_weight_narrow_f32"
     if settled and (role not in _SETTLED_ROLES or precision == "f32" or tile not in TILES or presplit):
         raise ValueError(f"no settled kernel of {role} in {precision} on tile {tile.name}: only gemm.cu's "
                          f"tensor-core kernels of {', '.join(_SETTLED_ROLES)}")
@@ -523,8 +512,6 @@ class LinearKernels:
         self.presplit = {role: GemmKernel(role, precision, WGMMA_TILE, 16, presplit=True)
                          for role in roles if self.wgmma and presplit and precision == "3xtf32"}
         self.split_kernel = _load_kernel("tf32_split") if self.presplit else None
-        # The grad-weight product of a layer of at most NARROW_DW_MAX_OUT outputs (plan).
-        self.narrow_dw = GemmKernel("grad_weight", precision, NARROW_DW_TILE) if "grad_weight" in roles else None
 
     def kernel_for(self, role, p: Plan, vector: int = 16, settled: bool = False) -> GemmKernel:
         """The kernel that runs ``role``'s product planned as ``p`` with ``vector``-byte
@@ -537,8 +524,6 @@ class LinearKernels:
         and the step, 1 us slower, from code fetched cold). ``settled``: its ``_settled_``
         kernel where there is one (gemm.cu's tensor-core tiles, a role whose B is a
         weight), else the same kernel."""
-        if p.tile is NARROW_DW_TILE:
-            return self.narrow_dw
         key = (role, p.tile, vector if self.precision != "f32" else 16)
         if key in self.clustered and p.splits <= p.tile.cluster_splits:  # a clustered plan always is
             kernel = self.clustered[key]
@@ -649,16 +634,8 @@ class LinearKernels:
         """The launch of ``role``'s m x n x k product (grad-weight also sums db) with
         ``vector``-byte copies (the wgmma tile needs 16), split and tiled for ``sms``
         SMs (:meth:`share`). Whether a tile's splits fit as clusters is still judged
-        on the whole device. A grad-weight product of at most :data:`NARROW_DW_MAX_OUT`
-        outputs runs unsplit on :data:`NARROW_DW_TILE` (its own FFMA kernel) unless a
-        tile or split is forced; forcing that tile needs such a product."""
+        on the whole device."""
         sm_count = self.share(sms)
-        if self.narrow_dw is not None and role == "grad_weight" and splits is None and \
-                (tile is None or tile is NARROW_DW_TILE) and 1 <= m <= NARROW_DW_MAX_OUT:
-            return Plan(NARROW_DW_TILE, 1, 0, 0)
-        if tile is NARROW_DW_TILE:
-            raise ValueError(f"tile {tile.name} runs unsplit grad-weight products of at most {NARROW_DW_MAX_OUT} "
-                             f"outputs, not {role} {m}x{n}x{k}" + (f" in {splits} splits" if splits else ""))
 
         def limit(tile, s):
             # gemm.cu's tiles: the fewer of the two copy widths' counts, so that the plan
