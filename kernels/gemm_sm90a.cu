@@ -2,6 +2,9 @@
 // (built for any other target, the kernels trap at once):
 //
 //   linear_forward[_relu]_wgmma_tf32   Y = X W^T + b (+ ReLU), X [M, K] and W [N, K] k-fast
+//   linear_forward_relu_head_wgmma_tf32
+//                                      the same with ReLU, and the output layer after it
+//                                      (Q = Y W2^T + b2, at most HEAD_N outputs) in its epilogue
 //   linear_grad_input_wgmma_3xtf32     dX = (dY W) * (X > 0)
 //   linear_grad_weight_wgmma_3xtf32    dW = dY^T X, db = sum_m dY
 //   linear_grad_{input,weight}_wgmma_presplit_3xtf32, tf32_split
@@ -405,18 +408,153 @@ struct Setup {
     __device__ __forceinline__ float* stage() const { return reinterpret_cast<float*>(raw + (smem0 - raw0)); }
 };
 
+// ---------------------------------------------------------------- the output layer in the epilogue
+// linear_forward_relu_head_wgmma_tf32 runs a hidden layer's forward (unsplit) and then
+// the output layer after it, Q = H W2^T + b2 with H = relu(X W^T + b), from the block's
+// accumulators: its 128 columns of H are the depths of one share of Q's product. Each
+// block adds its share for its 128 rows (an m64n24k8 wgmma per 8 deep, A from the
+// accumulators' registers, B = W2's matching columns in shared memory) and leaves it
+// in `work`; the last block of the row tile to arrive (dt_last_block) adds the shares
+// in column-tile order, then b2, and stores Q's rows. H is stored as the plain kernel
+// stores it. The depth order of the shares is the output layer's own forward's in 8
+// clustered splits of a 1024-wide H, so the sums keep that kernel's structure; within
+// 8 deep the MMA takes its products in another order (head_loads), so the bits may
+// differ from it, and are the same from run to run.
+struct Head {
+    const float* w;  // W2 [n, N], rows ldw floats apart
+    int ldw;
+    const float* bias;       // b2 [n]
+    float* q;                // Q [M, n], rows ldq floats apart
+    int ldq, n;              // n <= HEAD_N
+    float* work;             // gridDim.y x gridDim.x x THREADS x HEAD_ACC floats
+    unsigned int* counters;  // gridDim.y, zeroed (and left zeroed)
+};
+
+constexpr int HEAD_N = 24;             // the widest output layer: the MMA's n
+constexpr int HEAD_ACC = HEAD_N / 2;   // a thread's accumulators of an m64n24 wgmma
+constexpr unsigned int HEAD_TILE_BYTES = HEAD_N * BK * 4;     // W2's slice, one k tile: 24 rows of 128 bytes
+constexpr unsigned int HEAD_AT = STAGES * STAGE_FLOATS * 4;   // after the pipeline's stages (1024-byte aligned)
+constexpr unsigned int HEAD_BIAS_AT = HEAD_AT + (BN / BK) * HEAD_TILE_BYTES;  // then b's 128 columns
+constexpr unsigned int HEAD_SHARED_BYTES = HEAD_BIAS_AT + BN * 4 + 1024;
+static_assert(HEAD_AT >= BM * STAGE_LD * 4, "the staged tile and the head's operands do not overlap");
+
+// d += A B for one 64 x 24 x 8 step, A from registers (wgmma_m64n128k8_ra's fragment).
+__device__ __forceinline__ void wgmma_m64n24k8_ra(float (&d)[HEAD_ACC], const unsigned int (&a)[4],
+                                                  unsigned long long b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n24k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// W2's columns j0 .. j0 + 127 (this block's columns of H) into shared memory at `at` as
+// the B operand of the head's MMAs, and b's same columns after them (HEAD_BIAS_AT):
+// k tile q holds columns 32 q .. 32 q + 31 of W2 as 24 rows (its outputs, zeros past n)
+// in the 128-byte swizzle, the columns of each 8 deep in the order 0 2 4 6 1 3 5 7,
+// the order in which a thread's accumulators give them to A (head_partial). 4-byte
+// copies, zeros past N; one commit group.
+__device__ __forceinline__ void head_loads(const Head& h, unsigned int at, const float* bias, int N) {
+    const int tid = threadIdx.x, j0 = blockIdx.x * BN;
+#pragma unroll
+    for (int i = 0; i < HEAD_N * BN / THREADS; ++i) {
+        const int e = tid + THREADS * i, o = e / BN, d = e % BN;  // output o, depth d as the MMA takes it
+        const int q = d / BK, w = d % BK, l = w % 8;
+        const int col = q * BK + w - l + (l < 4 ? 2 * l : 2 * l - 7);
+        const bool ok = o < h.n && j0 + col < N;
+        dt_cp_async4(at + q * HEAD_TILE_BYTES + 128 * o + 16 * ((w / 4) ^ (o % 8)) + 4 * (w % 4),
+                     ok ? h.w + (size_t)o * h.ldw + j0 + col : h.w, ok ? 4 : 0);
+    }
+    if (tid < BN) {
+        const bool ok = j0 + tid < N;
+        dt_cp_async4(at + (BN / BK) * HEAD_TILE_BYTES + 4 * tid, ok ? bias + j0 + tid : bias, ok ? 4 : 0);
+    }
+    dt_cp_async_commit();
+}
+
+// This block's share of Q for its warpgroup's 64 rows: d = relu(acc + b) W2_slice^T.
+// Accumulators 4 j + e (row r, column 8 j + 2 t + e) and 4 j + 2 + e (row r + 8) are
+// A's fragment of depth step j with depths 2 t and 2 t + 1 taken as t and t + 4, which
+// head_loads' order matches. The fragments are all computed before the first MMA
+// and kept live until the last is done (the MMAs read them asynchronously).
+__device__ __forceinline__ void head_partial(const float (&acc)[ACC], unsigned int at, const float* bias_s,
+                                             float (&d)[HEAD_ACC]) {
+    const int t = threadIdx.x % 4;
+    unsigned int a[BN / 8][4];
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const float b0 = bias_s[8 * j + 2 * t], b1 = bias_s[8 * j + 2 * t + 1];
+        const float x[4] = {acc[4 * j] + b0, acc[4 * j + 2] + b0, acc[4 * j + 1] + b1, acc[4 * j + 3] + b1};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) a[j][u] = __float_as_uint(x[u] < 0.0f ? 0.0f : x[u] + 0.0f);  // the epilogue's ReLU
+        asm volatile("" : "+r"(a[j][0]), "+r"(a[j][1]), "+r"(a[j][2]), "+r"(a[j][3])::"memory");
+    }
+#pragma unroll
+    for (int q = 0; q < HEAD_ACC; ++q) d[q] = 0.0f;
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+        wgmma_m64n24k8_ra(d, a[j], descriptor(at + (j / 4) * HEAD_TILE_BYTES + (j % 4) * 32));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+        asm volatile("" : "+r"(a[j][0]), "+r"(a[j][1]), "+r"(a[j][2]), "+r"(a[j][3])::"memory");
+#pragma unroll
+    for (int q = 0; q < HEAD_ACC; ++q) asm volatile("" : "+f"(d[q])::"memory");
+}
+
+// The row tile's last block: Q's rows = the column tiles' shares added in order, + b2.
+// A thread's share values sit at the same offsets in every column tile's share.
+__device__ __forceinline__ void head_finish(const Head& h, int M) {
+    const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+    const int tiles = gridDim.x;
+    const float* part = h.work + ((size_t)blockIdx.y * tiles * THREADS + tid) * HEAD_ACC;
+    float s[HEAD_ACC];
+#pragma unroll
+    for (int q = 0; q < HEAD_ACC; ++q) s[q] = 0.0f;
+    for (int x0 = 0; x0 < tiles; x0 += 4) {  // 4 column tiles' loads in flight at once
+        float4 v[4][HEAD_ACC / 4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+            for (int c = 0; c < HEAD_ACC / 4; ++c)
+                v[u][c] = x0 + u < tiles ? __ldcg(reinterpret_cast<const float4*>(part + (size_t)(x0 + u) * THREADS * HEAD_ACC) + c)
+                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            if (x0 + u < tiles)
+#pragma unroll
+                for (int c = 0; c < HEAD_ACC / 4; ++c)
+                    s[4 * c] += v[u][c].x, s[4 * c + 1] += v[u][c].y, s[4 * c + 2] += v[u][c].z, s[4 * c + 3] += v[u][c].w;
+    }
+    const int r = blockIdx.y * BM + 64 * wg + 16 * warp + lane / 4;
+#pragma unroll
+    for (int q = 0; q < HEAD_ACC; ++q) {  // accumulator q = 4 j + 2 hh + e: row r + 8 hh, output 8 j + 2 t + e
+        const int row = r + 8 * ((q / 2) % 2), o = 8 * (q / 4) + 2 * (lane % 4) + q % 2;
+        if (row < M && o < h.n) h.q[(size_t)row * h.ldq + o] = s[q] + h.bias[o];
+    }
+}
+
 // The operand tiles arrive by TMA: thread 0 issues tile kt's two copies (A's 128
 // rows, then B's, each 128 x 32 floats in the 128-byte swizzle, which is the MMA
 // layout above) on the stage's mbarrier, which completes when their bytes have
 // landed. Depths past K and rows past M or N arrive as zeros from the maps; a
 // split's range is whole k tiles but for the last split's end, so no tile reads
 // another split's depths.
-template <int EPI>
+// HEAD: the output layer after it (Head above), for an unsplit launch only.
+template <int EPI, bool HEAD = false>
 __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap* tb, float* C, int ldc, int M,
-                                        int N, int K, const float* bias, float* workspace, unsigned int* counters) {
+                                        int N, int K, const float* bias, float* workspace, unsigned int* counters,
+                                        const Head& head = Head{}) {
     extern __shared__ __align__(128) char smem_raw[];
     __shared__ __align__(8) unsigned long long landed[STAGES];
-    const Setup su(smem_raw, SHARED_BYTES, K);
+    const Setup su(smem_raw, HEAD ? HEAD_SHARED_BYTES : SHARED_BYTES, K);
     const unsigned int smem0 = su.smem0, bars = (unsigned int)__cvta_generic_to_shared(landed);
     const int kb = su.kb, tiles = su.tiles;
     const int tid = threadIdx.x, wg = tid / 128;
@@ -428,6 +566,10 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
         dt_mbar_init_fence();
     }
     __syncthreads();
+    if constexpr (HEAD) {
+        if (gridDim.z != 1) __trap();  // the head needs whole columns of H
+        head_loads(head, smem0 + HEAD_AT, bias, N);
+    }
     const auto load = [&](int kt) {  // thread 0 only
         const int slot = kt % STAGES;
         const unsigned int tile = smem0 + slot * STAGE_FLOATS * 4, bar = bars + 8u * slot;
@@ -462,9 +604,21 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     fence_accumulators(acc);
     dt_allow_dependents();
-
+    if constexpr (HEAD) {  // this block's share of Q, out before H's stores
+        dt_cp_async_wait<0>();
+        __syncthreads();
+        float d[HEAD_ACC];
+        head_partial(acc, smem0 + HEAD_AT, su.stage() + HEAD_BIAS_AT / 4, d);
+        float4* mine = reinterpret_cast<float4*>(
+            head.work + ((size_t)(blockIdx.y * gridDim.x + blockIdx.x) * THREADS + tid) * HEAD_ACC);
+#pragma unroll
+        for (int c = 0; c < HEAD_ACC / 4; ++c) mine[c] = make_float4(d[4 * c], d[4 * c + 1], d[4 * c + 2], d[4 * c + 3]);
+    }
     finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias4,
                      nullptr, 0, nullptr, workspace, counters);
+    if constexpr (HEAD) {
+        if (dt_last_block(head.counters + blockIdx.y, gridDim.x)) head_finish(head, M);
+    }
 }
 
 // ---------------------------------------------------------------- 3xTF32 backward
@@ -878,6 +1032,28 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
 
 DT_WGMMA_FORWARD(linear_forward_wgmma_tf32, EPI_BIAS)
 DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
+
+// The forward with ReLU and the output layer after it (Head, at forward() above):
+// the forward's arguments, then W2, ldw2, b2, Q, ldq, n (at most HEAD_N), work and
+// counters. Unsplit only (a split launch traps). Dynamic shared memory:
+// HEAD_SHARED_BYTES (174.5 KB).
+extern "C" __global__ void __launch_bounds__(256) linear_forward_relu_head_wgmma_tf32(
+        const __grid_constant__ DtTensorMap A, const __grid_constant__ DtTensorMap B, float* C, int ldc, int M, int N,
+        int K, const float* bias, float* workspace, unsigned int* counters, const int* gate, const float* w2,
+        int ldw2, const float* b2, float* q, int ldq, int n, float* work, unsigned int* head_counters) {
+    if (threadIdx.x == 0) {
+        dt_tma_prefetch_map(&A);
+        dt_tma_prefetch_map(&B);
+    }
+    dt_wait_prior_grid();
+    if (gate != nullptr && *gate) return;
+#if DT_WGMMA
+    forward<EPI_BIAS_RELU, true>(&A, &B, C, ldc, M, N, K, bias, workspace, counters,
+                                 Head{w2, ldw2, b2, q, ldq, n, work, head_counters});
+#else
+    __trap();
+#endif
+}
 
 // The backward products in 3xTF32, gemm.cu's signature and contract again (bias
 // unused): dX = (dY W) * (X > 0) with A = dY k-fast, B = W row-fast, and dW = dY^T X

@@ -13,7 +13,7 @@ from ..tma import tensor_map_2d
 from .layout import FlatBuffer, ParamLayout
 
 __all__ = ["MLP", "Forward", "FirstDwShares", "GemmKernel", "LinearKernels", "Plan", "SplitOperand", "Tile", "TILES",
-           "FFMA_TILE", "WGMMA_TILE", "PRESPLIT_MAX_TILES", "WeightSplits", "wgmma_available", "gemm", "gemm_presplit",
+           "FFMA_TILE", "WGMMA_TILE", "HEAD_MAX_OUT", "PRESPLIT_MAX_TILES", "WeightSplits", "wgmma_available", "gemm", "gemm_presplit",
            "operand_map", "choose_tile", "kernel_name", "plan", "split_bytes", "split_count", "vector_width"]
 
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
@@ -24,6 +24,11 @@ _FIRST_LAYER_SIGNATURE = _SIGNATURE + " ptr i32 i32 ptr ptr"
 # gemm_sm90a.cu's forward: X and W as tensor maps, then C, ldc, M, N, K, bias,
 # workspace, counters, gate.
 _WGMMA_FORWARD_SIGNATURE = "tmap tmap ptr i32 i32 i32 i32 ptr ptr ptr ptr"
+# Its forward with the output layer in the epilogue: then W2, ldw2, b2, Q, ldq, n,
+# work, counters (LinearKernels.launch_head).
+_WGMMA_HEAD_SIGNATURE = _WGMMA_FORWARD_SIGNATURE + " ptr i32 ptr ptr i32 i32 ptr ptr"
+_HEAD_KERNEL = "linear_forward_relu_head_wgmma_tf32"
+_HEAD_THREADS = 256  # its block
 # Its pre-split backward: A's and B's big and small parts as tensor maps, then C, ldc,
 # M, N, K, mask, ldm, col_sum, workspace, counters, gate.
 _PRESPLIT_SIGNATURE = "tmap tmap tmap tmap ptr i32 i32 i32 i32 ptr i32 ptr ptr ptr ptr"
@@ -63,6 +68,10 @@ WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1, cluster_splits=PORTA
 # and 4 raw stages of A's 64 x 32 floats for each of its 2 consumer warpgroups; 1 KB
 # to align them.
 WGMMA_SHARED_BYTES = 5 * 2 * 128 * 32 * 4 + 1024
+# The forward with the output layer in its epilogue: W2's slice (24 rows x 128 deep)
+# and b's 128 columns after the 5 stages. Output layers of at most HEAD_MAX_OUT.
+HEAD_MAX_OUT = 24
+WGMMA_HEAD_SHARED_BYTES = WGMMA_SHARED_BYTES + HEAD_MAX_OUT * 128 * 4 + 128 * 4
 WGMMA_OPERAND_BOX = (128, 32)  # the forward's tensor maps: 128 rows x 32 floats, 128-byte swizzle
 WGMMA_BACKWARD_SHARED_BYTES = (2 * 2 + 3) * 128 * 32 * 4 + 2 * 4 * 64 * 32 * 4 + 1024
 # The pre-split backward: 3 stages of four 128 x 32 float tiles (A and B, big and small).
@@ -250,6 +259,8 @@ def _signature(name: str) -> str:
     """The argument types of a kernel of gemm.cu or gemm_sm90a.cu, by its name."""
     if name == "tf32_split":
         return _SPLIT_SIGNATURE
+    if name == _HEAD_KERNEL:
+        return _WGMMA_HEAD_SIGNATURE
     if "_wgmma_" in name:
         if name.startswith("linear_forward"):
             return _WGMMA_FORWARD_SIGNATURE
@@ -512,6 +523,8 @@ class LinearKernels:
         self.presplit = {role: GemmKernel(role, precision, WGMMA_TILE, 16, presplit=True)
                          for role in roles if self.wgmma and presplit and precision == "3xtf32"}
         self.split_kernel = _load_kernel("tf32_split") if self.presplit else None
+        # The wide forward with the output layer in its epilogue (launch_head).
+        self.head = _load_kernel(_HEAD_KERNEL) if self.wgmma and "forward_relu" in roles else None
 
     def kernel_for(self, role, p: Plan, vector: int = 16, settled: bool = False) -> GemmKernel:
         """The kernel that runs ``role``'s product planned as ``p`` with ``vector``-byte
@@ -620,6 +633,44 @@ class LinearKernels:
         gemm(kernel, h0, k, w, ldw, c, ldc, m, n, k, stream, bias=bias, splits=p.splits, workspace=workspace,
              counters=counters, gate=gate, cluster=p.cluster, first_layer=(x0, ldx0, in0, w0, b0))
         return kernel
+
+    def plan_head(self, m, n, k, n_out, *, sms=None) -> Plan | None:
+        """The plan of a hidden layer's m x n x k ``forward_relu`` product with the
+        output layer after it (``n_out`` outputs) computed in its epilogue
+        (:meth:`launch_head`), or None where that does not run: no such kernel here
+        (compute capability 9.0, TF32), ``n_out`` over :data:`HEAD_MAX_OUT`, or a plan
+        for ``sms`` SMs (:meth:`plan`) off the wgmma tile or split. Its workspace holds
+        each block's share of the output (``HEAD_MAX_OUT / 2`` floats a thread), its
+        counters one a row tile."""
+        if self.head is None or not 1 <= n_out <= HEAD_MAX_OUT:
+            return None
+        p = self.plan("forward_relu", m, n, k, sms=sms)
+        if p.tile is not WGMMA_TILE or p.splits != 1:
+            return None
+        cols, rows, _ = p.grid(m, n)
+        return Plan(WGMMA_TILE, 1, cols * rows * _HEAD_THREADS * (HEAD_MAX_OUT // 2), rows)
+
+    def launch_head(self, x, ldx, w, ldw, h, ldh, m, n, k, *, bias, w2, ldw2, b2, q, ldq, n_out, arena: Arena,
+                    stream, gate=None, sms=None) -> None:
+        """A hidden layer's product H [m, n] = relu(X W^T + b) (X [m, k], W [n, k]), and
+        in the same launch the output layer after it, Q [m, n_out] = H W2^T + b2 (W2
+        [n_out, n]): each block adds its columns' share of Q, and the last block of
+        each row tile adds the shares in column order (kernels/gemm_sm90a.cu, the
+        output layer in the epilogue). H is stored as :meth:`launch` stores it; Q
+        is right to TF32 accuracy like the output layer's own product, with the same
+        bits run to run (not necessarily that product's bits). :meth:`plan_head` must
+        plan, and X and W must allow the tensor maps (16-byte aligned rows); checked."""
+        p = self.plan_head(m, n, k, n_out, sms=sms)
+        if p is None:
+            raise ValueError(f"no forward with the output layer in its epilogue for {m}x{n}x{k} and {n_out} "
+                             f"outputs here")
+        if vector_width(x, ldx, w, ldw) != 16:
+            raise ValueError("launch_head needs X and W with 16-byte aligned rows")
+        work = arena.array(p.workspace_floats, np.float32)
+        counters = arena.zeroed(p.counters, np.uint32)
+        self.head.launch(p.grid(m, n), self.head.block, operand_map(x, ldx, m, k, "X"), operand_map(w, ldw, n, k, "W"),
+                         h, ldh, m, n, k, bias, 0, 0, gate if gate is not None else 0, w2, ldw2, b2, q, ldq, n_out,
+                         work, counters, stream=stream, shared_mem=WGMMA_HEAD_SHARED_BYTES)
 
     def share(self, sms) -> int:
         """The SMs a product plans for: ``sms`` (an int from 1 to the device's count),
@@ -876,11 +927,12 @@ class MLP:
     """
 
     def __init__(self, layout: ParamLayout, *, tf32: bool = True, backward: str = "3xtf32", wgmma: bool = True,
-                 presplit: bool = False, fold_first_layer: bool = True):
+                 presplit: bool = False, fold_first_layer: bool = True, fold_head: bool = True):
         if backward not in ("3xtf32", "f32"):
             raise ValueError(f"backward must be '3xtf32' or 'f32', got {backward!r}")
         self.layout = layout
         self.fold_first_layer = bool(fold_first_layer)
+        self.fold_head = bool(fold_head)
         self.tf32 = tf32
         self.backward_precision = backward
         device = get_device()
@@ -931,6 +983,22 @@ class MLP:
         role = "forward" if n == 2 else "forward_relu"
         return self.forward_kernels.plan_first_layer(role, batch, o1, i1, in0, sms=sms) is not None
 
+    def head_folded(self, batch: int, *, sms=None, layers=None) -> bool:
+        """Whether :meth:`forward` (with these ``sms`` and ``layers``) computes the
+        output layer in the epilogue of the last hidden layer's product (one
+        ``forward_relu_head`` launch for both, :meth:`LinearKernels.launch_head`; the
+        hidden layer's output is still stored): a whole forward of two or more layers
+        whose output layer has at most :data:`HEAD_MAX_OUT` outputs, where the last
+        hidden layer plans unsplit on the wgmma tile (:meth:`LinearKernels.plan_head`)
+        and does not fold the first layer. Never with ``MLP(fold_head=False)``."""
+        n = len(self.layout.layers)
+        if not self.fold_head or layer_count(layers, n) < n or n < 2:
+            return False
+        if n == 2 and self.first_layer_folded(batch, sms=sms, layers=layers):
+            return False
+        (o, i), n_out = self.layout.layers[-2], self.layout.layers[-1][0]
+        return self.forward_kernels.plan_head(batch, o, i, n_out, sms=sms) is not None
+
     def _roles(self, batch: int, *, sms=None):
         """(role, m, n, k) of every product of a forward (given ``sms``) and backward,
         in launch order."""
@@ -938,6 +1006,8 @@ class MLP:
         out = [("forward" if k == last else "forward_relu", batch, o, i) for k, (o, i) in enumerate(self.layout.layers)]
         if self.first_layer_folded(batch, sms=sms):  # one launch for the first two layers
             out = [(out[1][0] + "_x0",) + out[1][1:]] + out[2:]
+        if self.head_folded(batch, sms=sms):  # one launch for the last two
+            out = out[:-2] + [("forward_relu_head",) + out[-2][1:]]
         folded = self.first_dw_folded(batch)
         for k in range(last, -1, -1):
             o, i = self.layout.layers[k]
@@ -960,6 +1030,9 @@ class MLP:
             share = None if grad else sms
             if role.endswith("_x0"):  # first_layer_folded planned it
                 yield role, m, n, k, kernels.plan_first_layer(role[:-3], m, n, k, self.in_features, sms=share), False
+                continue
+            if role == "forward_relu_head":  # head_folded planned it
+                yield role, m, n, k, kernels.plan_head(m, n, k, self.out_features, sms=share), False
                 continue
             p = kernels.plan(role, m, n, k, sms=share)
             if p.tile is WGMMA_TILE:  # a misaligned input falls back to gemm.cu: room for either
@@ -1005,6 +1078,8 @@ class MLP:
                 total += _rounded(LinearKernels.first_dw_scratch(m, n, self.in_features)[0])
             elif role.endswith("_x0"):  # the first layer's output, then the second's
                 total += _rounded(m * k) + _rounded(m * n)
+            elif role == "forward_relu_head":  # the hidden layer's output, then the output layer's
+                total += _rounded(m * n) + _rounded(m * self.out_features)
             elif role != "grad_weight":  # activations and their gradients; dW goes to grads
                 total += _rounded(m * n)
             if p.workspace_floats:
@@ -1077,10 +1152,24 @@ class MLP:
         acts = [x]
         last = n - 1
         folded = self.first_layer_folded(batch, sms=sms, layers=layers)
+        head = self.head_folded(batch, sms=sms, layers=layers) and \
+            vector_width(acts[0] if n == 2 else 0, self.layout.layers[-2][1], params.weight(last - 1),
+                         self.layout.layers[-2][1]) == 16
         settled = weights_settled  # then True: each later product follows one that writes no weight
         for k, (out, inp) in enumerate(self.layout.layers[:layers]):
+            if head and k == last:  # computed with the layer before
+                break
             y = arena.array((batch, out), np.float32)
             role = "forward" if k == last else "forward_relu"
+            if head and k == last - 1:  # this layer's product, then the output layer, in one launch
+                q = arena.array((batch, self.out_features), np.float32)
+                self.forward_kernels.launch_head(acts[-1], inp, params.weight(k), inp, y, out, batch, out, inp,
+                                                 bias=params.bias(k), w2=params.weight(last), ldw2=out,
+                                                 b2=params.bias(last), q=q, ldq=self.out_features,
+                                                 n_out=self.out_features, arena=arena, stream=stream, gate=gate,
+                                                 sms=sms)
+                acts += [y, q]
+                continue
             if folded and k == 1:  # the first layer's output is computed, and stored, here
                 in0 = self.in_features
                 self.forward_kernels.launch_first_layer(role, params.weight(1), inp, y, out, batch, out, inp,
