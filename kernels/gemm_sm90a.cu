@@ -518,16 +518,16 @@ __device__ __forceinline__ void head_finish(const Head& h, int M) {
     float s[HEAD_ACC];
 #pragma unroll
     for (int q = 0; q < HEAD_ACC; ++q) s[q] = 0.0f;
-    for (int x0 = 0; x0 < tiles; x0 += 8) {  // 8 column tiles' loads in flight at once
-        float4 v[8][HEAD_ACC / 4];
+    for (int x0 = 0; x0 < tiles; x0 += 4) {  // 4 column tiles' loads in flight at once
+        float4 v[4][HEAD_ACC / 4];
 #pragma unroll
-        for (int u = 0; u < 8; ++u)
+        for (int u = 0; u < 4; ++u)
 #pragma unroll
             for (int c = 0; c < HEAD_ACC / 4; ++c)
                 v[u][c] = x0 + u < tiles ? __ldcg(reinterpret_cast<const float4*>(part + (size_t)(x0 + u) * THREADS * HEAD_ACC) + c)
                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-        for (int u = 0; u < 8; ++u)
+        for (int u = 0; u < 4; ++u)
             if (x0 + u < tiles)
 #pragma unroll
                 for (int c = 0; c < HEAD_ACC / 4; ++c)
@@ -613,11 +613,12 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
             head.work + ((size_t)(blockIdx.y * gridDim.x + blockIdx.x) * THREADS + tid) * HEAD_ACC);
 #pragma unroll
         for (int c = 0; c < HEAD_ACC / 4; ++c) mine[c] = make_float4(d[4 * c], d[4 * c + 1], d[4 * c + 2], d[4 * c + 3]);
-        // Announced before H's stores, so that the fence waits for the share alone.
-        if (dt_last_block(head.counters + blockIdx.y, gridDim.x)) head_finish(head, M);
     }
     finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias4,
                      nullptr, 0, nullptr, workspace, counters);
+    if constexpr (HEAD) {
+        if (dt_last_block(head.counters + blockIdx.y, gridDim.x)) head_finish(head, M);
+    }
 }
 
 // ---------------------------------------------------------------- 3xTF32 backward

@@ -249,13 +249,15 @@ def test_tf32_step_matches_float64_at_tf32_accuracy(device, rng, fused_head, clu
     assert not any("_x0_" in k.function for k in step_kernels(step))
     if shape is LARGE and wgmma_available(device):
         # The three forwards run side by side, each planned for a third of the SMs: the
-        # 1024-wide layers on the wgmma tile unsplit, the output layer on it in 8 splits.
+        # 1024-wide layers on the wgmma tile unsplit, the second with the output layer
+        # computed in its epilogue (MLP.head_folded).
         assert step._forward_sms == device.sm_count // 3
+        assert step.online_mlp.head_folded(cfg.batch, sms=step._forward_sms)
         nodes = step_kernels(step)
-        grids = sorted(tuple(k.grid) for k in nodes if k.function == "linear_forward_relu_wgmma_tf32")
-        assert grids == [(8, 4, 1)] * 6, grids
-        grids = [tuple(k.grid) for k in nodes if k.function == "linear_forward_wgmma_tf32"]
-        assert grids == [(1, 4, 8)] * 3, grids
+        for name in ("linear_forward_relu_wgmma_tf32", "linear_forward_relu_head_wgmma_tf32"):
+            grids = [tuple(k.grid) for k in nodes if k.function == name]
+            assert grids == [(8, 4, 1)] * 3, (name, grids)
+        assert not any(k.function == "linear_forward_wgmma_tf32" for k in nodes)
     data = fill(step, rng, stream)
     before = ref_state(step)
     step.enqueue(stream=stream)

@@ -368,8 +368,10 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     if cc == (9, 0) and tf32 and widths[1] == 1024 and sms is not None:
         # A third of the SMs: each forward product takes fewer, longer blocks. The
         # 1024-wide layers run unsplit on the wgmma tile (32 blocks: two thirds of 44).
+        # The second, with the output layer computed in its epilogue (MLP.head_folded).
         forwards = [e for e in kernels if "_forward" in e[0]]
-        assert [(e[0], e[1]) for e in forwards[:2]] == [("linear_forward_relu_wgmma_tf32", (8, 4, 1))] * 2
+        assert [(e[0], e[1]) for e in forwards] == [("linear_forward_relu_wgmma_tf32", (8, 4, 1)),
+                                                    ("linear_forward_relu_head_wgmma_tf32", (8, 4, 1))]
     params_end = (1 << 38) + 4 * layout.size
     in_arena = lambda address, nbytes: (1 << 40) <= address and address + nbytes <= (1 << 40) + arena.offset
     splits_of = {}  # the address of a split's big part: (rows, k, ld), as the split pass wrote it
@@ -394,6 +396,15 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     first_forward = next(i for i, entry in enumerate(kernels) if "_forward" in entry[0])
     for i, ((name, grid, args, stream, shared_mem, cluster), (m, n, k)) in enumerate(
             zip(kernels, model._products(batch, sms=sms))):
+        if "_head_" in name:  # the output layer's operands, its output and its shares' scratch after the gate
+            w2, ldw2, b2, q, ldq, n_out, work, head_counters = args[11:]
+            assert (w2.ptr, b2.ptr, ldw2) == (params.weight(len(layout.layers) - 1).ptr,
+                                              params.bias(len(layout.layers) - 1).ptr, n)
+            assert (q.ptr, ldq, n_out) == (fwd.output.ptr, widths[-1], widths[-1]) and q.shape == (m, widths[-1])
+            assert args[2].ptr == fwd.activations[-2].ptr  # H: stored where the output layer's input goes
+            assert work.size == grid[0] * grid[1] * 256 * 12 and head_counters.size == grid[1]
+            assert grid[2] == 1 and shared_mem == 161 * 1024 + 24 * 128 * 4 + 512 and stream is main
+            args = args[:11]
         if "_wgmma_" in name and "_forward" in name:  # X and W as tensor maps of 128 x 32 boxes over m x k, n x k
             map_a, map_b, _, _, *mnk, _, workspace, counters, _ = args
             col_sum = 0
@@ -432,6 +443,8 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         assert tuple(mnk) == (m, n, k)
         if "_presplit_" in name:
             want_shared = 193 * 1024
+        elif "_head_" in name:
+            want_shared = shared_mem  # checked above
         else:
             want_shared = (161 if "_forward_" in name else 177) * 1024 if "_wgmma_" in name else 0
         assert shared_mem == want_shared, name
@@ -485,7 +498,13 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     assert not unfolded.first_layer_folded(batch, sms=sms)
     assert not any(role.endswith("_x0") for role, *_ in unfolded._roles(batch, sms=sms))
     assert sum("_x0_" in e[0] for e in kernels) == x0_folded
-    assert sum("_forward" in e[0] for e in kernels) == len(layout.layers) - x0_folded
+    head = cc == (9, 0) and tf32 and widths[1] == 1024 and sms is not None  # the wide hidden layer unsplit
+    assert model.head_folded(batch, sms=sms) == head
+    assert sum("_head_" in e[0] for e in kernels) == head
+    unheaded = mlp_module.MLP(layout, tf32=tf32, backward=backward, presplit=presplit, fold_head=False)
+    assert not unheaded.head_folded(batch, sms=sms)
+    assert not any(role.endswith("_head") for role, *_ in unheaded._roles(batch, sms=sms))
+    assert sum("_forward" in e[0] for e in kernels) == len(layout.layers) - x0_folded - head
     folded = cc == (9, 0) and backward == "3xtf32" and widths[0] <= mlp_module.DW0_MAX_IN and len(widths) >= 4
     assert model.first_dw_folded(batch) == folded
     assert sum("_dw0_" in e[0] for e in kernels) == folded

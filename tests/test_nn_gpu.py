@@ -87,6 +87,63 @@ def test_wide_forward_on_wgmma_and_on_the_forced_fallback_match_float64(device, 
         assert rel(got, want) < 3e-3
 
 
+@pytest.mark.parametrize("batch, widths", [(512, [128, 1024, 1024, 19]), (450, [64, 1000, 1000, 24]),
+                                           (450, [64, 900, 900, 1])])
+def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(device, stream, rng, batch, widths):
+    """The last hidden layer planned unsplit on the wgmma tile (for a third of the SMs,
+    as each of the DQN step's forwards) computes the output layer in its epilogue
+    (``linear_forward_relu_head_wgmma_tf32``; rows and columns off the tiles' edges in
+    two shapes, 24 and 1 outputs): every activation within TF32 accuracy of float64
+    (poisoned first), H bit for bit the unfolded forward's, and Q too where the
+    unfolded output layer runs the same depth shares (8 clustered splits on the wgmma
+    tile); the same bits over graph replays with Q poisoned between them (the counters
+    left zeroed for the next); nothing written while the gate is set."""
+    from drvtrain import capture
+    from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
+    if not wgmma_available(device):
+        pytest.skip(f"wgmma needs compute capability 9.0; this device is {device.arch}")
+    layout = make_layout(widths)
+    params = random_params(layout, rng)
+    x = DeviceBuffer.from_numpy(rng.standard_normal((batch, widths[0])).astype(np.float32))
+    sms = device.sm_count // 3
+    ref = mlp_forward(params.to_numpy(), x.to_numpy(), len(layout.layers))
+    outs = {}
+    for fold in (True, False):
+        mlp = MLP(layout, fold_head=fold)
+        assert mlp.head_folded(batch, sms=sms) == fold
+        arena = Arena(mlp.scratch_bytes(batch, sms=sms), zeroed_bytes=mlp.zeroed_bytes(batch, sms=sms) + 256)
+        arena.alloc(arena.capacity - 256).poison(stream=stream)
+        arena.reset()
+        fwd = mlp.forward(params, x, arena=arena, stream=stream, sms=sms)
+        assert arena.fallback_count == 0
+        outs[fold] = [a.to_numpy() for a in fwd.activations[1:]]
+        for got, want in zip(outs[fold], ref[1:]):
+            assert rel(got, want) < 3e-3
+    hidden, n_out = widths[-2], widths[-1]
+    for got, want in zip(outs[True][:-1], outs[False][:-1]):
+        assert np.array_equal(got, want)
+    p = MLP(layout, fold_head=False).forward_kernels.plan("forward", batch, n_out, hidden, sms=sms)
+    if p.tile is WGMMA_TILE and p.splits == -(-hidden // 128):  # the same shares, added in the same order
+        assert np.array_equal(outs[True][-1], outs[False][-1])
+    mlp = MLP(layout)
+    arena = Arena(mlp.scratch_bytes(batch, sms=sms), zeroed_bytes=mlp.zeroed_bytes(batch, sms=sms) + 256)
+    with capture(stream) as g:
+        fwd = mlp.forward(params, x, arena=arena, stream=stream, sms=sms)
+    exe = g.instantiate()
+    for _ in range(3):
+        fwd.output.poison(stream=stream)
+        exe.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(fwd.output.to_numpy(), outs[True][-1])
+    exe.close()
+    gate = DeviceBuffer.from_numpy(np.array([1], np.int32))
+    arena = Arena(mlp.scratch_bytes(batch, sms=sms), zeroed_bytes=mlp.zeroed_bytes(batch, sms=sms) + 256)
+    arena.alloc(arena.capacity - 256).poison(stream=stream)
+    arena.reset()
+    fwd = mlp.forward(params, x, arena=arena, stream=stream, sms=sms, gate=gate)
+    assert all(np.isnan(a.to_numpy()).all() for a in fwd.activations[1:])
+
+
 def check_gradients(mlp, layout, batch, stream, rng):
     """Every gradient of a random loss within 1e-5 of float64 (poisoned first: none unwritten)."""
     widths = [layout.layers[0][1]] + [o for o, _ in layout.layers]

@@ -910,6 +910,8 @@ class MLP:
     (docs/perf-notes.md).
     ``fold_first_layer``: a first layer of at most 8 inputs is computed inside the
     second layer's forward product where that plans (:meth:`first_layer_folded`).
+    ``fold_head``: an output layer of at most :data:`HEAD_MAX_OUT` outputs is computed in
+    the epilogue of the last hidden layer's product where that plans (:meth:`head_folded`).
 
     Stateless between calls: ``forward`` returns a :class:`Forward` holding its
     activations (arena slices) and ``backward`` takes it, so two forwards of
@@ -987,16 +989,20 @@ class MLP:
         """Whether :meth:`forward` (with these ``sms`` and ``layers``) computes the
         output layer in the epilogue of the last hidden layer's product (one
         ``forward_relu_head`` launch for both, :meth:`LinearKernels.launch_head`; the
-        hidden layer's output is still stored): a whole forward of two or more layers
-        whose output layer has at most :data:`HEAD_MAX_OUT` outputs, where the last
-        hidden layer plans unsplit on the wgmma tile (:meth:`LinearKernels.plan_head`)
-        and does not fold the first layer. Never with ``MLP(fold_head=False)``."""
+        hidden layer's output is still stored): a whole forward of three or more layers
+        (so that the last hidden layer's input is an activation of the arena, never a
+        caller's misaligned input) whose output layer has at most :data:`HEAD_MAX_OUT`
+        outputs, where the last hidden layer takes a multiple of 4 inputs (the tensor
+        maps' rows), plans unsplit on the wgmma tile (:meth:`LinearKernels.plan_head`)
+        and is not folded with the first layer. Never with ``MLP(fold_head=False)``.
+        Measured on the H200 (docs/perf-notes.md, thirty-fifth pass): the large DQN
+        step's three forwards, each planned for a third of the SMs, 0.8 us faster."""
         n = len(self.layout.layers)
-        if not self.fold_head or layer_count(layers, n) < n or n < 2:
-            return False
-        if n == 2 and self.first_layer_folded(batch, sms=sms, layers=layers):
+        if not self.fold_head or layer_count(layers, n) < n or n < 3:
             return False
         (o, i), n_out = self.layout.layers[-2], self.layout.layers[-1][0]
+        if i % 4 or (n == 3 and self.first_layer_folded(batch, sms=sms, layers=layers)):
+            return False
         return self.forward_kernels.plan_head(batch, o, i, n_out, sms=sms) is not None
 
     def _roles(self, batch: int, *, sms=None):
@@ -1152,9 +1158,7 @@ class MLP:
         acts = [x]
         last = n - 1
         folded = self.first_layer_folded(batch, sms=sms, layers=layers)
-        head = self.head_folded(batch, sms=sms, layers=layers) and \
-            vector_width(acts[0] if n == 2 else 0, self.layout.layers[-2][1], params.weight(last - 1),
-                         self.layout.layers[-2][1]) == 16
+        head = self.head_folded(batch, sms=sms, layers=layers)
         settled = weights_settled  # then True: each later product follows one that writes no weight
         for k, (out, inp) in enumerate(self.layout.layers[:layers]):
             if head and k == last:  # computed with the layer before
