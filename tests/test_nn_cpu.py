@@ -402,6 +402,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
                                               params.bias(len(layout.layers) - 1).ptr, n)
             assert (q.ptr, ldq, n_out) == (fwd.output.ptr, widths[-1], widths[-1]) and q.shape == (m, widths[-1])
             assert args[2].ptr == fwd.activations[-2].ptr  # H: stored where the output layer's input goes
+            assert args[7].ptr == params.bias(len(layout.layers) - 2).ptr and args[10] == 0  # b; no gate
             assert work.size == grid[0] * grid[1] * 256 * 12 and head_counters.size == grid[1]
             assert grid[2] == 1 and shared_mem == 161 * 1024 + 24 * 128 * 4 + 512 and stream is main
             args = args[:11]

@@ -658,7 +658,9 @@ class LinearKernels:
         each row tile adds the shares in column order (kernels/gemm_sm90a.cu, the
         output layer in the epilogue). H is stored as :meth:`launch` stores it; Q
         is right to TF32 accuracy like the output layer's own product, with the same
-        bits run to run (not necessarily that product's bits). :meth:`plan_head` must
+        bits run to run; where that product sums the same 128-deep shares (8 clustered
+        splits of a 1024-wide H) the bits came out the same as its on the H200, which
+        the tests check, though no contract promises it. :meth:`plan_head` must
         plan, and X and W must allow the tensor maps (16-byte aligned rows); checked."""
         p = self.plan_head(m, n, k, n_out, sms=sms)
         if p is None:
