@@ -96,8 +96,9 @@ def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(d
     two shapes, 24 and 1 outputs): every activation within TF32 accuracy of float64
     (poisoned first), H bit for bit the unfolded forward's, and Q too where the
     unfolded output layer sums the same 128-deep shares (8 clustered splits on the
-    wgmma tile: the large net; measured, not promised by the kernel); the same bits over graph replays with Q poisoned between them (the counters
-    left zeroed for the next); nothing written while the gate is set."""
+    wgmma tile: the large net; measured, not promised by the kernel); the same bits
+    over graph replays with Q poisoned between them (the counters left zeroed for
+    the next); nothing written while the gate is set."""
     from drvtrain import capture
     from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
     if not wgmma_available(device):
