@@ -610,8 +610,7 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
     dt_allow_dependents();
     if constexpr (HEAD) {  // this block's share of Q, out before H's stores
         dt_cp_async_wait<0>();
-        // cp.async wrote W2's slice through the generic proxy; the MMAs read it through the async one.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        dt_fence_proxy_async();  // cp.async wrote W2's slice through the generic proxy; the MMAs read the async one
         __syncthreads();
         float d[HEAD_ACC];
         head_partial(acc, smem0 + HEAD_AT, su.stage() + HEAD_BIAS_AT / 4, d);
