@@ -98,7 +98,8 @@ def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(d
     unfolded output layer sums the same 128-deep shares (8 clustered splits on the
     wgmma tile: the large net; measured, not promised by the kernel); the same bits
     over graph replays with Q poisoned between them (the counters left zeroed for
-    the next); nothing written while the gate is set."""
+    the next); the same bits with the shares through the workspace and in a cluster;
+    nothing written while the gate is set."""
     from drvtrain import capture
     from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
     if not wgmma_available(device):
@@ -129,7 +130,24 @@ def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(d
     assert same_shares or hidden != 1024  # the large net's output layer sums the same shares
     if same_shares:  # 128 deep each, added in the same order
         assert np.array_equal(outs[True][-1], outs[False][-1])
+    # The shares through the workspace and, where it plans, in a cluster of the row tile's
+    # column tiles: the same sums in the same order, so the forward's bits either way.
     mlp = MLP(layout)
+    fk, last, ran = mlp.forward_kernels, len(layout.layers) - 1, []
+    h_in = DeviceBuffer.from_numpy(outs[True][-3])
+    for cluster in (False, True):
+        if fk.plan_head(batch, hidden, widths[-3], n_out, sms=sms, cluster=cluster) is None:
+            continue
+        arena = Arena(4 * batch * (hidden + n_out) + (1 << 20), zeroed_bytes=4096)
+        arena.alloc(arena.capacity - 256).poison(stream=stream)
+        arena.reset()
+        h, q = arena.array((batch, hidden), np.float32), arena.array((batch, n_out), np.float32)
+        fk.launch_head(h_in, widths[-3], params.weight(last - 1), widths[-3], h, hidden, batch, hidden, widths[-3],
+                       bias=params.bias(last - 1), w2=params.weight(last), ldw2=hidden, b2=params.bias(last), q=q,
+                       ldq=n_out, n_out=n_out, arena=arena, stream=stream, sms=sms, cluster=cluster)
+        assert np.array_equal(h.to_numpy(), outs[True][-2]) and np.array_equal(q.to_numpy(), outs[True][-1])
+        ran.append(cluster)
+    assert False in ran
     arena = Arena(mlp.scratch_bytes(batch, sms=sms), zeroed_bytes=mlp.zeroed_bytes(batch, sms=sms) + 256)
     with capture(stream) as g:
         fwd = mlp.forward(params, x, arena=arena, stream=stream, sms=sms)
