@@ -553,14 +553,21 @@ __device__ __forceinline__ void head_finish(const Head& h, int M) {
 // the cluster's arrival), and block x adds rows x R .. x R + R - 1 (R = ceil(BM /
 // gridDim.x)) over the cluster's blocks in rank (column tile) order: head_finish's order,
 // so the same bits, with no workspace, counters or global arrival.
+constexpr int PORTABLE_CLUSTER = 8;  // the most blocks a cluster of column tiles has (the host plans no more)
+
 __device__ __forceinline__ void head_cluster_finish(const Head& h, int M, unsigned int share) {
     const int tiles = gridDim.x, rows = (BM + tiles - 1) / tiles, r0 = (int)dt_cluster_rank() * rows;
     const int i0 = blockIdx.y * BM;
+    unsigned int base[PORTABLE_CLUSTER];  // every block's share, as this block addresses it
+#pragma unroll
+    for (int x = 0; x < PORTABLE_CLUSTER; ++x) base[x] = x < tiles ? dt_cluster_address(share, x) : 0u;
     for (int i = threadIdx.x; i < rows * HEAD_N; i += THREADS) {
         const int row = r0 + i / HEAD_N, o = i % HEAD_N;
         if (row >= BM || o >= h.n || i0 + row >= M) continue;
         float v = 0.0f;
-        for (int x = 0; x < tiles; ++x) v += dt_cluster_load(dt_cluster_address(share, x) + 4u * (row * HEAD_N + o));
+#pragma unroll
+        for (int x = 0; x < PORTABLE_CLUSTER; ++x)
+            if (x < tiles) v += dt_cluster_load(base[x] + 4u * (row * HEAD_N + o));
         h.q[(size_t)(i0 + row) * h.ldq + o] = v + h.bias[o];
     }
 }
@@ -597,6 +604,7 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
     // The row tile's column tiles as one cluster (the host's choice, LinearKernels.plan_head):
     // the shares meet in distributed shared memory instead of the workspace.
     const bool clustered = HEAD && gridDim.x > 1 && dt_cluster_blocks() == gridDim.x;
+    if (clustered && gridDim.x > PORTABLE_CLUSTER) __trap();
     const auto load = [&](int kt) {  // thread 0 only
         const int slot = kt % STAGES;
         const unsigned int tile = smem0 + slot * STAGE_FLOATS * 4, bar = bars + 8u * slot;
@@ -642,8 +650,9 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
             float* share = su.stage() + HEAD_SHARE_AT / 4;
             const int r = 64 * wg + 16 * ((tid % 128) / 32) + (tid % 32) / 4, t = tid % 4;
 #pragma unroll
-            for (int q = 0; q < HEAD_ACC; ++q)  // accumulator q = 4 j + 2 hh + e: row r + 8 hh, output 8 j + 2 t + e
-                share[(r + 8 * ((q / 2) % 2)) * HEAD_N + 8 * (q / 4) + 2 * t + q % 2] = d[q];
+            for (int q = 0; q < HEAD_ACC; q += 2)  // accumulator q = 4 j + 2 hh + e: row r + 8 hh, output 8 j + 2 t + e
+                *reinterpret_cast<float2*>(share + (r + 8 * ((q / 2) % 2)) * HEAD_N + 8 * (q / 4) + 2 * t) =
+                    make_float2(d[q], d[q + 1]);
             dt_cluster_arrive();
         } else {
             float4* mine = reinterpret_cast<float4*>(

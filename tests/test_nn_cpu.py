@@ -314,7 +314,8 @@ def test_head_plans_a_cluster_where_its_row_tiles_fit_else_the_workspace(monkeyp
     workspace (12 floats a thread of every block, a counter a row tile); ``cluster``
     forces either, and a forced cluster that cannot run does not plan. Never split,
     never off the wgmma tile, never over 24 outputs or more than 8 column tiles in a cluster."""
-    _fake_kernels(monkeypatch, [], (9, 0))
+    launches = []
+    _fake_kernels(monkeypatch, launches, (9, 0))
     fk = mlp_module.MLP(ParamLayout.from_widths([128, 1024, 1024, 19])).forward_kernels
     p = fk.plan_head(512, 1024, 1024, 19, sms=44)  # 8 x 4 tiles; 16 clusters of 8 fit
     assert (p.tile.name, p.splits, p.cluster, p.workspace_floats, p.counters) == ("wgmma", 1, True, 0, 0)
@@ -325,6 +326,17 @@ def test_head_plans_a_cluster_where_its_row_tiles_fit_else_the_workspace(monkeyp
     assert fk.plan_head(512, 1152, 1024, 19, sms=44, cluster=True) is None  # 9 column tiles
     p = fk.plan_head(512, 1152, 1024, 19, sms=44)
     assert p is not None and not p.cluster and p.counters == 4
+    arena = _FakeArena()  # the workspace path's launch: its scratch from the arena, no cluster
+    buf = lambda address, shape: DeviceBuffer._view(None, address, shape, np.float32)
+    fk.launch_head(buf(1 << 36, (512, 1024)), 1024, buf(1 << 37, (1024, 1024)), 1024, buf(1 << 38, (512, 1024)), 1024,
+                   512, 1024, 1024, bias=buf(1 << 39, (1024,)), w2=buf(1 << 40, (19, 1024)), ldw2=1024,
+                   b2=buf(1 << 41, (19,)), q=buf(1 << 42, (512, 19)), ldq=19, n_out=19, arena=arena, stream=None,
+                   sms=44, cluster=False)
+    name, grid, args, _, shared_mem, cluster = launches[-1]
+    assert (name, grid, cluster) == ("linear_forward_relu_head_wgmma_tf32", (8, 4, 1), None)
+    work, counters = args[-2:]
+    assert work.size == 8 * 4 * 256 * 12 and counters.size == 4 and counters.dtype == np.uint32
+    assert (arena.offset, arena.zeroed_offset) == (4 * work.size, 4 * counters.size)
     monkeypatch.setattr(fk, "head", SimpleNamespace(block=256, max_active_clusters=lambda c, b, shared: 3))
     p = fk.plan_head(512, 1024, 1024, 19, sms=44)  # 4 row tiles, 3 clusters at once: the workspace
     assert (p.cluster, p.counters) == (False, 4)
@@ -426,7 +438,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
             assert (q.ptr, ldq, n_out) == (fwd.output.ptr, widths[-1], widths[-1]) and q.shape == (m, widths[-1])
             assert args[2].ptr == fwd.activations[-2].ptr  # H: stored where the output layer's input goes
             assert args[7].ptr == params.bias(len(layout.layers) - 2).ptr and args[10] == 0  # b; no gate
-            # The row tile's 8 column tiles as one cluster (4 clusters of 8 fit): no scratch.
+            # The row tile's 8 column tiles as one cluster (4 needed, 16 of 8 fit): no scratch.
             assert cluster == (grid[0], 1, 1) and work == 0 and head_counters == 0
             assert grid[2] == 1 and shared_mem == 161 * 1024 + 24 * 128 * 4 + 512 + 128 * 24 * 4 and stream is main
             args = args[:11]

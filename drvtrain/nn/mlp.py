@@ -196,7 +196,7 @@ class Plan:
     splits: int
     workspace_floats: int  # 0 when unsplit or clustered (MLP's accounting also reserves a fallback's)
     counters: int  # zeroed uint32 tile counters; 0 when unsplit or clustered (likewise)
-    cluster: bool = False  # the splits of a tile launch as one cluster (wgmma and 32x32 tiles)
+    cluster: bool = False  # the splits of a tile launch as one cluster (wgmma and 32x32 tiles); plan_head: a row tile's column tiles
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
         return -(-n // self.tile.bn), -(-m // self.tile.bm), self.splits
