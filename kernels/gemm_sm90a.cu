@@ -415,7 +415,9 @@ struct Setup {
 // block adds its share for its 128 rows (an m64n24k8 wgmma per 8 deep, A from the
 // accumulators' registers, B = W2's matching columns in shared memory) and leaves it
 // in `work`; the last block of the row tile to arrive (dt_last_block) adds the shares
-// in column-tile order, then b2, and stores Q's rows. H is stored as the plain kernel
+// in column-tile order, then b2, and stores Q's rows. Launched with the row tile's
+// column tiles as one cluster ((gridDim.x, 1, 1), at most 8), the shares meet in
+// distributed shared memory instead (head_cluster_finish), in the same order. H is stored as the plain kernel
 // stores it. The depth order of the shares is the output layer's own forward's in 8
 // clustered splits of a 1024-wide H, so the sums keep that kernel's structure; within
 // 8 deep the MMA takes its products in another order (head_loads); on the H200 the
@@ -436,7 +438,8 @@ constexpr int HEAD_ACC = HEAD_N / 2;   // a thread's accumulators of an m64n24 w
 constexpr unsigned int HEAD_TILE_BYTES = HEAD_N * BK * 4;     // W2's slice, one k tile: 24 rows of 128 bytes
 constexpr unsigned int HEAD_AT = STAGES * STAGE_FLOATS * 4;   // after the pipeline's stages (1024-byte aligned)
 constexpr unsigned int HEAD_BIAS_AT = HEAD_AT + (BN / BK) * HEAD_TILE_BYTES;  // then b's 128 columns
-constexpr unsigned int HEAD_SHARED_BYTES = HEAD_BIAS_AT + BN * 4 + 1024;
+constexpr unsigned int HEAD_SHARE_AT = HEAD_BIAS_AT + BN * 4;  // then the share, [BM][HEAD_N], in a cluster
+constexpr unsigned int HEAD_SHARED_BYTES = HEAD_SHARE_AT + BM * HEAD_N * 4 + 1024;
 static_assert(HEAD_AT >= BM * STAGE_LD * 4, "the staged tile and the head's operands do not overlap");
 
 // d += A B for one 64 x 24 x 8 step, A from registers (wgmma_m64n128k8_ra's fragment).
@@ -545,6 +548,30 @@ __device__ __forceinline__ void head_finish(const Head& h, int M) {
     }
 }
 
+// The same sums when the row tile's column tiles run as one cluster ((gridDim.x, 1, 1)):
+// every block's share sits in its shared memory at `share` ([BM][HEAD_N], staged before
+// the cluster's arrival), and block x adds rows x R .. x R + R - 1 (R = ceil(BM /
+// gridDim.x)) over the cluster's blocks in rank (column tile) order: head_finish's order,
+// so the same bits, with no workspace, counters or global arrival.
+constexpr int PORTABLE_CLUSTER = 8;  // the most blocks a cluster of column tiles has (the host plans no more)
+
+__device__ __forceinline__ void head_cluster_finish(const Head& h, int M, unsigned int share) {
+    const int tiles = gridDim.x, rows = (BM + tiles - 1) / tiles, r0 = (int)dt_cluster_rank() * rows;
+    const int i0 = blockIdx.y * BM;
+    unsigned int base[PORTABLE_CLUSTER];  // every block's share, as this block addresses it
+#pragma unroll
+    for (int x = 0; x < PORTABLE_CLUSTER; ++x) base[x] = x < tiles ? dt_cluster_address(share, x) : 0u;
+    for (int i = threadIdx.x; i < rows * HEAD_N; i += THREADS) {
+        const int row = r0 + i / HEAD_N, o = i % HEAD_N;
+        if (row >= BM || o >= h.n || i0 + row >= M) continue;
+        float v = 0.0f;
+#pragma unroll
+        for (int x = 0; x < PORTABLE_CLUSTER; ++x)
+            if (x < tiles) v += dt_cluster_load(base[x] + 4u * (row * HEAD_N + o));
+        h.q[(size_t)(i0 + row) * h.ldq + o] = v + h.bias[o];
+    }
+}
+
 // The operand tiles arrive by TMA: thread 0 issues tile kt's two copies (A's 128
 // rows, then B's, each 128 x 32 floats in the 128-byte swizzle, which is the MMA
 // layout above) on the stage's mbarrier, which completes when their bytes have
@@ -574,6 +601,10 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
         if (gridDim.z != 1 || head.n < 1 || head.n > HEAD_N) __trap();  // whole columns of H, at most HEAD_N outputs
         head_loads(head, smem0 + HEAD_AT, bias, N);
     }
+    // The row tile's column tiles as one cluster (the host's choice, LinearKernels.plan_head):
+    // the shares meet in distributed shared memory instead of the workspace.
+    const bool clustered = HEAD && gridDim.x > 1 && dt_cluster_blocks() == gridDim.x;
+    if (clustered && gridDim.x > PORTABLE_CLUSTER) __trap();
     const auto load = [&](int kt) {  // thread 0 only
         const int slot = kt % STAGES;
         const unsigned int tile = smem0 + slot * STAGE_FLOATS * 4, bar = bars + 8u * slot;
@@ -614,15 +645,32 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
         __syncthreads();
         float d[HEAD_ACC];
         head_partial(acc, smem0 + HEAD_AT, su.stage() + HEAD_BIAS_AT / 4, d);
-        float4* mine = reinterpret_cast<float4*>(
-            head.work + ((size_t)(blockIdx.y * gridDim.x + blockIdx.x) * THREADS + tid) * HEAD_ACC);
+        if (clustered) {  // staged for the cluster, announced; H's stores run before the wait
+            float* share = su.stage() + HEAD_SHARE_AT / 4;
+            const int r = 64 * wg + 16 * ((tid % 128) / 32) + (tid % 32) / 4, t = tid % 4;
 #pragma unroll
-        for (int c = 0; c < HEAD_ACC / 4; ++c) mine[c] = make_float4(d[4 * c], d[4 * c + 1], d[4 * c + 2], d[4 * c + 3]);
+            for (int q = 0; q < HEAD_ACC; q += 2)  // accumulator q = 4 j + 2 hh + e: row r + 8 hh, output 8 j + 2 t + e
+                *reinterpret_cast<float2*>(share + (r + 8 * ((q / 2) % 2)) * HEAD_N + 8 * (q / 4) + 2 * t) =
+                    make_float2(d[q], d[q + 1]);
+            dt_cluster_arrive();
+        } else {
+            float4* mine = reinterpret_cast<float4*>(
+                head.work + ((size_t)(blockIdx.y * gridDim.x + blockIdx.x) * THREADS + tid) * HEAD_ACC);
+#pragma unroll
+            for (int c = 0; c < HEAD_ACC / 4; ++c)
+                mine[c] = make_float4(d[4 * c], d[4 * c + 1], d[4 * c + 2], d[4 * c + 3]);
+        }
     }
     finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias4,
                      nullptr, 0, nullptr, workspace, counters);
     if constexpr (HEAD) {
-        if (dt_last_block(head.counters + blockIdx.y, gridDim.x)) head_finish(head, M);
+        if (clustered) {
+            dt_cluster_wait();  // every block's share is staged
+            head_cluster_finish(head, M, smem0 + HEAD_SHARE_AT);
+            dt_cluster_barrier();  // no block leaves while another still reads its share
+        } else if (dt_last_block(head.counters + blockIdx.y, gridDim.x)) {
+            head_finish(head, M);
+        }
     }
 }
 
@@ -1040,8 +1088,8 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
 
 // The forward with ReLU and the output layer after it (Head, at forward() above):
 // the forward's arguments, then W2, ldw2, b2, Q, ldq, n (at most HEAD_N), work and
-// counters. Unsplit only (a split launch traps). Dynamic shared memory:
-// HEAD_SHARED_BYTES (173.5 KB).
+// counters (both unused when launched in clusters of a row tile's column tiles).
+// Unsplit only (a split launch traps). Dynamic shared memory: HEAD_SHARED_BYTES (185.5 KB).
 extern "C" __global__ void __launch_bounds__(256) linear_forward_relu_head_wgmma_tf32(
         const __grid_constant__ DtTensorMap A, const __grid_constant__ DtTensorMap B, float* C, int ldc, int M, int N,
         int K, const float* bias, float* workspace, unsigned int* counters, const int* gate, const float* w2,

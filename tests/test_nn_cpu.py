@@ -298,7 +298,7 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
         # copies (more registers): the plan (and the scratch) must not depend on which runs.
         per_sm = (8 if "_cp16_" in name else 6) if "_32x32_" in name else 4 if "_64x64_" in name else 1
         return SimpleNamespace(block=256, launch=launch,
-                               max_active_clusters=lambda c, b, shared: 8 * (16 * per_sm // c[2]))
+                               max_active_clusters=lambda c, b, shared: 8 * (16 * per_sm // (c[0] * c[1] * c[2])))
 
     monkeypatch.setattr(mlp_module, "_load_kernel", load)
     monkeypatch.setattr(mlp_module, "Event", lambda: _FakeEvent(launches))
@@ -306,6 +306,41 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
     monkeypatch.setattr(mlp_module, "tensor_map_2d", lambda span, box, *, shape, ld: SimpleNamespace(
         raw=(span.ptr, shape, ld, box, span.nbytes)))
     monkeypatch.setattr(mlp_module, "_operand_maps", {})
+
+
+def test_head_plans_a_cluster_where_its_row_tiles_fit_else_the_workspace(monkeypatch):
+    """LinearKernels.plan_head: a row tile's 2 to 8 column tiles as one cluster where
+    every row tile's cluster fits at once (no scratch), else the shares through the
+    workspace (12 floats a thread of every block, a counter a row tile); ``cluster``
+    forces either, and a forced cluster that cannot run does not plan. Never split,
+    never off the wgmma tile, never over 24 outputs or more than 8 column tiles in a cluster."""
+    launches = []
+    _fake_kernels(monkeypatch, launches, (9, 0))
+    fk = mlp_module.MLP(ParamLayout.from_widths([128, 1024, 1024, 19])).forward_kernels
+    p = fk.plan_head(512, 1024, 1024, 19, sms=44)  # 8 x 4 tiles; 16 clusters of 8 fit
+    assert (p.tile.name, p.splits, p.cluster, p.workspace_floats, p.counters) == ("wgmma", 1, True, 0, 0)
+    p = fk.plan_head(512, 1024, 1024, 19, sms=44, cluster=False)
+    assert (p.cluster, p.workspace_floats, p.counters) == (False, 8 * 4 * 256 * 12, 4)
+    assert fk.plan_head(512, 1024, 1024, 25, sms=44) is None  # more than 24 outputs
+    assert fk.plan_head(512, 1024, 1024, 19) is None  # the whole device's plan splits k
+    assert fk.plan_head(512, 1152, 1024, 19, sms=44, cluster=True) is None  # 9 column tiles
+    p = fk.plan_head(512, 1152, 1024, 19, sms=44)
+    assert p is not None and not p.cluster and p.counters == 4
+    arena = _FakeArena()  # the workspace path's launch: its scratch from the arena, no cluster
+    buf = lambda address, shape: DeviceBuffer._view(None, address, shape, np.float32)
+    fk.launch_head(buf(1 << 36, (512, 1024)), 1024, buf(1 << 37, (1024, 1024)), 1024, buf(1 << 38, (512, 1024)), 1024,
+                   512, 1024, 1024, bias=buf(1 << 39, (1024,)), w2=buf(1 << 40, (19, 1024)), ldw2=1024,
+                   b2=buf(1 << 41, (19,)), q=buf(1 << 42, (512, 19)), ldq=19, n_out=19, arena=arena, stream=None,
+                   sms=44, cluster=False)
+    name, grid, args, _, shared_mem, cluster = launches[-1]
+    assert (name, grid, cluster) == ("linear_forward_relu_head_wgmma_tf32", (8, 4, 1), None)
+    work, counters = args[-2:]
+    assert work.size == 8 * 4 * 256 * 12 and counters.size == 4 and counters.dtype == np.uint32
+    assert (arena.offset, arena.zeroed_offset) == (4 * work.size, 4 * counters.size)
+    monkeypatch.setattr(fk, "head", SimpleNamespace(block=256, max_active_clusters=lambda c, b, shared: 3))
+    p = fk.plan_head(512, 1024, 1024, 19, sms=44)  # 4 row tiles, 3 clusters at once: the workspace
+    assert (p.cluster, p.counters) == (False, 4)
+    assert fk.plan_head(512, 1024, 1024, 19, sms=44, cluster=True) is None
 
 
 @pytest.mark.parametrize("settled", [False, True], ids=["unsettled", "settled"])
@@ -403,8 +438,9 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
             assert (q.ptr, ldq, n_out) == (fwd.output.ptr, widths[-1], widths[-1]) and q.shape == (m, widths[-1])
             assert args[2].ptr == fwd.activations[-2].ptr  # H: stored where the output layer's input goes
             assert args[7].ptr == params.bias(len(layout.layers) - 2).ptr and args[10] == 0  # b; no gate
-            assert work.size == grid[0] * grid[1] * 256 * 12 and head_counters.size == grid[1]
-            assert grid[2] == 1 and shared_mem == 161 * 1024 + 24 * 128 * 4 + 512 and stream is main
+            # The row tile's 8 column tiles as one cluster (4 needed, 16 of 8 fit): no scratch.
+            assert cluster == (grid[0], 1, 1) and work == 0 and head_counters == 0
+            assert grid[2] == 1 and shared_mem == 161 * 1024 + 24 * 128 * 4 + 512 + 128 * 24 * 4 and stream is main
             args = args[:11]
         if "_wgmma_" in name and "_forward" in name:  # X and W as tensor maps of 128 x 32 boxes over m x k, n x k
             map_a, map_b, _, _, *mnk, _, workspace, counters, _ = args
@@ -474,7 +510,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         # A tensor-core product whose clusters all fit at once (compute capability 9.0)
         # launches each tile's splits as one cluster that sums them in shared memory,
         # with no workspace.
-        if cluster is not None:
+        if cluster is not None and "_head_" not in name:  # the head's cluster: checked above
             assert cc >= (9, 0) and not name.endswith("_f32") and splits > 1 and cluster == (1, 1, splits), name
             bm, bn = (128, 128) if "_wgmma_" in name else _tile_of(name)
             per_sm = 6 if bm == 32 else 4 if bm == 64 else 1  # the 32x32 tile: its cp4 kernels' count

@@ -87,18 +87,21 @@ def test_wide_forward_on_wgmma_and_on_the_forced_fallback_match_float64(device, 
         assert rel(got, want) < 3e-3
 
 
-@pytest.mark.parametrize("batch, widths", [(512, [128, 1024, 1024, 19]), (450, [64, 1000, 1000, 24]),
-                                           (450, [64, 900, 900, 1])])
-def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(device, stream, rng, batch, widths):
+@pytest.mark.parametrize("batch, widths, share", [(512, [128, 1024, 1024, 19], 3), (450, [64, 1000, 1000, 24], 3),
+                                                  (450, [64, 900, 900, 1], 3), (300, [64, 700, 700, 5], 6)])
+def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(device, stream, rng, batch, widths,
+                                                                                share):
     """The last hidden layer planned unsplit on the wgmma tile (for a third of the SMs,
-    as each of the DQN step's forwards) computes the output layer in its epilogue
-    (``linear_forward_relu_head_wgmma_tf32``; rows and columns off the tiles' edges in
-    two shapes, 24 and 1 outputs): every activation within TF32 accuracy of float64
+    as each of the DQN step's forwards, or a sixth) computes the output layer in its
+    epilogue (``linear_forward_relu_head_wgmma_tf32``; rows and columns off the tiles'
+    edges in three shapes, 24, 5 and 1 outputs, 8 column tiles and 6, whose cluster
+    splits the 128 rows unevenly): every activation within TF32 accuracy of float64
     (poisoned first), H bit for bit the unfolded forward's, and Q too where the
     unfolded output layer sums the same 128-deep shares (8 clustered splits on the
     wgmma tile: the large net; measured, not promised by the kernel); the same bits
-    over graph replays with Q poisoned between them (the counters left zeroed for
-    the next); nothing written while the gate is set."""
+    over graph replays with Q poisoned between them, the shares summed through the
+    workspace (the counters left zeroed for the next replay) and in a cluster of the
+    row tile's column tiles alike; nothing written while the gate is set."""
     from drvtrain import capture
     from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
     if not wgmma_available(device):
@@ -106,7 +109,7 @@ def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(d
     layout = make_layout(widths)
     params = random_params(layout, rng)
     x = DeviceBuffer.from_numpy(rng.standard_normal((batch, widths[0])).astype(np.float32))
-    sms = device.sm_count // 3
+    sms = device.sm_count // share
     ref = mlp_forward(params.to_numpy(), x.to_numpy(), len(layout.layers))
     outs = {}
     for fold in (True, False):
@@ -129,17 +132,30 @@ def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(d
     assert same_shares or hidden != 1024  # the large net's output layer sums the same shares
     if same_shares:  # 128 deep each, added in the same order
         assert np.array_equal(outs[True][-1], outs[False][-1])
+    # The shares through the workspace and in a cluster of the row tile's column tiles
+    # (every row tile's cluster fits at once on the H200): the same sums in the same
+    # order, so the forward's bits either way, over graph replays with H and Q poisoned
+    # before each.
     mlp = MLP(layout)
-    arena = Arena(mlp.scratch_bytes(batch, sms=sms), zeroed_bytes=mlp.zeroed_bytes(batch, sms=sms) + 256)
-    with capture(stream) as g:
-        fwd = mlp.forward(params, x, arena=arena, stream=stream, sms=sms)
-    exe = g.instantiate()
-    for _ in range(3):
-        fwd.output.poison(stream=stream)
-        exe.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(fwd.output.to_numpy(), outs[True][-1])
-    exe.close()
+    fk, last = mlp.forward_kernels, len(layout.layers) - 1
+    h_in = DeviceBuffer.from_numpy(outs[True][-3])
+    for cluster in (False, True):
+        assert fk.plan_head(batch, hidden, widths[-3], n_out, sms=sms, cluster=cluster).cluster == cluster
+        arena = Arena(4 * batch * (hidden + n_out) + (1 << 20), zeroed_bytes=4096)
+        h, q = arena.array((batch, hidden), np.float32), arena.array((batch, n_out), np.float32)
+        with capture(stream) as g:
+            fk.launch_head(h_in, widths[-3], params.weight(last - 1), widths[-3], h, hidden, batch, hidden,
+                           widths[-3], bias=params.bias(last - 1), w2=params.weight(last), ldw2=hidden,
+                           b2=params.bias(last), q=q, ldq=n_out, n_out=n_out, arena=arena, stream=stream, sms=sms,
+                           cluster=cluster)
+        exe = g.instantiate()
+        for _ in range(3):
+            h.poison(stream=stream)
+            q.poison(stream=stream)
+            exe.launch(stream)
+            stream.synchronize()
+            assert np.array_equal(h.to_numpy(), outs[True][-2]) and np.array_equal(q.to_numpy(), outs[True][-1])
+        exe.close()
     gate = DeviceBuffer.from_numpy(np.array([1], np.int32))
     arena = Arena(mlp.scratch_bytes(batch, sms=sms), zeroed_bytes=mlp.zeroed_bytes(batch, sms=sms) + 256)
     arena.alloc(arena.capacity - 256).poison(stream=stream)

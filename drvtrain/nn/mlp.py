@@ -68,10 +68,11 @@ WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1, cluster_splits=PORTA
 # and 4 raw stages of A's 64 x 32 floats for each of its 2 consumer warpgroups; 1 KB
 # to align them.
 WGMMA_SHARED_BYTES = 5 * 2 * 128 * 32 * 4 + 1024
-# The forward with the output layer in its epilogue: W2's slice (24 rows x 128 deep)
-# and b's 128 columns after the 5 stages. Output layers of at most HEAD_MAX_OUT.
+# The forward with the output layer in its epilogue: W2's slice (24 rows x 128 deep),
+# b's 128 columns and the block's share of the output (128 rows x 24) after the 5
+# stages. Output layers of at most HEAD_MAX_OUT.
 HEAD_MAX_OUT = 24
-WGMMA_HEAD_SHARED_BYTES = WGMMA_SHARED_BYTES + HEAD_MAX_OUT * 128 * 4 + 128 * 4
+WGMMA_HEAD_SHARED_BYTES = WGMMA_SHARED_BYTES + HEAD_MAX_OUT * 128 * 4 + 128 * 4 + 128 * HEAD_MAX_OUT * 4
 WGMMA_OPERAND_BOX = (128, 32)  # the forward's tensor maps: 128 rows x 32 floats, 128-byte swizzle
 WGMMA_BACKWARD_SHARED_BYTES = (2 * 2 + 3) * 128 * 32 * 4 + 2 * 4 * 64 * 32 * 4 + 1024
 # The pre-split backward: 3 stages of four 128 x 32 float tiles (A and B, big and small).
@@ -195,7 +196,7 @@ class Plan:
     splits: int
     workspace_floats: int  # 0 when unsplit or clustered (MLP's accounting also reserves a fallback's)
     counters: int  # zeroed uint32 tile counters; 0 when unsplit or clustered (likewise)
-    cluster: bool = False  # the splits of a tile launch as one cluster (wgmma and 32x32 tiles)
+    cluster: bool = False  # the splits of a tile launch as one cluster (wgmma and 32x32 tiles); plan_head: a row tile's column tiles
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
         return -(-n // self.tile.bn), -(-m // self.tile.bm), self.splits
@@ -634,45 +635,59 @@ class LinearKernels:
              counters=counters, gate=gate, cluster=p.cluster, first_layer=(x0, ldx0, in0, w0, b0))
         return kernel
 
-    def plan_head(self, m, n, k, n_out, *, sms=None) -> Plan | None:
+    def plan_head(self, m, n, k, n_out, *, sms=None, cluster=None) -> Plan | None:
         """The plan of a hidden layer's m x n x k ``forward_relu`` product with the
         output layer after it (``n_out`` outputs) computed in its epilogue
         (:meth:`launch_head`), or None where that does not run: no such kernel here
         (compute capability 9.0, TF32), ``n_out`` over :data:`HEAD_MAX_OUT`, or a plan
-        for ``sms`` SMs (:meth:`plan`) off the wgmma tile or split. Its workspace holds
-        each block's share of the output (``HEAD_MAX_OUT / 2`` floats a thread), its
-        counters one a row tile."""
+        for ``sms`` SMs (:meth:`plan`) off the wgmma tile or split. Where a row tile's
+        column tiles (2 to the portable 8) fit as a cluster, every row tile's at once
+        on the whole device, the plan is clustered (their shares meet in distributed
+        shared memory, no scratch); otherwise its workspace holds each block's share of
+        the output (``HEAD_MAX_OUT / 2`` floats a thread), its counters one a row tile.
+        ``cluster`` forces either (tests): False the workspace, True a cluster (None
+        where the row tiles' clusters do not fit)."""
         if self.head is None or not 1 <= n_out <= HEAD_MAX_OUT:
             return None
         p = self.plan("forward_relu", m, n, k, sms=sms)
         if p.tile is not WGMMA_TILE or p.splits != 1:
             return None
         cols, rows, _ = p.grid(m, n)
+        fits = cluster is not False and 1 < cols <= PORTABLE_CLUSTER_SIZE and \
+            rows <= self.head.max_active_clusters((cols, 1, 1), self.head.block, WGMMA_HEAD_SHARED_BYTES)
+        if fits:
+            return Plan(WGMMA_TILE, 1, 0, 0, cluster=True)
+        if cluster:
+            return None
         return Plan(WGMMA_TILE, 1, cols * rows * _HEAD_THREADS * (HEAD_MAX_OUT // 2), rows)
 
     def launch_head(self, x, ldx, w, ldw, h, ldh, m, n, k, *, bias, w2, ldw2, b2, q, ldq, n_out, arena: Arena,
-                    stream, gate=None, sms=None) -> None:
+                    stream, gate=None, sms=None, cluster=None) -> None:
         """A hidden layer's product H [m, n] = relu(X W^T + b) (X [m, k], W [n, k]), and
         in the same launch the output layer after it, Q [m, n_out] = H W2^T + b2 (W2
         [n_out, n]): each block adds its columns' share of Q, and the last block of
-        each row tile adds the shares in column order (kernels/gemm_sm90a.cu, the
-        output layer in the epilogue). H is stored as :meth:`launch` stores it; Q
+        each row tile adds the shares in column order, or, where the plan is clustered,
+        each block of the row tile's cluster some of its rows, in the same order
+        (kernels/gemm_sm90a.cu, the output layer in the epilogue). H is stored as :meth:`launch` stores it; Q
         is right to TF32 accuracy like the output layer's own product, with the same
         bits run to run; where that product sums the same 128-deep shares (8 clustered
         splits of a 1024-wide H) the bits came out the same as its on the H200, which
         the tests check, though no contract promises it. :meth:`plan_head` must
-        plan, and X and W must allow the tensor maps (16-byte aligned rows); checked."""
-        p = self.plan_head(m, n, k, n_out, sms=sms)
+        plan (with ``cluster`` as it takes it), and X and W must allow the tensor maps
+        (16-byte aligned rows); checked."""
+        p = self.plan_head(m, n, k, n_out, sms=sms, cluster=cluster)
         if p is None:
             raise ValueError(f"no forward with the output layer in its epilogue for {m}x{n}x{k} and {n_out} "
                              f"outputs here")
         if vector_width(x, ldx, w, ldw) != 16:
             raise ValueError("launch_head needs X and W with 16-byte aligned rows")
-        work = arena.array(p.workspace_floats, np.float32)
-        counters = arena.zeroed(p.counters, np.uint32)
-        self.head.launch(p.grid(m, n), self.head.block, operand_map(x, ldx, m, k, "X"), operand_map(w, ldw, n, k, "W"),
+        work = arena.array(p.workspace_floats, np.float32) if p.workspace_floats else 0
+        counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
+        grid = p.grid(m, n)
+        self.head.launch(grid, self.head.block, operand_map(x, ldx, m, k, "X"), operand_map(w, ldw, n, k, "W"),
                          h, ldh, m, n, k, bias, 0, 0, gate if gate is not None else 0, w2, ldw2, b2, q, ldq, n_out,
-                         work, counters, stream=stream, shared_mem=WGMMA_HEAD_SHARED_BYTES)
+                         work, counters, stream=stream, shared_mem=WGMMA_HEAD_SHARED_BYTES,
+                         cluster=(grid[0], 1, 1) if p.cluster else None)
 
     def share(self, sms) -> int:
         """The SMs a product plans for: ``sms`` (an int from 1 to the device's count),
