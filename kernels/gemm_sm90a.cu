@@ -336,16 +336,14 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
         // The first group's mask, in flight across the staging. (The cluster barrier's
         // release is a memory barrier in the machine code, which may wait for it.)
         // Threads that store nothing take an empty range.
+        // This block's rows of the sum: rows row_begin .. row_end - 1 of the tile.
+        const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows), row_end = min(BM, row_begin + rows);
         float4 ahead[2];
-        if (EPI == EPI_MASK) {
-            const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows);
-            mask_group<EPI, 2>(mask, ldm, row_begin, active ? min(BM, row_begin + rows) : row_begin, 0, M, N, ahead);
-        }
+        if (EPI == EPI_MASK) mask_group<EPI, 2>(mask, ldm, row_begin, active ? row_end : row_begin, 0, M, N, ahead);
         __syncthreads();  // the other warpgroup's MMAs and any earlier use of the stage are over
         if (active) stage_tile(acc, stage);
         if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
         dt_cluster_barrier();  // every block's partial is staged
-        const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows), row_end = min(BM, row_begin + rows);
         unsigned int base[8];  // at most 8 splits in a cluster: the portable size, which plan() checks
 #pragma unroll
         for (int s = 0; s < 8; ++s) base[s] = s < splits ? dt_cluster_address(stage_addr, s) : 0u;
