@@ -13,6 +13,9 @@
 //   linear_grad_weight_<tile>_<cp>_3xtf32    dW = dY^T X, db = sum_m dY   A = dY row-fast, B = X row-fast
 //   linear_grad_input_dw0_32x32_<cp>_cluster_3xtf32: grad-input's dX, not stored, folded into the
 //     first layer's dW0 = dX^T X0 and db0 (tc::FirstDw; its arguments follow `gate`)
+//   linear_grad_input_dwl_64x64_<cp>_cluster_3xtf32: grad-input's dX of the output layer (K <= 32),
+//     with that layer's dW = dY^T X and db folded in (tc::LastDw; its arguments follow `gate`);
+//     launched as clusters of the grid's row tiles (1, gridDim.y, 1)
 //   linear_forward[_relu]_x0_32x32_<cp>_cluster_tf32: the forward with its A = H0, the first layer's
 //     output, computed in the kernel from X0, W0 and b0 and stored at A (tc::FirstLayer; its
 //     arguments follow `gate`)
@@ -205,15 +208,25 @@ struct FirstLayer {
     const float* b0;  // b0 [K]
 };
 
+// The output layer's dW and db folded into its grad-input product (DWL kernels): with
+// dY [M, K] the product's A (K <= BK: one k tile) and H [M, N] its mask (the layer's
+// input), dW = dY^T H [K, N] (rows ldw floats apart) and db = the column sums of dY [K].
+// The grid's row tiles are one cluster (1, gridDim.y, 1), gridDim.y <= 8.
+struct LastDw {
+    float* dw;
+    int ldw;
+    float* db;
+};
+
 // The split-k workspace of a launch (floats):
 //   partials: tiles * S * BM * BN, tile-major, in fragment order (fully coalesced);
 //   row sums (grad-weight only): gridDim.y * S * BM, after the partials.
 template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC, bool CLUSTER, bool DW0 = false,
-          bool X0 = false, bool SETTLED = false>
+          bool X0 = false, bool SETTLED = false, bool DWL = false>
 __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
                                      int N, int K, const float* bias, const float* mask, int ldm, float* col_sum,
                                      float* workspace, unsigned int* counters, const int* gate, FirstDw fd = {},
-                                     FirstLayer fl = {}) {
+                                     FirstLayer fl = {}, LastDw lw = {}) {
     constexpr int BM = CFG::BM, BN = CFG::BN, BK = CFG::BK, STAGES = CFG::STAGES, THREADS = CFG::THREADS;
     constexpr int MI = CFG::MI, NI = CFG::NI;
     using SA = Smem<BM, BK, A_KFAST>;
@@ -751,7 +764,8 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         if constexpr (CLUSTER) if (clustered) dt_cluster_wait();  // the arrival above: every thread ends it
         return;
     }
-    if (!CLUSTER && !active) return;  // a block of a cluster still waits at its end, below
+    // A block of a cluster still waits at its end, below; a DWL block adds its share there.
+    if (!CLUSTER && !DWL && !active) return;
 
     // Epilogue.
     if (active) {
@@ -766,6 +780,90 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                     if (r < M && c < N)
                         C[(size_t)r * ldc + c] = dt_epilogue<EPI>(acc[mi][ni][q], bv[ni][q & 1], mv[mi][ni][q]);
                 }
+    }
+    if constexpr (DWL) {
+        // The output layer's dW and db (LastDw). This block's share is dY's 64 rows
+        // (the ring's slot 0, A's one k tile) against its 64 x 64 tile of H (the mask,
+        // in registers, staged into slot 1, which one k tile leaves unused): each
+        // thread takes one column of H and 32 rows, adding K products a row in FP32
+        // FMAs in row order, and the two halves of the rows are added (the first
+        // half's plus the second's) into slot 0's B tile, done with since the MMAs. db's share (grid
+        // column 0): one thread a column of dY, its 64 rows in order. Then the column's
+        // row tiles, one cluster, add the shares in row-tile order over distributed
+        // shared memory, each block a slice of the K x 64 values. FP32 in a fixed
+        // order: bitwise reproducible for a fixed launch.
+        constexpr int HS = BN + 8;  // H's staged rows, floats apart
+        static_assert(EPI == EPI_MASK && A_KFAST && !CLUSTER && !DW0 && !X0 && THREADS == 2 * BN && BM % 2 == 0 &&
+                          STAGES >= 2 && BM * HS <= STAGE && BK * BN + BK <= SB::FLOATS && SA::STRIDE % 4 == 0,
+                      "H staged in slot 1, the share and db's in slot 0's B tile, dY's rows as float4s");
+        if (K > BK || splits != 1 || dt_cluster_blocks() != gridDim.y) __trap();  // the host refuses them first
+        float* const hs = smem + STAGE;
+        float* const share = smem + SA::FLOATS;  // [K][BN], then db's [K] at BK * BN
+        __syncthreads();  // every warp's MMAs are over: slot 0's B tile is free
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                for (int q = 0; q < 4; ++q)  // mv is 0 outside C; a warp wholly outside it loaded none
+                    hs[(frag_row(mi, q) - i0) * HS + frag_col(ni, q & 1) - j0] = active ? mv[mi][ni][q] : 0.0f;
+        __syncthreads();
+        const int col = tid % BN, half = tid / BN, k4 = (K + 3) / 4;
+        float p[BK];
+#pragma unroll
+        for (int r = 0; r < BK; ++r) p[r] = 0.0f;
+#pragma unroll 4
+        for (int i = half * (BM / 2); i < (half + 1) * (BM / 2); ++i) {
+            const float h = hs[i * HS + col];
+            const float4* a4 = reinterpret_cast<const float4*>(smem + i * SA::STRIDE);  // dY's row i0 + i
+#pragma unroll
+            for (int r4 = 0; r4 < BK / 4; ++r4)
+                if (r4 < k4) {
+                    const float4 a = a4[r4];
+                    p[4 * r4] = fmaf(a.x, h, p[4 * r4]);
+                    p[4 * r4 + 1] = fmaf(a.y, h, p[4 * r4 + 1]);
+                    p[4 * r4 + 2] = fmaf(a.z, h, p[4 * r4 + 2]);
+                    p[4 * r4 + 3] = fmaf(a.w, h, p[4 * r4 + 3]);
+                }
+        }
+        if (half == 1) {
+#pragma unroll
+            for (int r = 0; r < BK; ++r)
+                if (r < K) share[r * BN + col] = p[r];
+            if (blockIdx.x == 0 && col < K) {
+                float v = 0.0f;
+                for (int i = 0; i < BM; ++i) v += smem[i * SA::STRIDE + col];
+                share[BK * BN + col] = v;
+            }
+        }
+        __syncthreads();
+        if (half == 0) {
+#pragma unroll
+            for (int r = 0; r < BK; ++r)
+                if (r < K) share[r * BN + col] = p[r] + share[r * BN + col];
+        }
+        dt_cluster_barrier();  // every row tile's share is staged
+        const unsigned int ranks = gridDim.y, rank = dt_cluster_rank();
+        const unsigned int share0 = smem0 + 4u * SA::FLOATS;
+        for (int e = rank * THREADS + tid; e < K * BN; e += ranks * THREADS) {
+            float v[8];
+#pragma unroll
+            for (int y = 0; y < 8; ++y)  // every load out before the adds
+                v[y] = y < (int)ranks ? dt_cluster_load(dt_cluster_address(share0 + 4u * e, y)) : 0.0f;
+            float sum = 0.0f;
+#pragma unroll
+            for (int y = 0; y < 8; ++y) sum += v[y];  // the row tiles in order; the rest add 0
+            const int r = e / BN, c = j0 + e % BN;
+            if (c < N) lw.dw[(size_t)r * lw.ldw + c] = sum;
+        }
+        if (blockIdx.x == 0 && rank == 0 && tid < K) {
+            float sum = 0.0f;
+            for (unsigned int y = 0; y < ranks; ++y) sum += dt_cluster_load(dt_cluster_address(share0 + 4u * (BK * BN + tid), y));
+            lw.db[tid] = sum;
+        }
+        dt_cluster_arrive();  // this block's reads of the others' shares are done
+        dt_cluster_wait();    // and theirs of its own: only then may it leave
+        return;
     }
     if constexpr (CLUSTER) if (clustered) dt_cluster_wait();  // the arrival above: every thread ends it
 }
@@ -986,6 +1084,12 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
         tc::gemm<tc::CFG, tc::PREC_3XTF32, true, false, EPI_MASK, VEC, true, true, false, SETTLED>(       \
             DT_GEMM_ARGS, gate, tc::FirstDw{x0, ldx0, in0, dw0, db0, work0, counters0});                  \
     }
+#define DT_DWL_PARAMS , float *dwl, int ldwl, float *dbl
+#define DT_TC_DWL_KERNEL(NAME, VEC)                                                                        \
+    extern "C" __global__ void __launch_bounds__(tc::Tile64x64::THREADS) NAME(DT_GEMM_PARAMS DT_DWL_PARAMS) { \
+        tc::gemm<tc::Tile64x64, tc::PREC_3XTF32, true, false, EPI_MASK, VEC, false, false, false, false, true>( \
+            DT_GEMM_ARGS, gate, tc::FirstDw{}, tc::FirstLayer{}, tc::LastDw{dwl, ldwl, dbl});                 \
+    }
 #define DT_X0_PARAMS , const float *x0, int ldx0, int in0, const float *w0, const float *b0
 #define DT_TC_X0_KERNEL(NAME, EPI, VEC, SETTLED)                                                          \
     extern "C" __global__ void __launch_bounds__(tc::Tile32x32::THREADS) NAME(DT_GEMM_PARAMS DT_X0_PARAMS) { \
@@ -1023,6 +1127,10 @@ DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp16_cluster_3xtf32, Tile32x32, tru
 DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp4_cluster_3xtf32, Tile32x32, false, false)
 DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp16_cluster_settled_3xtf32, Tile32x32, true, true)
 DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp4_cluster_settled_3xtf32, Tile32x32, false, true)
+// The output layer's grad-input product with its dW and db folded in (tc::LastDw; the
+// arguments after gate), launched as clusters (1, gridDim.y, 1).
+DT_TC_DWL_KERNEL(linear_grad_input_dwl_64x64_cp16_cluster_3xtf32, true)
+DT_TC_DWL_KERNEL(linear_grad_input_dwl_64x64_cp4_cluster_3xtf32, false)
 // The second layer's forward with the first layer computed in it (tc::FirstLayer; the
 // arguments after gate): A is where H0 is stored, or 0.
 DT_TC_X0_KERNEL(linear_forward_x0_32x32_cp16_cluster_tf32, EPI_BIAS, true, false)

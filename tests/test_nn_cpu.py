@@ -288,10 +288,12 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
             # gemm.cu's clusters ask for the load-balancing placement; the wgmma kernels' the default.
             assert cluster_policy == ("load_balancing" if cluster and "_wgmma_" not in name else None), name
             # gemm.cu runs its clusters on `_cluster_` kernels, and those run every product
-            # of S <= 4 on the 32x32 tile where clusters are on (compute capability 9.0).
+            # of S <= 4 on the 32x32 tile where clusters are on (compute capability 9.0),
+            # and the output layer's dX with its dW folded in (the 64x64 tile's `_dwl_`).
             if "_wgmma_" not in name:
                 assert cluster is None or "_cluster_" in name, name
-                assert ("_cluster_" in name) == (cc >= (9, 0) and "_32x32_" in name and grid[2] <= 4), name
+                assert ("_cluster_" in name) == (cc >= (9, 0) and ("_32x32_" in name and grid[2] <= 4
+                                                                   or "_dwl_64x64_" in name)), name
             launches.append((name, grid, args, stream, shared_mem, cluster))
         # 8 GPCs of 16 SMs, one wgmma block per SM (64 clusters of 2, 32 of 4, 16 of 8),
         # 4 of the 64x64 tile's, 8 of the 32x32 tile's with 16-byte copies but 6 with 4-byte
@@ -306,6 +308,60 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
     monkeypatch.setattr(mlp_module, "tensor_map_2d", lambda span, box, *, shape, ld: SimpleNamespace(
         raw=(span.ptr, shape, ld, box, span.nbytes)))
     monkeypatch.setattr(mlp_module, "_operand_maps", {})
+
+
+def test_last_dw_plans_only_an_unsplit_64x64_dx_of_at_most_32_outputs_and_8_row_tiles(monkeypatch):
+    """LinearKernels.plan_last_dw and launch_last_dw: the output layer's dX with its dW
+    and db folded in runs where its own plan is the 64x64 tile unsplit, with at most 32
+    outputs (one k tile) and 8 row tiles (one cluster of them), never without clusters
+    (compute capability 8.0) nor in FP32 FFMA; its launch is one cluster per column of
+    row tiles, its dW and db after the gate, no scratch. The kernel's names, and the
+    launches the helpers refuse."""
+    assert kernel_name("grad_input_dwl", "3xtf32", TILES[0], 4, cluster=True) == \
+        "linear_grad_input_dwl_64x64_cp4_cluster_3xtf32"
+    for bad in (dict(tile=TILES[1], vector=16, cluster=True), dict(tile=TILES[0], vector=16, cluster=False),
+                dict(tile=TILES[0], vector=16, cluster=True, settled=True)):
+        with pytest.raises(ValueError):
+            kernel_name("grad_input_dwl", "3xtf32", **bad)
+    with pytest.raises(ValueError):
+        kernel_name("grad_input_dwl", "f32", TILES[0], 16, cluster=True)
+    launches = []
+    _fake_kernels(monkeypatch, launches, (9, 0))
+    bk = mlp_module.MLP(ParamLayout.from_widths([128, 1024, 1024, 19])).backward_kernels
+    p = bk.plan_last_dw(512, 1024, 19)
+    assert (p.tile.name, p.splits, p.cluster, p.workspace_floats, p.counters) == ("64x64", 1, True, 0, 0)
+    assert bk.plan_last_dw(512, 1024, 32) is not None and bk.plan_last_dw(300, 1400, 1) is not None
+    assert bk.plan_last_dw(512, 1024, 33) is None  # two k tiles
+    assert bk.plan_last_dw(513, 1024, 19) is None  # 9 row tiles
+    assert bk.plan_last_dw(256, 256, 3) is None  # its own plan: the 32x32 tile
+    buf = lambda address, shape: DeviceBuffer._view(None, address, shape, np.float32)
+    dy, w, dx, h = buf(1 << 36, (450, 19)), buf(1 << 37, (19, 1000)), buf(1 << 38, (450, 1000)), buf(1 << 39, (450, 1000))
+    dw, db = buf(1 << 40, (19, 1000)), buf(1 << 41, (19,))
+    bk.launch_last_dw(dy, 19, w, 1000, dx, 1000, 450, 1000, 19, mask=h, ldm=1000, dw=dw, lddw=1000, db=db,
+                      stream=None)
+    name, grid, args, stream, shared_mem, cluster = launches[-1]
+    assert (name, grid, cluster, shared_mem) == ("linear_grad_input_dwl_64x64_cp4_cluster_3xtf32", (16, 8, 1),
+                                                 (1, 8, 1), 0)
+    assert args[:13] == (dy, 19, w, 1000, dx, 1000, 450, 1000, 19, 0, h, 1000, 0)
+    assert args[13:] == (0, 0, 0, dw, 1000, db)  # workspace, counters, gate; then dW, its rows' stride, db
+    with pytest.raises(ValueError):
+        bk.launch_last_dw(dy, 19, w, 1000, dx, 1000, 513, 1000, 19, mask=h, ldm=1000, dw=dw, lddw=1000, db=db,
+                          stream=None)
+    kernel = bk.last_dw[4]
+    with pytest.raises(ValueError):  # the kernel needs its dW and db
+        mlp_module.gemm(kernel, dy, 19, w, 1000, dx, 1000, 450, 1000, 19, None, mask=h, ldm=1000)
+    with pytest.raises(ValueError):  # dW's rows closer than its width
+        mlp_module.gemm(kernel, dy, 19, w, 1000, dx, 1000, 450, 1000, 19, None, mask=h, ldm=1000,
+                        last_dw=(dw, 999, db))
+    with pytest.raises(ValueError):  # only the dwl kernels take them
+        mlp_module.gemm(bk.kernels[("grad_input", TILES[0], 4)], dy, 19, w, 1000, dx, 1000, 450, 1000, 19, None,
+                        mask=h, ldm=1000, last_dw=(dw, 1000, db))
+    assert len(launches) == 1
+    for cc, backward in (((8, 0), "3xtf32"), ((9, 0), "f32")):
+        launches.clear()
+        _fake_kernels(monkeypatch, launches, cc)
+        model = mlp_module.MLP(ParamLayout.from_widths([128, 1024, 1024, 19]), backward=backward)
+        assert model.backward_kernels.plan_last_dw(512, 1024, 19) is None and not model.last_dw_folded(512)
 
 
 def test_head_plans_a_cluster_where_its_row_tiles_fit_else_the_workspace(monkeypatch):
@@ -472,8 +528,8 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
             assert b_is_weight == ("grad_weight" not in name), name
         # gemm.cu's tensor-core products whose B is a weight run `_settled_` where the caller
         # said so, and the forward's products after its first always; the FFMA, wgmma and
-        # dW products never do.
-        tensor_core = "_wgmma_" not in name and not name.endswith("_f32")
+        # dW products never do, nor the output layer's dX with its dW folded in (no such kernel).
+        tensor_core = "_wgmma_" not in name and not name.endswith("_f32") and "_dwl_" not in name
         later_forward = "_forward" in name and i > first_forward
         assert ("_settled_" in name) == ((settled or later_forward) and tensor_core and "grad_weight" not in name), \
             name
@@ -494,6 +550,19 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
             assert (dw0.ptr, db0.ptr) == (grads.weight(0).ptr, grads.bias(0).ptr)
             assert work.size == grid[0] * grid[1] * 32 * (in0 + 1) and strip_counters.size == grid[0]
             assert args[10].ptr == fwd.activations[1].ptr  # the mask: layer 1's input
+        if "_dwl_" in name:  # the output layer's dX with its dW and db: its row tiles as one cluster
+            last = len(layout.layers) - 1
+            assert cc >= (9, 0) and backward == "3xtf32" and widths[-1] <= mlp_module.LAST_DW_MAX_OUT
+            assert (m, n, k) == (batch, widths[-2], widths[-1]) and splits == 1 and cluster == (1, grid[1], 1)
+            assert grid[1] <= 8 and grid == (-(-n // 64), -(-m // 64), 1)
+            dw, ldw, db = args[16:]
+            assert (dw.ptr, ldw, db.ptr) == (grads.weight(last).ptr, widths[-2], grads.bias(last).ptr)
+            assert (args[0].ptr, args[1]) == (dout.ptr, widths[-1])  # A: dY of the output layer
+            assert (args[2].ptr, args[3]) == (params.weight(last).ptr, widths[-2])  # B: its weight
+            assert args[10].ptr == fwd.activations[last].ptr and args[11] == widths[-2]  # the mask: its input
+            assert args[4].shape == (batch, widths[-2]) and in_arena(args[4].ptr, args[4].nbytes)  # dX, stored
+            assert stream is main
+            args = args[:16]
         if "_x0_" in name:  # layers 0 and 1 in one launch: layer 0 computed in layer 1's product
             assert cc >= (9, 0) and tf32 and widths[0] <= mlp_module.DW0_MAX_IN and stream is main
             assert (m, n, k) == (batch, widths[2], widths[1]) and splits <= 4
@@ -510,7 +579,7 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
         # A tensor-core product whose clusters all fit at once (compute capability 9.0)
         # launches each tile's splits as one cluster that sums them in shared memory,
         # with no workspace.
-        if cluster is not None and "_head_" not in name:  # the head's cluster: checked above
+        if cluster is not None and "_head_" not in name and "_dwl_" not in name:  # those: checked above
             assert cc >= (9, 0) and not name.endswith("_f32") and splits > 1 and cluster == (1, 1, splits), name
             bm, bn = (128, 128) if "_wgmma_" in name else _tile_of(name)
             per_sm = 6 if bm == 32 else 4 if bm == 64 else 1  # the 32x32 tile: its cp4 kernels' count
@@ -545,9 +614,15 @@ def test_scratch_and_zeroed_bytes_are_what_the_launches_take(monkeypatch, widths
     folded = cc == (9, 0) and backward == "3xtf32" and widths[0] <= mlp_module.DW0_MAX_IN and len(widths) >= 4
     assert model.first_dw_folded(batch) == folded
     assert sum("_dw0_" in e[0] for e in kernels) == folded
-    assert sum("grad_weight" in e[0] for e in kernels) == len(layout.layers) - folded
+    last_folded = cc == (9, 0) and backward == "3xtf32" and widths[1] == 1024  # 512 x 1024 x 19 on 64x64
+    assert model.last_dw_folded(batch) == last_folded
+    assert sum("_dwl_" in e[0] for e in kernels) == last_folded
+    unfolded_last = mlp_module.MLP(layout, tf32=tf32, backward=backward, presplit=presplit, fold_last_dw=False)
+    assert not unfolded_last.last_dw_folded(batch)
+    assert not any(role == "grad_input_dwl" for role, *_ in unfolded_last._roles(batch, sms=sms))
+    assert sum("grad_weight" in e[0] for e in kernels) == len(layout.layers) - folded - last_folded
     pre = bool(model.presplit_layers(batch))
-    assert [e[0] for e in launches].count("fork") == len(layout.layers) - 1 + pre
+    assert [e[0] for e in launches].count("fork") == len(layout.layers) - 1 + pre - last_folded
     assert launches[-1][0] == "join"
     if pre:  # the weights' split is recorded on the side stream, and the chain waits for it before dX
         events = [i for i, e in enumerate(launches) if e[0] in ("record", "wait")]
@@ -779,13 +854,14 @@ def test_forward_layers_and_backward_dx_last(monkeypatch):
     assert [e[0] for e in launches if e[0] in ("fork", "join")] == []  # nothing forked, nothing joined
 
 
-def _presplit_net(monkeypatch, widths, batch):
-    """A pre-split MLP on the fakes (compute capability 9.0), with its parameters and
-    gradients, a main and a side stream, a forward queued on main, dout, and the log."""
+def _presplit_net(monkeypatch, widths, batch, **options):
+    """A pre-split MLP on the fakes (compute capability 9.0; ``options`` to MLP), with its
+    parameters and gradients, a main and a side stream, a forward queued on main, dout,
+    and the log."""
     launches = []
     _fake_kernels(monkeypatch, launches, (9, 0))
     layout = ParamLayout.from_widths(widths)
-    model = mlp_module.MLP(layout, tf32=False, presplit=True)
+    model = mlp_module.MLP(layout, tf32=False, presplit=True, **options)
     arena = _FakeArena()
     params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
     main, side = _FakeStream(launches, "main"), _FakeStream(launches, "side")
@@ -816,16 +892,19 @@ def test_backward_checks_weight_splits_before_queuing_anything(monkeypatch):
     assert ("wait", main, ws.event) in launches[queued:]
 
 
+@pytest.mark.parametrize("fold_last_dw", [True, False], ids=["last-dw-folded", "last-dw-apart"])
 @pytest.mark.parametrize("weight_stream", [1, 2, 0], ids=["weight-stream", "two-weight-streams", "one-stream"])
-def test_every_presplit_product_follows_its_splits_on_its_own_stream(monkeypatch, weight_stream):
+def test_every_presplit_product_follows_its_splits_on_its_own_stream(monkeypatch, weight_stream, fold_last_dw):
     """A first layer 512 -> 1024 runs its dW pre-split on the main stream: its input's
     split goes there too, ahead of it (not beside the chain, where nothing would order
     the two). Every pre-split product's operands are split earlier on the product's
     stream, or on a stream it waited for. With two weight streams the output layer's
     dW runs on the first, the hidden layer's (and its input's split) on the second,
-    and both are joined back."""
-    launches, model, arena, params, grads, main, side, fwd, dout = _presplit_net(monkeypatch, [512, 1024, 1024, 19],
-                                                                                 512)
+    and both are joined back; where the output layer's dW is folded into its dX, it
+    runs there, on the main stream."""
+    launches, model, arena, params, grads, main, side, fwd, dout = _presplit_net(
+        monkeypatch, [512, 1024, 1024, 19], 512, fold_last_dw=fold_last_dw)
+    assert model.last_dw_folded(512) == fold_last_dw
     side2 = _FakeStream(launches, "side2")
     assert model.presplit_layers(512) == {0: (False, True), 1: (True, True)}
     start = len(launches)
@@ -863,7 +942,11 @@ def test_every_presplit_product_follows_its_splits_on_its_own_stream(monkeypatch
     assert len(dws) == 2 and dws[-1][3] is main  # the first layer's dW, on the chain
     if weight_stream == 2:  # the output layer's dW (not pre-split) and the hidden layer's, side by side
         out_dw = [e for e in log if e[0].startswith("linear_grad_weight_") and "_presplit_" not in e[0]]
-        assert len(out_dw) == 1 and out_dw[0][3] is side and dws[0][3] is side2
+        if model.last_dw_folded(512):  # the output layer's dW rides on its dX, on the chain
+            dwl = [e for e in log if "_dwl_" in e[0]]
+            assert not out_dw and len(dwl) == 1 and dwl[0][3] is main and dws[0][3] is side2
+        else:
+            assert len(out_dw) == 1 and out_dw[0][3] is side and dws[0][3] is side2
     first_input = fwd.activations[0].ptr
     split_of_x = [e for e in log if e[0] == "tf32_split" and e[2][0].ptr == first_input]
     assert len(split_of_x) == 1 and split_of_x[0][3] is main and log.index(split_of_x[0]) < log.index(dws[-1])

@@ -164,6 +164,103 @@ def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(d
     assert all(np.isnan(a.to_numpy()).all() for a in fwd.activations[1:])
 
 
+@pytest.mark.parametrize("m, n, k", [(512, 1024, 19), (450, 1000, 32), (300, 1400, 1), (129, 4000, 5)])
+def test_output_layer_dw_in_its_dx_matches_float64(device, stream, rng, m, n, k):
+    """The output layer's dX product with its dW and db summed in the same launch
+    (``linear_grad_input_dwl_64x64_*_cluster_3xtf32``, the row tiles of a column as one
+    cluster; 8, 8 ragged, 5 and 3 row tiles, columns off the tile's edge, 32, 19, 5 and
+    1 outputs): dX, dW and db within 1e-5 of float64 with every output poisoned first,
+    dX bit for bit the plain grad-input kernel's; dW with rows wider apart than its
+    width; the same bits over graph replays with the outputs poisoned between them;
+    nothing written while the gate is set."""
+    from drvtrain import capture
+    from drvtrain.nn.mlp import LinearKernels, vector_width
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"the fold runs its row tiles as a cluster: compute capability 9.0; this is {device.arch}")
+    bk = LinearKernels(("grad_input", "grad_weight"), "3xtf32", device.sm_count)
+    assert bk.plan_last_dw(m, n, k) is not None
+    dy_h = rng.standard_normal((m, k)).astype(np.float32)
+    w_h = rng.standard_normal((k, n)).astype(np.float32)
+    h_h = np.maximum(rng.standard_normal((m, n)), 0.0).astype(np.float32)  # a ReLU's output: half zeros
+    want_dx = (dy_h.astype(np.float64) @ w_h.astype(np.float64)) * (h_h > 0)
+    want_dw = dy_h.T.astype(np.float64) @ h_h.astype(np.float64)
+    want_db = dy_h.astype(np.float64).sum(axis=0)
+    dy, w, h = (DeviceBuffer.from_numpy(a) for a in (dy_h, w_h, h_h))
+    ldw = n + 3  # dW's rows wider apart than n: the columns past n stay poisoned
+    dx, dx_plain = DeviceBuffer((m, n), np.float32), DeviceBuffer((m, n), np.float32)
+    dw, db = DeviceBuffer((k, ldw), np.float32), DeviceBuffer((k,), np.float32)
+    outs = (dx, dw, db)
+
+    def launch(gate=None):
+        return bk.launch_last_dw(dy, k, w, n, dx, n, m, n, k, mask=h, ldm=n, dw=dw, lddw=ldw, db=db, stream=stream,
+                                 gate=gate)
+
+    for buf in outs + (dx_plain,):
+        buf.poison(stream=stream)
+    kernel = launch()
+    assert kernel.name == f"linear_grad_input_dwl_64x64_cp{vector_width(dy, k, w, n)}_cluster_3xtf32"
+    arena = Arena(1 << 20, zeroed_bytes=4096)
+    plain = bk.launch("grad_input", dy, k, w, n, dx_plain, n, m, n, k, arena=arena, stream=stream, mask=h, ldm=n)
+    assert plain.tile.name == "64x64" and "_dwl_" not in plain.name
+    stream.synchronize()
+    got_dx, got_dw, got_db = dx.to_numpy(), dw.to_numpy(), db.to_numpy()
+    assert not np.isnan(got_dx).any() and not np.isnan(got_dw[:, :n]).any() and not np.isnan(got_db).any()
+    assert np.isnan(got_dw[:, n:]).all()  # past dW's width: untouched
+    assert rel(got_dx, want_dx) < 1e-5 and rel(got_dw[:, :n], want_dw) < 1e-5 and rel(got_db, want_db) < 1e-5
+    assert np.array_equal(got_dx, dx_plain.to_numpy())
+    with capture(stream) as g:
+        launch()
+    exe = g.instantiate()
+    for _ in range(3):
+        for buf in outs:
+            buf.poison(stream=stream)
+        exe.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(dx.to_numpy(), got_dx)
+        assert np.array_equal(dw.to_numpy()[:, :n], got_dw[:, :n]) and np.array_equal(db.to_numpy(), got_db)
+    exe.close()
+    gate = DeviceBuffer.from_numpy(np.array([1], np.int32))
+    for buf in outs:
+        buf.poison(stream=stream)
+    launch(gate=gate)
+    stream.synchronize()
+    assert all(np.isnan(buf.to_numpy()).all() for buf in outs)
+
+
+def test_output_layer_dw_folded_in_the_backward_matches_float64_and_the_unfolded_one(device, stream, rng):
+    """MLP.last_dw_folded on the large net (512 rows, 19 outputs): every gradient
+    within 1e-5 of float64 either way, and every gradient but the output layer's dW
+    and db bit for bit the unfolded backward's (the output layer's dX is the same
+    product on the same tile)."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"the fold runs its row tiles as a cluster: compute capability 9.0; this is {device.arch}")
+    batch, layout = 512, make_layout([128, 1024, 1024, 19])
+    params = random_params(layout, rng)
+    x = DeviceBuffer.from_numpy(rng.standard_normal((batch, 128)).astype(np.float32))
+    dout = DeviceBuffer.from_numpy(rng.standard_normal((batch, 19)).astype(np.float32))
+    got = {}
+    for fold in (True, False):
+        mlp = MLP(layout, fold_last_dw=fold)
+        assert mlp.last_dw_folded(batch) == fold
+        grads = FlatBuffer(layout)
+        grads.buffer.poison(stream=stream)
+        arena = Arena(mlp.scratch_bytes(batch), zeroed_bytes=mlp.zeroed_bytes(batch) + 256)
+        fwd = mlp.forward(params, x, arena=arena, stream=stream)
+        mlp.backward(params, grads, fwd, dout, arena=arena, stream=stream)
+        assert arena.fallback_count == 0
+        acts = [x.to_numpy().astype(np.float64)] + [a.to_numpy().astype(np.float64) for a in fwd.activations[1:]]
+        want = mlp_backward(params.to_numpy(), acts, dout.to_numpy())
+        got[fold] = grads.to_numpy()
+        for name, v in want.items():
+            assert not np.isnan(got[fold][name]).any(), name
+            assert rel(got[fold][name], v) < 1e-5, f"{name}: rel {rel(got[fold][name], v):.3g}"
+    last = {f"layer{len(layout.layers) - 1}.weight", f"layer{len(layout.layers) - 1}.bias"}
+    assert last <= set(got[True])
+    for name in got[True]:
+        if name not in last:
+            assert np.array_equal(got[True][name], got[False][name]), name
+
+
 def check_gradients(mlp, layout, batch, stream, rng):
     """Every gradient of a random loss within 1e-5 of float64 (poisoned first: none unwritten)."""
     widths = [layout.layers[0][1]] + [o for o, _ in layout.layers]

@@ -13,12 +13,14 @@ from ..tma import tensor_map_2d
 from .layout import FlatBuffer, ParamLayout
 
 __all__ = ["MLP", "Forward", "FirstDwShares", "GemmKernel", "LinearKernels", "Plan", "SplitOperand", "Tile", "TILES",
-           "FFMA_TILE", "WGMMA_TILE", "HEAD_MAX_OUT", "PRESPLIT_MAX_TILES", "WeightSplits", "wgmma_available", "gemm", "gemm_presplit",
+           "FFMA_TILE", "WGMMA_TILE", "HEAD_MAX_OUT", "LAST_DW_MAX_OUT", "PRESPLIT_MAX_TILES", "WeightSplits", "wgmma_available", "gemm", "gemm_presplit",
            "operand_map", "choose_tile", "kernel_name", "plan", "split_bytes", "split_count", "vector_width"]
 
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
 # grad_input_dw0: the same, then X0, ldx0, in0, dW0, db0, work, counters (kernels/gemm.cu's DT_DW0_PARAMS).
 _FIRST_DW_SIGNATURE = _SIGNATURE + " ptr i32 i32 ptr ptr ptr ptr"
+# grad_input_dwl: then dW, ldw, db (kernels/gemm.cu's DT_DWL_PARAMS).
+_LAST_DW_SIGNATURE = _SIGNATURE + " ptr i32 ptr"
 # The forward_x0 kernels: then X0, ldx0, in0, W0, b0 (the first layer computed in them).
 _FIRST_LAYER_SIGNATURE = _SIGNATURE + " ptr i32 i32 ptr ptr"
 # gemm_sm90a.cu's forward: X and W as tensor maps, then C, ldc, M, N, K, bias,
@@ -81,13 +83,19 @@ PRESPLIT_MAX_TILES = 16  # k tiles a split of the pre-split backward may have (g
 _SPLIT_MAX_ROWS = 65535 * 32  # tf32_split: a block per 32 rows on the grid's y axis
 _WGMMA_CC = (9, 0)
 
-_ROLES = ("forward", "forward_relu", "grad_input", "grad_weight", "grad_input_dw0", "forward_x0", "forward_relu_x0")
+_ROLES = ("forward", "forward_relu", "grad_input", "grad_weight", "grad_input_dw0", "grad_input_dwl", "forward_x0",
+          "forward_relu_x0")
 _PRECISIONS = {"forward": ("tf32", "f32"), "forward_relu": ("tf32", "f32"),
                "grad_input": ("3xtf32", "f32"), "grad_weight": ("3xtf32", "f32"), "grad_input_dw0": ("3xtf32",),
+               "grad_input_dwl": ("3xtf32",),
                "forward_x0": ("tf32",), "forward_relu_x0": ("tf32",)}
 # grad_input_dw0: the second layer's dX with the first layer's dW and db folded in
 # (kernels/gemm.cu's tc::FirstDw), for a first layer of at most DW0_MAX_IN inputs.
 DW0_MAX_IN = 8
+# grad_input_dwl: the output layer's dX with that layer's dW and db folded in
+# (kernels/gemm.cu's tc::LastDw), for an output layer of at most LAST_DW_MAX_OUT outputs
+# (dY's one k tile of the 64x64 tile) and a batch of at most 8 row tiles (one cluster).
+LAST_DW_MAX_OUT = 32
 # forward_x0, forward_relu_x0: the second layer's forward with the first layer (at most
 # DW0_MAX_IN inputs) computed in it (kernels/gemm.cu's tc::FirstLayer), for a split k
 # range of at most X0_MAX_K (its W0 and b0 are staged in shared memory).
@@ -125,6 +133,11 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
             raise ValueError(f"only the wgmma tile's 3xTF32 backward takes split operands, not {role} in "
                              f"{precision} on tile {tile.name}")
         return f"linear_{role}_wgmma_presplit_{precision}"
+    if role == "grad_input_dwl":
+        if tile is not TILE_64 or not cluster or vector not in (4, 16):
+            raise ValueError(f"grad_input_dwl runs on tile 64x64's cluster kernels only, not tile {tile.name} "
+                             f"(cluster={cluster}, {vector}-byte copies)")
+        return f"linear_grad_input_dwl_64x64_cp{vector}_cluster_{precision}"
     if role in _FOLDED and not (tile is TILE_32 and cluster and vector in (4, 16) and not presplit):
         raise ValueError(f"{role} runs on tile 32x32's cluster kernels only, not tile {tile.name} "
                          f"(cluster={cluster}, {vector}-byte copies)")
@@ -268,6 +281,8 @@ def _signature(name: str) -> str:
         return _PRESPLIT_SIGNATURE if "_presplit_" in name else _SIGNATURE
     if "_x0_" in name:
         return _FIRST_LAYER_SIGNATURE
+    if name.startswith("linear_grad_input_dwl_"):
+        return _LAST_DW_SIGNATURE
     return _FIRST_DW_SIGNATURE if name.startswith("linear_grad_input_dw0_") else _SIGNATURE
 
 
@@ -354,7 +369,7 @@ def _settled_key(kernel: GemmKernel) -> tuple:
 
 
 def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0, mask=0, ldm=0, col_sum=0,
-         splits=1, workspace=0, counters=0, gate=0, cluster=False, first_dw=(), first_layer=()):
+         splits=1, workspace=0, counters=0, gate=0, cluster=False, first_dw=(), first_layer=(), last_dw=()):
     """C[m, n] = sum_k A(i, k) B(k, j) with the operand layouts and epilogue of ``kernel``
     (kernels/gemm.cu names them), the k range split over ``splits`` blocks per tile.
     ``workspace`` and ``counters`` as :func:`plan` sizes them.
@@ -378,8 +393,23 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     ``first_layer`` (the ``forward_x0`` and ``forward_relu_x0`` kernels, and only they):
     (X0, ldx0, in0, W0, b0), the first layer whose output is A (computed, not read;
     stored at ``a`` with rows ``lda`` floats apart unless ``a`` is 0), for at most
-    :data:`X0_MAX_K` k a split (:meth:`LinearKernels.launch_first_layer`)."""
+    :data:`X0_MAX_K` k a split (:meth:`LinearKernels.launch_first_layer`).
+
+    ``last_dw`` (the ``grad_input_dwl`` kernels, and only they): (dW, ldw, db), the
+    output layer's gradients, dW = A^T mask [k, n] (rows ``ldw`` floats apart) and db
+    = the column sums of A [k], summed as well as C (:meth:`LinearKernels.launch_last_dw`);
+    the launch is one cluster of the grid's row tiles, unsplit, k at most
+    :data:`LAST_DW_MAX_OUT`."""
     tile = kernel.tile
+    if bool(last_dw) != (kernel.role == "grad_input_dwl"):
+        raise ValueError(f"{kernel.name}: last_dw goes with the grad_input_dwl kernels, and they need it")
+    if last_dw:
+        rows = -(-m // tile.bm)
+        if len(last_dw) != 3 or splits != 1 or not 1 <= k <= LAST_DW_MAX_OUT or rows > PORTABLE_CLUSTER_SIZE \
+                or last_dw[1] < n:
+            raise ValueError(f"{kernel.name}: last_dw is (dW, ldw >= n, db), unsplit, with 1 <= k <= "
+                             f"{LAST_DW_MAX_OUT} and at most {PORTABLE_CLUSTER_SIZE} row tiles (m <= "
+                             f"{PORTABLE_CLUSTER_SIZE * tile.bm})")
     if bool(first_dw) != (kernel.role == "grad_input_dw0"):
         raise ValueError(f"{kernel.name}: first_dw goes with the grad_input_dw0 kernels, and they need it")
     if first_dw and (len(first_dw) != 7 or not 1 <= first_dw[2] <= DW0_MAX_IN):
@@ -399,13 +429,15 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
     _check_cluster_splits(kernel, splits, cluster)
     dims = (1, 1, splits) if cluster and splits > 1 else None
     grid = (-(-n // tile.bn), -(-m // tile.bm), splits)
+    if last_dw:  # the row tiles of a column of C are one cluster
+        dims = (1, grid[1], 1)
     if tile is WGMMA_TILE and kernel.role.startswith("forward"):  # X [m, k] and W [n, k] as tensor maps
         operands = (operand_map(a, lda, m, k, "X"), operand_map(b, ldb, n, k, "W"), c, ldc, m, n, k, bias)
     else:
         operands = (a, lda, b, ldb, c, ldc, m, n, k, bias, mask, ldm, col_sum)
     policy = "load_balancing" if dims is not None and tile is not WGMMA_TILE else None
     kernel.kernel.launch(grid, kernel.kernel.block, *operands, workspace, counters, gate if gate is not None else 0,
-                         *first_dw, *first_layer, stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
+                         *first_dw, *first_layer, *last_dw, stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
 
 
 def _check_cluster_splits(kernel: GemmKernel, splits: int, cluster: bool) -> None:
@@ -505,6 +537,9 @@ class LinearKernels:
         # The second layer's dX with the first layer's dW folded in (launch_first_dw), by copy width.
         self.first_dw = {vector: GemmKernel("grad_input_dw0", precision, TILE_32, vector, cluster=True)
                          for vector in (16, 4) if self.clusters and precision == "3xtf32" and "grad_input" in roles}
+        # The output layer's dX with its dW and db folded in (launch_last_dw), by copy width.
+        self.last_dw = {vector: GemmKernel("grad_input_dwl", precision, TILE_64, vector, cluster=True)
+                        for vector in (16, 4) if self.clusters and precision == "3xtf32" and "grad_input" in roles}
         # The second layer's forward with the first layer computed in it (launch_first_layer),
         # by (role, copy width).
         self.first_layer = {(role, vector): GemmKernel(role + "_x0", precision, TILE_32, vector, cluster=True)
@@ -595,6 +630,40 @@ class LinearKernels:
              counters=counters, gate=gate, cluster=p.cluster, mask=mask, ldm=ldm,
              first_dw=(x0, ldx0, in0, dw0, db0, work, strip_counters))
         return work
+
+    def plan_last_dw(self, m, n, k) -> Plan | None:
+        """The plan of the ``grad_input_dwl`` product (the output layer's dX [m, n] = dY
+        [m, k] W [k, n], masked by its input X, with dW = dY^T X [k, n] and db summed in
+        the same launch), or None where it does not run: no such kernels here (compute
+        capability 9.0 with clusters, 3xTF32), ``k`` over :data:`LAST_DW_MAX_OUT`, more
+        row tiles than one cluster holds (:data:`PORTABLE_CLUSTER_SIZE`, a batch of at
+        most 512), a cluster of them that does not fit, or a product whose own plan
+        (:meth:`plan`) is not the 64x64 tile unsplit: the fold keeps the dX's launch."""
+        rows = -(-m // TILE_64.bm)
+        if not self.last_dw or not 1 <= k <= LAST_DW_MAX_OUT or rows > PORTABLE_CLUSTER_SIZE:
+            return None
+        p = self.plan("grad_input", m, n, k, vector=4)
+        if p.tile is not TILE_64 or p.splits != 1:
+            return None
+        if any(kern.kernel.max_active_clusters((1, rows, 1), kern.kernel.block, kern.shared_bytes) < 1
+               for kern in self.last_dw.values()):
+            return None
+        return Plan(TILE_64, 1, 0, 0, cluster=True)
+
+    def launch_last_dw(self, dy, ldy, w, ldw, dx, ldx, m, n, k, *, mask, ldm, dw, lddw, db, stream,
+                       gate=None) -> GemmKernel:
+        """The output layer's grad-input product, dX [m, n] = (dY [m, k] times W [k, n])
+        masked by ``mask`` (the layer's input X), with the layer's dW [k, n] = dY^T X
+        (rows ``lddw`` floats apart) and db [k] (the column sums of dY) summed in the same
+        launch: one launch for two products, in FP32 FMAs for dW and db (:meth:`plan_last_dw`
+        must plan; checked). Needs no scratch. It has no ``_settled_`` twin: W is read
+        after the grid wait even where the weights are settled. Returns the kernel that ran."""
+        if self.plan_last_dw(m, n, k) is None:
+            raise ValueError(f"no grad_input_dwl launch of {m}x{n}x{k} here")
+        kernel = self.last_dw[vector_width(dy, ldy, w, ldw)]
+        gemm(kernel, dy, ldy, w, ldw, dx, ldx, m, n, k, stream, gate=gate, mask=mask, ldm=ldm,
+             last_dw=(dw, lddw, db))
+        return kernel
 
     def plan_first_layer(self, role, m, n, k, in0, *, sms=None, splits=None) -> Plan | None:
         """The plan of ``role``'s (``forward`` or ``forward_relu``) m x n x k product of
@@ -929,6 +998,8 @@ class MLP:
     second layer's forward product where that plans (:meth:`first_layer_folded`).
     ``fold_head``: an output layer of at most :data:`HEAD_MAX_OUT` outputs is computed in
     the epilogue of the last hidden layer's product where that plans (:meth:`head_folded`).
+    ``fold_last_dw``: the output layer's dW and db are summed in its dX product where
+    that plans (:meth:`last_dw_folded`).
 
     Stateless between calls: ``forward`` returns a :class:`Forward` holding its
     activations (arena slices) and ``backward`` takes it, so two forwards of
@@ -942,16 +1013,19 @@ class MLP:
     dW = dY^T X and db (column sums of dY) in one kernel, dX = dY W masked by
     the ReLU of the layer's input in another; where :meth:`first_dw_folded`, the
     first layer's dW and db come out of the second layer's dX kernel (or, with
-    ``defer_first_dw``, out of ``AdamW.step``'s norm kernel).
+    ``defer_first_dw``, out of ``AdamW.step``'s norm kernel); where
+    :meth:`last_dw_folded`, the output layer's dW and db come out of its dX kernel.
     """
 
     def __init__(self, layout: ParamLayout, *, tf32: bool = True, backward: str = "3xtf32", wgmma: bool = True,
-                 presplit: bool = False, fold_first_layer: bool = True, fold_head: bool = True):
+                 presplit: bool = False, fold_first_layer: bool = True, fold_head: bool = True,
+                 fold_last_dw: bool = True):
         if backward not in ("3xtf32", "f32"):
             raise ValueError(f"backward must be '3xtf32' or 'f32', got {backward!r}")
         self.layout = layout
         self.fold_first_layer = bool(fold_first_layer)
         self.fold_head = bool(fold_head)
+        self.fold_last_dw = bool(fold_last_dw)
         self.tf32 = tf32
         self.backward_precision = backward
         device = get_device()
@@ -983,6 +1057,24 @@ class MLP:
             return False
         (o1, i1), in0 = layers[1], layers[0][1]
         return self.backward_kernels.plan_first_dw(batch, i1, o1, in0) is not None
+
+    def last_dw_folded(self, batch: int) -> bool:
+        """Whether the backward sums the output layer's dW and db in that layer's dX
+        product (one ``grad_input_dwl`` launch for the three, :meth:`LinearKernels.launch_last_dw`;
+        dX is still stored): a net of two or more layers whose output layer has at most
+        :data:`LAST_DW_MAX_OUT` outputs, a batch of at most 512 (8 row tiles, one
+        cluster), where that dX plans unsplit on the 64x64 tile
+        (:meth:`LinearKernels.plan_last_dw`) and neither of its products runs pre-split.
+        dW and db are then summed in FP32 FMAs instead of 3xTF32 products. The backward
+        does not fold where its caller gives ``dx_last``. Never with
+        ``MLP(fold_last_dw=False)``. Measured on the H200: docs/perf-notes.md,
+        thirty-sixth pass."""
+        layers = self.layout.layers
+        last = len(layers) - 1
+        if not self.fold_last_dw or last < 1 or last in self.presplit_layers(batch):
+            return False
+        out, inp = layers[last]
+        return self.backward_kernels.plan_last_dw(batch, inp, out) is not None
 
     def first_layer_folded(self, batch: int, *, sms=None, layers=None) -> bool:
         """Whether :meth:`forward` (with these ``sms`` and ``layers``) computes the first
@@ -1032,8 +1124,12 @@ class MLP:
         if self.head_folded(batch, sms=sms):  # one launch for the last two
             out = out[:-2] + [("forward_relu_head",) + out[-2][1:]]
         folded = self.first_dw_folded(batch)
+        folded_last = self.last_dw_folded(batch)
         for k in range(last, -1, -1):
             o, i = self.layout.layers[k]
+            if k == last and folded_last:  # one launch for the output layer's dX, dW and db
+                out.append(("grad_input_dwl", batch, i, o))
+                continue
             if k > 0 or not folded:
                 out.append(("grad_weight", o, i, batch))
             if k > 0:
@@ -1056,6 +1152,10 @@ class MLP:
                 continue
             if role == "forward_relu_head":  # head_folded planned it
                 yield role, m, n, k, kernels.plan_head(m, n, k, self.out_features, sms=share), False
+                continue
+            if role == "grad_input_dwl":  # last_dw_folded planned it; room for the dW's own launch,
+                q = kernels.plan("grad_weight", k, n, m)  # which a backward given dx_last keeps
+                yield role, m, n, k, Plan(TILE_64, 1, q.workspace_floats, q.counters, cluster=True), False
                 continue
             p = kernels.plan(role, m, n, k, sms=share)
             if p.tile is WGMMA_TILE:  # a misaligned input falls back to gemm.cu: room for either
@@ -1225,7 +1325,12 @@ class MLP:
 
         ``dx_last``: the last layer's data gradient (by its input, the ReLU mask
         applied), already computed by the caller into this [batch, in] buffer;
-        that product is then not launched and the dX chain starts from it.
+        that product is then not launched and the dX chain starts from it (and the
+        output layer's dW runs as a product of its own even where
+        :meth:`last_dw_folded`).
+
+        Where :meth:`last_dw_folded` (and no ``dx_last``), the output layer's dW and db
+        are summed in its dX launch on ``stream``, and no weight stream takes them.
 
         ``weight_stream``: when given, each layer's dW/db product but the first
         layer's runs there, forked from ``stream`` once its dY is ready, so it
@@ -1270,6 +1375,7 @@ class MLP:
                              "distinct ones")
         side_of = lambda k: sides[(last - k) % len(sides)] if sides and k > 0 else None
         folded = self.first_dw_folded(batch)  # layer 0's dW rides on layer 1's dX
+        folded_last = dx_last is None and self.last_dw_folded(batch)  # the last layer's dW on its dX
         shares = None  # what defer_first_dw leaves to the optimizer
         presplit = self.presplit_layers(batch)
         if dx_last is not None and last in presplit:  # the last layer's dX is not launched
@@ -1310,6 +1416,12 @@ class MLP:
             if split_dx or split_dw:  # dY [batch, out]: as it lies for dX, transposed for dW
                 dy_split, dyt_split = kernels.split(dy, out, batch, out, arena=arena, stream=stream, gate=gate,
                                                     as_is=split_dx, transposed=split_dw)
+            if k == last and folded_last:  # dX, dW and db in one launch on stream
+                dx = arena.array((batch, inp), np.float32)
+                kernels.launch_last_dw(dy, out, params.weight(k), inp, dx, inp, batch, inp, out, mask=x, ldm=inp,
+                                       dw=grads.weight(k), lddw=inp, db=grads.bias(k), stream=stream, gate=gate)
+                dy = dx
+                continue
             side = side_of(k)
             if side is not None:
                 fork(stream, side)
