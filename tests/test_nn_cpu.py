@@ -334,6 +334,7 @@ def test_last_dw_plans_only_an_unsplit_64x64_dx_of_at_most_32_outputs_and_8_row_
     assert bk.plan_last_dw(512, 1024, 33) is None  # two k tiles
     assert bk.plan_last_dw(513, 1024, 19) is None  # 9 row tiles
     assert bk.plan_last_dw(256, 256, 3) is None  # its own plan: the 32x32 tile
+    assert bk.plan_last_dw(512, 4096, 20) is None  # its own plan: the wgmma tile (32 x 4 blocks)
     buf = lambda address, shape: DeviceBuffer._view(None, address, shape, np.float32)
     dy, w, dx, h = buf(1 << 36, (450, 19)), buf(1 << 37, (19, 1000)), buf(1 << 38, (450, 1000)), buf(1 << 39, (450, 1000))
     dw, db = buf(1 << 40, (19, 1000)), buf(1 << 41, (19,))

@@ -642,7 +642,7 @@ class LinearKernels:
         rows = -(-m // TILE_64.bm)
         if not self.last_dw or not 1 <= k <= LAST_DW_MAX_OUT or rows > PORTABLE_CLUSTER_SIZE:
             return None
-        p = self.plan("grad_input", m, n, k, vector=4)
+        p = self.plan("grad_input", m, n, k)  # the wgmma tile where 16-byte copies would choose it: no fold
         if p.tile is not TILE_64 or p.splits != 1:
             return None
         if any(kern.kernel.max_active_clusters((1, rows, 1), kern.kernel.block, kern.shared_bytes) < 1
