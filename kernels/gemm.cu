@@ -20,7 +20,7 @@
 //     output, computed in the kernel from X0, W0 and b0 and stored at A (tc::FirstLayer; its
 //     arguments follow `gate`)
 //   linear_forward[_relu]_f32, linear_grad_input_f32, linear_grad_weight_f32: the same on FP32 FFMA.
-//   The tensor-core forward and grad-input kernels (the folded ones too) come twice: once more
+//   The tensor-core forward and grad-input kernels (the folded ones too, but for the dwl ones) come twice: once more
 //   with `settled_` before the precision, for a B that no kernel they directly depend on
 //   writes (a layer's weights): B's first tiles (and a folded first layer's W0 and b0) go
 //   out before the grid wait (tc::gemm's SETTLED).
@@ -796,7 +796,8 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         static_assert(EPI == EPI_MASK && A_KFAST && !CLUSTER && !DW0 && !X0 && THREADS == 2 * BN && BM % 2 == 0 &&
                           STAGES >= 2 && BM * HS <= STAGE && BK * BN + BK <= SB::FLOATS && SA::STRIDE % 4 == 0,
                       "H staged in slot 1, the share and db's in slot 0's B tile, dY's rows as float4s");
-        if (K > BK || splits != 1 || dt_cluster_blocks() != gridDim.y) __trap();  // the host refuses them first
+        // One k tile, unsplit, the grid's row tiles one cluster of at most 8 (the sums below).
+        if (K > BK || splits != 1 || dt_cluster_blocks() != gridDim.y || gridDim.y > 8) __trap();  // the host refuses them first
         float* const hs = smem + STAGE;
         float* const share = smem + SA::FLOATS;  // [K][BN], then db's [K] at BK * BN
         __syncthreads();  // every warp's MMAs are over: slot 0's B tile is free

@@ -351,6 +351,10 @@ def test_last_dw_plans_only_an_unsplit_64x64_dx_of_at_most_32_outputs_and_8_row_
     kernel = bk.last_dw[4]
     with pytest.raises(ValueError):  # the kernel needs its dW and db
         mlp_module.gemm(kernel, dy, 19, w, 1000, dx, 1000, 450, 1000, 19, None, mask=h, ldm=1000)
+    for m, k, splits in ((450, 33, 1), (513, 19, 1), (450, 19, 2)):  # two k tiles, 9 row tiles, a split
+        with pytest.raises(ValueError, match="last_dw is"):
+            mlp_module.gemm(kernel, dy, 19, w, 1000, dx, 1000, m, 1000, k, None, mask=h, ldm=1000, splits=splits,
+                            last_dw=(dw, 1000, db))
     with pytest.raises(ValueError):  # dW's rows closer than its width
         mlp_module.gemm(kernel, dy, 19, w, 1000, dx, 1000, 450, 1000, 19, None, mask=h, ldm=1000,
                         last_dw=(dw, 999, db))
@@ -358,6 +362,28 @@ def test_last_dw_plans_only_an_unsplit_64x64_dx_of_at_most_32_outputs_and_8_row_
         mlp_module.gemm(bk.kernels[("grad_input", TILES[0], 4)], dy, 19, w, 1000, dx, 1000, 450, 1000, 19, None,
                         mask=h, ldm=1000, last_dw=(dw, 1000, db))
     assert len(launches) == 1
+    # A caller's dx_last: no fold; the output layer's dW runs as a product of its own, on a
+    # weight stream, within the scratch the accounting reserved for the folded backward.
+    layout = ParamLayout.from_widths([128, 1024, 1024, 19])
+    model = mlp_module.MLP(layout)
+    assert model.last_dw_folded(512)
+    arena = _FakeArena()
+    params, grads = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39)
+    main, side = _FakeStream(launches, "main"), _FakeStream(launches, "side")
+    fwd = model.forward(params, buf(1 << 37, (512, 128)), arena=arena, stream=main)
+    start = len(launches)
+    model.backward(params, grads, fwd, buf(1 << 36, (512, 19)), arena=arena, stream=main, weight_stream=side,
+                   dx_last=buf(1 << 35, (512, 1024)))
+    ran = [e for e in launches[start:] if e[0].startswith("linear_")]
+    assert not any("_dwl_" in e[0] for e in ran)
+    out_dw = [e for e in ran if "grad_weight" in e[0] and e[2][4].ptr == grads.weight(2).ptr]
+    assert len(out_dw) == 1 and out_dw[0][3] is side
+    assert -(-arena.offset // 256) * 256 + 1024 <= model.scratch_bytes(512)
+    assert -(-arena.zeroed_offset // 256) * 256 <= model.zeroed_bytes(512)
+    # No cluster of the row tiles fits: no fold.
+    for kern in bk.last_dw.values():
+        monkeypatch.setattr(kern, "kernel", SimpleNamespace(block=128, max_active_clusters=lambda c, b, s: 0))
+    assert bk.plan_last_dw(512, 1024, 19) is None
     for cc, backward in (((8, 0), "3xtf32"), ((9, 0), "f32")):
         launches.clear()
         _fake_kernels(monkeypatch, launches, cc)
@@ -789,6 +815,8 @@ def test_gemm_cu_compiles_for_sm_90_with_every_kernel_the_host_names():
     names += [name.replace("_tf32", "_settled_tf32").replace("_3xtf32", "_settled_3xtf32") for name in names
               if not name.endswith("_f32") and "_grad_weight_" not in name]
     assert len(names) == 58 and sum("_settled_" in name for name in names) == 24
+    # The output layer's dX with its dW folded in: the 64x64 tile's cluster kernels, no settled twin.
+    names += [kernel_name("grad_input_dwl", "3xtf32", TILES[0], vector, cluster=True) for vector in (16, 4)]
     for name in names:
         assert name.encode() + b"\0" in cubin, name
 

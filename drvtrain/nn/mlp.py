@@ -116,11 +116,12 @@ def kernel_name(role: str, precision: str, tile: Tile = FFMA_TILE, vector: int =
     ``precision`` with ``tile`` and ``vector``-byte copies; ``presplit``: the wgmma
     backward that takes its operands split (:meth:`LinearKernels.split`); ``cluster``:
     the kernel of a gemm.cu tile that sums its splits in a cluster (``_cluster_``: only
-    tiles whose ``cluster_splits`` > 1; their other kernels hold no code for it). The
-    wgmma kernels all may, whatever ``cluster`` says. ``settled``: gemm.cu's
-    tensor-core kernel of a role whose B is a layer's weights (forward, grad-input,
-    folded or not) that loads B's first tiles before its grid wait (``_settled_``;
-    :func:`gemm` says when it may run)."""
+    tiles whose ``cluster_splits`` > 1; their other kernels hold no code for it), or,
+    for ``grad_input_dwl`` (the 64x64 tile only, always ``cluster``), its row tiles'
+    shares of dW. The wgmma kernels all may, whatever ``cluster`` says. ``settled``:
+    gemm.cu's tensor-core kernel of a role whose B is a layer's weights (forward,
+    grad-input, folded or not, but for ``grad_input_dwl``) that loads B's first tiles
+    before its grid wait (``_settled_``; :func:`gemm` says when it may run)."""
     if role not in _ROLES:
         raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
     if precision not in _PRECISIONS[role]:
@@ -209,7 +210,9 @@ class Plan:
     splits: int
     workspace_floats: int  # 0 when unsplit or clustered (MLP's accounting also reserves a fallback's)
     counters: int  # zeroed uint32 tile counters; 0 when unsplit or clustered (likewise)
-    cluster: bool = False  # the splits of a tile launch as one cluster (wgmma and 32x32 tiles); plan_head: a row tile's column tiles
+    # The splits of a tile launch as one cluster (wgmma and 32x32 tiles); plan_head: a row
+    # tile's column tiles; plan_last_dw: a column's row tiles.
+    cluster: bool = False
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
         return -(-n // self.tile.bn), -(-m // self.tile.bm), self.splits
@@ -341,7 +344,8 @@ def wgmma_available(device=None) -> bool:
 class GemmKernel:
     """A kernel of kernels/gemm.cu (or gemm_sm90a.cu) with the tile its grid is cut in;
     ``presplit``: the wgmma backward on split operands (:func:`gemm_presplit`);
-    ``cluster``: gemm.cu's kernel that sums a tile's splits in a cluster; ``settled``: its
+    ``cluster``: gemm.cu's kernel that sums a tile's splits in a cluster (``grad_input_dwl``:
+    its row tiles' shares of dW); ``settled``: its
     kernel for settled weights (both: :func:`kernel_name`). ``clusters`` says whether
     :func:`gemm` may launch it in clusters."""
 
@@ -1154,8 +1158,9 @@ class MLP:
                 yield role, m, n, k, kernels.plan_head(m, n, k, self.out_features, sms=share), False
                 continue
             if role == "grad_input_dwl":  # last_dw_folded planned it; room for the dW's own launch,
-                q = kernels.plan("grad_weight", k, n, m)  # which a backward given dx_last keeps
-                yield role, m, n, k, Plan(TILE_64, 1, q.workspace_floats, q.counters, cluster=True), False
+                q = [kernels.plan("grad_weight", k, n, m, vector=v) for v in (16, 4)]  # which dx_last keeps
+                yield role, m, n, k, Plan(TILE_64, 1, max(p.workspace_floats for p in q),
+                                          max(p.counters for p in q), cluster=True), False
                 continue
             p = kernels.plan(role, m, n, k, sms=share)
             if p.tile is WGMMA_TILE:  # a misaligned input falls back to gemm.cu: room for either

@@ -29,7 +29,8 @@ class RegressionStep:
     and gradients of activations come from the arena, rewound every step.
 
     ``weight_streams`` (0, 1 or 2): the streams of the step's own on which the
-    backward runs every layer's dW but the first's beside the dX chain
+    backward runs every layer's dW but the first's (and but the output layer's where
+    :meth:`MLP.last_dw_folded`) beside the dX chain
     (:meth:`MLP.backward`'s ``weight_stream``; with two, the last two layers' side
     by side); 0 keeps the whole backward on the caller's stream. Either way the
     results are the same bits. The fused narrow kernels (``fused``) run their
