@@ -20,10 +20,10 @@
 //     output, computed in the kernel from X0, W0 and b0 and stored at A (tc::FirstLayer; its
 //     arguments follow `gate`)
 //   linear_forward[_relu]_f32, linear_grad_input_f32, linear_grad_weight_f32: the same on FP32 FFMA.
-//   The tensor-core forward and grad-input kernels (the folded ones too, but for the dwl ones) come twice: once more
-//   with `settled_` before the precision, for a B that no kernel they directly depend on
-//   writes (a layer's weights): B's first tiles (and a folded first layer's W0 and b0) go
-//   out before the grid wait (tc::gemm's SETTLED).
+//   The tensor-core forward and grad-input kernels (the folded ones too, but for the dwl
+//   ones) come twice: once more with `settled_` before the precision, for a B that no
+//   kernel they directly depend on writes (a layer's weights): B's first tiles (and a
+//   folded first layer's W0 and b0) go out before the grid wait (tc::gemm's SETTLED).
 //
 // Tensor-core kernels: mma.sync m16n8k8 with FP32 accumulation, operands staged
 // in shared memory in their global layout by cp.async through a ring of stages.
@@ -787,17 +787,18 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         // in registers, staged into slot 1, which one k tile leaves unused): each
         // thread takes one column of H and 32 rows, adding K products a row in FP32
         // FMAs in row order, and the two halves of the rows are added (the first
-        // half's plus the second's) into slot 0's B tile, done with since the MMAs. db's share (grid
-        // column 0): one thread a column of dY, its 64 rows in order. Then the column's
-        // row tiles, one cluster, add the shares in row-tile order over distributed
-        // shared memory, each block a slice of the K x 64 values. FP32 in a fixed
-        // order: bitwise reproducible for a fixed launch.
+        // half's plus the second's) into slot 0's B tile, done with since the MMAs.
+        // db's share (grid column 0): one thread a column of dY, its 64 rows in order.
+        // Then the column's row tiles, one cluster, add the shares in row-tile order
+        // over distributed shared memory, each block a slice of the K x 64 values.
+        // FP32 in a fixed order: bitwise reproducible for a fixed launch.
         constexpr int HS = BN + 8;  // H's staged rows, floats apart
         static_assert(EPI == EPI_MASK && A_KFAST && !CLUSTER && !DW0 && !X0 && THREADS == 2 * BN && BM % 2 == 0 &&
                           STAGES >= 2 && BM * HS <= STAGE && BK * BN + BK <= SB::FLOATS && SA::STRIDE % 4 == 0,
                       "H staged in slot 1, the share and db's in slot 0's B tile, dY's rows as float4s");
-        // One k tile, unsplit, the grid's row tiles one cluster of at most 8 (the sums below).
-        if (K > BK || splits != 1 || dt_cluster_blocks() != gridDim.y || gridDim.y > 8) __trap();  // the host refuses them first
+        // One k tile, unsplit, the grid's row tiles one cluster of at most 8 (the sums
+        // below); the host refuses anything else first.
+        if (K > BK || splits != 1 || dt_cluster_blocks() != gridDim.y || gridDim.y > 8) __trap();
         float* const hs = smem + STAGE;
         float* const share = smem + SA::FLOATS;  // [K][BN], then db's [K] at BK * BN
         __syncthreads();  // every warp's MMAs are over: slot 0's B tile is free
