@@ -81,17 +81,22 @@ def test_backward_reference_follows_given_relu_masks(rng):
     """masks equal to acts > 0 change nothing; flipping one hidden unit of one row moves
     only that row's share of the gradients that unit feeds."""
     layout = ParamLayout([(5, 3), (4, 5), (2, 4)])
-    named = layout.unflatten(layout.init_numpy(int(rng.integers(1 << 30))))
-    x = rng.standard_normal((6, 3))
-    acts = mlp_forward(named, x, 3)
-    dout = rng.standard_normal((6, 2))
-    masks = [acts[1] > 0, acts[2] > 0]
+    # A net this small can draw every second-layer unit dead on every row; then no gradient
+    # reaches the first layer and no flip could show: draw again (a few times at most).
+    for _ in range(20):
+        named = layout.unflatten(layout.init_numpy(int(rng.integers(1 << 30))))
+        x = rng.standard_normal((6, 3))
+        acts = mlp_forward(named, x, 3)
+        dout = rng.standard_normal((6, 2))
+        masks = [acts[1] > 0, acts[2] > 0]
+        upstream = ((dout @ named["layer2.weight"]) * masks[1]) @ named["layer1.weight"]
+        if np.any(upstream != 0):
+            break
     plain, same = mlp_backward(named, acts, dout), mlp_backward(named, acts, dout, masks)
     for name in plain:
         np.testing.assert_array_equal(plain[name], same[name])
     # Flip the first layer's unit with the largest gradient flowing into it (a row whose
     # second-layer units are all dead would pass nothing, and the flip would change nothing).
-    upstream = ((dout @ named["layer2.weight"]) * masks[1]) @ named["layer1.weight"]
     row, unit = np.unravel_index(np.argmax(np.abs(upstream)), upstream.shape)
     assert upstream[row, unit] != 0
     flipped = [masks[0].copy(), masks[1]]
