@@ -276,6 +276,10 @@ __device__ __forceinline__ void dt_cp_async_wait() {
 // another may still access its own. Compiled for an older device (a kernel
 // file built for every architecture) they trap: the host refuses cluster
 // launches there.
+// The most blocks a cluster may have anywhere (the portable size): the kernels that sum
+// over a cluster's blocks hold this many addresses or values, and the host plans no more.
+constexpr int DT_PORTABLE_CLUSTER = 8;
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define DT_CLUSTER_ONLY(...) __trap()
 #else

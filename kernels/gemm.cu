@@ -796,9 +796,9 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         static_assert(EPI == EPI_MASK && A_KFAST && !CLUSTER && !DW0 && !X0 && THREADS == 2 * BN && BM % 2 == 0 &&
                           STAGES >= 2 && BM * HS <= STAGE && BK * BN + BK <= SB::FLOATS && SA::STRIDE % 4 == 0,
                       "H staged in slot 1, the share and db's in slot 0's B tile, dY's rows as float4s");
-        // One k tile, unsplit, the grid's row tiles one cluster of at most 8 (the sums
-        // below); the host refuses anything else first.
-        if (K > BK || splits != 1 || dt_cluster_blocks() != gridDim.y || gridDim.y > 8) __trap();
+        // One k tile, unsplit, the grid's row tiles one cluster of at most the portable
+        // size (the sums below); the host refuses anything else first.
+        if (K > BK || splits != 1 || dt_cluster_blocks() != gridDim.y || gridDim.y > DT_PORTABLE_CLUSTER) __trap();
         float* const hs = smem + STAGE;
         float* const share = smem + SA::FLOATS;  // [K][BN], then db's [K] at BK * BN
         __syncthreads();  // every warp's MMAs are over: slot 0's B tile is free
@@ -848,19 +848,20 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         const unsigned int ranks = gridDim.y, rank = dt_cluster_rank();
         const unsigned int share0 = smem0 + 4u * SA::FLOATS;
         for (int e = rank * THREADS + tid; e < K * BN; e += ranks * THREADS) {
-            float v[8];
+            float v[DT_PORTABLE_CLUSTER];
 #pragma unroll
-            for (int y = 0; y < 8; ++y)  // every load out before the adds
+            for (int y = 0; y < DT_PORTABLE_CLUSTER; ++y)  // every load out before the adds
                 v[y] = y < (int)ranks ? dt_cluster_load(dt_cluster_address(share0 + 4u * e, y)) : 0.0f;
             float sum = 0.0f;
 #pragma unroll
-            for (int y = 0; y < 8; ++y) sum += v[y];  // the row tiles in order; the rest add 0
+            for (int y = 0; y < DT_PORTABLE_CLUSTER; ++y) sum += v[y];  // the row tiles in order; the rest add 0
             const int r = e / BN, c = j0 + e % BN;
             if (c < N) lw.dw[(size_t)r * lw.ldw + c] = sum;
         }
         if (blockIdx.x == 0 && rank == 0 && tid < K) {
             float sum = 0.0f;
-            for (unsigned int y = 0; y < ranks; ++y) sum += dt_cluster_load(dt_cluster_address(share0 + 4u * (BK * BN + tid), y));
+            for (unsigned int y = 0; y < ranks; ++y)
+                sum += dt_cluster_load(dt_cluster_address(share0 + 4u * (BK * BN + tid), y));
             lw.db[tid] = sum;
         }
         dt_cluster_arrive();  // this block's reads of the others' shares are done

@@ -332,7 +332,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
     const int tid = threadIdx.x, splits = gridDim.z, z = blockIdx.z, i0 = blockIdx.y * BM;
     const bool active = BLOCK == THREADS || tid < THREADS;
     if (splits > 1 && dt_cluster_blocks() == (unsigned int)splits) {
-        if (splits > 8) __trap();  // the portable cluster size, which base[] below holds
+        if (splits > DT_PORTABLE_CLUSTER) __trap();  // base[] below holds that many
         // The first group's mask, in flight across the staging. (The cluster barrier's
         // release is a memory barrier in the machine code, which may wait for it.)
         // Threads that store nothing take an empty range.
@@ -344,18 +344,18 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
         if (active) stage_tile(acc, stage);
         if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
         dt_cluster_barrier();  // every block's partial is staged
-        unsigned int base[8];  // at most 8 splits in a cluster: the portable size, which plan() checks
+        unsigned int base[DT_PORTABLE_CLUSTER];  // every split's stage, as this block addresses it
 #pragma unroll
-        for (int s = 0; s < 8; ++s) base[s] = s < splits ? dt_cluster_address(stage_addr, s) : 0u;
+        for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s) base[s] = s < splits ? dt_cluster_address(stage_addr, s) : 0u;
         const auto sum = [&](int row, int c4) {
-            float4 p[8];
+            float4 p[DT_PORTABLE_CLUSTER];
             const unsigned int at = 4u * (row * STAGE_LD + 4 * c4);
 #pragma unroll
-            for (int s = 0; s < 8; ++s)
+            for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
                 if (s < splits) p[s] = dt_cluster_load4(base[s] + at);
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-            for (int s = 0; s < 8; ++s)
+            for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
                 if (s < splits) v.x += p[s].x, v.y += p[s].y, v.z += p[s].z, v.w += p[s].w;
             return v;
         };
@@ -363,7 +363,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
         if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
             float v = 0.0f;
 #pragma unroll
-            for (int s = 0; s < 8; ++s)
+            for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
                 if (s < splits) v += dt_cluster_load(base[s] + 4u * (BM * STAGE_LD + tid));
             col_sum[i0 + tid] = v;
         }
@@ -551,20 +551,18 @@ __device__ __forceinline__ void head_finish(const Head& h, int M) {
 // the cluster's arrival), and block x adds rows x R .. x R + R - 1 (R = ceil(BM /
 // gridDim.x)) over the cluster's blocks in rank (column tile) order: head_finish's order,
 // so the same bits, with no workspace, counters or global arrival.
-constexpr int PORTABLE_CLUSTER = 8;  // the most blocks a cluster of column tiles has (the host plans no more)
-
 __device__ __forceinline__ void head_cluster_finish(const Head& h, int M, unsigned int share) {
     const int tiles = gridDim.x, rows = (BM + tiles - 1) / tiles, r0 = (int)dt_cluster_rank() * rows;
     const int i0 = blockIdx.y * BM;
-    unsigned int base[PORTABLE_CLUSTER];  // every block's share, as this block addresses it
+    unsigned int base[DT_PORTABLE_CLUSTER];  // every block's share, as this block addresses it
 #pragma unroll
-    for (int x = 0; x < PORTABLE_CLUSTER; ++x) base[x] = x < tiles ? dt_cluster_address(share, x) : 0u;
+    for (int x = 0; x < DT_PORTABLE_CLUSTER; ++x) base[x] = x < tiles ? dt_cluster_address(share, x) : 0u;
     for (int i = threadIdx.x; i < rows * HEAD_N; i += THREADS) {
         const int row = r0 + i / HEAD_N, o = i % HEAD_N;
         if (row >= BM || o >= h.n || i0 + row >= M) continue;
         float v = 0.0f;
 #pragma unroll
-        for (int x = 0; x < PORTABLE_CLUSTER; ++x)
+        for (int x = 0; x < DT_PORTABLE_CLUSTER; ++x)
             if (x < tiles) v += dt_cluster_load(base[x] + 4u * (row * HEAD_N + o));
         h.q[(size_t)(i0 + row) * h.ldq + o] = v + h.bias[o];
     }
@@ -602,7 +600,7 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
     // The row tile's column tiles as one cluster (the host's choice, LinearKernels.plan_head):
     // the shares meet in distributed shared memory instead of the workspace.
     const bool clustered = HEAD && gridDim.x > 1 && dt_cluster_blocks() == gridDim.x;
-    if (clustered && gridDim.x > PORTABLE_CLUSTER) __trap();
+    if (clustered && gridDim.x > DT_PORTABLE_CLUSTER) __trap();
     const auto load = [&](int kt) {  // thread 0 only
         const int slot = kt % STAGES;
         const unsigned int tile = smem0 + slot * STAGE_FLOATS * 4, bar = bars + 8u * slot;
