@@ -767,47 +767,38 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // A block of a cluster still waits at its end, below; a DWL block adds its share there.
     if (!CLUSTER && !DWL && !active) return;
 
-    // Epilogue.
-    if (active) {
-        if constexpr (!EARLY) load_epilogue();
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const int r = frag_row(mi, q), c = frag_col(ni, q & 1);
-                    if (r < M && c < N)
-                        C[(size_t)r * ldc + c] = dt_epilogue<EPI>(acc[mi][ni][q], bv[ni][q & 1], mv[mi][ni][q]);
-                }
-    }
     if constexpr (DWL) {
-        // The output layer's dW and db (LastDw). This block's share is dY's 64 rows
-        // (the ring's slot 0, A's one k tile) against its 64 x 64 tile of H (the mask,
-        // in registers, staged into slot 1, which one k tile leaves unused): each
-        // thread takes one column of H and 32 rows, adding K products a row in FP32
-        // FMAs in row order, and the two halves of the rows are added (the first
-        // half's plus the second's) into slot 0's B tile, done with since the MMAs.
-        // db's share (grid column 0): one thread a column of dY, its 64 rows in order.
-        // Then the column's row tiles, one cluster, add the shares in row-tile order
-        // over distributed shared memory, each block a slice of the K x 64 values.
-        // FP32 in a fixed order: bitwise reproducible for a fixed launch.
+        // The output layer's dX, dW and db (LastDw). This block's share of dW is dY's 64
+        // rows (the ring's slot 0, A's one k tile) against its 64 x 64 tile of H (the
+        // mask, loaded into registers and staged into slot 1, which one k tile leaves
+        // unused): each thread takes one column of H and 32 rows, adding K products a
+        // row in FP32 FMAs in row order, and the two halves of the rows are added (the
+        // first half's plus the second's) into slot 0's B tile, done with since the
+        // MMAs. db's share (grid column 0): one thread a column of dY, its 64 rows in
+        // order. The block arrives on the cluster barrier once its share is staged,
+        // before it stores dX (whose mask it reads back from the staged H: the same
+        // values, so the same bits), so the arrival's release waits for no global store.
+        // Then the column's row tiles, one cluster, add the shares in row-tile order over
+        // distributed shared memory, each block a slice of the K x 64 values. FP32 in a
+        // fixed order: bitwise reproducible for a fixed launch.
         constexpr int HS = BN + 8;  // H's staged rows, floats apart
-        static_assert(EPI == EPI_MASK && A_KFAST && !CLUSTER && !DW0 && !X0 && THREADS == 2 * BN && BM % 2 == 0 &&
-                          STAGES >= 2 && BM * HS <= STAGE && BK * BN + BK <= SB::FLOATS && SA::STRIDE % 4 == 0,
+        static_assert(EPI == EPI_MASK && A_KFAST && !CLUSTER && !DW0 && !X0 && !EARLY && THREADS == 2 * BN &&
+                          BM % 2 == 0 && STAGES >= 2 && BM * HS <= STAGE && BK * BN + BK <= SB::FLOATS &&
+                          SA::STRIDE % 4 == 0,
                       "H staged in slot 1, the share and db's in slot 0's B tile, dY's rows as float4s");
         // One k tile, unsplit, the grid's row tiles one cluster of at most the portable
         // size (the sums below); the host refuses anything else first.
         if (K > BK || splits != 1 || dt_cluster_blocks() != gridDim.y || gridDim.y > DT_PORTABLE_CLUSTER) __trap();
         float* const hs = smem + STAGE;
         float* const share = smem + SA::FLOATS;  // [K][BN], then db's [K] at BK * BN
+        if (active) load_epilogue();  // mv: 0 outside C; a warp wholly outside it loads none
         __syncthreads();  // every warp's MMAs are over: slot 0's B tile is free
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-                for (int q = 0; q < 4; ++q)  // mv is 0 outside C; a warp wholly outside it loaded none
+                for (int q = 0; q < 4; ++q)
                     hs[(frag_row(mi, q) - i0) * HS + frag_col(ni, q & 1) - j0] = active ? mv[mi][ni][q] : 0.0f;
         __syncthreads();
         const int col = tid % BN, half = tid / BN, k4 = (K + 3) / 4;
@@ -844,7 +835,21 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             for (int r = 0; r < BK; ++r)
                 if (r < K) share[r * BN + col] = p[r] + share[r * BN + col];
         }
-        dt_cluster_barrier();  // every row tile's share is staged
+        dt_cluster_arrive();  // this block's share is staged (release)
+        if (active) {
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const int r = frag_row(mi, q), c = frag_col(ni, q & 1);
+                        if (r < M && c < N)
+                            C[(size_t)r * ldc + c] =
+                                dt_epilogue<EPI>(acc[mi][ni][q], 0.0f, hs[(r - i0) * HS + c - j0]);
+                    }
+        }
+        dt_cluster_wait();  // every row tile's share is staged (acquire)
         const unsigned int ranks = gridDim.y, rank = dt_cluster_rank();
         const unsigned int share0 = smem0 + 4u * SA::FLOATS;
         for (int e = rank * THREADS + tid; e < K * BN; e += ranks * THREADS) {
@@ -864,9 +869,26 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                 sum += dt_cluster_load(dt_cluster_address(share0 + 4u * (BK * BN + tid), y));
             lw.db[tid] = sum;
         }
-        dt_cluster_arrive();  // this block's reads of the others' shares are done
-        dt_cluster_wait();    // and theirs of its own: only then may it leave
+        // Every remote load's value is in a store above, so the loads are over: the
+        // arrival orders nothing more (relaxed), and its wait keeps this block until the
+        // others have read its share.
+        dt_cluster_arrive_relaxed();
+        dt_cluster_wait();
         return;
+    }
+    // Epilogue.
+    if (active) {
+        if constexpr (!EARLY) load_epilogue();
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int r = frag_row(mi, q), c = frag_col(ni, q & 1);
+                    if (r < M && c < N)
+                        C[(size_t)r * ldc + c] = dt_epilogue<EPI>(acc[mi][ni][q], bv[ni][q & 1], mv[mi][ni][q]);
+                }
     }
     if constexpr (CLUSTER) if (clustered) dt_cluster_wait();  // the arrival above: every thread ends it
 }
