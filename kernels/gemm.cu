@@ -771,26 +771,32 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         // The output layer's dX, dW and db (LastDw). This block's share of dW is dY's 64
         // rows (the ring's slot 0, A's one k tile) against its 64 x 64 tile of H (the
         // mask, loaded into registers and staged into slot 1, which one k tile leaves
-        // unused): each thread takes one column of H and 32 rows, adding K products a
-        // row in FP32 FMAs in row order, and the two halves of the rows are added (the
-        // first half's plus the second's) into slot 0's B tile, done with since the
-        // MMAs. db's share (grid column 0): one thread a column of dY, its 64 rows in
-        // order. The block arrives on the cluster barrier once its share is staged,
-        // before it stores dX (whose mask it reads back from the staged H: the same
-        // values, so the same bits), so the arrival's release waits for no global store.
-        // Then the column's row tiles, one cluster, add the shares in row-tile order over
-        // distributed shared memory, each block a slice of the K x 64 values. FP32 in a
-        // fixed order: bitwise reproducible for a fixed launch.
+        // unused), on the tensor cores in 3xTF32 as the k loop computes: the m16n8k8
+        // product's m is dW's row (dY's column: two m16 tiles, zero past K, as the
+        // copies fill them), n is H's column (16 a warp: two n8 tiles), and k is the
+        // block's row (eight k8 steps). Each half of the rows is summed in fresh fragments
+        // and the halves added (the first's plus the second's), as the k loop adds each k
+        // tile's products. The share goes into slot 0's B tile, done with since the MMAs.
+        // db's share (grid column 0): four quarters of the rows, one thread a column of
+        // dY and its 16 rows in order. The block arrives on the cluster barrier once its
+        // share is staged, before it stores dX (whose mask it reads back from the staged
+        // H: the same values, so the same bits), so the arrival's release waits for no
+        // global store. Then the column's row tiles, one cluster, add the shares in
+        // row-tile order over distributed shared memory, each block a slice of the K x 64
+        // values (db: each row tile's quarters in order). A fixed order: bitwise
+        // reproducible for a fixed launch.
         constexpr int HS = BN + 8;  // H's staged rows, floats apart
-        static_assert(EPI == EPI_MASK && A_KFAST && !CLUSTER && !DW0 && !X0 && !EARLY && THREADS == 2 * BN &&
-                          BM % 2 == 0 && STAGES >= 2 && BM * HS <= STAGE && BK * BN + BK <= SB::FLOATS &&
-                          SA::STRIDE % 4 == 0,
-                      "H staged in slot 1, the share and db's in slot 0's B tile, dY's rows as float4s");
+        constexpr int WARPS = THREADS / 32, QUARTER = BM / WARPS;
+        static_assert(EPI == EPI_MASK && A_KFAST && !CLUSTER && !DW0 && !X0 && !EARLY && PREC == PREC_3XTF32 &&
+                          BK == 32 && BM == 64 && BN == 16 * WARPS && STAGES >= 2 && BM * HS <= STAGE &&
+                          BK * BN + WARPS * BK <= SB::FLOATS,
+                      "H staged in slot 1; two m16 tiles of dW's rows, two n8 tiles a warp, eight k8 steps; "
+                      "the share and db's quarters in slot 0's B tile");
         // One k tile, unsplit, the grid's row tiles one cluster of at most the portable
         // size (the sums below); the host refuses anything else first.
         if (K > BK || splits != 1 || dt_cluster_blocks() != gridDim.y || gridDim.y > DT_PORTABLE_CLUSTER) __trap();
         float* const hs = smem + STAGE;
-        float* const share = smem + SA::FLOATS;  // [K][BN], then db's [K] at BK * BN
+        float* const share = smem + SA::FLOATS;  // [K][BN], then db's quarters [WARPS][BK] at BK * BN
         if (active) load_epilogue();  // mv: 0 outside C; a warp wholly outside it loads none
         __syncthreads();  // every warp's MMAs are over: slot 0's B tile is free
 #pragma unroll
@@ -801,40 +807,63 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                 for (int q = 0; q < 4; ++q)
                     hs[(frag_row(mi, q) - i0) * HS + frag_col(ni, q & 1) - j0] = active ? mv[mi][ni][q] : 0.0f;
         __syncthreads();
-        const int col = tid % BN, half = tid / BN, k4 = (K + 3) / 4;
-        float p[BK];
-#pragma unroll
-        for (int r = 0; r < BK; ++r) p[r] = 0.0f;
+        if (blockIdx.x == 0 && lane < K) {
+            float v = 0.0f;
 #pragma unroll 4
-        for (int i = half * (BM / 2); i < (half + 1) * (BM / 2); ++i) {
-            const float h = hs[i * HS + col];
-            const float4* a4 = reinterpret_cast<const float4*>(smem + i * SA::STRIDE);  // dY's row i0 + i
-#pragma unroll
-            for (int r4 = 0; r4 < BK / 4; ++r4)
-                if (r4 < k4) {
-                    const float4 a = a4[r4];
-                    p[4 * r4] = fmaf(a.x, h, p[4 * r4]);
-                    p[4 * r4 + 1] = fmaf(a.y, h, p[4 * r4 + 1]);
-                    p[4 * r4 + 2] = fmaf(a.z, h, p[4 * r4 + 2]);
-                    p[4 * r4 + 3] = fmaf(a.w, h, p[4 * r4 + 3]);
-                }
+            for (int i = warp * QUARTER; i < (warp + 1) * QUARTER; ++i) v += smem[SA::at(i, lane)];
+            share[BK * BN + warp * BK + lane] = v;
         }
-        if (half == 1) {
+        const int n0 = warp * 16;
+        float dws[2][2][4];
 #pragma unroll
-            for (int r = 0; r < BK; ++r)
-                if (r < K) share[r * BN + col] = p[r];
-            if (blockIdx.x == 0 && col < K) {
-                float v = 0.0f;
-                for (int i = 0; i < BM; ++i) v += smem[i * SA::STRIDE + col];
-                share[BK * BN + col] = v;
+        for (int h = 0; h < 2; ++h) {
+            float part[2][2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) part[mi][ni][q] = 0.0f;
+#pragma unroll
+            for (int kk = h * (BM / 2); kk < (h + 1) * (BM / 2); kk += 8) {
+                unsigned int a[2][4], as[2][4], b[2][2], bs[2][2];
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)  // A[m][k] = dY's (row kk + k, column m)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q)
+                        split<PREC>(smem[SA::at(kk + t + (q >> 1) * 4, mi * 16 + g + (q & 1) * 8)], a[mi][q],
+                                    as[mi][q]);
+#pragma unroll
+                for (int ni = 0; ni < 2; ++ni)  // B[k][n] = H's (row kk + k, column n0 + n)
+#pragma unroll
+                    for (int q = 0; q < 2; ++q)
+                        split<PREC>(hs[(kk + t + q * 4) * HS + n0 + ni * 8 + g], b[ni][q], bs[ni][q]);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < 2; ++ni) {  // small terms first, as the k loop
+                        mma(part[mi][ni], as[mi], b[ni]);
+                        mma(part[mi][ni], a[mi], bs[ni]);
+                        mma(part[mi][ni], a[mi], b[ni]);
+                    }
             }
-        }
-        __syncthreads();
-        if (half == 0) {
 #pragma unroll
-            for (int r = 0; r < BK; ++r)
-                if (r < K) share[r * BN + col] = p[r] + share[r * BN + col];
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q)
+                        dws[mi][ni][q] = h == 0 ? part[mi][ni][q] : dws[mi][ni][q] + part[mi][ni][q];
         }
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int r = mi * 16 + g + (q >> 1) * 8;
+                    if (r < K) share[r * BN + n0 + ni * 8 + 2 * t + (q & 1)] = dws[mi][ni][q];
+                }
         dt_cluster_arrive();  // this block's share is staged (release)
         if (active) {
 #pragma unroll
@@ -865,8 +894,13 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         }
         if (blockIdx.x == 0 && rank == 0 && tid < K) {
             float sum = 0.0f;
-            for (unsigned int y = 0; y < ranks; ++y)
-                sum += dt_cluster_load(dt_cluster_address(share0 + 4u * (BK * BN + tid), y));
+            for (unsigned int y = 0; y < ranks; ++y) {
+                float v = 0.0f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w)
+                    v += dt_cluster_load(dt_cluster_address(share0 + 4u * (BK * BN + w * BK + tid), y));
+                sum += v;
+            }
             lw.db[tid] = sum;
         }
         // Every remote load's value is in a store above, so the loads are over: the
