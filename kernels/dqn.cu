@@ -18,16 +18,9 @@
 // through the caller's event fork and join, which order it the same way.
 #include "common.cuh"
 #include "dqn.cuh"
+#include "dqn_loss.cuh"
 #include "spectral.cuh"
 
-namespace {
-
-__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fffffff); }
-
-// x != x is the NaN test (no fast-math, so it is not folded away).
-__device__ __forceinline__ bool is_nan(float x) { return x != x; }
-
-}  // namespace
 
 // ============================================================== dqn_loss
 // Inputs:  q_s, q_next_online, q_next_target  [batch, 1 + n_actions] row-major,
@@ -66,22 +59,7 @@ __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 // Determinism: per-sample terms in double, fixed block trees, partials added in
 //   block order by the last block (or, with a null counter, by dqn_means_32 in
 //   the same order): bitwise reproducible for a fixed grid.
-constexpr int DQN_LOSS_THREADS = 32;
-constexpr int DQN_MAX_ACTIONS = 64;
-
 namespace {
-
-// mean(A) of one row [V, A_0 .. A_{n-1}], summed in double in index order.
-__device__ __forceinline__ float advantage_mean(const float* row, int n_actions) {
-    double s = 0.0;
-    for (int k = 0; k < n_actions; ++k) s += row[1 + k];
-    return (float)(s / n_actions);
-}
-
-// Q(., k) = V + (A_k - mean(A)), associated as in docs/step-spec.md's reference.
-__device__ __forceinline__ float dueling_q(const float* row, int k, float mean) {
-    return row[0] + (row[1 + k] - mean);
-}
 
 // n_actions out of range: NaN means. With a counter block 0 writes them; with
 // none every block leaves NaN partials, so dqn_means_* writes NaN means too.
@@ -93,59 +71,6 @@ __device__ __forceinline__ void nan_means(float* scalars, double* partials, cons
     }
     const double nan = __longlong_as_double(0x7ff8000000000000ll);
     for (int k = 0; k < 3; ++k) partials[(long long)k * gridDim.x + blockIdx.x] = nan;
-}
-
-// One sample's share of the loss, its mean Q and mean |td|.
-struct SampleTerms {
-    double loss = 0.0, q = 0.0, abs_td = 0.0;
-};
-
-// The loss of one sample from its three Q rows (both kernels below): writes its
-// priority and a*, and overwrites `row` (its Q_online(s, .) row) with its
-// gradient row dout. The NaN rules are dqn_loss's.
-__device__ __forceinline__ SampleTerms sample_loss(const float* row_next, const float* row_target, float* row,
-                                                   int a, float r, float d, float w, int batch, int n_actions,
-                                                   float gamma, float huber_delta, float* priority, int* a_star) {
-    // a* = first argmax of Q_online(s', .); any NaN among those Q poisons td.
-    int best_a = 0;
-    bool poisoned;
-    {
-        const float mean = advantage_mean(row_next, n_actions);
-        float best = dueling_q(row_next, 0, mean);
-        poisoned = is_nan(best);
-        for (int k = 1; k < n_actions; ++k) {
-            const float q = dueling_q(row_next, k, mean);
-            poisoned |= is_nan(q);
-            if (q > best) {
-                best = q;
-                best_a = k;
-            }
-        }
-    }
-    if (a_star != nullptr) *a_star = best_a;
-    const float q_target = dueling_q(row_target, best_a, advantage_mean(row_target, n_actions));
-
-    const bool valid = a >= 0 && a < n_actions;
-    const int ac = a < 0 ? 0 : (a >= n_actions ? n_actions - 1 : a);
-    float q_sa = dueling_q(row, ac, advantage_mean(row, n_actions));
-    if (!valid) q_sa = quiet_nan();
-    const float y = r + gamma * (1.0f - d) * q_target;
-    float td = y - q_sa;
-    if (poisoned) td = quiet_nan();
-    const float abs_td = fabsf(td);
-    // Written so that a NaN td takes the branch that keeps it NaN.
-    const float huber = abs_td < huber_delta ? 0.5f * td * td : huber_delta * (abs_td - 0.5f * huber_delta);
-    const float slope = abs_td >= huber_delta ? copysignf(huber_delta, td) : td;
-    const float g = -(w * slope) / (float)batch;
-    const float inv_n = 1.0f / (float)n_actions;
-    row[0] = g;
-    for (int k = 0; k < n_actions; ++k) row[1 + k] = g * ((k == ac ? 1.0f : 0.0f) - inv_n);
-    *priority = abs_td + 1e-6f;
-    SampleTerms terms;
-    terms.loss = (double)w * (double)huber;
-    terms.q = q_sa;
-    terms.abs_td = abs_td;
-    return terms;
 }
 
 // scalars[0..2] = the batch means of the three terms from partials[3][blocks]:
@@ -184,21 +109,6 @@ __device__ __forceinline__ void publish_means(SampleTerms terms, int batch, floa
     }
     if (counter == nullptr || !dt_last_block(counter, blocks)) return;
     sum_means<THREADS>(partials, blocks, batch, scalars);
-}
-
-// Copies n floats global -> shared with cp.async, THREADS threads a block: 16
-// bytes a copy when `vec` (src and dst on 16-byte boundaries), the last n % 4
-// floats 4 bytes each (a 16-byte copy that reads fewer bytes still counts as
-// a 16-byte read past the end of the source); all 4 bytes each otherwise.
-// Rolled: a copy does not wait, so unrolling would only add code.
-template <int THREADS>
-__device__ __forceinline__ void stage_floats(float* dst, const float* src, int n, bool vec) {
-    const unsigned int base = (unsigned int)__cvta_generic_to_shared(dst);
-    const int quads = vec ? n / 4 : 0;
-#pragma unroll 1
-    for (int e = threadIdx.x; e < quads; e += THREADS) dt_cp_async16(base + 16u * e, src + 4 * e, 16);
-#pragma unroll 1
-    for (int e = 4 * quads + threadIdx.x; e < n; e += THREADS) dt_cp_async4(base + 4u * e, src + e, 4);
 }
 
 }  // namespace

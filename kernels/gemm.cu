@@ -61,6 +61,7 @@
 #include "common.cuh"
 #include "epilogue.cuh"
 #include "tf32.cuh"
+#include "dqn_loss.cuh"
 
 namespace {
 
@@ -218,15 +219,37 @@ struct LastDw {
     float* db;
 };
 
+// The Double-DQN loss computed in the output layer's grad-input product (LOSS, with
+// DWL: the dqn_loss_dwl kernels). A = dout [M, K] (K = 1 + n_actions) is not read
+// but computed: each block the loss of its BM rows from their rows of the three Q
+// arrays [M, K] (dqn_loss.cuh's sample_loss, so dqn_loss's bits), into its A tile.
+// Grid column 0 stores dout (rows lda floats apart), the priorities, a* (if not
+// null) and the loss's partials [3][blocks] as dqn_loss's grid of 32-row blocks
+// leaves them (blocks = ceil(M / 32)), for dqn_means_32.
+struct DqnLoss {
+    const float* q_s;
+    const float* q_next;
+    const float* q_target;
+    const int* action;
+    const float* reward;
+    const float* done;
+    const float* weights;
+    float gamma, huber_delta;
+    float* priorities;
+    double* partials;
+    int blocks;
+    int* a_star;
+};
+
 // The split-k workspace of a launch (floats):
 //   partials: tiles * S * BM * BN, tile-major, in fragment order (fully coalesced);
 //   row sums (grad-weight only): gridDim.y * S * BM, after the partials.
 template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC, bool CLUSTER, bool DW0 = false,
-          bool X0 = false, bool SETTLED = false, bool DWL = false>
+          bool X0 = false, bool SETTLED = false, bool DWL = false, bool LOSS = false>
 __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
                                      int N, int K, const float* bias, const float* mask, int ldm, float* col_sum,
                                      float* workspace, unsigned int* counters, const int* gate, FirstDw fd = {},
-                                     FirstLayer fl = {}, LastDw lw = {}) {
+                                     FirstLayer fl = {}, LastDw lw = {}, DqnLoss dl = {}) {
     constexpr int BM = CFG::BM, BN = CFG::BN, BK = CFG::BK, STAGES = CFG::STAGES, THREADS = CFG::THREADS;
     constexpr int MI = CFG::MI, NI = CFG::NI;
     using SA = Smem<BM, BK, A_KFAST>;
@@ -421,10 +444,38 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // commits one group per tile slot, empty or not, so wait_group counts stay uniform.
     if constexpr (SETTLED && !X0) dt_wait_prior_grid();  // X0 waited above, between its weights and X0
     if constexpr (SETTLED) gated = dt_read_flag(gate);
+    // LOSS: the block's rows of the three Q arrays, in the first group with B's tile:
+    // Q(s)'s rows into the A tile (a row's K floats at its start), the other two, one
+    // after the other, into slot 1, which one k tile leaves free; and the per-sample
+    // operands of row i0 + tid into registers.
+    static_assert(!LOSS || (DWL && A_KFAST && STAGES >= 2 && 2 * BM * BK + BM <= STAGE && BM <= THREADS &&
+                            BM % 32 == 0),
+                  "the loss: Q's rows in the A tile and slot 1, one thread a row");
+    const int loss_rows = LOSS ? max(0, min(BM, M - i0)) : 0;
+    int loss_a = 0;
+    float loss_r = 0.0f, loss_d = 0.0f, loss_w = 0.0f;
+    if constexpr (LOSS) {
+        if (K < 2 || K > BK || dl.blocks != (M + 31) / 32) __trap();  // the host refuses them first
+        if (tid < loss_rows) {
+            loss_a = dl.action[i0 + tid];
+            loss_r = dl.reward[i0 + tid];
+            loss_d = dl.done[i0 + tid];
+            loss_w = dl.weights[i0 + tid];
+        }
+        const int count = loss_rows * K;
+        const size_t base = (size_t)i0 * K;
+#pragma unroll 1
+        for (int e = tid; e < count; e += THREADS) {
+            const int r = e / K, c = e - r * K;
+            dt_cp_async4(smem0 + 4u * SA::at(r, c), dl.q_s + base + e, 4);
+            dt_cp_async4(smem0 + 4u * (STAGE + e), dl.q_next + base + e, 4);
+            dt_cp_async4(smem0 + 4u * (STAGE + BM * K + e), dl.q_target + base + e, 4);
+        }
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < tiles) {
-            if constexpr (!X0) la.load(smem0 + s * STAGE * 4);
+            if constexpr (!X0 && !LOSS) la.load(smem0 + s * STAGE * 4);
             if constexpr (!SETTLED) lb.load(smem0 + (s * STAGE + SA::FLOATS) * 4);
         }
         dt_cp_async_commit();
@@ -434,6 +485,45 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     if (gated) {  // grid-uniform: no block of a cluster meets a barrier
         dt_cp_async_wait<0>();
         return;
+    }
+    if constexpr (LOSS) {
+        // A's tile past the rows and past K is zero (the MMAs' padding); the copies
+        // write the rest.
+        for (int e = tid; e < BM * BK; e += THREADS) {
+            const int r = e / BK, c = e % BK;
+            if (r >= loss_rows || c >= K) smem[SA::at(r, c)] = 0.0f;
+        }
+        dt_cp_async_wait<0>();
+        __syncthreads();
+        // Row tid's loss; grid column 0 keeps its priority and a*, the other columns put
+        // them in slot 1 past the Q rows. Its dout row overwrites its Q(s) row in place.
+        float* const spare = smem + STAGE + 2 * BM * K;
+        const bool keep = blockIdx.x == 0;
+        SampleTerms terms;
+        if (tid < loss_rows)
+            terms = sample_loss(smem + STAGE + tid * K, smem + STAGE + BM * K + tid * K, smem + SA::at(tid, 0),
+                                loss_a, loss_r, loss_d, loss_w, M, K - 1, dl.gamma, dl.huber_delta,
+                                keep ? &dl.priorities[i0 + tid] : &spare[tid],
+                                keep && dl.a_star != nullptr ? &dl.a_star[i0 + tid] : nullptr);
+        // Each warp of 32 rows: dqn_loss's block of the same rows, its tree and its partials.
+        if (keep && warp < BM / 32) {
+            double v[3] = {terms.loss, terms.q, terms.abs_td};
+            dt_block_sums<32, 3>(v);
+            const int b = blockIdx.y * (BM / 32) + warp;
+            if (lane == 0 && b < dl.blocks) {
+                dl.partials[b] = v[0];
+                dl.partials[dl.blocks + b] = v[1];
+                dl.partials[2 * dl.blocks + b] = v[2];
+            }
+        }
+        __syncthreads();  // every dout row is in the A tile
+        if (keep) {
+            float* const dout = const_cast<float*>(A);
+            for (int e = tid; e < loss_rows * K; e += THREADS) {
+                const int r = e / K, c = e - r * K;
+                dout[(size_t)(i0 + r) * lda + c] = smem[SA::at(r, c)];
+            }
+        }
     }
     if constexpr (X0) {
         // Every entry of W0^T and b0 the tiles read, zero past in0 and the split's k range.
@@ -1149,6 +1239,18 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
         tc::gemm<tc::Tile64x64, tc::PREC_3XTF32, true, false, EPI_MASK, VEC, false, false, false, false, true>( \
             DT_GEMM_ARGS, gate, tc::FirstDw{}, tc::FirstLayer{}, tc::LastDw{dwl, ldwl, dbl});                 \
     }
+#define DT_LOSS_PARAMS                                                                                      \
+    , const float *q_s, const float *q_next, const float *q_target, const int *action, const float *reward, \
+        const float *done, const float *weights, float gamma, float huber_delta, float *priorities,        \
+        double *loss_partials, int loss_blocks, int *a_star
+#define DT_TC_LOSS_DWL_KERNEL(NAME, VEC)                                                                       \
+    extern "C" __global__ void __launch_bounds__(tc::Tile64x64::THREADS)                                       \
+        NAME(DT_GEMM_PARAMS DT_DWL_PARAMS DT_LOSS_PARAMS) {                                                   \
+        tc::gemm<tc::Tile64x64, tc::PREC_3XTF32, true, false, EPI_MASK, VEC, false, false, false, false, true, \
+                 true>(DT_GEMM_ARGS, gate, tc::FirstDw{}, tc::FirstLayer{}, tc::LastDw{dwl, ldwl, dbl},        \
+                       tc::DqnLoss{q_s, q_next, q_target, action, reward, done, weights, gamma, huber_delta,   \
+                                   priorities, loss_partials, loss_blocks, a_star});                           \
+    }
 #define DT_X0_PARAMS , const float *x0, int ldx0, int in0, const float *w0, const float *b0
 #define DT_TC_X0_KERNEL(NAME, EPI, VEC, SETTLED)                                                          \
     extern "C" __global__ void __launch_bounds__(tc::Tile32x32::THREADS) NAME(DT_GEMM_PARAMS DT_X0_PARAMS) { \
@@ -1190,6 +1292,10 @@ DT_TC_DW0_KERNEL(linear_grad_input_dw0_32x32_cp4_cluster_settled_3xtf32, Tile32x
 // arguments after gate), launched as clusters (1, gridDim.y, 1).
 DT_TC_DWL_KERNEL(linear_grad_input_dwl_64x64_cp16_cluster_3xtf32, true)
 DT_TC_DWL_KERNEL(linear_grad_input_dwl_64x64_cp4_cluster_3xtf32, false)
+// The same with the Double-DQN loss computed in it (tc::DqnLoss; its arguments follow
+// the LastDw ones): A is where dout is stored, lda its row stride; K = 1 + n_actions.
+DT_TC_LOSS_DWL_KERNEL(dqn_loss_dwl_64x64_cp16_cluster_3xtf32, true)
+DT_TC_LOSS_DWL_KERNEL(dqn_loss_dwl_64x64_cp4_cluster_3xtf32, false)
 // The second layer's forward with the first layer computed in it (tc::FirstLayer; the
 // arguments after gate): A is where H0 is stored, or 0.
 DT_TC_X0_KERNEL(linear_forward_x0_32x32_cp16_cluster_tf32, EPI_BIAS, true, false)

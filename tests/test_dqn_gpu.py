@@ -803,7 +803,11 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     assert (step._head is not None) == fused
     assert step.cluster_net is None and not any(n.startswith("narrow_") for n in names)
     assert [r.measured for r in rows if r.name.startswith("output layer's forwards")] == (["1"] if fused else [])
-    assert ("dqn_head" in names) == fused and ("dqn_loss" in names) != fused
+    # The large step computes its loss in the output layer's backward product (dqn_loss_dwl).
+    loss_in_backward = step._loss_dwl is not None
+    assert loss_in_backward == (config == "large" and tuple(device.compute_capability) >= (9, 0))
+    assert ("dqn_head" in names) == fused and ("dqn_loss" in names) == (not fused and not loss_in_backward)
+    assert any(n.startswith("dqn_loss_dwl_") for n in names) == loss_in_backward
     # Pre-split products only when asked for (DQNConfig.presplit). `_settled_` kernels only
     # where MLP.forward takes them on its own: each pass's products after its first that
     # run on gemm.cu's tiles (the small net's second hidden layer; the large net's output
@@ -842,7 +846,8 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
         assert not any(b == weights[0].node.index for _, b in graph.programmatic_edges())
         forwards = [k for k in kernels if k.function.startswith("linear_forward")]
         assert forwards and all(graph.can_run_concurrently(weights[0].node, k.node) for k in forwards)
-        loss = [k for k in kernels if k.function in ("dqn_head", "dqn_loss")]
+        loss = [k for k in kernels
+                if k.function in ("dqn_head", "dqn_loss") or k.function.startswith("dqn_loss_dwl_")]
         assert len(loss) == 1 and not graph.can_run_concurrently(weights[0].node, loss[0].node)
     # Every forward and weight-gradient product starts on programmatic edges alone, those
     # on the forked streams too: a dependent launch's edges through fork's event are
@@ -1161,3 +1166,136 @@ def test_fused_head_only_where_the_output_layers_fit(device):
             assert (step._head is not None) == fused, overrides
         finally:
             step.close()
+
+
+@pytest.mark.parametrize("batch, hidden, n_actions, w_offset, broken", [
+    (512, 1024, 18, 0, False), (450, 1000, 31, 4, False), (129, 4000, 4, 0, True), (60, 6400, 7, 4, False)],
+    ids=["large", "ragged-32-outputs-4-byte-copies", "nan-and-bad-action", "one-ragged-row-tile"])
+def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apart(device, rng, batch, hidden,
+                                                                                  n_actions, w_offset, broken):
+    """gemm.cu's dqn_loss_dwl: the loss of each block's rows, then the output layer's dX,
+    dW and db from them, in one launch (the row tiles of a column as one cluster), every
+    output poisoned first. dout, the priorities, a* and the loss's partials (summed by
+    dqn_means_32) are dqn_loss's bit for bit; dX, dW and db are the fold's
+    (linear_grad_input_dwl) on that dout, bit for bit; all of them match float64. With
+    ``broken``, row 1 of Q(s') holds a NaN and row 3 an action out of range: those rows'
+    gradients and priorities are NaN, and so are dW, db and the means. Nothing is written
+    while the gate is set."""
+    from drvtrain import builtin_module
+    from drvtrain.nn.mlp import LinearKernels
+    from drvtrain.rl.dqn import LOSS_DWL_SIGNATURE, LOSS_SIGNATURE, MEANS_SIGNATURE
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"the kernel runs its row tiles as a cluster: compute capability 9.0; this is {device.arch}")
+    stream = Stream()
+    k, gamma, delta = 1 + n_actions, 0.97, 0.8
+    qs = [rng.standard_normal((batch, k)).astype(np.float32) for _ in range(3)]
+    action = rng.integers(0, n_actions, batch).astype(np.int32)
+    reward = rng.standard_normal(batch).astype(np.float32)
+    done = (rng.random(batch) < 0.3).astype(np.float32)
+    weights = rng.uniform(0.1, 1.0, batch).astype(np.float32)
+    clean = np.ones(batch, bool)
+    clean_qs, clean_action = [x.copy() for x in qs], action.copy()  # the float64 reference's
+    if broken:
+        qs[1][1, 2] = np.nan
+        action[3] = n_actions
+        clean[[1, 3]] = False
+    h_h = np.maximum(rng.standard_normal((batch, hidden)), 0.0).astype(np.float32)
+    w_h = (rng.standard_normal((k, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    w_all = DeviceBuffer.from_numpy(np.concatenate([rng.standard_normal(w_offset // 4).astype(np.float32),
+                                                    w_h.ravel()]))
+    w = w_all.view(np.float32, (k, hidden), w_offset)
+    q = [DeviceBuffer.from_numpy(x) for x in qs]
+    per_sample = [DeviceBuffer.from_numpy(x) for x in (action, reward, done, weights)]
+    h = DeviceBuffer.from_numpy(h_h)
+    blocks = -(-batch // 32)
+
+    def outputs():
+        outs = dict(dout=DeviceBuffer((batch, k)), priorities=DeviceBuffer(batch), a_star=DeviceBuffer(batch, np.int32),
+                    partials=DeviceBuffer(3 * blocks, np.float64), scalars=DeviceBuffer(4),
+                    dx=DeviceBuffer((batch, hidden)), dw=DeviceBuffer((k, hidden)), db=DeviceBuffer(k))
+        for buf in outs.values():
+            buf.poison(stream=stream)
+        return outs
+
+    gemm_mod, dqn_mod = builtin_module("gemm.cu"), builtin_module("dqn.cu")
+    sums = dqn_mod.kernel("dqn_means_32", MEANS_SIGNATURE, fixed_block=True)
+    # Apart: dqn_loss, dqn_means_32, then the fold on its dout.
+    apart = outputs()
+    loss = dqn_mod.kernel("dqn_loss", LOSS_SIGNATURE, fixed_block=True)
+    loss.launch(blocks, loss.block, *q, *per_sample, batch, n_actions, gamma, delta, apart["dout"],
+                apart["priorities"], apart["scalars"], apart["partials"], 0, apart["a_star"], 0, stream=stream)
+    sums.launch(3, sums.block, apart["partials"], blocks, batch, apart["scalars"], 0, stream=stream)
+    bk = LinearKernels(("grad_input", "grad_weight"), "3xtf32", device.sm_count)
+    assert bk.plan_last_dw(batch, hidden, k) is not None
+    bk.launch_last_dw(apart["dout"], k, w, hidden, apart["dx"], hidden, batch, hidden, k, mask=h, ldm=hidden,
+                      dw=apart["dw"], lddw=hidden, db=apart["db"], stream=stream)
+    # In one launch.
+    vec = 4 if w_offset % 16 else 16
+    fused = gemm_mod.kernel(f"dqn_loss_dwl_64x64_cp{vec}_cluster_3xtf32", LOSS_DWL_SIGNATURE, fixed_block=True)
+    grid = (-(-hidden // 64), -(-batch // 64), 1)
+
+    def launch(outs, gate=0):
+        fused.launch(grid, fused.block, outs["dout"], k, w, hidden, outs["dx"], hidden, batch, hidden, k, 0, h,
+                     hidden, 0, 0, 0, gate, outs["dw"], hidden, outs["db"], *q, *per_sample, gamma, delta,
+                     outs["priorities"], outs["partials"], blocks, outs["a_star"], stream=stream,
+                     cluster=(1, grid[1], 1), cluster_policy="load_balancing")
+
+    together = outputs()
+    launch(together)
+    sums.launch(3, sums.block, together["partials"], blocks, batch, together["scalars"], 0, stream=stream)
+    stream.synchronize()
+    got = {name: buf.to_numpy() for name, buf in together.items()}
+    for name, buf in apart.items():
+        assert buf.to_numpy().tobytes() == got[name].tobytes(), name
+    # Against float64.
+    res = dqn_loss(*clean_qs, clean_action, reward, done, weights, gamma, delta)
+    assert rel(got["dout"][clean], res["dout"][clean]) < 1e-5
+    assert rel(got["priorities"][clean], res["priorities"][clean]) < 1e-5
+    np.testing.assert_array_equal(got["a_star"][clean], res["a_star"][clean])
+    want_dx = (res["dout"] @ w_h.astype(np.float64)) * (h_h > 0)
+    assert rel(got["dx"][clean], want_dx[clean]) < 1e-5
+    if broken:
+        assert np.isnan(got["dout"][~clean]).all() and np.isnan(got["priorities"][~clean]).all()
+        assert np.isnan(got["scalars"][:3]).all() and np.isnan(got["db"]).all()
+        assert np.isnan(got["dw"]).any()
+    else:
+        assert rel(got["dw"], res["dout"].T @ h_h.astype(np.float64)) < 1e-5
+        assert rel(got["db"], res["dout"].sum(axis=0)) < 1e-5
+        for value, want in zip(got["scalars"][:3], (res["loss"], res["mean_q"], res["mean_abs_td"])):
+            assert abs(value - want) <= 1e-5 * max(abs(want), 1e-3)
+    # The gate: nothing written.
+    gated = outputs()
+    launch(gated, gate=DeviceBuffer.from_numpy(np.ones(1, np.int32)))
+    stream.synchronize()
+    for name, buf in gated.items():
+        assert np.all(buf.to_numpy().view(np.uint8) == 0xFF), name
+
+
+@pytest.mark.parametrize("fused_loss", [True, False])
+def test_large_step_with_the_loss_in_the_backward_is_the_step_apart_bit_for_bit(device, rng, fused_loss):
+    """DQNConfig(fused_loss=...): the large step computes its loss in the output layer's
+    backward product (dqn_loss_dwl: one node, no dqn_loss) or apart, and three steps from
+    the same state give the same parameters, moments, target, priorities and metrics bit
+    for bit either way (compared with a step that runs the other way)."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"the fold runs its row tiles as a cluster: compute capability 9.0; this is {device.arch}")
+    seed = int(rng.integers(1 << 30))
+    states = {}
+    for fused in (fused_loss, not fused_loss):
+        cfg = DQNConfig(seed=seed, **LARGE, fused_loss=fused)
+        stream = Stream()
+        step = DQNStep(cfg)
+        names = [k.function for k in step_kernels(step)]
+        assert any(n.startswith("dqn_loss_dwl_") for n in names) == fused, names
+        assert ("dqn_loss" in names) != fused, names
+        fill(step, np.random.default_rng(seed), stream)
+        exe = step.capture(stream=stream)
+        for _ in range(3):
+            exe.launch(stream)
+        stream.synchronize()
+        states[fused] = {**step.state_numpy(), "priorities": step.replay.tree.leaves_numpy(),
+                         "scalars": step._scalars.to_numpy(), "grads": step.grads.buffer.to_numpy()}
+        exe.close()
+        step.close()
+    for name, value in states[True].items():
+        assert np.asarray(value).tobytes() == np.asarray(states[False][name]).tobytes(), name

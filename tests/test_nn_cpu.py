@@ -385,6 +385,20 @@ def test_last_dw_plans_only_an_unsplit_64x64_dx_of_at_most_32_outputs_and_8_row_
     assert len(out_dw) == 1 and out_dw[0][3] is side
     assert -(-arena.offset // 256) * 256 + 1024 <= model.scratch_bytes(512)
     assert -(-arena.zeroed_offset // 256) * 256 <= model.zeroed_bytes(512)
+    # last_dw_done (the DQN step's loss kernel wrote dX, dW and db): neither output-layer
+    # product runs, nothing reads or writes its dW, and the chain starts from dx_last.
+    start = len(launches)
+    dx_last = buf(1 << 35, (512, 1024))
+    model.backward(params, grads, fwd, buf(1 << 36, (512, 19)), arena=arena, stream=main, weight_stream=side,
+                   dx_last=dx_last, last_dw_done=True)
+    ran = [e for e in launches[start:] if e[0].startswith("linear_")]
+    assert not any("_dwl_" in e[0] for e in ran)
+    assert not any(a.ptr in (grads.weight(2).ptr, grads.bias(2).ptr) for e in ran for a in e[2] if hasattr(a, "ptr"))
+    assert sorted(e[0].split("_")[2] for e in ran) == ["input", "weight", "weight"], [e[0] for e in ran]
+    wide_dx = [e for e in ran if e[0].startswith("linear_grad_input_")]
+    assert wide_dx[0][2][0].ptr == dx_last.ptr  # the wide dX reads the caller's dX
+    with pytest.raises(ValueError, match="dx_last"):
+        model.backward(params, grads, fwd, buf(1 << 36, (512, 19)), arena=arena, stream=main, last_dw_done=True)
     # No cluster of the row tiles fits: no fold.
     for kern in bk.last_dw.values():
         monkeypatch.setattr(kern, "kernel", SimpleNamespace(block=128, max_active_clusters=lambda c, b, s: 0))

@@ -1314,7 +1314,7 @@ class MLP:
 
     def backward(self, params: FlatBuffer, grads: FlatBuffer, forward: Forward, dout: DeviceBuffer, *,
                  arena: Arena, stream, gate=None, weight_stream=None, dx_last: DeviceBuffer | None = None,
-                 weight_splits: WeightSplits | None = None,
+                 weight_splits: WeightSplits | None = None, last_dw_done: bool = False,
                  defer_first_dw: bool = False, weights_settled: bool = False) -> FirstDwShares | None:
         """Gradients of the loss whose derivative by ``forward.output`` is ``dout``, into ``grads``.
 
@@ -1332,7 +1332,9 @@ class MLP:
         applied), already computed by the caller into this [batch, in] buffer;
         that product is then not launched and the dX chain starts from it (and the
         output layer's dW runs as a product of its own even where
-        :meth:`last_dw_folded`).
+        :meth:`last_dw_folded`). ``last_dw_done`` (with ``dx_last``): the caller's
+        launch wrote the output layer's dW and db into ``grads`` as well, so that
+        product is not launched either.
 
         Where :meth:`last_dw_folded` (and no ``dx_last``), the output layer's dW and db
         are summed in its dX launch on ``stream``, and no weight stream takes them.
@@ -1370,6 +1372,9 @@ class MLP:
             if len(self.layout.layers) < 2:
                 raise ValueError("dx_last needs a hidden layer: a one-layer net has no data gradient to chain")
             _check_input("dx_last", dx_last, (batch, self.layout.layers[-1][1]))
+        elif last_dw_done:
+            raise ValueError("last_dw_done goes with dx_last: the launch that wrote the output layer's dW "
+                             "computes its dX too")
         kernels = self.backward_kernels
         last = len(self.layout.layers) - 1
         sides = tuple(weight_stream) if isinstance(weight_stream, (tuple, list)) else \
@@ -1383,8 +1388,8 @@ class MLP:
         folded_last = dx_last is None and self.last_dw_folded(batch)  # the last layer's dW on its dX
         shares = None  # what defer_first_dw leaves to the optimizer
         presplit = self.presplit_layers(batch)
-        if dx_last is not None and last in presplit:  # the last layer's dX is not launched
-            presplit[last] = (False, presplit[last][1])
+        if dx_last is not None and last in presplit:  # the last layer's dX is not launched (nor its dW, if done)
+            presplit[last] = (False, presplit[last][1] and not last_dw_done)
         presplit = {k: (dx, dw) for k, (dx, dw) in presplit.items() if dx or dw}
         if weight_splits is not None:  # checked before anything is queued
             if weight_splits.batch != batch:
@@ -1426,6 +1431,9 @@ class MLP:
                 kernels.launch_last_dw(dy, out, params.weight(k), inp, dx, inp, batch, inp, out, mask=x, ldm=inp,
                                        dw=grads.weight(k), lddw=inp, db=grads.bias(k), stream=stream, gate=gate)
                 dy = dx
+                continue
+            if k == last and last_dw_done:  # dX, dW and db from the caller's launch
+                dy = dx_last
                 continue
             side = side_of(k)
             if side is not None:

@@ -53,6 +53,11 @@ HEAD_AUTO_WEIGHTS = (512, 3072)
 LOSS_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr"
 MEANS_SIGNATURE = "ptr i32 i32 ptr ptr"
 HEAD_SIGNATURE = "ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr"
+# gemm.cu's dqn_loss_dwl kernels: a grad-input product's arguments (dout as A), the output
+# layer's dW, ldw and db, then the loss's (its Q rows, per-sample operands, gamma, delta,
+# priorities, partials, their 32-row block count, a*).
+LOSS_DWL_SIGNATURE = ("ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr ptr i32 ptr "
+                      "ptr ptr ptr ptr ptr ptr ptr f32 f32 ptr ptr i32 ptr")
 
 
 def head_shared_bytes(hidden: int, n_actions: int) -> int:
@@ -148,6 +153,13 @@ class DQNConfig:
     sampler. The same dX and dW bits; db rounds differently, within FP32. Off by
     default: on the H200 the large step measured 9 us slower with it, the split
     passes costing more than the faster products save (docs/perf-notes.md).
+    ``fused_loss``: where the output layer's backward product also sums that layer's
+    dW (``MLP.last_dw_folded``) and no ``dqn_head`` runs (the large configuration),
+    the loss is computed in that product too (gemm.cu's ``dqn_loss_dwl`` kernels):
+    each block computes the loss of its 64 rows from their Q rows, as ``dqn_loss``
+    does, and takes the gradient rows as its operand; the first column of blocks
+    stores them, the priorities and the loss's partials. One launch fewer on the
+    step's chain and the same bits. ``False`` keeps ``dqn_loss`` apart.
     """
     obs_dim: int
     n_actions: int
@@ -176,6 +188,7 @@ class DQNConfig:
     fused_head: bool | None = None
     cluster_forward: bool = False
     presplit: bool = False
+    fused_loss: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "hidden", tuple(self.hidden))
@@ -380,6 +393,15 @@ class DQNStep:
                 warnings.warn(f"fused_head=True: the output layers take {self._head_shared} bytes of shared "
                               f"memory in a dqn_head block, this device allows {head.max_dynamic_shared()}; "
                               "the output layer, the loss and its dX run as separate kernels", stacklevel=2)
+        # The loss in the output layer's backward product (DQNConfig.fused_loss): where
+        # that product folds the layer's dW and no dqn_head runs. Its B is the layer's W.
+        self._loss_dwl = None
+        if cfg.fused_loss and self._head is None and self.narrow is None and self.online_mlp.last_dw_folded(b):
+            last = len(self.layout.layers) - 1
+            inp = self.layout.layers[last][1]
+            vec = 16 if inp % 4 == 0 and self.params.weight(last).ptr % 16 == 0 else 4
+            self._loss_dwl = builtin_module("gemm.cu").kernel(f"dqn_loss_dwl_64x64_cp{vec}_cluster_3xtf32",
+                                                              LOSS_DWL_SIGNATURE, fixed_block=True)
         # The means kernel has the block size of the kernel whose partials it sums (the same tree).
         self._means = mod.kernel("dqn_means_256" if self._head is not None else "dqn_means_32", MEANS_SIGNATURE,
                                  fixed_block=True)
@@ -561,6 +583,18 @@ class DQNStep:
                         0, a_star, gate if gate is not None else 0, stream=stream, shared_mem=self._head_shared)
             f_online, f_next, f_target = (Forward(f.activations + (out,))
                                           for f, out in zip((f_online, f_next, f_target), q))
+        elif self._loss_dwl is not None:  # the loss, the output layer's dX, dW and db in one launch
+            last = len(self.layout.layers) - 1
+            out, inp = self.layout.layers[last]
+            dh = arena.array((b, inp), np.float32)
+            grid = (-(-inp // 64), -(-b // 64), 1)
+            self._loss_dwl.launch(grid, self._loss_dwl.block, dout, out, self.params.weight(last), inp, dh, inp, b,
+                                  inp, out, 0, f_online.activations[last], inp, 0, 0, 0,
+                                  gate if gate is not None else 0, self.grads.weight(last), inp,
+                                  self.grads.bias(last), f_online.output, f_next.output, f_target.output,
+                                  batch.action, batch.reward, batch.done, batch.weights, cfg.gamma, cfg.huber_delta,
+                                  priorities, self._loss_partials, self._loss_grid, a_star, stream=stream,
+                                  cluster=(1, grid[1], 1), cluster_policy="load_balancing")
         else:
             self._loss_kernel.launch(self._loss_grid, self._loss_kernel.block, f_online.output, f_next.output,
                                      f_target.output, batch.action, batch.reward, batch.done, batch.weights, b, a,
@@ -582,6 +616,7 @@ class DQNStep:
         else:
             first_dw = mlp.backward(self.params, self.grads, f_online, dout, arena=arena, stream=stream, gate=gate,
                                     weight_stream=self._weight_streams or None, dx_last=dh,
+                                    last_dw_done=self._loss_dwl is not None,
                                     weight_splits=weight_splits, defer_first_dw=self._tail is None)
         if means_stream is not stream:  # the optimizer reads the loss for its NaN guard
             join(stream, means_stream)
@@ -758,7 +793,7 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
     spectral = [k for k in kernels if k.function.startswith("spectral_")]
     forwards = [k for k in kernels if k.function.startswith(("linear_forward", "narrow_forward"))]
     backwards = [k.function for k in kernels if k.function.startswith(("linear_grad", "narrow_backward",
-                                                                        "narrow_weight"))]
+                                                                        "narrow_weight", "dqn_loss_dwl_"))]
     # Forward names end in _f32 for exact FP32, anything else is TF32. The backward
     # must keep FP32 accuracy: FFMA (_f32) or split-operand tensor cores (_3xtf32,
     # and the narrow kernels, which always split).
@@ -793,6 +828,11 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
         losses = [k for k in kernels if k.function == "dqn_loss"]
         rows.append(Criterion("output layer's forwards, loss and dX: one node", "1", str(len(heads)),
                               len(heads) == 1 and not losses))
+    if step._loss_dwl is not None:
+        fused = [k for k in kernels if k.function.startswith("dqn_loss_dwl_")]
+        apart = [k for k in kernels if k.function == "dqn_loss" or k.function.startswith("linear_grad_input_dwl_")]
+        rows.append(Criterion("loss and output layer's dX, dW, db: one node", "1", str(len(fused)),
+                              len(fused) == 1 and not apart))
     if step.config.fused_tail:
         tails = [k for k in kernels if k.function == "dqn_tail"]
         replaced = [k for k in kernels if k.function in ("grad_norm_partials", "grad_norm_partials_first_dw",
