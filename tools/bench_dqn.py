@@ -18,6 +18,8 @@ one thing:
 - everything on one stream;
 - the wide backward products on operands split once into TF32 parts
   (DQNConfig(presplit=True)): large only, the small net has none;
+- the loss kept apart from the output layer's backward product
+  (DQNConfig(fused_loss=False)): large only, where the default computes it there;
 - the default step captured behind an open gate word, as a training loop
   (`drvtrain train`) captures it: what reading the gate costs a step that runs;
 - eight consecutive steps captured as one graph (`DQNStep.capture(steps=8)`), where
@@ -95,6 +97,7 @@ VARIANTS = (
     ("fused narrow kernels", {"fused": True}, False, 1),
     ("one stream", {"dual_stream": False}, False, 1),
     ("pre-split wide backward", {"presplit": True}, False, 1),
+    ("loss apart (dqn_loss)", {"fused_loss": False}, False, 1),
     ("gated (open), as a training loop runs it", {}, True, 1),
 )
 
@@ -122,6 +125,9 @@ def main(argv=None) -> int:
             if "presplit" in overrides and \
                     not MLP(ParamLayout.from_widths(cfg.widths), presplit=True).presplit_layers(cfg.batch):
                 continue  # no product of this net runs pre-split: the default already is this
+            if "fused_loss" in overrides and \
+                    not MLP(ParamLayout.from_widths(cfg.widths)).last_dw_folded(cfg.batch):
+                continue  # the default keeps the loss apart already
             rows.append((name, label, *measure(cfg, args, gated, steps)))
         torch_us = None if args.no_torch else torch_times(getattr(DQNConfig, name)(), args)
         if torch_us:
