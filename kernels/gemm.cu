@@ -16,6 +16,10 @@
 //   linear_grad_input_dwl_64x64_<cp>_cluster_3xtf32: grad-input's dX of the output layer (K <= 32),
 //     with that layer's dW = dY^T X and db folded in (tc::LastDw; its arguments follow `gate`);
 //     launched as clusters of the grid's row tiles (1, gridDim.y, 1)
+//   dqn_loss_dwl_64x64_<cp>_cluster_3xtf32: the same with its A, the Double-DQN loss's
+//     gradient rows dout, computed in the kernel from the three Q arrays and stored at A
+//     by the first column of blocks, with the priorities and the loss's partials
+//     (tc::DqnLoss, after the LastDw arguments)
 //   linear_forward[_relu]_x0_32x32_<cp>_cluster_tf32: the forward with its A = H0, the first layer's
 //     output, computed in the kernel from X0, W0 and b0 and stored at A (tc::FirstLayer; its
 //     arguments follow `gate`)
@@ -972,6 +976,8 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         const unsigned int ranks = gridDim.y, rank = dt_cluster_rank();
         const unsigned int share0 = smem0 + 4u * SA::FLOATS;
         for (int e = rank * THREADS + tid; e < K * BN; e += ranks * THREADS) {
+            const int r = e / BN, c = j0 + e % BN;
+            if (c >= N) continue;  // no load whose value no store takes (the relaxed arrival below)
             float v[DT_PORTABLE_CLUSTER];
 #pragma unroll
             for (int y = 0; y < DT_PORTABLE_CLUSTER; ++y)  // every load out before the adds
@@ -979,8 +985,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             float sum = 0.0f;
 #pragma unroll
             for (int y = 0; y < DT_PORTABLE_CLUSTER; ++y) sum += v[y];  // the row tiles in order; the rest add 0
-            const int r = e / BN, c = j0 + e % BN;
-            if (c < N) lw.dw[(size_t)r * lw.ldw + c] = sum;
+            lw.dw[(size_t)r * lw.ldw + c] = sum;
         }
         if (blockIdx.x == 0 && rank == 0 && tid < K) {
             float sum = 0.0f;

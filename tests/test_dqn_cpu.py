@@ -43,6 +43,7 @@ def test_benchmark_configurations_are_valid():
     (dict(fused_head=1), "fused_head"),
     (dict(cluster_forward="yes"), "cluster_forward"),
     (dict(fused_tail=None), "fused_tail"),
+    (dict(fused_loss="no"), "fused_loss"),
 ])
 def test_bad_values_name_the_field_and_the_range(overrides, field):
     with pytest.raises(ValueError, match=field):

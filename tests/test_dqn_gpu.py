@@ -1169,8 +1169,8 @@ def test_fused_head_only_where_the_output_layers_fit(device):
 
 
 @pytest.mark.parametrize("batch, hidden, n_actions, w_offset, broken", [
-    (512, 1024, 18, 0, False), (450, 1000, 31, 4, False), (129, 4000, 4, 0, True), (60, 6400, 7, 4, False)],
-    ids=["large", "ragged-32-outputs-4-byte-copies", "nan-and-bad-action", "one-ragged-row-tile"])
+    (512, 1024, 18, 0, False), (450, 1000, 31, 4, False), (129, 4000, 4, 0, True), (60, 6400, 1, 4, False)],
+    ids=["large", "ragged-32-outputs-4-byte-copies", "nan-and-bad-action", "one-ragged-row-tile-one-action"])
 def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apart(device, rng, batch, hidden,
                                                                                   n_actions, w_offset, broken):
     """gemm.cu's dqn_loss_dwl: the loss of each block's rows, then the output layer's dX,
@@ -1256,8 +1256,8 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
     assert rel(got["dx"][clean], want_dx[clean]) < 1e-5
     if broken:
         assert np.isnan(got["dout"][~clean]).all() and np.isnan(got["priorities"][~clean]).all()
-        assert np.isnan(got["scalars"][:3]).all() and np.isnan(got["db"]).all()
-        assert np.isnan(got["dw"]).any()
+        # Every dW and db sum takes rows 1 and 3, whose gradient rows are NaN.
+        assert np.isnan(got["scalars"][:3]).all() and np.isnan(got["db"]).all() and np.isnan(got["dw"]).all()
     else:
         assert rel(got["dw"], res["dout"].T @ h_h.astype(np.float64)) < 1e-5
         assert rel(got["db"], res["dout"].sum(axis=0)) < 1e-5
@@ -1271,17 +1271,16 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
         assert np.all(buf.to_numpy().view(np.uint8) == 0xFF), name
 
 
-@pytest.mark.parametrize("fused_loss", [True, False])
-def test_large_step_with_the_loss_in_the_backward_is_the_step_apart_bit_for_bit(device, rng, fused_loss):
+def test_large_step_with_the_loss_in_the_backward_is_the_step_apart_bit_for_bit(device, rng):
     """DQNConfig(fused_loss=...): the large step computes its loss in the output layer's
     backward product (dqn_loss_dwl: one node, no dqn_loss) or apart, and three steps from
-    the same state give the same parameters, moments, target, priorities and metrics bit
-    for bit either way (compared with a step that runs the other way)."""
+    the same state give the same parameters, moments, target, gradients, priorities and
+    scalars bit for bit either way."""
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"the fold runs its row tiles as a cluster: compute capability 9.0; this is {device.arch}")
     seed = int(rng.integers(1 << 30))
     states = {}
-    for fused in (fused_loss, not fused_loss):
+    for fused in (True, False):
         cfg = DQNConfig(seed=seed, **LARGE, fused_loss=fused)
         stream = Stream()
         step = DQNStep(cfg)

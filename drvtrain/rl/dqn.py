@@ -159,7 +159,8 @@ class DQNConfig:
     each block computes the loss of its 64 rows from their Q rows, as ``dqn_loss``
     does, and takes the gradient rows as its operand; the first column of blocks
     stores them, the priorities and the loss's partials. One launch fewer on the
-    step's chain and the same bits. ``False`` keeps ``dqn_loss`` apart.
+    step's chain and the same bits. ``False`` keeps ``dqn_loss`` apart; with
+    ``fused`` (the narrow kernels run the backward) it has nothing to do.
     """
     obs_dim: int
     n_actions: int
@@ -243,7 +244,8 @@ class DQNConfig:
         _positive_int("seed", self.seed, 0, 2**63 - 1)
         if self.fused_head is not None and not isinstance(self.fused_head, (bool, np.bool_)):
             raise ValueError(f"fused_head must be True, False or None, got {self.fused_head!r}")
-        for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail", "cluster_forward", "presplit"):
+        for flag in ("tf32", "dual_stream", "fused", "dependent_launch", "fused_tail", "cluster_forward", "presplit",
+                     "fused_loss"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 
@@ -400,8 +402,11 @@ class DQNStep:
             last = len(self.layout.layers) - 1
             inp = self.layout.layers[last][1]
             vec = 16 if inp % 4 == 0 and self.params.weight(last).ptr % 16 == 0 else 4
-            self._loss_dwl = builtin_module("gemm.cu").kernel(f"dqn_loss_dwl_64x64_cp{vec}_cluster_3xtf32",
-                                                              LOSS_DWL_SIGNATURE, fixed_block=True)
+            kernel = builtin_module("gemm.cu").kernel(f"dqn_loss_dwl_64x64_cp{vec}_cluster_3xtf32",
+                                                      LOSS_DWL_SIGNATURE, fixed_block=True)
+            # Its own registers: a cluster of the row tiles must fit it too (else dqn_loss apart).
+            if kernel.max_active_clusters((1, -(-b // 64), 1), kernel.block, 0) >= 1:
+                self._loss_dwl = kernel
         # The means kernel has the block size of the kernel whose partials it sums (the same tree).
         self._means = mod.kernel("dqn_means_256" if self._head is not None else "dqn_means_32", MEANS_SIGNATURE,
                                  fixed_block=True)
@@ -410,8 +415,9 @@ class DQNStep:
         self._early_weight_splits = bool(self.streams) and bool(
             self.online_mlp.dx_presplit_layers(b, dx_last=self._head is not None))
         # The backward's weight gradients beside its dX chain: on both side streams
-        # (the output layer's and the hidden layer's dW side by side) unless the
-        # second holds the early weight splits.
+        # (the output layer's and the hidden layer's dW side by side, where the output
+        # layer's is not summed in its dX product; where it is, the first of them has no
+        # product to take) unless the second holds the early weight splits.
         self._weight_streams = self.streams[:1] if self._early_weight_splits else self.streams
         # Consecutive steps draw beside the tail where the priority update runs on a
         # stream of its own (the second side stream), not inside the cooperative tail.
