@@ -39,6 +39,7 @@ from drvtrain import DeviceBuffer, Stream, capture
 from drvtrain.nn import MLP, ParamLayout
 from drvtrain.nn.narrow import NarrowMLP
 from drvtrain.rl import DQNConfig, DQNStep
+from drvtrain.rl.dqn import HEAD_AUTO_WEIGHTS
 from drvtrain.timing import time_graph
 
 
@@ -125,9 +126,10 @@ def main(argv=None) -> int:
             if "presplit" in overrides and \
                     not MLP(ParamLayout.from_widths(cfg.widths), presplit=True).presplit_layers(cfg.batch):
                 continue  # no product of this net runs pre-split: the default already is this
-            if "fused_loss" in overrides and \
-                    not MLP(ParamLayout.from_widths(cfg.widths)).last_dw_folded(cfg.batch):
-                continue  # the default keeps the loss apart already
+            if "fused_loss" in overrides and (
+                    HEAD_AUTO_WEIGHTS[0] <= (1 + cfg.n_actions) * cfg.hidden[-1] <= HEAD_AUTO_WEIGHTS[1]
+                    or not MLP(ParamLayout.from_widths(cfg.widths)).last_dw_folded(cfg.batch)):
+                continue  # the default keeps the loss apart already (or dqn_head computes it)
             rows.append((name, label, *measure(cfg, args, gated, steps)))
         torch_us = None if args.no_torch else torch_times(getattr(DQNConfig, name)(), args)
         if torch_us:

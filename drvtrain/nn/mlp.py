@@ -659,8 +659,8 @@ class LinearKernels:
         """The output layer's grad-input product, dX [m, n] = (dY [m, k] times W [k, n])
         masked by ``mask`` (the layer's input X), with the layer's dW [k, n] = dY^T X
         (rows ``lddw`` floats apart) and db [k] (the column sums of dY) summed in the same
-        launch: one launch for two products, dW's share a block in 3xTF32 on the tensor cores (:meth:`plan_last_dw`
-        must plan; checked). Needs no scratch. It has no ``_settled_`` twin: W is read
+        launch: one launch for two products, each block's share of dW in 3xTF32 on the
+        tensor cores (:meth:`plan_last_dw` must plan; checked). Needs no scratch. It has no ``_settled_`` twin: W is read
         after the grid wait even where the weights are settled. Returns the kernel that ran."""
         if self.plan_last_dw(m, n, k) is None:
             raise ValueError(f"no grad_input_dwl launch of {m}x{n}x{k} here")
@@ -1069,9 +1069,10 @@ class MLP:
         :data:`LAST_DW_MAX_OUT` outputs, a batch of at most 512 (8 row tiles, one
         cluster), where that dX plans unsplit on the 64x64 tile
         (:meth:`LinearKernels.plan_last_dw`) and neither of its products runs pre-split.
-        dW and db are then 3xTF32 products on the tensor cores as before, in another
-        order (each block's 64 rows, then the row tiles in order). The backward does not fold where its caller gives ``dx_last``. Never with
-        ``MLP(fold_last_dw=False)``. Measured on the H200: docs/perf-notes.md,
+        dW and db are then summed in another order than the unfolded product's (each
+        block's 64 rows in 3xTF32 on the tensor cores, then the row tiles in order), to
+        FP32 accuracy either way. The backward does not fold where its caller gives
+        ``dx_last``. Never with ``MLP(fold_last_dw=False)``. Measured on the H200: docs/perf-notes.md,
         thirty-sixth and thirty-seventh passes."""
         layers = self.layout.layers
         last = len(layers) - 1
