@@ -529,14 +529,16 @@ __device__ __forceinline__ void head_finish(const Head& h, int M) {
         for (int u = 0; u < 4; ++u)
 #pragma unroll
             for (int c = 0; c < HEAD_ACC / 4; ++c)
-                v[u][c] = x0 + u < tiles ? __ldcg(reinterpret_cast<const float4*>(part + (size_t)(x0 + u) * THREADS * HEAD_ACC) + c)
-                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                v[u][c] = x0 + u < tiles
+                              ? __ldcg(reinterpret_cast<const float4*>(part + (size_t)(x0 + u) * THREADS * HEAD_ACC) + c)
+                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
         for (int u = 0; u < 4; ++u)
             if (x0 + u < tiles)
 #pragma unroll
                 for (int c = 0; c < HEAD_ACC / 4; ++c)
-                    s[4 * c] += v[u][c].x, s[4 * c + 1] += v[u][c].y, s[4 * c + 2] += v[u][c].z, s[4 * c + 3] += v[u][c].w;
+                    s[4 * c] += v[u][c].x, s[4 * c + 1] += v[u][c].y, s[4 * c + 2] += v[u][c].z,
+                                s[4 * c + 3] += v[u][c].w;
     }
     const int r = blockIdx.y * BM + 64 * wg + 16 * warp + lane / 4;
 #pragma unroll

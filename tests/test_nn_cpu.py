@@ -341,7 +341,8 @@ def test_last_dw_plans_only_an_unsplit_64x64_dx_of_at_most_32_outputs_and_8_row_
     assert bk.plan_last_dw(256, 256, 3) is None  # its own plan: the 32x32 tile
     assert bk.plan_last_dw(512, 4096, 20) is None  # its own plan: the wgmma tile (32 x 4 blocks)
     buf = lambda address, shape: DeviceBuffer._view(None, address, shape, np.float32)
-    dy, w, dx, h = buf(1 << 36, (450, 19)), buf(1 << 37, (19, 1000)), buf(1 << 38, (450, 1000)), buf(1 << 39, (450, 1000))
+    dy, w = buf(1 << 36, (450, 19)), buf(1 << 37, (19, 1000))
+    dx, h = buf(1 << 38, (450, 1000)), buf(1 << 39, (450, 1000))
     dw, db = buf(1 << 40, (19, 1000)), buf(1 << 41, (19,))
     bk.launch_last_dw(dy, 19, w, 1000, dx, 1000, 450, 1000, 19, mask=h, ldm=1000, dw=dw, lddw=1000, db=db,
                       stream=None)

@@ -13,7 +13,8 @@ from ..tma import tensor_map_2d
 from .layout import FlatBuffer, ParamLayout
 
 __all__ = ["MLP", "Forward", "FirstDwShares", "GemmKernel", "LinearKernels", "Plan", "SplitOperand", "Tile", "TILES",
-           "FFMA_TILE", "WGMMA_TILE", "HEAD_MAX_OUT", "LAST_DW_MAX_OUT", "PRESPLIT_MAX_TILES", "WeightSplits", "wgmma_available", "gemm", "gemm_presplit",
+           "FFMA_TILE", "WGMMA_TILE", "HEAD_MAX_OUT", "LAST_DW_MAX_OUT", "PRESPLIT_MAX_TILES", "WeightSplits",
+           "wgmma_available", "gemm", "gemm_presplit",
            "operand_map", "choose_tile", "kernel_name", "plan", "split_bytes", "split_count", "vector_width"]
 
 _SIGNATURE = "ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr"
@@ -441,7 +442,8 @@ def gemm(kernel: GemmKernel, a, lda, b, ldb, c, ldc, m, n, k, stream, *, bias=0,
         operands = (a, lda, b, ldb, c, ldc, m, n, k, bias, mask, ldm, col_sum)
     policy = "load_balancing" if dims is not None and tile is not WGMMA_TILE else None
     kernel.kernel.launch(grid, kernel.kernel.block, *operands, workspace, counters, gate if gate is not None else 0,
-                         *first_dw, *first_layer, *last_dw, stream=stream, shared_mem=kernel.shared_bytes, cluster=dims, cluster_policy=policy)
+                         *first_dw, *first_layer, *last_dw, stream=stream, shared_mem=kernel.shared_bytes,
+                         cluster=dims, cluster_policy=policy)
 
 
 def _check_cluster_splits(kernel: GemmKernel, splits: int, cluster: bool) -> None:
@@ -660,8 +662,8 @@ class LinearKernels:
         masked by ``mask`` (the layer's input X), with the layer's dW [k, n] = dY^T X
         (rows ``lddw`` floats apart) and db [k] (the column sums of dY) summed in the same
         launch: one launch for two products, each block's share of dW in 3xTF32 on the
-        tensor cores (:meth:`plan_last_dw` must plan; checked). Needs no scratch. It has no ``_settled_`` twin: W is read
-        after the grid wait even where the weights are settled. Returns the kernel that ran."""
+        tensor cores (:meth:`plan_last_dw` must plan; checked). Needs no scratch. It has no
+        ``_settled_`` twin: W is read after the grid wait even where the weights are settled. Returns the kernel that ran."""
         if self.plan_last_dw(m, n, k) is None:
             raise ValueError(f"no grad_input_dwl launch of {m}x{n}x{k} here")
         kernel = self.last_dw[vector_width(dy, ldy, w, ldw)]
