@@ -33,34 +33,36 @@ struct SampleTerms {
     double loss = 0.0, q = 0.0, abs_td = 0.0;
 };
 
-// The loss of one sample from its three Q rows (every loss kernel): writes its
-// priority and a*, and overwrites `row` (its Q_online(s, .) row) with its
-// gradient row dout. The NaN rules are dqn_loss's.
-__device__ __forceinline__ SampleTerms sample_loss(const float* row_next, const float* row_target, float* row,
-                                                   int a, float r, float d, float w, int batch, int n_actions,
-                                                   float gamma, float huber_delta, float* priority, int* a_star) {
-    // a* = first argmax of Q_online(s', .); any NaN among those Q poisons td.
-    int best_a = 0;
-    bool poisoned;
-    {
-        const float mean = advantage_mean(row_next, n_actions);
-        float best = dueling_q(row_next, 0, mean);
-        poisoned = is_nan(best);
-        for (int k = 1; k < n_actions; ++k) {
-            const float q = dueling_q(row_next, k, mean);
-            poisoned |= is_nan(q);
-            if (q > best) {
-                best = q;
-                best_a = k;
-            }
+// a* = the first argmax of Q_online(s', .) from its row; `poisoned` when any of
+// those Q is NaN (td is then NaN).
+__device__ __forceinline__ void sample_argmax(const float* row_next, int n_actions, int& best_a, bool& poisoned) {
+    best_a = 0;
+    const float mean = advantage_mean(row_next, n_actions);
+    float best = dueling_q(row_next, 0, mean);
+    poisoned = is_nan(best);
+    for (int k = 1; k < n_actions; ++k) {
+        const float q = dueling_q(row_next, k, mean);
+        poisoned |= is_nan(q);
+        if (q > best) {
+            best = q;
+            best_a = k;
         }
     }
+}
+
+// The rest of one sample's loss, given its argmax and the advantage means of its
+// Q_target(s') and Q_online(s) rows (advantage_mean of each): writes its priority
+// and a*, and overwrites `row` (its Q_online(s, .) row) with its gradient row dout.
+__device__ __forceinline__ SampleTerms sample_loss_given(const float* row_target, float mean_target, float* row,
+                                                         float mean_s, int best_a, bool poisoned, int a, float r,
+                                                         float d, float w, int batch, int n_actions, float gamma,
+                                                         float huber_delta, float* priority, int* a_star) {
     if (a_star != nullptr) *a_star = best_a;
-    const float q_target = dueling_q(row_target, best_a, advantage_mean(row_target, n_actions));
+    const float q_target = dueling_q(row_target, best_a, mean_target);
 
     const bool valid = a >= 0 && a < n_actions;
     const int ac = a < 0 ? 0 : (a >= n_actions ? n_actions - 1 : a);
-    float q_sa = dueling_q(row, ac, advantage_mean(row, n_actions));
+    float q_sa = dueling_q(row, ac, mean_s);
     if (!valid) q_sa = quiet_nan();
     const float y = r + gamma * (1.0f - d) * q_target;
     float td = y - q_sa;
@@ -79,6 +81,21 @@ __device__ __forceinline__ SampleTerms sample_loss(const float* row_next, const 
     terms.q = q_sa;
     terms.abs_td = abs_td;
     return terms;
+}
+
+// The loss of one sample from its three Q rows (every loss kernel): writes its
+// priority and a*, and overwrites `row` (its Q_online(s, .) row) with its
+// gradient row dout. The NaN rules are dqn_loss's.
+__device__ __forceinline__ SampleTerms sample_loss(const float* row_next, const float* row_target, float* row,
+                                                   int a, float r, float d, float w, int batch, int n_actions,
+                                                   float gamma, float huber_delta, float* priority, int* a_star) {
+    int best_a;
+    bool poisoned;
+    sample_argmax(row_next, n_actions, best_a, poisoned);
+    const float mean_target = advantage_mean(row_target, n_actions);
+    const float mean_s = advantage_mean(row, n_actions);
+    return sample_loss_given(row_target, mean_target, row, mean_s, best_a, poisoned, a, r, d, w, batch, n_actions,
+                             gamma, huber_delta, priority, a_star);
 }
 
 // Copies n floats global -> shared with cp.async, THREADS threads a block: 16

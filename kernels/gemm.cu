@@ -452,9 +452,9 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // Q(s)'s rows into the A tile (a row's K floats at its start), the other two, one
     // after the other, into slot 1, which one k tile leaves free; and the per-sample
     // operands of row i0 + tid into registers.
-    static_assert(!LOSS || (DWL && A_KFAST && STAGES >= 2 && 2 * BM * BK + BM <= STAGE && BM <= THREADS &&
+    static_assert(!LOSS || (DWL && A_KFAST && STAGES >= 2 && 2 * BM * BK + 3 * BM <= STAGE && 2 * BM <= THREADS &&
                             BM % 32 == 0),
-                  "the loss: Q's rows in the A tile and slot 1, one thread a row");
+                  "the loss: Q's rows in the A tile and slot 1, two threads a row");
     const int loss_rows = LOSS ? max(0, min(BM, M - i0)) : 0;
     int loss_a = 0;
     float loss_r = 0.0f, loss_d = 0.0f, loss_w = 0.0f;
@@ -499,16 +499,32 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         }
         dt_cp_async_wait<0>();
         __syncthreads();
-        // Row tid's loss; grid column 0 keeps its priority and a*, the other columns put
-        // them in slot 1 past the Q rows. Its dout row overwrites its Q(s) row in place.
+        // Row i's loss in two threads: thread BM + i adds the advantage means of its
+        // Q_target(s') and Q(s) rows while thread i finds its argmax, then thread i
+        // finishes it (dqn_loss's sample_loss in two parts: the same operations, so the
+        // same bits). Grid column 0 keeps its priority and a*, the other columns put
+        // them in slot 1 past the Q rows, before the means. Its dout row overwrites its
+        // Q(s) row in place.
         float* const spare = smem + STAGE + 2 * BM * K;
+        float* const means = spare + BM;  // [2][BM]: Q_target(s')'s, Q(s)'s
         const bool keep = blockIdx.x == 0;
+        const float* const row_next = smem + STAGE + tid * K;
+        const float* const row_target = smem + STAGE + BM * K + tid * K;
+        if (tid >= BM && tid - BM < loss_rows) {
+            const int i = tid - BM;
+            means[i] = advantage_mean(smem + STAGE + BM * K + i * K, K - 1);
+            means[BM + i] = advantage_mean(smem + SA::at(i, 0), K - 1);
+        }
+        int best_a = 0;
+        bool poisoned = false;
+        if (tid < loss_rows) sample_argmax(row_next, K - 1, best_a, poisoned);
+        __syncthreads();  // the means are in
         SampleTerms terms;
         if (tid < loss_rows)
-            terms = sample_loss(smem + STAGE + tid * K, smem + STAGE + BM * K + tid * K, smem + SA::at(tid, 0),
-                                loss_a, loss_r, loss_d, loss_w, M, K - 1, dl.gamma, dl.huber_delta,
-                                keep ? &dl.priorities[i0 + tid] : &spare[tid],
-                                keep && dl.a_star != nullptr ? &dl.a_star[i0 + tid] : nullptr);
+            terms = sample_loss_given(row_target, means[tid], smem + SA::at(tid, 0), means[BM + tid], best_a,
+                                      poisoned, loss_a, loss_r, loss_d, loss_w, M, K - 1, dl.gamma, dl.huber_delta,
+                                      keep ? &dl.priorities[i0 + tid] : &spare[tid],
+                                      keep && dl.a_star != nullptr ? &dl.a_star[i0 + tid] : nullptr);
         // Each warp of 32 rows: dqn_loss's block of the same rows, its tree and its partials.
         if (keep && warp < BM / 32) {
             double v[3] = {terms.loss, terms.q, terms.abs_td};
