@@ -659,8 +659,9 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
                 mine[c] = make_float4(d[4 * c], d[4 * c + 1], d[4 * c + 2], d[4 * c + 3]);
         }
     }
-    finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias4,
-                     nullptr, 0, nullptr, workspace, counters);
+    if (!HEAD || C != nullptr)  // the head kernel with no C: its caller reads Q alone
+        finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias4,
+                         nullptr, 0, nullptr, workspace, counters);
     if constexpr (HEAD) {
         if (clustered) {
             dt_cluster_wait();  // every block's share is staged
@@ -1087,6 +1088,7 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
 // The forward with ReLU and the output layer after it (Head, at forward() above):
 // the forward's arguments, then W2, ldw2, b2, Q, ldq, n (at most HEAD_N), work and
 // counters (both unused when launched in clusters of a row tile's column tiles).
+// C may be null: H is then not stored (a forward whose caller reads only Q).
 // Unsplit only (a split launch traps). Dynamic shared memory: HEAD_SHARED_BYTES (185.5 KB).
 extern "C" __global__ void __launch_bounds__(256) linear_forward_relu_head_wgmma_tf32(
         const __grid_constant__ DtTensorMap A, const __grid_constant__ DtTensorMap B, float* C, int ldc, int M, int N,
