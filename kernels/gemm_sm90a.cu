@@ -603,11 +603,16 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
     // the shares meet in distributed shared memory instead of the workspace.
     const bool clustered = HEAD && gridDim.x > 1 && dt_cluster_blocks() == gridDim.x;
     if (clustered && gridDim.x > DT_PORTABLE_CLUSTER) __trap();
+    // The head kernel with no C serves a forward whose caller reads only Q: X (the hidden
+    // output before) is read here for the last time, so its lines go first from L2.
+    const bool x_last_read = HEAD && C == nullptr;
+    const unsigned long long x_policy = x_last_read && tid == 0 ? dt_l2_evict_first_policy() : 0ull;
     const auto load = [&](int kt) {  // thread 0 only
         const int slot = kt % STAGES;
         const unsigned int tile = smem0 + slot * STAGE_FLOATS * 4, bar = bars + 8u * slot;
         dt_mbar_arrive_expect(bar, STAGE_FLOATS * 4);
-        dt_tma_load_2d(tile, ta, kb + kt * BK, i0, bar);
+        if (x_last_read) dt_tma_load_2d_evict_first(tile, ta, kb + kt * BK, i0, bar, x_policy);
+        else dt_tma_load_2d(tile, ta, kb + kt * BK, i0, bar);
         dt_tma_load_2d(tile + TILE_FLOATS * 4, tb, kb + kt * BK, j0, bar);
     };
     if (tid == 0)
@@ -659,8 +664,9 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
                 mine[c] = make_float4(d[4 * c], d[4 * c + 1], d[4 * c + 2], d[4 * c + 3]);
         }
     }
-    finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias4,
-                     nullptr, 0, nullptr, workspace, counters);
+    if (!HEAD || C != nullptr)  // the head kernel with no C: its caller reads Q alone
+        finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias4,
+                         nullptr, 0, nullptr, workspace, counters);
     if constexpr (HEAD) {
         if (clustered) {
             dt_cluster_wait();  // every block's share is staged
@@ -1087,6 +1093,8 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
 // The forward with ReLU and the output layer after it (Head, at forward() above):
 // the forward's arguments, then W2, ldw2, b2, Q, ldq, n (at most HEAD_N), work and
 // counters (both unused when launched in clusters of a row tile's column tiles).
+// C may be null: H is then not stored (a forward whose caller reads only Q), and X's
+// copies carry the evict-first L2 hint (nothing reads X after them).
 // Unsplit only (a split launch traps). Dynamic shared memory: HEAD_SHARED_BYTES (185.5 KB).
 extern "C" __global__ void __launch_bounds__(256) linear_forward_relu_head_wgmma_tf32(
         const __grid_constant__ DtTensorMap A, const __grid_constant__ DtTensorMap B, float* C, int ldc, int M, int N,

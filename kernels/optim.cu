@@ -142,14 +142,14 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_clip_step(
     DtAdamWFloat4 x;
     if (first < n / 4) {
         x.p = reinterpret_cast<const float4*>(params)[first];
-        x.m = reinterpret_cast<const float4*>(m)[first];
-        x.v = reinterpret_cast<const float4*>(v)[first];
+        x.m = dt_load_evict_first(m, first);
+        x.v = dt_load_evict_first(v, first);
     }
     dt_wait_prior_grid();
     dt_allow_dependents();
     // One round of loads: the first float4's gradient, this thread's first two
     // partials (every one while there are at most 512), the loss, the gate and t.
-    if (first < n / 4) x.g = reinterpret_cast<const float4*>(grads)[first];
+    if (first < n / 4) x.g = dt_load_evict_first(grads, first);
     const int second = threadIdx.x + ADAM_THREADS;
     const double head = (int)threadIdx.x < norm_blocks ? __ldcg(&partials[threadIdx.x]) : 0.0;
     const double next = second < norm_blocks ? __ldcg(&partials[second]) : 0.0;

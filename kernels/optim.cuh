@@ -194,6 +194,19 @@ __device__ __forceinline__ void dt_adamw_one(const DtAdamW& a, float& p, float& 
     p = __fsub_rn(__fmul_rn(p, a.decay), __fdiv_rn(__fmul_rn(m, a.step_size), denom));
 }
 
+// The gradient, m and v are not read again this step: the gradient not before the next
+// backward overwrites it, m and v not before the next step's AdamW, after all else the step
+// touches. Their loads and AdamW's stores of m and v are marked evict-first (ld/st.global.cs),
+// so that the L2 keeps what the rest of the step reads: the parameters (the spectral
+// iteration, the finish pass, the next forward) and the target network (the finish pass).
+// A cache hint changes no value.
+__device__ __forceinline__ float4 dt_load_evict_first(const float* p, long long i) {
+    return __ldcs(reinterpret_cast<const float4*>(p) + i);
+}
+__device__ __forceinline__ void dt_store_evict_first(float* p, long long i, float4 x) {
+    __stcs(reinterpret_cast<float4*>(p) + i, x);
+}
+
 // One float4 of each operand at float4 index i.
 struct DtAdamWFloat4 {
     float4 p, m, v, g;
@@ -203,9 +216,9 @@ __device__ __forceinline__ DtAdamWFloat4 dt_adamw_load(long long i, const float*
                                                        const float* m, const float* v) {
     DtAdamWFloat4 x;
     x.p = reinterpret_cast<const float4*>(params)[i];
-    x.m = reinterpret_cast<const float4*>(m)[i];
-    x.v = reinterpret_cast<const float4*>(v)[i];
-    x.g = reinterpret_cast<const float4*>(grads)[i];
+    x.m = dt_load_evict_first(m, i);
+    x.v = dt_load_evict_first(v, i);
+    x.g = dt_load_evict_first(grads, i);
     return x;
 }
 
@@ -217,8 +230,8 @@ __device__ __forceinline__ void dt_adamw_store(const DtAdamW& a, DtAdamWFloat4 x
     dt_adamw_one(a, x.p.z, x.m.z, x.v.z, x.g.z);
     dt_adamw_one(a, x.p.w, x.m.w, x.v.w, x.g.w);
     reinterpret_cast<float4*>(params)[i] = x.p;
-    reinterpret_cast<float4*>(m)[i] = x.m;
-    reinterpret_cast<float4*>(v)[i] = x.v;
+    dt_store_evict_first(m, i, x.m);
+    dt_store_evict_first(v, i, x.v);
 }
 
 // The AdamW update of float4 elements first, first + stride, ... below n / 4

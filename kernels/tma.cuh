@@ -28,6 +28,24 @@ __device__ __forceinline__ void dt_tma_load_2d(unsigned int dst, const DtTensorM
         ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(bar) : "memory"));
 }
 
+// An L2 cache policy under which every line an access touches is evicted first
+// (createpolicy), for dt_tma_load_2d_evict_first: a copy of data read for the last time.
+__device__ __forceinline__ unsigned long long dt_l2_evict_first_policy() {
+    unsigned long long policy = 0;
+    DT_CLUSTER_ONLY(asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy)));
+    return policy;
+}
+
+// dt_tma_load_2d with an L2 cache policy (dt_l2_evict_first_policy): the same copy.
+__device__ __forceinline__ void dt_tma_load_2d_evict_first(unsigned int dst, const DtTensorMap* map, int x, int y,
+                                                           unsigned int bar, unsigned long long policy) {
+    DT_CLUSTER_ONLY(asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%2, %3}], [%4], %5;"
+        ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(bar), "l"(policy)
+        : "memory"));
+}
+
 // Fetches the map into the constant cache ahead of the first copy that names it.
 __device__ __forceinline__ void dt_tma_prefetch_map(const DtTensorMap* map) {
     DT_CLUSTER_ONLY(asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(map))

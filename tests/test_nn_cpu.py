@@ -446,6 +446,35 @@ def test_head_plans_a_cluster_where_its_row_tiles_fit_else_the_workspace(monkeyp
     assert fk.plan_head(512, 1024, 1024, 19, sms=44, cluster=True) is None
 
 
+def test_forward_without_hidden_outputs_launches_the_head_kernel_with_no_h(monkeypatch):
+    """MLP.forward(store_hidden=False): where the head kernel computes Q (the large net on a
+    third of the SMs, compute capability 9.0) it is launched with no H (C = 0) and that
+    slot of .activations is None, the output still Q; backward refuses such a Forward.
+    Where the output layer runs apart (the whole device's plan), every output is stored.
+    A non-bool is refused."""
+    launches = []
+    _fake_kernels(monkeypatch, launches, (9, 0))
+    layout = ParamLayout.from_widths([128, 1024, 1024, 19])
+    model = mlp_module.MLP(layout)
+    buf = lambda address, shape: DeviceBuffer._view(None, address, shape, np.float32)
+    params, grads, main = _FakeFlat(layout, 1 << 38), _FakeFlat(layout, 1 << 39), _FakeStream(launches, "main")
+    x = buf(1 << 37, (512, 128))
+    kept = model.forward(params, x, arena=_FakeArena(), stream=main, sms=44)
+    start = len(launches)
+    fwd = model.forward(params, x, arena=_FakeArena(), stream=main, sms=44, store_hidden=False)
+    heads = [e for e in launches if "_head_" in e[0]]
+    assert len(heads) == 2 and heads[0][2][2].ptr == kept.activations[2].ptr and heads[1][2][2] == 0
+    assert [e[0] for e in launches[start:]] == [e[0] for e in launches[:start]]  # the same launches otherwise
+    assert fwd.activations[2] is None and fwd.activations[1] is not None
+    assert fwd.output.shape == (512, 19) and heads[1][2][14].ptr == fwd.output.ptr  # Q
+    with pytest.raises(ValueError, match="store_hidden"):
+        model.backward(params, grads, fwd, buf(1 << 36, (512, 19)), arena=_FakeArena(), stream=main)
+    whole = model.forward(params, x, arena=_FakeArena(), stream=main, store_hidden=False)
+    assert not model.head_folded(512) and all(a is not None for a in whole.activations)
+    with pytest.raises(TypeError, match="store_hidden"):
+        model.forward(params, x, arena=_FakeArena(), stream=main, sms=44, store_hidden=0)
+
+
 @pytest.mark.parametrize("settled", [False, True], ids=["unsettled", "settled"])
 @pytest.mark.parametrize("sms", [None, 44], ids=["whole-device", "third"])
 @pytest.mark.parametrize("presplit", [True, False], ids=["presplit", "no-presplit"])

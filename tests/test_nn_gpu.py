@@ -101,7 +101,9 @@ def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(d
     wgmma tile: the large net; measured, not promised by the kernel); the same bits
     over graph replays with Q poisoned between them, the shares summed through the
     workspace (the counters left zeroed for the next replay) and in a cluster of the
-    row tile's column tiles alike; nothing written while the gate is set."""
+    row tile's column tiles alike; launched with no H, the same Q and H left poisoned, and
+    ``forward(store_hidden=False)`` the same Q with no last hidden output; nothing
+    written while the gate is set."""
     from drvtrain import capture
     from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
     if not wgmma_available(device):
@@ -149,13 +151,32 @@ def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(d
                            b2=params.bias(last), q=q, ldq=n_out, n_out=n_out, arena=arena, stream=stream, sms=sms,
                            cluster=cluster)
         exe = g.instantiate()
+        with capture(stream) as g:  # no H: Q alone (the loss-only forwards of the DQN step)
+            fk.launch_head(h_in, widths[-3], params.weight(last - 1), widths[-3], None, hidden, batch, hidden,
+                           widths[-3], bias=params.bias(last - 1), w2=params.weight(last), ldw2=hidden,
+                           b2=params.bias(last), q=q, ldq=n_out, n_out=n_out, arena=arena, stream=stream, sms=sms,
+                           cluster=cluster)
+        exe_q = g.instantiate()
         for _ in range(3):
             h.poison(stream=stream)
             q.poison(stream=stream)
             exe.launch(stream)
             stream.synchronize()
             assert np.array_equal(h.to_numpy(), outs[True][-2]) and np.array_equal(q.to_numpy(), outs[True][-1])
+            h.poison(stream=stream)
+            q.poison(stream=stream)
+            exe_q.launch(stream)
+            stream.synchronize()
+            assert np.isnan(h.to_numpy()).all() and np.array_equal(q.to_numpy(), outs[True][-1])
         exe.close()
+        exe_q.close()
+    arena = Arena(mlp.scratch_bytes(batch, sms=sms), zeroed_bytes=mlp.zeroed_bytes(batch, sms=sms) + 256)
+    arena.alloc(arena.capacity - 256).poison(stream=stream)
+    arena.reset()
+    fwd = mlp.forward(params, x, arena=arena, stream=stream, sms=sms, store_hidden=False)
+    assert fwd.activations[-2] is None and np.array_equal(fwd.output.to_numpy(), outs[True][-1])
+    for got, want in zip(fwd.activations[1:-2], outs[True][:-2]):
+        assert np.array_equal(got.to_numpy(), want)
     gate = DeviceBuffer.from_numpy(np.array([1], np.int32))
     arena = Arena(mlp.scratch_bytes(batch, sms=sms), zeroed_bytes=mlp.zeroed_bytes(batch, sms=sms) + 256)
     arena.alloc(arena.capacity - 256).poison(stream=stream)

@@ -743,7 +743,8 @@ class LinearKernels:
         [n_out, n]): each block adds its columns' share of Q, and the last block of
         each row tile adds the shares in column order, or, where the plan is clustered,
         each block of the row tile's cluster some of its rows, in the same order
-        (kernels/gemm_sm90a.cu, the output layer in the epilogue). H is stored as :meth:`launch` stores it; Q
+        (kernels/gemm_sm90a.cu, the output layer in the epilogue). H is stored as :meth:`launch` stores it
+        (``h`` None: not at all, for a caller that reads only Q); Q
         is right to TF32 accuracy like the output layer's own product, with the same
         bits run to run; where that product sums the same 128-deep shares (8 clustered
         splits of a 1024-wide H) the bits came out the same as its on the H200, which
@@ -760,7 +761,7 @@ class LinearKernels:
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         grid = p.grid(m, n)
         self.head.launch(grid, self.head.block, operand_map(x, ldx, m, k, "X"), operand_map(w, ldw, n, k, "W"),
-                         h, ldh, m, n, k, bias, 0, 0, gate if gate is not None else 0, w2, ldw2, b2, q, ldq, n_out,
+                         h if h is not None else 0, ldh, m, n, k, bias, 0, 0, gate if gate is not None else 0, w2, ldw2, b2, q, ldq, n_out,
                          work, counters, stream=stream, shared_mem=WGMMA_HEAD_SHARED_BYTES,
                          cluster=(grid[0], 1, 1) if p.cluster else None)
 
@@ -952,7 +953,8 @@ class FirstDwShares:
 @dataclass(frozen=True)
 class Forward:
     """What one forward leaves for its backward: the input and the output of
-    every layer, as arena slices valid until the arena is reset."""
+    every layer, as arena slices valid until the arena is reset (None for a
+    hidden output that ``forward(..., store_hidden=False)`` did not store)."""
     activations: tuple
 
     @property
@@ -1244,7 +1246,8 @@ class MLP:
         return [k for k, (dx, _) in self.presplit_layers(batch).items() if dx and not (dx_last and k == last)]
 
     def forward(self, params: FlatBuffer, x: DeviceBuffer, *, arena: Arena, stream, gate=None,
-                layers: int | None = None, sms: int | None = None, weights_settled: bool = False) -> Forward:
+                layers: int | None = None, sms: int | None = None, weights_settled: bool = False,
+                store_hidden: bool = True) -> Forward:
         """Every layer's output into arena slices; ``.output`` is [batch, out].
 
         ``gate``: an int32 device word; while it is non-zero every launch returns
@@ -1270,7 +1273,17 @@ class MLP:
         only on the product before, which writes no weight. That holds because every
         drvtrain kernel lets its dependents start only after its own wait; a kernel of
         the caller's that lets them start earlier makes the kernels before it direct
-        ones too. The output is the same bits either way. Default False."""
+        ones too. The output is the same bits either way. Default False.
+
+        ``store_hidden=False``: for a caller that reads only ``.output`` (the DQN step's
+        target forward and online forward of s'). Where the output layer runs in the last
+        hidden layer's epilogue (:meth:`head_folded`), that hidden layer's output, which no
+        later launch reads, is not written, and its place in ``.activations`` is None;
+        :meth:`backward` refuses such a Forward. Elsewhere every hidden output is the
+        next launch's input and is stored as always. ``.output`` is the same bits either
+        way."""
+        if not isinstance(store_hidden, bool):
+            raise TypeError(f"store_hidden must be a bool, got {store_hidden!r}")
         if params.layout != self.layout:
             raise ValueError("params were made for another layout")
         batch = x.shape[0] if x.shape else 0
@@ -1288,7 +1301,7 @@ class MLP:
         for k, (out, inp) in enumerate(self.layout.layers[:layers]):
             if head and k == last:  # computed with the layer before
                 break
-            y = arena.array((batch, out), np.float32)
+            y = arena.array((batch, out), np.float32) if store_hidden or not (head and k == last - 1) else None
             role = "forward" if k == last else "forward_relu"
             if head and k == last - 1:  # this layer's product, then the output layer, in one launch
                 q = arena.array((batch, self.out_features), np.float32)
@@ -1367,6 +1380,9 @@ class MLP:
         event before the first pre-split dX (or before return, if none runs)."""
         if not isinstance(forward, Forward) or len(forward.activations) != len(self.layout.layers) + 1:
             raise TypeError("backward takes the Forward that this MLP's forward returned")
+        if any(a is None for a in forward.activations):
+            raise ValueError("this Forward kept no hidden output (forward(..., store_hidden=False)); the backward "
+                             "reads every layer's input")
         if grads.layout != self.layout or params.layout != self.layout:
             raise ValueError("params and grads must be made for this MLP's layout")
         batch = forward.batch

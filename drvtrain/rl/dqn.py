@@ -562,11 +562,13 @@ class DQNStep:
             # `_settled_` kernels, 0.2 us slower (docs/perf-notes.md, twenty-fifth pass).
             # Each pass's products after its first run them without it, 0.3 us faster
             # (twenty-sixth pass).
+            # The loss reads only the Q of these two: their last hidden output is not stored
+            # where the head kernel computes Q (docs/perf-notes.md, thirty-eighth pass).
             f_target = mlp.forward(self.target, batch.next_obs, arena=arena, stream=target_stream, gate=gate,
-                                   layers=hidden_layers, sms=self._forward_sms)
+                                   layers=hidden_layers, sms=self._forward_sms, store_hidden=False)
             target_leaves = capture_frontier(target_stream) if capturing else []
             f_next = mlp.forward(self.params, batch.next_obs, arena=arena, stream=next_stream, gate=gate,
-                                 layers=hidden_layers, sms=self._forward_sms)
+                                 layers=hidden_layers, sms=self._forward_sms, store_hidden=False)
             f_online = mlp.forward(self.params, batch.obs, arena=arena, stream=stream, gate=gate,
                                    layers=hidden_layers, sms=self._forward_sms)
             online_leaves = capture_frontier(stream) if capturing else []
