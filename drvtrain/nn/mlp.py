@@ -761,8 +761,8 @@ class LinearKernels:
         counters = arena.zeroed(p.counters, np.uint32) if p.counters else 0
         grid = p.grid(m, n)
         self.head.launch(grid, self.head.block, operand_map(x, ldx, m, k, "X"), operand_map(w, ldw, n, k, "W"),
-                         h if h is not None else 0, ldh, m, n, k, bias, 0, 0, gate if gate is not None else 0, w2, ldw2, b2, q, ldq, n_out,
-                         work, counters, stream=stream, shared_mem=WGMMA_HEAD_SHARED_BYTES,
+                         h if h is not None else 0, ldh, m, n, k, bias, 0, 0, gate if gate is not None else 0,
+                         w2, ldw2, b2, q, ldq, n_out, work, counters, stream=stream, shared_mem=WGMMA_HEAD_SHARED_BYTES,
                          cluster=(grid[0], 1, 1) if p.cluster else None)
 
     def share(self, sms) -> int:
