@@ -663,7 +663,8 @@ class LinearKernels:
         (rows ``lddw`` floats apart) and db [k] (the column sums of dY) summed in the same
         launch: one launch for two products, each block's share of dW in 3xTF32 on the
         tensor cores (:meth:`plan_last_dw` must plan; checked). Needs no scratch. It has no
-        ``_settled_`` twin: W is read after the grid wait even where the weights are settled. Returns the kernel that ran."""
+        ``_settled_`` twin: W is read after the grid wait even where the weights are settled.
+        Returns the kernel that ran."""
         if self.plan_last_dw(m, n, k) is None:
             raise ValueError(f"no grad_input_dwl launch of {m}x{n}x{k} here")
         kernel = self.last_dw[vector_width(dy, ldy, w, ldw)]
