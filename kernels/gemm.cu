@@ -226,7 +226,8 @@ struct LastDw {
 // The Double-DQN loss computed in the output layer's grad-input product (LOSS, with
 // DWL: the dqn_loss_dwl kernels). A = dout [M, K] (K = 1 + n_actions) is not read
 // but computed: each block the loss of its BM rows from their rows of the three Q
-// arrays [M, K] (dqn_loss.cuh's sample_loss, so dqn_loss's bits), into its A tile.
+// arrays [M, K] (dqn_loss.cuh's sample_argmax and sample_loss_given, the parts of
+// dqn_loss's sample_loss: the same operations, so dqn_loss's bits), into its A tile.
 // Grid column 0 stores dout (rows lda floats apart), the priorities, a* (if not
 // null) and the loss's partials [3][blocks] as dqn_loss's grid of 32-row blocks
 // leaves them (blocks = ceil(M / 32)), for dqn_means_32.

@@ -416,7 +416,7 @@ struct Setup {
 // in column-tile order, then b2, and stores Q's rows. Launched with the row tile's
 // column tiles as one cluster ((gridDim.x, 1, 1), at most 8), the shares meet in
 // distributed shared memory instead (head_cluster_finish), in the same order. H is stored as the plain kernel
-// stores it. The depth order of the shares is the output layer's own forward's in 8
+// stores it, unless C is null (the kernel's header). The depth order of the shares is the output layer's own forward's in 8
 // clustered splits of a 1024-wide H, so the sums keep that kernel's structure; within
 // 8 deep the MMA takes its products in another order (head_loads); on the H200 the
 // bits came out the same as that kernel's (the tests check it where the shares are
@@ -1094,7 +1094,7 @@ DT_WGMMA_FORWARD(linear_forward_relu_wgmma_tf32, EPI_BIAS_RELU)
 // the forward's arguments, then W2, ldw2, b2, Q, ldq, n (at most HEAD_N), work and
 // counters (both unused when launched in clusters of a row tile's column tiles).
 // C may be null: H is then not stored (a forward whose caller reads only Q), and X's
-// copies carry the evict-first L2 hint (nothing reads X after them).
+// copies carry the evict-first L2 hint (no later kernel reads X).
 // Unsplit only (a split launch traps). Dynamic shared memory: HEAD_SHARED_BYTES (185.5 KB).
 extern "C" __global__ void __launch_bounds__(256) linear_forward_relu_head_wgmma_tf32(
         const __grid_constant__ DtTensorMap A, const __grid_constant__ DtTensorMap B, float* C, int ldc, int M, int N,

@@ -466,6 +466,7 @@ def test_forward_without_hidden_outputs_launches_the_head_kernel_with_no_h(monke
     assert len(heads) == 2 and heads[0][2][2].ptr == kept.activations[2].ptr and heads[1][2][2] == 0
     assert [e[0] for e in launches[start:]] == [e[0] for e in launches[:start]]  # the same launches otherwise
     assert fwd.activations[2] is None and fwd.activations[1] is not None
+    assert heads[1][2][0][0] == fwd.activations[1].ptr  # X: the first hidden output
     assert fwd.output.shape == (512, 19) and heads[1][2][14].ptr == fwd.output.ptr  # Q
     with pytest.raises(ValueError, match="store_hidden"):
         model.backward(params, grads, fwd, buf(1 << 36, (512, 19)), arena=_FakeArena(), stream=main)

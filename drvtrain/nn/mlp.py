@@ -745,7 +745,8 @@ class LinearKernels:
         each row tile adds the shares in column order, or, where the plan is clustered,
         each block of the row tile's cluster some of its rows, in the same order
         (kernels/gemm_sm90a.cu, the output layer in the epilogue). H is stored as :meth:`launch` stores it
-        (``h`` None: not at all, for a caller that reads only Q); Q
+        (``h`` None: not at all, for a caller that reads only Q; X's copies then carry the
+        evict-first L2 hint, for no later kernel reads X either); Q
         is right to TF32 accuracy like the output layer's own product, with the same
         bits run to run; where that product sums the same 128-deep shares (8 clustered
         splits of a 1024-wide H) the bits came out the same as its on the H200, which
@@ -1108,12 +1109,13 @@ class MLP:
         """Whether :meth:`forward` (with these ``sms`` and ``layers``) computes the
         output layer in the epilogue of the last hidden layer's product (one
         ``forward_relu_head`` launch for both, :meth:`LinearKernels.launch_head`; the
-        hidden layer's output is still stored): a whole forward of three or more layers
-        (so that the last hidden layer's input is an activation of the arena, never a
-        caller's misaligned input) whose output layer has at most :data:`HEAD_MAX_OUT`
-        outputs, where the last hidden layer takes a multiple of 4 inputs (the tensor
-        maps' rows), plans unsplit on the wgmma tile (:meth:`LinearKernels.plan_head`)
-        and is not folded with the first layer. Never with ``MLP(fold_head=False)``.
+        hidden layer's output is still stored, unless ``store_hidden=False``): a whole
+        forward of three or more layers (so that the last hidden layer's input is an
+        activation of the arena, never a caller's misaligned input) whose output layer has
+        at most :data:`HEAD_MAX_OUT` outputs, where the last hidden layer takes a multiple
+        of 4 inputs (the tensor maps' rows), plans unsplit on the wgmma tile
+        (:meth:`LinearKernels.plan_head`) and is not folded with the first layer. Never
+        with ``MLP(fold_head=False)``.
         Measured on the H200 (docs/perf-notes.md, thirty-fifth pass): the large DQN
         step's three forwards, each planned for a third of the SMs, 0.8 us faster."""
         n = len(self.layout.layers)
