@@ -1178,8 +1178,10 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
     output poisoned first. dout, the priorities, a* and the loss's partials (summed by
     dqn_means_32) are dqn_loss's bit for bit; dX, dW and db are the fold's
     (linear_grad_input_dwl) on that dout, bit for bit; all of them match float64. With
-    ``broken``, row 1 of Q(s') holds a NaN and row 3 an action out of range: those rows'
-    gradients and priorities are NaN, and so are dW, db and the means. Nothing is written
+    ``broken``, row 1 of Q(s') holds a NaN, row 3 an action out of range, row 5 of
+    Q_target(s') and row 6 of Q(s) a NaN (those two rows' advantage means are taken by the
+    block's other warps): those rows' gradients and priorities are NaN, and so are dW, db
+    and the means. Nothing is written
     while the gate is set."""
     from drvtrain import builtin_module
     from drvtrain.nn.mlp import LinearKernels
@@ -1195,10 +1197,12 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
     weights = rng.uniform(0.1, 1.0, batch).astype(np.float32)
     clean = np.ones(batch, bool)
     clean_qs, clean_action = [x.copy() for x in qs], action.copy()  # the float64 reference's
-    if broken:
+    if broken:  # a NaN in each of the three rows a sample's loss reads, an action out of range
         qs[1][1, 2] = np.nan
         action[3] = n_actions
-        clean[[1, 3]] = False
+        qs[2][5, 1] = np.nan
+        qs[0][6, 0] = np.nan
+        clean[[1, 3, 5, 6]] = False
     h_h = np.maximum(rng.standard_normal((batch, hidden)), 0.0).astype(np.float32)
     w_h = (rng.standard_normal((k, hidden)) / np.sqrt(hidden)).astype(np.float32)
     w_all = DeviceBuffer.from_numpy(np.concatenate([rng.standard_normal(w_offset // 4).astype(np.float32),
@@ -1298,3 +1302,37 @@ def test_large_step_with_the_loss_in_the_backward_is_the_step_apart_bit_for_bit(
         step.close()
     for name, value in states[True].items():
         assert np.asarray(value).tobytes() == np.asarray(states[False][name]).tobytes(), name
+
+
+def test_the_loss_only_forwards_store_no_hidden_output(device, rng):
+    """The large step runs its target forward and its online forward of s' with
+    ``store_hidden=False`` (the loss reads only their Q) and the online forward of s,
+    whose activations the backward reads, without; where the head kernel computes Q,
+    those two launch it with no H."""
+    cfg = DQNConfig.large(capacity=4096, seed=int(rng.integers(1 << 30)))
+    stream = Stream()
+    step = DQNStep(cfg)
+    try:
+        fill(step, rng, stream)
+        mlp = step.online_mlp
+        stores, heads = [], []
+        real_forward, real_head = mlp.forward, mlp.forward_kernels.launch_head
+
+        def forward(*args, **kwargs):
+            stores.append(kwargs.get("store_hidden", True))
+            return real_forward(*args, **kwargs)
+
+        def launch_head(*args, **kwargs):
+            heads.append(args[4] is not None)  # H
+            return real_head(*args, **kwargs)
+
+        mlp.forward, mlp.forward_kernels.launch_head = forward, launch_head
+        step.enqueue(stream=stream)
+        stream.synchronize()
+        assert sorted(stores) == [False, False, True]
+        folded = mlp.head_folded(cfg.batch, sms=step._forward_sms)
+        assert folded == (tuple(device.compute_capability) >= (9, 0))
+        assert sorted(heads) == ([False, False, True] if folded else [])
+    finally:
+        step.close()
+

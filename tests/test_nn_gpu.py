@@ -103,7 +103,7 @@ def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(d
     workspace (the counters left zeroed for the next replay) and in a cluster of the
     row tile's column tiles alike; launched with no H, the same Q and H left poisoned, and
     ``forward(store_hidden=False)`` the same Q with no last hidden output; nothing
-    written while the gate is set."""
+    written while the gate is set, with or without the hidden output."""
     from drvtrain import capture
     from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
     if not wgmma_available(device):
@@ -183,6 +183,12 @@ def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(d
     arena.reset()
     fwd = mlp.forward(params, x, arena=arena, stream=stream, sms=sms, gate=gate)
     assert all(np.isnan(a.to_numpy()).all() for a in fwd.activations[1:])
+    arena.reset()
+    arena.alloc(arena.capacity - 256).poison(stream=stream)
+    arena.reset()
+    fwd = mlp.forward(params, x, arena=arena, stream=stream, sms=sms, gate=gate, store_hidden=False)
+    assert fwd.activations[-2] is None
+    assert all(np.isnan(a.to_numpy()).all() for a in fwd.activations[1:] if a is not None)
 
 
 @pytest.mark.parametrize("m, n, k", [(512, 1024, 19), (450, 1000, 32), (300, 1400, 1), (129, 4000, 5),
