@@ -48,6 +48,34 @@ def test_output_without_kernels_gives_no_rows(profile):
     assert profile.table(csv_text("nsecond", [])) == []
 
 
+HBM_HEADER = ('"ID","Process ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum",'
+              '"gpu__time_duration.sum","launch__block_size","launch__grid_size","lts__t_sector_hit_rate.pct"')
+
+
+def test_hbm_rows_are_megabytes_by_their_units_and_the_command_leaves_the_cache(profile):
+    """``--hbm``: two rows of a real run of the large DQN step (bytes as ncu wrote them, one
+    column given in Kbyte instead), read as 10^6 bytes, no limit column; its ncu command
+    neither flushes the caches nor replays a kernel alone, and the default command does not
+    change."""
+    text = "\n".join(["==PROF== Connected to process 490", HBM_HEADER, '"","","","byte","Kbyte","ns","","","%"',
+                      '"0","1","adamw_clip_step","8,966,656","7,988.992","13,280","256","528","71.07"',
+                      '"1","1","dqn_finish(float *, float *)","3,875,840","3,794.688","10,016","256","528","78.40"'])
+    rows = profile.table(text, profile.HBM_METRICS)
+    assert [r["kernel"] for r in rows] == ["adamw_clip_step", "dqn_finish"]
+    assert [r["read"] for r in rows] == pytest.approx([8.966656, 3.87584])
+    assert [r["written"] for r in rows] == pytest.approx([7.988992, 3.794688])
+    assert [r["time"] for r in rows] == pytest.approx([13.28, 10.016])
+    assert (rows[0]["l2_hit"], rows[0]["grid"], rows[0]["block"]) == (71.07, "528", "256") and "limit" not in rows[0]
+    cmd = profile.ncu_command("ncu", "dqn-large", 3, True)
+    assert cmd[cmd.index("--cache-control") + 1] == "none"
+    assert cmd[cmd.index("--replay-mode") + 1] == "application"
+    assert cmd[cmd.index("--metrics") + 1].split(",") == list(profile.HBM_METRICS)
+    default = profile.ncu_command("ncu", "dqn-large", 3, False)
+    assert "--cache-control" not in default and "--replay-mode" not in default
+    assert default[default.index("--metrics") + 1].split(",") == list(profile.METRICS)
+    assert cmd[-4:] == default[-4:] == ["--child", "--warmup", "3", "dqn-large"]
+
+
 def test_trace_timeline_takes_medians_per_node_and_refuses_other_graphs(monkeypatch):
     """tools/trace_step.py's reading of a Chrome trace: per node of the replayed graph, the median
     start relative to the replay's first kernel and the median duration; nodes matched by stream,

@@ -9,6 +9,14 @@ and memory throughput as % of peak, and the limiting unit. A kernel whose SM
 and memory throughput both stay under 30% of peak is reported as latency-bound:
 neither unit is busy, so its time is its own chain of dependent operations.
 
+``--hbm``: instead, the bytes each kernel reads from and writes to HBM (DRAM) and
+its L2 hit rate, with the L2 left as the step leaves it: ncu neither flushes the
+caches before a kernel (``--cache-control none``) nor replays a kernel on its own
+(``--replay-mode application``: the whole process runs again for each pass of
+metrics), so every kernel finds what the kernels before it left in L2. The bytes a
+kernel writes are mostly lines that other kernels dirtied, evicted while it runs.
+Its times are not those of the default table (other metrics, other passes).
+
 What is profiled: ``dqn-small`` / ``dqn-large`` (the Double-DQN step of
 docs/step-spec.md) or ``engine-small`` / ``engine-large`` (the supervised step
 of tools/bench_engine.py). Eager launches compute what the captured graph does,
@@ -31,7 +39,17 @@ METRICS = {
     "launch__grid_size": "grid",
     "launch__block_size": "block",
 }
+HBM_METRICS = {
+    "gpu__time_duration.sum": "time",
+    "dram__bytes_read.sum": "read",
+    "dram__bytes_write.sum": "written",
+    "lts__t_sector_hit_rate.pct": "l2_hit",
+    "launch__grid_size": "grid",
+    "launch__block_size": "block",
+}
 WHAT = ("dqn-small", "dqn-large", "engine-small", "engine-large")
+TIME_UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "ns": 1e-3, "us": 1.0}
+BYTE_UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
 
 
 def child(what: str, warmup: int) -> int:
@@ -71,8 +89,9 @@ def _number(text: str) -> float:
         return float("nan")
 
 
-def table(csv_text: str) -> list[dict]:
-    """ncu's ``--page raw --csv`` output as rows of the fields in METRICS."""
+def table(csv_text: str, metrics: dict = METRICS) -> list[dict]:
+    """ncu's ``--page raw --csv`` output as rows of the fields in ``metrics`` (METRICS,
+    or HBM_METRICS: bytes in MB, 10^6 bytes), times in us."""
     lines = [line for line in csv_text.splitlines() if line.startswith('"')]
     reader = list(csv.reader(io.StringIO("\n".join(lines))))
     if len(reader) < 3:
@@ -82,18 +101,20 @@ def table(csv_text: str) -> list[dict]:
     rows = []
     for rec in data:
         row = {"kernel": rec[col["Kernel Name"]].split("(")[0]}
-        for metric, key in METRICS.items():
+        for metric, key in metrics.items():
             value = rec[col[metric]] if metric in col else ""
             unit = units[col[metric]] if metric in col else ""
             if key == "time":
-                scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "ns": 1e-3, "us": 1.0}.get(unit, 1e-3)
-                row[key] = _number(value) * scale
+                row[key] = _number(value) * TIME_UNITS.get(unit, 1e-3)
+            elif key in ("read", "written"):
+                row[key] = _number(value) * BYTE_UNITS.get(unit, float("nan")) / 1e6
             elif key in ("grid", "block"):
                 row[key] = value.replace(",", "")
             else:
                 row[key] = _number(value)
-        busiest = max(row["sm"], row["mem"])
-        row["limit"] = ("latency" if busiest < 30 else "SM" if row["sm"] >= row["mem"] else "memory")
+        if "sm" in row:
+            busiest = max(row["sm"], row["mem"])
+            row["limit"] = ("latency" if busiest < 30 else "SM" if row["sm"] >= row["mem"] else "memory")
         rows.append(row)
     return rows
 
@@ -108,12 +129,35 @@ def print_table(what: str, rows: list[dict]) -> None:
               f"{r['sm']:.1f} | {r['mem']:.1f} | {r['limit']} |")
 
 
+def print_hbm_table(what: str, rows: list[dict]) -> None:
+    read, written = sum(r["read"] for r in rows), sum(r["written"] for r in rows)
+    print(f"\n{what}: {len(rows)} kernels, {read:.2f} MB read from HBM and {written:.2f} MB written to it, "
+          f"the L2 left as the step leaves it\n")
+    print("| # | kernel | us | grid x block | HBM read MB | HBM written MB | L2 hit % |")
+    print("|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rows):
+        print(f"| {i} | {r['kernel']} | {r['time']:.2f} | {r['grid']} x {r['block']} | {r['read']:.2f} | "
+              f"{r['written']:.2f} | {r['l2_hit']:.1f} |")
+
+
+def ncu_command(ncu: str, what: str, warmup: int, hbm: bool) -> list[str]:
+    """The ncu command line that profiles ``what`` (the child run of this script)."""
+    cmd = [ncu, "--profile-from-start", "off", "--csv", "--page", "raw"]
+    if hbm:
+        cmd += ["--cache-control", "none", "--replay-mode", "application"]
+    cmd += ["--metrics", ",".join(HBM_METRICS if hbm else METRICS)]
+    return cmd + [sys.executable, os.path.abspath(__file__), "--child", "--warmup", str(warmup), what]
+
+
 def main(argv=None) -> int:
     parser = _common.tool_parser(__doc__)
     parser.add_argument("what", nargs="*", metavar="WHAT",
                         help=f"steps to profile (default all: {', '.join(WHAT)})")
     parser.add_argument("--ncu", default="/usr/local/cuda/bin/ncu", help="the ncu executable")
     parser.add_argument("--warmup", type=int, default=3, help="eager steps before the profiled one (default 3)")
+    parser.add_argument("--hbm", action="store_true",
+                        help="HBM bytes read and written and the L2 hit rate per kernel, with the L2 left as the "
+                             "step leaves it (no cache flush, application replay), instead of the default table")
     parser.add_argument("--child", action="store_true", help=argparse_hidden())
     args = parser.parse_args(argv)
     args.what = args.what or list(WHAT)
@@ -128,16 +172,14 @@ def main(argv=None) -> int:
     status = 0
     for what in args.what:
         print(f"profiling {what} ...", flush=True)
-        cmd = [args.ncu, "--profile-from-start", "off", "--csv", "--page", "raw", "--metrics", ",".join(METRICS),
-               sys.executable, os.path.abspath(__file__), "--child", "--warmup", str(args.warmup), what]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        rows = table(proc.stdout)
+        proc = subprocess.run(ncu_command(args.ncu, what, args.warmup, args.hbm), capture_output=True, text=True)
+        rows = table(proc.stdout, HBM_METRICS if args.hbm else METRICS)
         if proc.returncode != 0 or not rows:
             print(f"ncu failed for {what} (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}",
                   file=sys.stderr)
             status = 1
             continue
-        print_table(what, rows)
+        (print_hbm_table if args.hbm else print_table)(what, rows)
     return status
 
 
