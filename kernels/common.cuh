@@ -232,6 +232,33 @@ __device__ __forceinline__ void dt_allow_dependents() {
 #endif
 }
 
+// ---------------------------------------------------------------- L2 prefetch
+// Brings `bytes` (a multiple of 16, from a 16-byte aligned `p`) of global memory
+// into L2: one bulk prefetch on compute capability 9.0+, a prefetch a 128-byte
+// line before it. A prefetch is a hint: it returns no value and changes none,
+// and L2 is where every SM's writes land, so a kernel may issue it before its
+// grid wait, for memory that the kernels before it are still writing.
+__device__ __forceinline__ void dt_prefetch_l2(const void* p, unsigned int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+    for (unsigned int o = 0; o < bytes; o += 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + o) : "memory");
+#endif
+}
+
+// What this block's threads read of `a` (n4 float4s) in rounds first_round,
+// first_round + 1, ... of a grid-stride loop over float4s (one float4 a thread a
+// round, float4 index dt_thread_index() + k * dt_grid_stride()) into L2: a
+// block's round is blockDim.x consecutive float4s, one bulk prefetch. The
+// calling thread issues them all.
+__device__ __forceinline__ void dt_prefetch_rounds(const float* a, long long n4, int first_round) {
+    const float4* a4 = reinterpret_cast<const float4*>(a);
+    const long long stride = dt_grid_stride();
+    for (long long s = (long long)blockIdx.x * blockDim.x + first_round * stride; s < n4; s += stride)
+        dt_prefetch_l2(a4 + s, (unsigned int)(min((long long)blockDim.x, n4 - s) * 16));
+}
+
 // ---------------------------------------------------------------- asynchronous copies
 // cp.async from global to shared memory (compute capability 8.0+), for every kernel
 // that stages tiles. `dst` is a shared-window address (__cvta_generic_to_shared);

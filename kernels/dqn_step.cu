@@ -236,6 +236,9 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
         long long* skipped_step) {
     __shared__ FinishMats sh;
     finish_stage(sh, mats, n_mats);  // the constant table, while the rows phase runs
+    // Polyak averaging reads the whole target network, which the step last read at its
+    // start: into L2 while the rows phase runs (no kernel of the step writes it before).
+    if (period == 0 && threadIdx.x == 0) dt_prefetch_rounds(target, n / 4, 0);
     dt_wait_prior_grid();
     dt_allow_dependents();
     finish_pass(sh, dt_thread_index(), dt_grid_stride(), blockIdx.x == 0, blockIdx.x == 0 && threadIdx.x == 0,
