@@ -211,8 +211,10 @@ __device__ __forceinline__ int dt_issued_flag(const int* flag) {
 // step counter), or what no kernel it directly depends on writes: gemm.cu's
 // `settled` weights (where its launcher vouches for it, and in a forward's
 // products after the first), spectral_rows' W (after spectral_columns) and
-// adamw_clip_step's params and moments (after grad_norm_partials). So the overlap
-// covers launch, block setup and that work, and no result can change.
+// adamw_clip_step's params and moments (after grad_norm_partials). It may also
+// prefetch into L2 (dt_prefetch_l2 below: dqn_finish's target), which reads no
+// value. So the overlap covers launch, block setup and that work, and no result
+// can change.
 // Without the launch attribute both calls are no-ops.
 // dt_allow_dependents() lets the next kernel's blocks be scheduled once every
 // block of this grid has called it (or exited). Every drvtrain kernel calls it
@@ -233,21 +235,24 @@ __device__ __forceinline__ void dt_allow_dependents() {
 }
 
 // ---------------------------------------------------------------- L2 prefetch
-// Brings `bytes` (a multiple of 16, from a 16-byte aligned `p`) of global memory
-// into L2: one bulk prefetch on compute capability 9.0+, a prefetch a 128-byte
-// line before it. A prefetch is a hint: it returns no value and changes none,
-// and L2 is where every SM's writes land, so a kernel may issue it before its
-// grid wait, for memory that the kernels before it are still writing.
+// Brings `bytes` (a multiple of 16, from a 16-byte aligned `p`, inside one
+// allocation) of global memory into L2: one bulk prefetch on compute capability
+// 9.0+, a prefetch a 128-byte line before it. A prefetch is a hint: it returns no
+// value and changes none, and L2 is where every SM's writes land, so a kernel may
+// issue it before its grid wait, even for memory that the kernels before it are
+// still writing (the dependent-launch rules above).
 __device__ __forceinline__ void dt_prefetch_l2(const void* p, unsigned int bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #else
-    for (unsigned int o = 0; o < bytes; o += 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + o) : "memory");
+    const unsigned long long first = reinterpret_cast<unsigned long long>(p) & ~127ull;  // the line p starts in
+    const unsigned long long end = reinterpret_cast<unsigned long long>(p) + bytes;
+    for (unsigned long long line = first; line < end; line += 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(line) : "memory");
 #endif
 }
 
-// What this block's threads read of `a` (n4 float4s) in rounds first_round,
+// What this block's threads read of `a` (n4 float4s, 16-byte aligned) in rounds first_round,
 // first_round + 1, ... of a grid-stride loop over float4s (one float4 a thread a
 // round, float4 index dt_thread_index() + k * dt_grid_stride()) into L2: a
 // block's round is blockDim.x consecutive float4s, one bulk prefetch. The

@@ -237,7 +237,9 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
     __shared__ FinishMats sh;
     finish_stage(sh, mats, n_mats);  // the constant table, while the rows phase runs
     // Polyak averaging reads the whole target network, which the step last read at its
-    // start: into L2 while the rows phase runs (no kernel of the step writes it before).
+    // start: into L2 before the wait (no kernel of the step writes it before this one).
+    // On an SM that holds a spectral_rows block (its registers fill the SM's), this block
+    // starts only once that one has ended, so the prefetch leads the reads by less.
     if (period == 0 && threadIdx.x == 0) dt_prefetch_rounds(target, n / 4, 0);
     dt_wait_prior_grid();
     dt_allow_dependents();

@@ -1201,7 +1201,7 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
         qs[1][1, 2] = np.nan
         action[3] = n_actions
         qs[2][5, 1] = np.nan
-        qs[0][6, 0] = np.nan
+        qs[0][6, 1] = np.nan  # A_0: the row's advantage mean, not V
         clean[[1, 3, 5, 6]] = False
     h_h = np.maximum(rng.standard_normal((batch, hidden)), 0.0).astype(np.float32)
     w_h = (rng.standard_normal((k, hidden)) / np.sqrt(hidden)).astype(np.float32)
