@@ -1335,4 +1335,3 @@ def test_the_loss_only_forwards_store_no_hidden_output(device, rng):
         assert sorted(heads) == ([False, False, True] if folded else [])
     finally:
         step.close()
-
