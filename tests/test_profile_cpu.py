@@ -76,6 +76,22 @@ def test_hbm_rows_are_megabytes_by_their_units_and_the_command_leaves_the_cache(
     assert cmd[-4:] == default[-4:] == ["--child", "--warmup", "3", "dqn-large"]
 
 
+def test_hbm_table_prints_the_totals_and_a_row_per_kernel(profile, capsys):
+    """The printed ``--hbm`` table: the step's totals over every kernel, then one row a
+    kernel in launch order; a byte unit ncu never wrote reads as NaN, not as bytes."""
+    text = "\n".join([HBM_HEADER, '"","","","byte","Mbyte","us","","","%"',
+                      '"0","1","sumtree_sample","780,000","0.26","10.56","128","128","58.4"',
+                      '"1","1","dqn_finish","650,000","1.64","9.47","256","528","94.5"'])
+    rows = profile.table(text, profile.HBM_METRICS)
+    profile.print_hbm_table("dqn-large", rows)
+    out = capsys.readouterr().out.splitlines()
+    assert "dqn-large: 2 kernels, 1.43 MB read from HBM and 1.90 MB written to it" in out[1]
+    assert out[-2:] == ["| 0 | sumtree_sample | 10.56 | 128 x 128 | 0.78 | 0.26 | 58.4 |",
+                        "| 1 | dqn_finish | 9.47 | 528 x 256 | 0.65 | 1.64 | 94.5 |"]
+    odd = profile.table(text.replace('"byte","Mbyte"', '"byte","Tbyte"'), profile.HBM_METRICS)
+    assert [r["written"] != r["written"] for r in odd] == [True, True]
+
+
 def test_trace_timeline_takes_medians_per_node_and_refuses_other_graphs(monkeypatch):
     """tools/trace_step.py's reading of a Chrome trace: per node of the replayed graph, the median
     start relative to the replay's first kernel and the median duration; nodes matched by stream,
