@@ -252,15 +252,15 @@ __device__ __forceinline__ void dt_prefetch_l2(const void* p, unsigned int bytes
 #endif
 }
 
-// What this block's threads read of `a` (n4 float4s, 16-byte aligned) in rounds first_round,
-// first_round + 1, ... of a grid-stride loop over float4s (one float4 a thread a
-// round, float4 index dt_thread_index() + k * dt_grid_stride()) into L2: a
-// block's round is blockDim.x consecutive float4s, one bulk prefetch. The
-// calling thread issues them all.
-__device__ __forceinline__ void dt_prefetch_rounds(const float* a, long long n4, int first_round) {
+// What this block's threads read of `a` (n4 float4s, 16-byte aligned) in a
+// grid-stride loop over float4s (one float4 a thread a round, float4 index
+// dt_thread_index() + k * dt_grid_stride()) into L2: a block's round is
+// blockDim.x consecutive float4s, one bulk prefetch. The calling thread issues
+// them all.
+__device__ __forceinline__ void dt_prefetch_rounds(const float* a, long long n4) {
     const float4* a4 = reinterpret_cast<const float4*>(a);
     const long long stride = dt_grid_stride();
-    for (long long s = (long long)blockIdx.x * blockDim.x + first_round * stride; s < n4; s += stride)
+    for (long long s = (long long)blockIdx.x * blockDim.x; s < n4; s += stride)
         dt_prefetch_l2(a4 + s, (unsigned int)(min((long long)blockDim.x, n4 - s) * 16));
 }
 

@@ -240,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
     // start: into L2 before the wait (no kernel of the step writes it before this one).
     // On an SM that holds a spectral_rows block (its registers fill the SM's), this block
     // starts only once that one has ended, so the prefetch leads the reads by less.
-    if (period == 0 && threadIdx.x == 0) dt_prefetch_rounds(target, n / 4, 0);
+    if (period == 0 && threadIdx.x == 0) dt_prefetch_rounds(target, n / 4);
     dt_wait_prior_grid();
     dt_allow_dependents();
     finish_pass(sh, dt_thread_index(), dt_grid_stride(), blockIdx.x == 0, blockIdx.x == 0 && threadIdx.x == 0,
