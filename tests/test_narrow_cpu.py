@@ -160,6 +160,18 @@ def test_cluster_forward_refuses_a_layer_count_out_of_range(layers):
         net.cluster_ranks(layers)
 
 
+def test_backward_refuses_a_forward_that_kept_no_hidden_output():
+    """A Forward of ``MLP.forward(..., store_hidden=False)`` has a None slot; the narrow
+    backward says so before it looks at anything else (here nothing else is real)."""
+    from drvtrain.nn.mlp import Forward
+    net = NarrowMLP(ParamLayout.from_widths([4, 256, 256, 3]))
+    kept_none = Forward((object(), object(), None, object()))
+    with pytest.raises(ValueError, match=r"kept no hidden output \(MLP.forward\(\.\.\., store_hidden=False\)\)"):
+        net.backward(None, None, kept_none, None, arena=None, stream=None)
+    with pytest.raises(TypeError, match="the Forward of a forward pass of this layout"):
+        net.backward(None, None, Forward((object(), None, object())), None, arena=None, stream=None)
+
+
 def _define(options, name):
     (value,) = [o.split("=", 1)[1] for o in options if o.startswith(f"-D{name}=")]
     return value
