@@ -31,6 +31,10 @@
 // two parameter views (each starts on a 64-float boundary), and padding
 // between views is 0, so scaling a whole float4 by its first element's matrix
 // is exact. Deterministic: the sums have a fixed order, the rest is elementwise.
+// With n_mats > 0 it must come directly after spectral_rows (a dependent launch
+// may then start before that kernel ends): it reads the flag, t, its first
+// float4 of params and target and the metrics' operands before its grid wait,
+// which holds only when neither spectral phase writes them.
 #include "common.cuh"
 #include "dqn.cuh"
 #include "optim.cuh"
@@ -77,51 +81,68 @@ __device__ __forceinline__ void finish_stage(FinishMats& sh, const DtSpectralMat
     __syncthreads();
 }
 
+// What the finish pass reads that neither spectral phase writes: the flag, t
+// (hard copies), this thread's first float4 of params and target (elements
+// `first` of the pass below), and the reporter's operands, all written by
+// kernels before the spectral phases (dqn_finish loads them before its wait).
+struct FinishFirst {
+    int skip_value, t_value;
+    float4 p, t;
+    long long old_step;
+    float loss, norm, clip_scale, mean_q, mean_abs_td, beta_used;
+};
+
+__device__ __forceinline__ FinishFirst finish_first(long long first, bool reporter, const float* params,
+                                                    const float* target, long long n, int period, const int* adam_t,
+                                                    const int* skip, const float* scalars, const float* clip,
+                                                    const float* beta, const long long* step_counter) {
+    FinishFirst f = {};
+    f.skip_value = *skip;
+    f.t_value = period > 0 ? *adam_t : 0;
+    if (first < n / 4) {
+        f.p = reinterpret_cast<const float4*>(params)[first];
+        f.t = reinterpret_cast<const float4*>(target)[first];
+    }
+    if (reporter) {
+        f.old_step = *step_counter;
+        f.loss = scalars[0];
+        f.mean_q = scalars[1];
+        f.mean_abs_td = scalars[2];
+        f.norm = clip[0];
+        f.clip_scale = clip[1];
+        f.beta_used = *beta;
+    }
+    return f;
+}
+
 // The finish pass over float4 elements first, first + stride, ... of the
 // parameters and elements first, first + stride, ... of u; `sh` staged by
-// finish_stage. `lead` is every thread of the block that writes sigma and the
-// scales (block 0); `reporter` the one thread that counts the step and writes
-// the metrics slot.
-__device__ __forceinline__ void finish_pass(FinishMats& sh, long long first, long long stride, bool lead,
-                                            bool reporter, float* params, float* target, long long n, int n_mats,
-                                            float* u_all, const double* row_partials, float c, float* scale,
-                                            float* sigma, float tau, int period, const int* adam_t, const int* skip,
-                                            const float* scalars, const float* clip, const float* beta,
+// finish_stage, `f` loaded by finish_first with the same `first`. `lead` is
+// every thread of the block that writes sigma and the scales (block 0);
+// `reporter` the one thread that counts the step and writes the metrics slot.
+__device__ __forceinline__ void finish_pass(FinishMats& sh, const FinishFirst& f, long long first, long long stride,
+                                            bool lead, bool reporter, float* params, float* target, long long n,
+                                            int n_mats, float* u_all, const double* row_partials, float c,
+                                            float* scale, float* sigma, float tau, int period,
                                             long long* step_counter, unsigned long long* ring, int ring_slots,
                                             unsigned int* skip_counts, unsigned int* skip_published,
                                             long long* skipped_step) {
-    // Everything the first float4 and the first ||y|| sums need is loaded before
-    // anything waits on it: the flag, t (hard copies), this thread's first
-    // float4 of params and target, its first row partial of the first matrices
-    // and its first element of y.
-    const int skip_value = *skip;
+    // What the first ||y|| sums need is loaded before anything waits on it: this
+    // thread's first row partial of the first matrices and its first element of y.
+    const int skip_value = f.skip_value, t_value = f.t_value;
     const bool hard = period > 0;
-    const int t_value = hard ? *adam_t : 0;
     float4* p4 = reinterpret_cast<float4*>(params);
     float4* t4 = reinterpret_cast<float4*>(target);
-    float4 p = {}, t = {};
-    if (first < n / 4) {
-        p = p4[first];
-        t = t4[first];
-    }
+    float4 p = f.p, t = f.t;
     double part0[FINISH_GROUP];
 #pragma unroll
     for (int i = 0; i < FINISH_GROUP; ++i)
         part0[i] = i < n_mats && (int)threadIdx.x < sh.row_blocks[i]
                        ? __ldcg(&row_partials[sh.row_block0[i] + threadIdx.x]) : 0.0;
     const float y0 = first < sh.u_total ? __ldcg(&u_all[first]) : 0.0f;
-    // The reporter's operands too: written by kernels before the one before this.
-    long long old_step = 0;
-    float loss = 0.0f, norm = 0.0f, clip_scale = 0.0f, mean_q = 0.0f, mean_abs_td = 0.0f, beta_used = 0.0f;
-    if (reporter) {
-        old_step = *step_counter;
-        loss = scalars[0];
-        mean_q = scalars[1];
-        mean_abs_td = scalars[2];
-        norm = clip[0];
-        clip_scale = clip[1];
-        beta_used = *beta;
-    }
+    const long long old_step = f.old_step;
+    const float loss = f.loss, norm = f.norm, clip_scale = f.clip_scale, mean_q = f.mean_q,
+                mean_abs_td = f.mean_abs_td, beta_used = f.beta_used;
     dt_issued(skip_value);
     dt_issued(t_value);
     dt_issued(p);
@@ -241,11 +262,25 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
     // On an SM that holds a spectral_rows block (its registers fill the SM's), this block
     // starts only once that one has ended, so the prefetch leads the reads by less.
     if (period == 0 && threadIdx.x == 0) dt_prefetch_rounds(target, n / 4);
+    // With spectral phases (n_mats > 0: the kernel before this one is spectral_rows),
+    // what neither phase writes is loaded before the wait: its writers (the norm, AdamW,
+    // the loss's means, the sampler, the finish pass before) ended before the columns
+    // phase's wait returned, which that phase, like every drvtrain kernel, passes before
+    // it lets its dependents start (common.cuh), and so the rows phase and this one.
+    // Without them the kernel before is AdamW, which writes params: after the wait.
+    const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
+    FinishFirst f;
+    if (n_mats > 0)
+        f = finish_first(dt_thread_index(), reporter, params, target, n, period, adam_t, skip, scalars, clip, beta,
+                         step_counter);
     dt_wait_prior_grid();
     dt_allow_dependents();
-    finish_pass(sh, dt_thread_index(), dt_grid_stride(), blockIdx.x == 0, blockIdx.x == 0 && threadIdx.x == 0,
-                params, target, n, n_mats, u_all, row_partials, c, scale, sigma, tau, period, adam_t, skip, scalars,
-                clip, beta, step_counter, ring, ring_slots, skip_counts, skip_published, skipped_step);
+    if (n_mats == 0)
+        f = finish_first(dt_thread_index(), reporter, params, target, n, period, adam_t, skip, scalars, clip, beta,
+                         step_counter);
+    finish_pass(sh, f, dt_thread_index(), dt_grid_stride(), blockIdx.x == 0, reporter, params, target, n, n_mats,
+                u_all, row_partials, c, scale, sigma, tau, period, step_counter, ring, ring_slots, skip_counts,
+                skip_published, skipped_step);
 }
 
 // dqn_tail: everything of a step after the backward, in one cooperative launch:
@@ -331,8 +366,10 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
         }
     }
     dt_grid_barrier(barrier);
-    finish_pass(finish_mats, dt_thread_index(), dt_grid_stride(), blockIdx.x == 0, blockIdx.x == 0 && threadIdx.x == 0,
-                params, target, n, n_mats, u_all, spectral_partials + column_blocks, c, scale, sigma, tau, period,
-                adam_t, skip, scalars, clip, beta, step_counter, ring, ring_slots, skip_counts, skip_published,
-                skipped_step);
+    const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
+    const FinishFirst f = finish_first(dt_thread_index(), reporter, params, target, n, period, adam_t, skip, scalars,
+                                       clip, beta, step_counter);
+    finish_pass(finish_mats, f, dt_thread_index(), dt_grid_stride(), blockIdx.x == 0, reporter, params, target, n,
+                n_mats, u_all, spectral_partials + column_blocks, c, scale, sigma, tau, period, step_counter, ring,
+                ring_slots, skip_counts, skip_published, skipped_step);
 }

@@ -130,8 +130,8 @@ extern "C" __global__ void __launch_bounds__(ADAM_THREADS) adamw_clip_step(
     // advanced the counter guesses one too many).
     const int t_guess = __ldcg(step) + 1;
     DtAdamW a = dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, 1.0f, t_guess);
-    dt_issued(a.step_size);  // computed here, not sunk past the wait
-    dt_issued(a.bias2_sqrt);
+    dt_issued(a.step_scaled);  // computed here, not sunk past the wait
+    dt_issued(a.eps_scaled);
     // The first float4 of params, m and v before the wait too: the kernel before this
     // one is always grad_norm_partials (AdamW.step launches both), which writes none
     // of them, and whatever wrote them last (this kernel, the finish pass, the host, a

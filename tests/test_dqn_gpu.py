@@ -474,6 +474,60 @@ def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_six_kernels(de
         assert s1[key].tobytes() == s2[key].tobytes(), key
 
 
+def test_finish_pass_reads_only_what_no_spectral_phase_writes_before_its_wait(device, rng):
+    """dqn_finish loads the skip flag, t, its first float4 of params and target and the
+    metrics' operands before its grid wait (the spectral phases write none of them), and
+    the rows phase's partials and y after it. With both poisoned, then written by
+    `late_copy`, the kernel before it under dependent launch, the parameters, the target
+    network, u, sigma, the scale, the step counter and the metrics slot are the bits of an
+    ordinary launch: a finish pass that read y or the partials before its wait would meet
+    the poison."""
+    skip_unless_a_read_can_race(device, early=False)
+    stream = Stream()
+    step = trained_step(rng, stream, obs_dim=4, hidden=(64, 48))
+    assert step.n_spectral > 0 and int(step.optimizer.skip.to_numpy()[0]) == 0
+    cb, rb = step._spectral_grids
+    for kernel, grid in ((step._spectral_columns, cb), (step._spectral_rows, rb)):
+        kernel.launch(grid, kernel.block, step.params, step._spectral_mats, step.n_spectral, step.u, step._v,
+                      step._spectral_partials, step.optimizer.skip, stream=stream)
+    stream.synchronize()
+    y, partials = step.u.to_numpy(), step._spectral_partials.to_numpy()
+    y_buf, partials_buf = DeviceBuffer.from_numpy(y), DeviceBuffer.from_numpy(partials)
+    params0, target0 = step.params.buffer.to_numpy(), step.target.buffer.to_numpy()
+    counter0 = step._step_counter.to_numpy()
+
+    def restore():
+        step.params.buffer.copy_from_numpy(params0)
+        step.target.buffer.copy_from_numpy(target0)
+        step._step_counter.copy_from_numpy(counter0)
+        step.metrics.ring.view()[:] = 0
+
+    def state():
+        stream.synchronize()
+        return [b.to_numpy().tobytes() for b in (step.params.buffer, step.target.buffer, step.u, step.sigma,
+                                                 step.spectral_scale, step._step_counter)] + [
+            step.metrics.ring.view().tobytes()]
+
+    restore()
+    step._launch_finish(stream)
+    want = state()
+    assert want[0] != params0.tobytes() or want[1] != target0.tobytes()
+    assert want[2] != y.tobytes() and step.metrics.ring.view().any()
+    writer = late_copy()
+    for _ in range(2):
+        restore()
+        for buf in (step.u, step._spectral_partials):
+            buf.poison(stream=stream)
+        with dependent_launches(True):
+            writer.launch(1, 128, step.u, y_buf, words(y_buf), step._spectral_partials, partials_buf,
+                          words(partials_buf), LATE_NS, stream=stream)
+            step._launch_finish(stream)
+        assert state() == want
+    for buf in (y_buf, partials_buf):
+        buf.close()
+    step.close()
+
+
 @pytest.mark.parametrize("hidden", [(40, 24, 33, 17, 20, 28), (4200, 8)],
                          ids=["six-projected-layers", "tall-projected-layer"])
 def test_tail_matches_the_six_kernels_over_every_finish_branch(device, rng, hidden):
@@ -864,11 +918,13 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
         assert "dqn_tail" in names and not separate & names
     else:
         assert "dqn_tail" not in names and separate <= names
-        # Two kernels read before their wait what the kernel before them does not write,
+        # Three kernels read before their wait what the kernel before them does not write,
         # which holds only for that kernel before: spectral_rows (W) directly after
-        # spectral_columns, adamw_clip_step (params and moments) directly after the norm
+        # spectral_columns, dqn_finish (params, target, the flags) directly after
+        # spectral_rows, adamw_clip_step (params and moments) directly after the norm
         # kernel, each its only predecessor, over a programmatic edge.
-        for reader, writer in (("spectral_rows", "spectral_columns"), ("adamw_clip_step", norm)):
+        for reader, writer in (("spectral_rows", "spectral_columns"), ("dqn_finish", "spectral_rows"),
+                               ("adamw_clip_step", norm)):
             after, before = ([k for k in kernels if k.function == f] for f in (reader, writer))
             assert len(after) == len(before) == 1, (reader, writer)
             assert graph.dependencies(after[0].node) == [before[0].node], reader

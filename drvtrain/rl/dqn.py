@@ -672,6 +672,12 @@ class DQNStep:
             self._spectral_rows.launch(rb, self._spectral_rows.block, self.params, self._spectral_mats,
                                        self.n_spectral, self.u, self._v, self._spectral_partials, skip,
                                        stream=stream)
+        self._launch_finish(stream)
+
+    def _launch_finish(self, stream) -> None:
+        """dqn_finish: directly after spectral_rows where a layer is projected (it reads
+        what neither spectral phase writes before its grid wait)."""
+        cfg, skip = self.config, self.optimizer.skip
         tau, period = cfg.target_update
         self._finish.launch(self._finish_grid, self._finish.block, self.params, self.target, self.layout.size,
                             self._spectral_mats, self.n_spectral, self.u, self._row_partials,
