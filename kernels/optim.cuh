@@ -190,15 +190,30 @@ __device__ __forceinline__ DtAdamW dt_adamw_setup(float lr, double beta1, double
     return a;
 }
 
+// sqrt.approx.f32, without .ftz (subnormal inputs kept); see dt_adamw_one.
+__device__ __forceinline__ float dt_sqrt_approx(float x) {
+    float r;
+    asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 // One element's update, every rounding spelled out (the intrinsics are never
 // contracted), so whatever the code around it, the compiler cannot fuse it
-// differently: m and v each take one fma over the rounded decay product.
+// differently: m and v each take one fma over the rounded decay product, exactly
+// rounded. The square root and the division are the approximate instructions
+// (sqrt.approx.f32 and __fdividef's div.approx.f32, each within 2 ulp for these
+// operands, subnormals kept): the update term lr m_hat / (sqrt(v_hat) + eps), a
+// step of about lr against |p|, carries a few ulp of its own size, far below
+// p's own rounding. The correctly rounded forms add a range check and a branch
+// to a slow path around each, taken for zero and tiny operands (the moments of
+// weights whose gradient is 0); with them the small DQN step measured 1.5 us
+// slower (docs/perf-notes.md, fortieth pass). Deterministic either way.
 __device__ __forceinline__ void dt_adamw_one(const DtAdamW& a, float& p, float& m, float& v, float g) {
     const float ge = __fmul_rn(g, a.scale);
     m = __fmaf_rn(ge, a.c1, __fmul_rn(m, a.b1));
     v = __fmaf_rn(ge, __fmul_rn(ge, a.c2), __fmul_rn(v, a.b2));
-    const float denom = __fadd_rn(__fsqrt_rn(v), a.eps_scaled);
-    p = __fsub_rn(__fmul_rn(p, a.decay), __fdiv_rn(__fmul_rn(m, a.step_scaled), denom));
+    const float denom = __fadd_rn(dt_sqrt_approx(v), a.eps_scaled);
+    p = __fsub_rn(__fmul_rn(p, a.decay), __fdividef(__fmul_rn(m, a.step_scaled), denom));
 }
 
 // The gradient, m and v are not read again this step: the gradient not before the next
