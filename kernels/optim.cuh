@@ -204,10 +204,10 @@ __device__ __forceinline__ float dt_sqrt_approx(float x) {
 // (sqrt.approx.f32 and __fdividef's div.approx.f32, each within 2 ulp for these
 // operands, subnormals kept): the update term lr m_hat / (sqrt(v_hat) + eps), a
 // step of about lr against |p|, carries a few ulp of its own size, far below
-// p's own rounding. The correctly rounded forms add a range check and a branch
-// to a slow path around each, taken for zero and tiny operands (the moments of
-// weights whose gradient is 0); with them the small DQN step measured 1.5 us
-// slower (docs/perf-notes.md, fortieth pass). Deterministic either way.
+// p's own rounding. The correctly rounded forms wrap each in a range check and
+// a branch around a slow path (about 170 more machine instructions in
+// adamw_clip_step); with them the small DQN step measured 1.5 us slower, the
+// large 0.4 (docs/perf-notes.md, fortieth pass). Deterministic either way.
 __device__ __forceinline__ void dt_adamw_one(const DtAdamW& a, float& p, float& m, float& v, float g) {
     const float ge = __fmul_rn(g, a.scale);
     m = __fmaf_rn(ge, a.c1, __fmul_rn(m, a.b1));

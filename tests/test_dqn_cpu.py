@@ -1,6 +1,8 @@
 """DQNConfig validation (CPU: no driver call is made)."""
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from drvtrain.rl.dqn import MAX_SPECTRAL_LAYERS, DQNConfig
@@ -39,6 +41,8 @@ def test_benchmark_configurations_are_valid():
     (dict(spectral_layers=(2,)), "spectral layer index"),
     (dict(spectral_layers=(0, 0)), "repeats"),
     (dict(betas=(1.0, 0.999)), r"betas\[0\]"),
+    (dict(eps=1e-37), "eps = 1e-37 with beta2 = 0.999 is too small"),
+    (dict(eps=1e-30, betas=(0.9, 1 - 1e-16)), "below 2\\^-126"),
     (dict(n_actions=True), "n_actions"),
     (dict(fused_head=1), "fused_head"),
     (dict(cluster_forward="yes"), "cluster_forward"),
@@ -48,6 +52,23 @@ def test_benchmark_configurations_are_valid():
 def test_bad_values_name_the_field_and_the_range(overrides, field):
     with pytest.raises(ValueError, match=field):
         DQNConfig.small(**overrides)
+
+
+def test_adamw_refuses_an_eps_its_division_cannot_take():
+    """AdamW's kernel divides by sqrt(v) + eps sqrt(1 - beta2^t) approximately, which
+    needs that at least 2^-126: an eps that takes it below is refused before anything
+    is allocated (no device needed), the boundary itself and the defaults are not."""
+    from types import SimpleNamespace
+    from drvtrain.nn.optim import SMALLEST_NORMAL, AdamW, check_eps
+    fake = SimpleNamespace(layout="layout")  # refused before any buffer is made
+    with pytest.raises(ValueError, match="too small"):
+        AdamW(fake, fake, eps=1e-37)
+    boundary = SMALLEST_NORMAL / math.sqrt(1 - 0.999)
+    check_eps(float(np.nextafter(np.float32(boundary), np.float32(1))), 0.999)
+    with pytest.raises(ValueError, match="too small"):
+        check_eps(float(np.nextafter(np.float32(boundary), np.float32(0))), 0.999)
+    check_eps(1e-8, 0.999)
+    assert DQNConfig.small(eps=1e-20).eps == 1e-20
 
 
 def test_config_round_trips_through_a_dict():

@@ -1,6 +1,8 @@
 """Global gradient-norm clipping and AdamW, on the device, over flat buffers."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..driver import get_device
@@ -9,7 +11,22 @@ from ..memory import DeviceBuffer
 from .layout import FlatBuffer
 from .mlp import FIRST_DW_MAX_ROW_TILES, TILE_32, FirstDwShares
 
-__all__ = ["AdamW"]
+__all__ = ["AdamW", "check_eps"]
+
+# The AdamW kernel divides by sqrt(v) + eps sqrt(1 - beta2^t) with the approximate
+# division (kernels/optim.cuh), accurate for divisors of at least the smallest normal
+# float. The term is smallest at t = 1.
+SMALLEST_NORMAL = 2.0 ** -126
+
+
+def check_eps(eps: float, beta2: float) -> None:
+    """Refuse an eps whose scaled form eps * sqrt(1 - beta2) (the kernel's, at t = 1)
+    falls below the smallest normal float32, 2^-126: the AdamW kernel's approximate
+    division needs its divisor at least that (with beta2 = 0.999, an eps below about 3.7e-37)."""
+    scaled = float(np.float32(eps)) * math.sqrt(1.0 - float(beta2))
+    if not scaled >= SMALLEST_NORMAL:
+        raise ValueError(f"eps = {eps!r} with beta2 = {beta2!r} is too small: eps * sqrt(1 - beta2) = {scaled:.3g} "
+                         f"is below 2^-126 ({SMALLEST_NORMAL:.3g}), where AdamW's division loses accuracy")
 
 
 class AdamW:
@@ -44,6 +61,7 @@ class AdamW:
                 and max_norm > 0):
             raise ValueError(f"bad AdamW settings: lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}, max_norm={max_norm}")
+        check_eps(eps, betas[1])
         self.params, self.grads = params, grads
         self.m, self.v = FlatBuffer(params.layout), FlatBuffer(params.layout)
         self.lr, self.betas, self.eps = float(lr), (float(betas[0]), float(betas[1])), float(eps)
