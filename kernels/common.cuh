@@ -210,7 +210,9 @@ __device__ __forceinline__ int dt_issued_flag(const int* flag) {
 // guess that it checks after the wait and redoes if wrong (adamw_clip_step's
 // step counter), or what no kernel it directly depends on writes: gemm.cu's
 // `settled` weights (where its launcher vouches for it, and in a forward's
-// products after the first), spectral_rows' W (after spectral_columns) and
+// products after the first), spectral_rows' W (after spectral_columns),
+// dqn_finish's flag, t, first float4 of params and target and the metrics'
+// operands (after spectral_rows, where a layer is projected) and
 // adamw_clip_step's params and moments (after grad_norm_partials). It may also
 // prefetch into L2 (dt_prefetch_l2 below: dqn_finish's target), which reads no
 // value. So the overlap covers launch, block setup and that work, and no result

@@ -56,8 +56,9 @@ def test_bad_values_name_the_field_and_the_range(overrides, field):
 
 def test_adamw_refuses_an_eps_its_division_cannot_take():
     """AdamW's kernel divides by sqrt(v) + eps sqrt(1 - beta2^t) approximately, which
-    needs that at least 2^-126: an eps that takes it below is refused before anything
-    is allocated (no device needed), the boundary itself and the defaults are not."""
+    needs that between 2^-126 and 2^126: an eps that takes it below, or one above 1e30
+    (or not finite), is refused before anything is allocated (no device needed); the
+    smallest float32 eps above the bound and the defaults are not."""
     from types import SimpleNamespace
     from drvtrain.nn.optim import SMALLEST_NORMAL, AdamW, check_eps
     fake = SimpleNamespace(layout="layout")  # refused before any buffer is made
@@ -68,6 +69,10 @@ def test_adamw_refuses_an_eps_its_division_cannot_take():
     with pytest.raises(ValueError, match="too small"):
         check_eps(float(np.nextafter(np.float32(boundary), np.float32(0))), 0.999)
     check_eps(1e-8, 0.999)
+    check_eps(1e30, 0.999)
+    for big in (1e31, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="eps must be in"):
+            check_eps(big, 0.999)
     assert DQNConfig.small(eps=1e-20).eps == 1e-20
 
 

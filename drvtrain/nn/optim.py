@@ -14,15 +14,19 @@ from .mlp import FIRST_DW_MAX_ROW_TILES, TILE_32, FirstDwShares
 __all__ = ["AdamW", "check_eps"]
 
 # The AdamW kernel divides by sqrt(v) + eps sqrt(1 - beta2^t) with the approximate
-# division (kernels/optim.cuh), accurate for divisors of at least the smallest normal
-# float. The term is smallest at t = 1.
+# division (kernels/optim.cuh), accurate for divisors from the smallest normal float
+# up to 2^126. The term is smallest at t = 1 and below eps always.
 SMALLEST_NORMAL = 2.0 ** -126
+MAX_EPS = 1e30
 
 
 def check_eps(eps: float, beta2: float) -> None:
-    """Refuse an eps whose scaled form eps * sqrt(1 - beta2) (the kernel's, at t = 1)
-    falls below the smallest normal float32, 2^-126: the AdamW kernel's approximate
-    division needs its divisor at least that (with beta2 = 0.999, an eps below about 3.7e-37)."""
+    """Refuse an eps above MAX_EPS (1e30), or one whose scaled form eps * sqrt(1 - beta2)
+    (the kernel's, at t = 1) falls below the smallest normal float32, 2^-126: the AdamW
+    kernel's approximate division needs its divisor in between (with beta2 = 0.999, an
+    eps below about 3.7e-37 is too small)."""
+    if not 0 < eps <= MAX_EPS:
+        raise ValueError(f"eps must be in (0, {MAX_EPS:g}], got {eps!r}")
     scaled = float(np.float32(eps)) * math.sqrt(1.0 - float(beta2))
     if not scaled >= SMALLEST_NORMAL:
         raise ValueError(f"eps = {eps!r} with beta2 = {beta2!r} is too small: eps * sqrt(1 - beta2) = {scaled:.3g} "
@@ -45,6 +49,10 @@ class AdamW:
     scale itself; its block 0 publishes what ``clip_grad_norm`` would. The
     results are the same bits as ``clip_grad_norm`` then ``apply``, one
     reduction sooner.
+
+    ``eps`` must lie in (0, 1e30] with eps * sqrt(1 - beta2) at least 2^-126
+    (:func:`check_eps`): the kernel divides by sqrt(v) + eps sqrt(1 - beta2^t) with
+    the approximate division, whose divisor must stay in the normal range.
 
     With ``nan_guard=True`` the step also sets ``skip`` (an int32 device
     buffer) when the gradient norm or ``loss`` is not finite; the update then
