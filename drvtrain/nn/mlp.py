@@ -967,6 +967,12 @@ class Forward:
     def batch(self) -> int:
         return self.activations[0].shape[0]
 
+    def require_every_layer(self) -> None:
+        """A backward reads every layer's input: refuse a Forward that kept a None."""
+        if any(a is None for a in self.activations):
+            raise ValueError("this Forward kept no hidden output (MLP.forward(..., store_hidden=False)); the "
+                             "backward reads every layer's input")
+
 
 def layer_count(layers, n: int) -> int:
     """A forward's ``layers`` argument checked against a net of ``n`` layers: None is
@@ -1383,9 +1389,7 @@ class MLP:
         event before the first pre-split dX (or before return, if none runs)."""
         if not isinstance(forward, Forward) or len(forward.activations) != len(self.layout.layers) + 1:
             raise TypeError("backward takes the Forward that this MLP's forward returned")
-        if any(a is None for a in forward.activations):
-            raise ValueError("this Forward kept no hidden output (forward(..., store_hidden=False)); the backward "
-                             "reads every layer's input")
+        forward.require_every_layer()
         if grads.layout != self.layout or params.layout != self.layout:
             raise ValueError("params and grads must be made for this MLP's layout")
         batch = forward.batch

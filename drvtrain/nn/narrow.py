@@ -314,9 +314,7 @@ class NarrowMLP:
         Two launches: the output gradient of every layer, then all weight gradients."""
         if not isinstance(forward, Forward) or len(forward.activations) != self.layers + 1:
             raise TypeError("backward takes the Forward of a forward pass of this layout")
-        if any(a is None for a in forward.activations):
-            raise ValueError("this Forward kept no hidden output (MLP.forward(..., store_hidden=False)); the "
-                             "backward reads every layer's input")
+        forward.require_every_layer()
         for name, buf in (("params", params), ("grads", grads)):
             if not isinstance(buf, FlatBuffer):
                 raise TypeError(f"{name} must be a FlatBuffer, got {type(buf).__name__}")
