@@ -474,17 +474,19 @@ def test_tail_with_more_spectral_blocks_than_its_grid_matches_the_six_kernels(de
         assert s1[key].tobytes() == s2[key].tobytes(), key
 
 
-def test_finish_pass_reads_only_what_no_spectral_phase_writes_before_its_wait(device, rng):
+@pytest.mark.parametrize("target", [dict(), dict(tau=None, target_period=1)], ids=["polyak", "hard-copy"])
+def test_finish_pass_reads_only_what_no_spectral_phase_writes_before_its_wait(device, rng, target):
     """dqn_finish loads the skip flag, t, its first float4 of params and target and the
     metrics' operands before its grid wait (the spectral phases write none of them), and
     the rows phase's partials and y after it. With both poisoned, then written by
     `late_copy`, the kernel before it under dependent launch, the parameters, the target
     network, u, sigma, the scale, the step counter and the metrics slot are the bits of an
     ordinary launch: a finish pass that read y or the partials before its wait would meet
-    the poison."""
+    the poison. Both target rules: Polyak averaging, and a hard copy due every step (t
+    read before the wait decides it)."""
     skip_unless_a_read_can_race(device, early=False)
     stream = Stream()
-    step = trained_step(rng, stream, obs_dim=4, hidden=(64, 48))
+    step = trained_step(rng, stream, obs_dim=4, hidden=(64, 48), **target)
     assert step.n_spectral > 0 and int(step.optimizer.skip.to_numpy()[0]) == 0
     cb, rb = step._spectral_grids
     for kernel, grid in ((step._spectral_columns, cb), (step._spectral_rows, rb)):
@@ -525,6 +527,48 @@ def test_finish_pass_reads_only_what_no_spectral_phase_writes_before_its_wait(de
         assert state() == want
     for buf in (y_buf, partials_buf):
         buf.close()
+    step.close()
+
+
+def test_finish_pass_without_a_projected_layer_reads_the_parameters_after_its_wait(device, rng):
+    """With no projected layer (spectral_c=None) the kernel before dqn_finish is AdamW,
+    which writes the parameters, so the finish pass loads them after its wait. With the
+    parameters poisoned, then written by `late_copy` under dependent launch, the target
+    network (Polyak averaging), the parameters, the step counter and the metrics slot are
+    the bits of an ordinary launch."""
+    skip_unless_a_read_can_race(device, early=False)
+    stream = Stream()
+    step = trained_step(rng, stream, obs_dim=4, hidden=(64, 48), spectral_c=None)
+    assert step.n_spectral == 0 and int(step.optimizer.skip.to_numpy()[0]) == 0
+    params0, target0 = step.params.buffer.to_numpy(), step.target.buffer.to_numpy()
+    params_buf = DeviceBuffer.from_numpy(params0)
+    counter0 = step._step_counter.to_numpy()
+
+    def restore():
+        step.params.buffer.copy_from_numpy(params0)
+        step.target.buffer.copy_from_numpy(target0)
+        step._step_counter.copy_from_numpy(counter0)
+        step.metrics.ring.view()[:] = 0
+
+    def state():
+        stream.synchronize()
+        return [b.to_numpy().tobytes() for b in (step.params.buffer, step.target.buffer, step._step_counter)] + [
+            step.metrics.ring.view().tobytes()]
+
+    restore()
+    step._launch_finish(stream)
+    want = state()
+    assert want[1] != target0.tobytes() and step.metrics.ring.view().any()
+    writer = late_copy()
+    for _ in range(2):
+        restore()
+        step.params.buffer.poison(stream=stream)
+        with dependent_launches(True):
+            writer.launch(1, 128, step.params.buffer, params_buf, words(params_buf), 0, 0, 0, LATE_NS,
+                          stream=stream)
+            step._launch_finish(stream)
+        assert state() == want
+    params_buf.close()
     step.close()
 
 
@@ -598,11 +642,11 @@ def _columns_phase_bits(W: np.ndarray, u: np.ndarray):
     return x, np.array(partials)
 
 
-def trained_step(rng, stream, *, obs_dim, hidden):
-    """A small step (4 actions, batch 64, spectral_c 0.5) after one whole step on a filled
-    replay, so that its weights are trained ones; the stream synchronised."""
-    cfg = DQNConfig(obs_dim=obs_dim, hidden=hidden, n_actions=4, batch=64, capacity=1024, spectral_c=0.5,
-                    seed=int(rng.integers(1 << 30)))
+def trained_step(rng, stream, *, obs_dim, hidden, **overrides):
+    """A small step (4 actions, batch 64, spectral_c 0.5 unless overridden) after one whole
+    step on a filled replay, so that its weights are trained ones; the stream synchronised."""
+    cfg = DQNConfig(**{**dict(obs_dim=obs_dim, hidden=hidden, n_actions=4, batch=64, capacity=1024, spectral_c=0.5,
+                              seed=int(rng.integers(1 << 30))), **overrides})
     step = DQNStep(cfg)
     fill(step, rng, stream)
     step.enqueue(stream=stream)
