@@ -109,6 +109,14 @@ def test_spectral_block_shapes_match_the_kernels():
     assert dqn.spectral_stage_bytes([128, 1024]) == 16 * 1024 * 4
     assert dqn.spectral_stage_bytes([4200, 3]) == 16 * 1024 * 4
     assert dqn.spectral_stage_bytes([]) == 0
+    # The rows kernel by its grid on a 132-SM device: the small configuration's 32 blocks
+    # staged, the large one's 128 in registers; the boundary at half the SMs.
+    assert dqn.spectral_rows_kernel(32, 132) == "spectral_rows_staged"
+    assert dqn.spectral_rows_kernel(66, 132) == "spectral_rows_staged"
+    assert dqn.spectral_rows_kernel(67, 132) == "spectral_rows"
+    assert dqn.spectral_rows_kernel(128, 132) == "spectral_rows"
+    text = (kernels / "dqn.cu").read_text()
+    assert " spectral_rows(" in text and " spectral_rows_staged(" in text
 
 
 def test_fused_head_takes_none_true_or_false():

@@ -80,6 +80,13 @@ def spectral_stage_bytes(columns) -> int:
     return _SPECTRAL_ROWS_PER_BLOCK * widest * 4
 
 
+def spectral_rows_kernel(row_blocks: int, sm_count: int) -> str:
+    """The rows phase's kernel for a grid of ``row_blocks``: ``spectral_rows_staged`` (W in
+    shared memory, 64 registers) where the grid covers at most half the SMs, else
+    ``spectral_rows`` (W in registers, a block to an SM); measured, docs/perf-notes.md."""
+    return "spectral_rows_staged" if 2 * row_blocks <= sm_count else "spectral_rows"
+
+
 def _positive_int(name, value, low=1, high=None):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -497,9 +504,9 @@ class DQNStep:
         # registers, so its blocks start beside others'). Measured: the small step faster
         # staged, the large one (a rows block on nearly every SM) faster with registers
         # (docs/perf-notes.md, fortieth pass). The same bits either way.
-        staged = 2 * rb <= get_device().sm_count
-        self._spectral_rows = mod.kernel("spectral_rows_staged" if staged else "spectral_rows",
-                                         "ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
+        name = spectral_rows_kernel(rb, get_device().sm_count)
+        staged = name == "spectral_rows_staged"
+        self._spectral_rows = mod.kernel(name, "ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
         self._spectral_stage = spectral_stage_bytes(table["cols"][: len(layers)]) if staged else 0
 
     # ------------------------------------------------------------------ the step
