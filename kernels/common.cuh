@@ -210,9 +210,7 @@ __device__ __forceinline__ int dt_issued_flag(const int* flag) {
 // guess that it checks after the wait and redoes if wrong (adamw_clip_step's
 // step counter), or what no kernel it directly depends on writes: gemm.cu's
 // `settled` weights (where its launcher vouches for it, and in a forward's
-// products after the first), spectral_rows' W (after spectral_columns),
-// dqn_finish's flag, t, first float4 of params and target and the metrics'
-// operands (after spectral_rows, where a layer is projected) and
+// products after the first), spectral_rows' W (after spectral_columns) and
 // adamw_clip_step's params and moments (after grad_norm_partials). It may also
 // prefetch into L2 (dt_prefetch_l2 below: dqn_finish's target), which reads no
 // value. So the overlap covers launch, block setup and that work, and no result
@@ -264,6 +262,13 @@ __device__ __forceinline__ void dt_prefetch_rounds(const float* a, long long n4)
     const long long stride = dt_grid_stride();
     for (long long s = (long long)blockIdx.x * blockDim.x; s < n4; s += stride)
         dt_prefetch_l2(a4 + s, (unsigned int)(min((long long)blockDim.x, n4 - s) * 16));
+}
+
+// The dynamic shared memory this launch was given, in bytes.
+__device__ __forceinline__ unsigned int dt_dynamic_shared_bytes() {
+    unsigned int bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    return bytes;
 }
 
 // ---------------------------------------------------------------- asynchronous copies

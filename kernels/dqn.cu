@@ -363,11 +363,11 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_means_256(
 // ============================================================== spectral projection
 // The two phases of spectral.cuh, one phase block per block of the grid.
 // spectral_columns: grid = sum_m ceil(cols_m / 16), block SPECTRAL_THREADS (256).
-// spectral_rows: grid = sum_m ceil(rows_m / 16), block SPECTRAL_THREADS, directly
-//   after spectral_columns on the same stream: it reads W before its grid wait,
-//   which holds only when the kernel before it writes no W. It leaves y in u_all
-//   and the row partials after the column partials; dqn_finish (dqn_step.cu)
-//   takes sigma, the scale and u_new from them.
+// spectral_rows (and spectral_rows_staged): grid = sum_m ceil(rows_m / 16), block
+//   SPECTRAL_THREADS, directly after spectral_columns on the same stream: it reads
+//   W before its grid wait, which holds only when the kernel before it writes no W.
+//   It leaves y in u_all and the row partials after the column partials;
+//   dqn_finish (dqn_step.cu) takes sigma, the scale and u_new from them.
 // skip: when non-null and *skip != 0 both write nothing (they read their first
 //   operands with the flag, so that the flag costs no round trip of its own).
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_columns(
@@ -386,4 +386,18 @@ extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows(
     const DtSpectralBlock where = dt_spectral_block(mats, n_mats, false, (int)blockIdx.x);  // the constant table
     // W before the grid wait (it waits inside), the flag with the partials and x.
     dt_spectral_rows_block<true>((int)blockIdx.x, where, params, u_all, v_all, partials, skip);
+}
+
+// spectral_rows_staged: spectral_rows with the block's rows of W copied into dynamic
+// shared memory before the wait instead of registers (64 registers a thread, not about
+// 250, so other blocks fit beside it): give it 16 x min(cols, 1024) x 4 bytes for the
+// widest matrix (drvtrain.rl.dqn.spectral_stage_bytes); with less it reads them after
+// the wait. The same bits as spectral_rows.
+extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_rows_staged(
+        const float* params, const DtSpectralMatrix* mats, int n_mats, float* u_all, const float* v_all,
+        double* partials, const int* skip) {
+    extern __shared__ float4 spectral_w_stage[];
+    const DtSpectralBlock where = dt_spectral_block(mats, n_mats, false, (int)blockIdx.x);  // the constant table
+    dt_spectral_rows_block<true, true>((int)blockIdx.x, where, params, u_all, v_all, partials, skip, spectral_w_stage,
+                                       (int)(dt_dynamic_shared_bytes() / 16));
 }

@@ -392,9 +392,7 @@ struct Setup {
     int kb, ke, tiles;         // this split's k range and its k tiles
 
     __device__ __forceinline__ Setup(char* smem_raw, unsigned int need, int K) : raw(smem_raw) {
-        unsigned int bytes;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-        if (bytes < need) __trap();
+        if (dt_dynamic_shared_bytes() < need) __trap();
         raw0 = (unsigned int)__cvta_generic_to_shared(smem_raw);
         smem0 = (raw0 + 1023u) & ~1023u;
         const int k_tiles = (K + BK - 1) / BK, per = (k_tiles + gridDim.z - 1) / gridDim.z;

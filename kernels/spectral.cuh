@@ -202,19 +202,28 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const DtSpe
 //   `where` = dt_spectral_block(.., false, index), SPECTRAL_THREADS (256) threads,
 //   every one of which calls it; after every block of phase 1 has finished.
 //   The first chunk's operands (phase 1's partials, x, and on the float4 path
-//   the block's rows of W) are loaded before anything waits on them. It takes
+//   the block's rows of W, see STAGED) are loaded before anything waits on them. It takes
 //   the skip flag's address (the columns phase takes its value): where the flag
 //   is set it returns before writing; the cooperative tail passes null (never set).
-// WAIT (the spectral_rows kernel, a dependent launch directly after
+// WAIT (the spectral_rows kernels, dependent launches directly after
 //   spectral_columns): the function calls the grid wait itself, after the float4
-//   path's first chunk of the block's rows of W and before everything else. W is
-//   settled there: the columns phase does not write it, and W's writer (AdamW)
-//   ended before that phase's own wait returned, which every drvtrain kernel
-//   passes before it lets its dependents start (common.cuh).
-template <bool WAIT>
+//   path's first chunk of the block's rows of W is on its way and before
+//   everything else. W is settled there: the columns phase does not write it, and
+//   W's writer (AdamW) ended before that phase's own wait returned, which every
+//   drvtrain kernel passes before it lets its dependents start (common.cuh).
+// Where that first chunk waits (the same bits either way: the same sum order):
+//   STAGED false: in registers, each lane's float4s of its warp's rows (about 250
+//     registers a thread: no other block fits beside this one on its SM);
+//   STAGED true: in shared memory, `w_stage`, copied by cp.async (64 registers a
+//     thread). w_stage holds `stage_quads` float4s; the block's 16 rows of the
+//     first chunk need 16 x min(cols, 1024) / 4. With fewer (a launch that gives
+//     less dynamic shared memory) the first chunk is read after the wait, like
+//     the later ones.
+template <bool WAIT, bool STAGED = false>
 __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectralBlock& where, const float* params,
                                                        float* u_all, const float* v_all, double* partials,
-                                                       const int* skip) {
+                                                       const int* skip, float4* w_stage = nullptr,
+                                                       int stage_quads = 0) {
     if (where.found < 0) {
         if constexpr (WAIT) {
             dt_wait_prior_grid();
@@ -241,15 +250,28 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectr
     // the first chunk.
     const int column_blocks = dt_spectral_column_blocks(cols);
     const int len0 = min(SPECTRAL_V_CHUNK, cols);
-    float4 w0[SPECTRAL_ROWS_PER_WARP][SPECTRAL_Q_PER_LANE] = {};
-    if (vec) {
+    const int quads0 = len0 / 4;  // float4s of a row's first chunk
+    float4 w0[STAGED ? 1 : SPECTRAL_ROWS_PER_WARP][STAGED ? 1 : SPECTRAL_Q_PER_LANE] = {};
+    const bool staged = STAGED && vec && DT_SPECTRAL_ROWS_PER_BLOCK * quads0 <= stage_quads;
+    if constexpr (STAGED) {
+        if (staged) {
+            const int first_row = block * DT_SPECTRAL_ROWS_PER_BLOCK;
+            const unsigned int base = (unsigned int)__cvta_generic_to_shared(w_stage);
+            for (int e = threadIdx.x; e < DT_SPECTRAL_ROWS_PER_BLOCK * quads0; e += SPECTRAL_THREADS) {
+                const int r = e / quads0, q = e - r * quads0;
+                if (first_row + r < rows)
+                    dt_cp_async16(base + 16u * (unsigned int)e, W + (long long)(first_row + r) * cols + 4 * q, 16);
+            }
+            dt_cp_async_commit();
+        }
+    } else if (vec) {
 #pragma unroll
         for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) {
             const int i = row0 + r * SPECTRAL_WARPS;
 #pragma unroll
             for (int k = 0; k < SPECTRAL_Q_PER_LANE; ++k) {
                 const int q = lane + 32 * k;
-                if (i < rows && q < len0 / 4) w0[r][k] = reinterpret_cast<const float4*>(W + (long long)i * cols)[q];
+                if (i < rows && q < quads0) w0[r][k] = reinterpret_cast<const float4*>(W + (long long)i * cols)[q];
             }
         }
     }
@@ -265,15 +287,20 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectr
         const int e = threadIdx.x + k * SPECTRAL_THREADS;
         x0[k] = e < len0 ? v_all[mat.v_offset + e] : 0.0f;
     }
-    // The loads above are issued before the flag (block-uniform) is tested.
+    // The loads above are issued before the flag (block-uniform) is tested; the
+    // copies are complete before the block may leave.
     dt_issued(skipped);
     dt_issued(partial0);
 #pragma unroll
     for (int k = 0; k < SPECTRAL_V_PER_THREAD; ++k) dt_issued(x0[k]);
+    if constexpr (STAGED) {
+        if (staged) dt_cp_async_wait<0>();
+    } else {
 #pragma unroll
-    for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r)
+        for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r)
 #pragma unroll
-        for (int k = 0; k < SPECTRAL_Q_PER_LANE; ++k) dt_issued(w0[r][k]);
+            for (int k = 0; k < SPECTRAL_Q_PER_LANE; ++k) dt_issued(w0[r][k]);
+    }
     if (skipped) return;
 
     // ||x|| from phase 1's partials of this matrix, in block order.
@@ -302,19 +329,35 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectr
         __syncthreads();
         if (vec) {
             const float4* v4 = reinterpret_cast<const float4*>(v_stage);
-            if (c0 == 0) {
+            if constexpr (!STAGED) {
+                if (c0 == 0) {  // the rows in registers
 #pragma unroll
-                for (int k = 0; k < SPECTRAL_Q_PER_LANE; ++k) {
-                    const int q = lane + 32 * k;
-                    if (q < len / 4) {
+                    for (int k = 0; k < SPECTRAL_Q_PER_LANE; ++k) {
+                        const int q = lane + 32 * k;
+                        if (q < len / 4) {
+                            const float4 v = v4[q];
+#pragma unroll
+                            for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) {
+                                if (row0 + r * SPECTRAL_WARPS < rows) spectral_dot4(acc[r], w0[r][k], v);
+                            }
+                        }
+                    }
+                    continue;
+                }
+            } else {
+                if (c0 == 0 && staged) {  // the rows in shared memory, in the same order
+#pragma unroll 4
+                    for (int q = lane; q < quads0; q += 32) {
                         const float4 v = v4[q];
 #pragma unroll
                         for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) {
-                            if (row0 + r * SPECTRAL_WARPS < rows) spectral_dot4(acc[r], w0[r][k], v);
+                            const int local = warp + r * SPECTRAL_WARPS;
+                            if (row0 + r * SPECTRAL_WARPS < rows)
+                                spectral_dot4(acc[r], w_stage[local * quads0 + q], v);
                         }
                     }
+                    continue;
                 }
-                continue;
             }
 #pragma unroll 4
             for (int q = lane; q < len / 4; q += 32) {

@@ -95,6 +95,30 @@ def test_the_projection_takes_at_most_the_finish_pass_table():
     assert f"constexpr int FINISH_MAX_MATS = {MAX_SPECTRAL_LAYERS};" in text
 
 
+def test_spectral_block_shapes_match_the_kernels():
+    """The host sizes the spectral grids and the rows phase's staged W from the kernels'
+    constants: the same numbers on both sides, and the staged bytes of the benchmark
+    configurations (16 rows of the widest projected matrix's first 1024 columns)."""
+    from drvtrain.rl import dqn
+    kernels = Path(__file__).parents[1] / "kernels"
+    header, spectral = ((kernels / name).read_text() for name in ("dqn.cuh", "spectral.cuh"))
+    assert f"constexpr int DT_SPECTRAL_COLS_PER_BLOCK = {dqn._SPECTRAL_COLS_PER_BLOCK};" in header
+    assert f"constexpr int DT_SPECTRAL_ROWS_PER_BLOCK = {dqn._SPECTRAL_ROWS_PER_BLOCK};" in header
+    assert f"constexpr int SPECTRAL_V_CHUNK = {dqn._SPECTRAL_V_CHUNK};" in spectral
+    assert dqn.spectral_stage_bytes([4, 256]) == 16 * 256 * 4
+    assert dqn.spectral_stage_bytes([128, 1024]) == 16 * 1024 * 4
+    assert dqn.spectral_stage_bytes([4200, 3]) == 16 * 1024 * 4
+    assert dqn.spectral_stage_bytes([]) == 0
+    # The rows kernel by its grid on a 132-SM device: the small configuration's 32 blocks
+    # staged, the large one's 128 in registers; the boundary at half the SMs.
+    assert dqn.spectral_rows_kernel(32, 132) == "spectral_rows_staged"
+    assert dqn.spectral_rows_kernel(66, 132) == "spectral_rows_staged"
+    assert dqn.spectral_rows_kernel(67, 132) == "spectral_rows"
+    assert dqn.spectral_rows_kernel(128, 132) == "spectral_rows"
+    text = (kernels / "dqn.cu").read_text()
+    assert " spectral_rows(" in text and " spectral_rows_staged(" in text
+
+
 def test_fused_head_takes_none_true_or_false():
     assert DQNConfig.small().fused_head is None
     for value in (None, True, False):

@@ -691,27 +691,40 @@ def test_spectral_columns_phase_is_its_order_bit_for_bit(device, rng, rows):
         assert rel(x, want) < 1e-6
 
 
-def test_spectral_rows_reads_only_its_weights_before_its_wait(device, rng):
-    """spectral_rows loads its rows of W before its grid wait (the kernel before it, the
-    columns phase, writes no W) and x, the columns phase's partials and the flag after
-    it. With v and the partials poisoned, then written by `late_copy`, the kernel before
-    it under dependent launch, y and the row partials are the bits of an ordinary
-    launch, nothing unwritten, on the float4 path (every width a multiple of 4): a rows
-    phase that read x or the partials before its wait would meet the poison."""
+@pytest.mark.parametrize("variant", [("spectral_rows", False), ("spectral_rows_staged", True),
+                                     ("spectral_rows_staged", False)],
+                         ids=["w-in-registers", "w-in-shared-memory", "w-after-the-wait"])
+def test_spectral_rows_reads_only_its_weights_before_its_wait(device, rng, variant):
+    """spectral_rows holds its rows of W across its grid wait in registers,
+    spectral_rows_staged in shared memory (cp.async; the kernel before it, the columns
+    phase, writes no W); both read x, the columns phase's partials and the flag after it.
+    With v and the partials poisoned, then written by `late_copy`, the kernel before it
+    under dependent launch, y and the row partials are the bits of an ordinary launch of
+    the step's own rows kernel, nothing unwritten, on the float4 path (every width a
+    multiple of 4): a rows phase that read x or the partials before its wait would meet
+    the poison. The staged kernel given no shared memory for W reads it after its wait:
+    the same bits again."""
+    from drvtrain.kernel import builtin_module
     skip_unless_a_read_can_race(device, early=False)
     stream = Stream()
     step = trained_step(rng, stream, obs_dim=4, hidden=(64, 48))
     assert step.n_spectral > 0 and all(int(row["cols"]) % 4 == 0 for row in step.spectral_table)
     assert int(step.optimizer.skip.to_numpy()[0]) == 0
     cb, rb = step._spectral_grids
-    columns, rows = step._spectral_columns, step._spectral_rows
+    # The step takes the staged kernel for a rows grid of at most half the SMs (7 blocks here).
+    assert step._spectral_rows.name == "spectral_rows_staged" and step._spectral_stage == 16 * 64 * 4
+    columns = step._spectral_columns
+    name, staged = variant
+    rows = builtin_module("dqn.cu").kernel(name, "ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
+    shared_mem = step._spectral_stage if staged else 0
     args = (step.params, step._spectral_mats, step.n_spectral, step.u, step._v, step._spectral_partials,
             step.optimizer.skip)
     columns.launch(cb, columns.block, *args, stream=stream)
     x, partials = (DeviceBuffer.from_numpy(buf.to_numpy()) for buf in (step._v, step._spectral_partials))
-    rows.launch(rb, rows.block, *args, stream=stream)
+    u0 = step.u.to_numpy()
+    step._spectral_rows.launch(rb, step._spectral_rows.block, *args, stream=stream, shared_mem=step._spectral_stage)
     y_want, partials_want = step.u.to_numpy(), step._spectral_partials.to_numpy()
-    assert np.isfinite(y_want).all() and np.isfinite(partials_want).all()
+    assert np.isfinite(y_want).all() and np.isfinite(partials_want).all() and not np.array_equal(y_want, u0)
     writer = late_copy()
     for _ in range(2):
         for buf in (step._v, step._spectral_partials, step.u):
@@ -719,9 +732,31 @@ def test_spectral_rows_reads_only_its_weights_before_its_wait(device, rng):
         with dependent_launches(True):
             writer.launch(1, 128, step._v, x, words(x), step._spectral_partials, partials, words(partials), LATE_NS,
                           stream=stream)
-            rows.launch(rb, rows.block, *args, stream=stream)
+            rows.launch(rb, rows.block, *args, stream=stream, shared_mem=shared_mem)
         assert step.u.to_numpy().tobytes() == y_want.tobytes()
         assert step._spectral_partials.to_numpy().tobytes() == partials_want.tobytes()
+    step.close()
+
+
+@pytest.mark.parametrize("config", ["small", "large"])
+def test_rows_kernel_follows_the_rows_grid(device, rng, config):
+    """The step stages the rows phase's W in shared memory where its grid covers at most
+    half the SMs (the small configuration's 32 blocks), and keeps it in registers where it
+    covers more (the large one's 128 on 132 SMs); the captured graph has the chosen
+    kernel (the audit test checks that it follows spectral_columns alone)."""
+    cfg = getattr(DQNConfig, config)(capacity=8192, seed=int(rng.integers(1 << 30)))
+    step = DQNStep(cfg)
+    rb = step._spectral_grids[1]
+    staged = 2 * rb <= device.sm_count
+    assert rb == (32 if config == "small" else 128)
+    assert step._spectral_rows.name == ("spectral_rows_staged" if staged else "spectral_rows")
+    assert step._spectral_stage == (16 * (256 if config == "small" else 1024) * 4 if staged else 0)
+    stream = Stream()
+    fill(step, rng, stream)
+    step.capture(stream=stream)
+    names = [k.function for k in step.graph.kernel_nodes()]
+    assert names.count(step._spectral_rows.name) == 1
+    assert not {"spectral_rows", "spectral_rows_staged"} - {step._spectral_rows.name} & set(names)
     step.close()
 
 
@@ -967,7 +1002,8 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
         # spectral_columns, dqn_finish (params, target, the flags) directly after
         # spectral_rows, adamw_clip_step (params and moments) directly after the norm
         # kernel, each its only predecessor, over a programmatic edge.
-        for reader, writer in (("spectral_rows", "spectral_columns"), ("dqn_finish", "spectral_rows"),
+        rows_kernel = step._spectral_rows.name
+        for reader, writer in ((rows_kernel, "spectral_columns"), ("dqn_finish", rows_kernel),
                                ("adamw_clip_step", norm)):
             after, before = ([k for k in kernels if k.function == f] for f in (reader, writer))
             assert len(after) == len(before) == 1, (reader, writer)

@@ -46,6 +46,7 @@ _SPECTRAL_DTYPE = np.dtype([("w_offset", "<i8"), ("rows", "<i4"), ("cols", "<i4"
 _SPECTRAL_COLS_PER_BLOCK = 16  # DT_SPECTRAL_COLS_PER_BLOCK
 MAX_ACTIONS = 64  # DQN_MAX_ACTIONS in kernels/dqn.cu: the loss kernel stages rows in shared memory
 _SPECTRAL_ROWS_PER_BLOCK = 16  # DT_SPECTRAL_ROWS_PER_BLOCK
+_SPECTRAL_V_CHUNK = 1024  # SPECTRAL_V_CHUNK in kernels/spectral.cuh: columns of W a rows block stages
 MAX_SPECTRAL_LAYERS = 64  # FINISH_MAX_MATS in kernels/dqn_step.cu: the finish pass stages the table
 _HEAD_ROWS = 4  # DQN_HEAD_ROWS in kernels/dqn.cu: batch rows per dqn_head block
 # DQNConfig(fused_head=None) fuses output layers of this many weights (measured, docs/perf-notes.md).
@@ -69,6 +70,21 @@ def head_shared_bytes(hidden: int, n_actions: int) -> int:
 
 class TrainingError(RuntimeError):
     """The device skipped a step (a non-finite loss or gradient norm) or flagged bad replay input."""
+
+
+def spectral_stage_bytes(columns) -> int:
+    """Dynamic shared memory for spectral_rows_staged over matrices of these column counts:
+    each block copies its 16 rows of its matrix's first 1024 columns there before its grid
+    wait (kernels/spectral.cuh); with less, it reads them after the wait (the same bits)."""
+    widest = max((min(int(c), _SPECTRAL_V_CHUNK) for c in columns), default=0)
+    return _SPECTRAL_ROWS_PER_BLOCK * widest * 4
+
+
+def spectral_rows_kernel(row_blocks: int, sm_count: int) -> str:
+    """The rows phase's kernel for a grid of ``row_blocks``: ``spectral_rows_staged`` (W in
+    shared memory, 64 registers) where the grid covers at most half the SMs, else
+    ``spectral_rows`` (W in registers, a block to an SM); measured, docs/perf-notes.md."""
+    return "spectral_rows_staged" if 2 * row_blocks <= sm_count else "spectral_rows"
 
 
 def _positive_int(name, value, low=1, high=None):
@@ -482,7 +498,16 @@ class DQNStep:
         self.sigma = self._sigma_scale.view(np.float32, (n,), 0)
         self.spectral_scale = self._sigma_scale.view(np.float32, (n,), 4 * n)
         self._spectral_columns = mod.kernel("spectral_columns", "ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
-        self._spectral_rows = mod.kernel("spectral_rows", "ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
+        # The rows phase holds its first chunk of W across its wait in registers
+        # (spectral_rows: a block takes its SM's whole register file) or, where its grid
+        # covers at most half the SMs, in shared memory (spectral_rows_staged: 64
+        # registers, so its blocks start beside others'). Measured: the small step faster
+        # staged, the large one (a rows block on nearly every SM) faster with registers
+        # (docs/perf-notes.md, fortieth pass). The same bits either way.
+        name = spectral_rows_kernel(rb, get_device().sm_count)
+        staged = name == "spectral_rows_staged"
+        self._spectral_rows = mod.kernel(name, "ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
+        self._spectral_stage = spectral_stage_bytes(table["cols"][: len(layers)]) if staged else 0
 
     # ------------------------------------------------------------------ the step
     def enqueue(self, *, stream, uniforms=None, gate=None, steps: int = 1) -> None:
@@ -672,7 +697,7 @@ class DQNStep:
                                           stream=stream)
             self._spectral_rows.launch(rb, self._spectral_rows.block, self.params, self._spectral_mats,
                                        self.n_spectral, self.u, self._v, self._spectral_partials, skip,
-                                       stream=stream)
+                                       stream=stream, shared_mem=self._spectral_stage)
         self._launch_finish(stream)
 
     def _launch_finish(self, stream) -> None:
