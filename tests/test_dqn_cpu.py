@@ -76,6 +76,42 @@ def test_adamw_refuses_an_eps_its_division_cannot_take():
     assert DQNConfig.small(eps=1e-20).eps == 1e-20
 
 
+def test_adamw_settings_are_checked_when_made_and_when_changed():
+    """check_settings refuses each bad setting by name; AdamW's constructor refuses it before
+    any buffer is made, and assigning a bad value later is refused with every setting left
+    as it was (an AdamW built without buffers: no device needed). A good value takes."""
+    from types import SimpleNamespace
+    from drvtrain.nn.optim import AdamW, check_settings
+    good = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, max_norm=10.0)
+    assert check_settings(**good) == (1e-3, (0.9, 0.999), 1e-8, 1e-2, 10.0)
+    assert check_settings(**{**good, "max_norm": float("inf")})[4] == float("inf")
+    bad = [("lr", 0.0, "lr must"), ("lr", -1e-3, "lr must"), ("lr", float("inf"), "lr must"),
+           ("lr", float("nan"), "lr must"), ("lr", 1e-50, "lr must"),  # 0 as a float32
+           ("betas", (0.9,), "betas must"), ("betas", None, "betas must"), ("betas", (0.9, 1.0), "beta2 must"),
+           ("betas", (-0.1, 0.999), "beta1 must"), ("betas", (float("nan"), 0.999), "beta1 must"),
+           ("weight_decay", -1e-2, "weight_decay must"), ("weight_decay", float("inf"), "weight_decay must"),
+           ("max_norm", 0.0, "max_norm must"), ("max_norm", float("nan"), "max_norm must"),
+           ("eps", 0.0, "eps must"), ("eps", 1e-37, "too small")]
+    fake = SimpleNamespace(layout="layout")
+    for name, value, message in bad:
+        with pytest.raises(ValueError, match=message):
+            check_settings(**{**good, name: value})
+        with pytest.raises(ValueError, match=message):
+            AdamW(fake, fake, **{**good, name: value})
+    opt = object.__new__(AdamW)  # the settings alone, no buffers
+    opt._lr, opt._betas, opt._eps, opt._weight_decay, opt._max_norm = check_settings(**good)
+    before = opt._settings()
+    for name, value, message in bad:
+        with pytest.raises(ValueError, match=message):
+            setattr(opt, name, value)
+        assert opt._settings() == before, name
+    opt.eps = 1e-36  # allowed with beta2 = 0.999, not with beta2 = 1 - 1e-8: eps is checked against a new beta2
+    with pytest.raises(ValueError, match="too small"):
+        opt.betas = (0.9, 1 - 1e-8)
+    opt.lr, opt.betas, opt.max_norm, opt.eps = 3e-4, [0.8, 0.99], 1, 1e-8
+    assert opt._settings() == (3e-4, (0.8, 0.99), 1e-8, 1e-2, 1.0)
+
+
 def test_config_round_trips_through_a_dict():
     cfg = DQNConfig.small(beta=(0.4, 1.0, 1000), tau=None, target_period=100, hidden=[64, 32])
     again = DQNConfig(**cfg.to_dict())

@@ -11,7 +11,7 @@ from ..memory import DeviceBuffer
 from .layout import FlatBuffer
 from .mlp import FIRST_DW_MAX_ROW_TILES, TILE_32, FirstDwShares
 
-__all__ = ["AdamW", "check_eps"]
+__all__ = ["AdamW", "check_eps", "check_settings"]
 
 # The AdamW kernel divides by sqrt(v) + eps sqrt(1 - beta2^t) with the approximate
 # division (kernels/optim.cuh), accurate for divisors from the smallest normal float
@@ -31,6 +31,30 @@ def check_eps(eps: float, beta2: float) -> None:
     if not scaled >= SMALLEST_NORMAL:
         raise ValueError(f"eps = {eps!r} with beta2 = {beta2!r} is too small: eps * sqrt(1 - beta2) = {scaled:.3g} "
                          f"is below 2^-126 ({SMALLEST_NORMAL:.3g}), where AdamW's division loses accuracy")
+
+
+def check_settings(lr, betas, eps, weight_decay, max_norm) -> tuple:
+    """AdamW's settings as its kernels take them, ``(lr, (beta1, beta2), eps,
+    weight_decay, max_norm)`` as floats, or ValueError naming the first bad one: lr
+    finite and positive as a float32 (the kernels take it in float32), betas in [0, 1),
+    weight_decay finite and not negative, max_norm positive (inf: no clipping), eps as
+    :func:`check_eps`."""
+    try:
+        b1, b2 = (float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be two numbers (beta1, beta2), got {betas!r}") from None
+    lr, eps, weight_decay, max_norm = float(lr), float(eps), float(weight_decay), float(max_norm)
+    if not (math.isfinite(lr) and np.float32(lr) > 0):
+        raise ValueError(f"lr must be finite and positive as a float32, got {lr!r}")
+    for name, b in (("beta1", b1), ("beta2", b2)):
+        if not 0 <= b < 1:
+            raise ValueError(f"{name} must be in [0, 1), got {b!r}")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0):
+        raise ValueError(f"weight_decay must be finite and not negative, got {weight_decay!r}")
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm!r}")
+    check_eps(eps, b2)
+    return lr, (b1, b2), eps, weight_decay, max_norm
 
 
 class AdamW:
@@ -54,6 +78,11 @@ class AdamW:
     (:func:`check_eps`): the kernel divides by sqrt(v) + eps sqrt(1 - beta2^t) with
     the approximate division, whose divisor must stay in the normal range.
 
+    The settings (``lr``, ``betas``, ``eps``, ``weight_decay``, ``max_norm``) are
+    checked by :func:`check_settings`, here and whenever one is assigned later, and
+    go to the kernels as launch arguments: a change applies to launches after it. A
+    graph captured before it replays the values it captured; capture again.
+
     With ``nan_guard=True`` the step also sets ``skip`` (an int32 device
     buffer) when the gradient norm or ``loss`` is not finite; the update then
     changes nothing and ``t`` does not advance. Other kernels of a step may
@@ -65,15 +94,10 @@ class AdamW:
                  loss: DeviceBuffer | None = None, metrics=None, nan_guard: bool = False):
         if params.layout != grads.layout:
             raise ValueError("params and grads must share one layout")
-        if not (lr > 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 and eps > 0 and weight_decay >= 0
-                and max_norm > 0):
-            raise ValueError(f"bad AdamW settings: lr={lr}, betas={betas}, eps={eps}, "
-                             f"weight_decay={weight_decay}, max_norm={max_norm}")
-        check_eps(eps, betas[1])
+        self._lr, self._betas, self._eps, self._weight_decay, self._max_norm = check_settings(
+            lr, betas, eps, weight_decay, max_norm)
         self.params, self.grads = params, grads
         self.m, self.v = FlatBuffer(params.layout), FlatBuffer(params.layout)
-        self.lr, self.betas, self.eps = float(lr), (float(betas[0]), float(betas[1])), float(eps)
-        self.weight_decay, self.max_norm = float(weight_decay), float(max_norm)
         if metrics is not None and metrics.width != 3:
             raise ValueError("the norm kernel writes {loss, grad_norm, clip_scale} slots; "
                              f"this ring has fields {metrics.fields}")
@@ -105,6 +129,25 @@ class AdamW:
         self._adamw_clip = mod.kernel("adamw_clip_step",
                                       "ptr ptr ptr ptr i64 f32 f64 f64 f32 f32 ptr i32 f32 ptr ptr ptr ptr ptr i32 "
                                       "ptr ptr", fixed_block=True)
+
+    def _settings(self) -> tuple:
+        return self._lr, self._betas, self._eps, self._weight_decay, self._max_norm
+
+    def _change(self, index: int, value) -> None:
+        settings = list(self._settings())
+        settings[index] = value
+        self._lr, self._betas, self._eps, self._weight_decay, self._max_norm = check_settings(*settings)
+
+    lr = property(lambda self: self._lr, lambda self, value: self._change(0, value),
+                  doc="The learning rate (a float32 for the kernels).")
+    betas = property(lambda self: self._betas, lambda self, value: self._change(1, value),
+                     doc="(beta1, beta2), each in [0, 1).")
+    eps = property(lambda self: self._eps, lambda self, value: self._change(2, value),
+                   doc="The denominator's eps (check_eps).")
+    weight_decay = property(lambda self: self._weight_decay, lambda self, value: self._change(3, value),
+                            doc="Decoupled weight decay, lr * weight_decay a step.")
+    max_norm = property(lambda self: self._max_norm, lambda self, value: self._change(4, value),
+                        doc="The gradient norm clipped to.")
 
     def _ring(self) -> tuple[int, int]:
         return (self.metrics.ptr, self.metrics.slots) if self.metrics is not None else (0, 1)
