@@ -112,6 +112,57 @@ def test_adamw_settings_are_checked_when_made_and_when_changed():
     assert opt._settings() == (3e-4, (0.8, 0.99), 1e-8, 1e-2, 1.0)
 
 
+def learner_state(rng, n=40, n_u=12, t=5, step=9):
+    """A learner state as DQNStep.state_numpy() returns it (random values, counters as it types them)."""
+    state = {k: rng.standard_normal(n).astype(np.float32) for k in ("params", "target", "m")}
+    state["v"] = rng.uniform(1e-6, 1e-2, n).astype(np.float32)
+    state["u"] = rng.standard_normal(n_u).astype(np.float32)
+    state["t"], state["step"] = np.array(t, np.int64), np.array([step], np.int64)
+    return state
+
+
+def test_learner_state_is_checked_before_a_load():
+    """check_learner_state returns what load_state writes (float32 arrays, t as int32,
+    step as int64) and refuses, naming it, every state no run leaves: a missing array, a
+    wrong size, a value that is not finite, a negative v, counters out of range or t
+    above step, counters that are not one integer."""
+    from drvtrain.rl.dqn import check_learner_state
+    rng = np.random.default_rng(7)
+    state = learner_state(rng)
+    got = check_learner_state(state, 40, 12)
+    for key in ("params", "target", "m", "v", "u"):
+        assert got[key].dtype == np.float32 and got[key].tobytes() == state[key].tobytes(), key
+    assert got["t"].dtype == np.int32 and got["t"].tolist() == [5]
+    assert got["step"].dtype == np.int64 and got["step"].tolist() == [9]
+    assert check_learner_state(learner_state(rng, t=0, step=0), 40, 12)["t"].tolist() == [0]
+    assert check_learner_state(learner_state(rng, t=2**31 - 2, step=2**62), 40, 12)["t"].tolist() == [2**31 - 2]
+
+    def refused(match, n=40, n_u=12, **change):
+        bad = learner_state(rng)
+        for key, value in change.items():
+            if value is None:
+                del bad[key]
+            else:
+                bad[key] = value
+        with pytest.raises(ValueError, match=match):
+            check_learner_state(bad, n, n_u)
+
+    refused(r"lacks \['m', 'step'\]", m=None, step=None)
+    refused("params holds 40 values, this learner needs 41", n=41)
+    refused("u holds 12 values, this learner needs 13", n_u=13)
+    poisoned = learner_state(rng)["params"]
+    poisoned[[3, 17]] = np.nan
+    refused("params holds 2 values that are not finite", params=poisoned)
+    refused("m holds 1 values that are not finite", m=np.r_[np.ones(39, np.float32), np.inf])
+    refused("v .* negative", v=np.r_[np.ones(39, np.float32), -1e-9])
+    refused("target must hold numbers", target=np.array(["x"] * 40))
+    refused(r"t \(AdamW updates applied\) must be in", t=np.array(-1))
+    refused(r"t \(AdamW updates applied\) must be in", t=np.array(2**31 - 1), step=np.array([2**31]))
+    refused(r"step .* must be in \[t, 2\^63\), got 4 with t = 5", step=np.array([4]))
+    refused("t must be one integer", t=np.array(5.0))
+    refused("step must be one integer", step=np.array([9, 10]))
+
+
 def test_config_round_trips_through_a_dict():
     cfg = DQNConfig.small(beta=(0.4, 1.0, 1000), tau=None, target_period=100, hidden=[64, 32])
     again = DQNConfig(**cfg.to_dict())

@@ -1084,6 +1084,14 @@ def test_save_and_load_restore_the_learner(device, rng, tmp_path):
     other = DQNStep(DQNConfig(seed=1, **dict(ODD, hidden=(70, 34))))
     with pytest.raises(ValueError, match="differs"):
         other.load(tmp_path / "learner.npz")
+    # A state that no run leaves is refused whole: the learner keeps every bit.
+    for change, match in ((dict(t=np.array(-1)), "t .* must be in"), (dict(step=saved["t"] - 1), "step"),
+                          (dict(v=-saved["v"] - 1), "negative")):
+        with pytest.raises(ValueError, match=match):
+            step.load_state({**saved, "params": saved["params"] + 1, **change})
+        now = step.state_numpy()
+        for key in saved:
+            assert saved[key].tobytes() == now[key].tobytes(), key
 
 
 def test_q_values_are_the_dueling_combination(device, rng):

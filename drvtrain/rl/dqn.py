@@ -36,7 +36,8 @@ from ..nn.optim import AdamW, check_eps
 from ..stream import Stream, fork, join
 from .replay import ReplayBuffer
 
-__all__ = ["DQNConfig", "DQNStep", "TrainingError", "METRIC_FIELDS", "audit_step", "lint_step_graph"]
+__all__ = ["DQNConfig", "DQNStep", "TrainingError", "METRIC_FIELDS", "audit_step", "check_learner_state",
+           "lint_step_graph"]
 
 METRIC_FIELDS = ("loss", "grad_norm", "clip_scale", "mean_q", "mean_abs_td", "sigma_max", "beta")
 
@@ -104,6 +105,46 @@ def _real(name, value, low, high, *, low_open=False, high_open=False):
     if too_low or too_high:
         lo, hi = "(" if low_open else "[", ")" if high_open else "]"
         raise ValueError(f"{name} must be in {lo}{low}, {high}{hi}, got {value}")
+
+
+LEARNER_STATE_KEYS = ("params", "target", "m", "v", "t", "u", "step")
+
+
+def check_learner_state(arrays: dict, n_params: int, n_u: int) -> dict:
+    """A learner's state (``DQNStep.state_numpy()``'s arrays) checked and converted to what
+    ``DQNStep.load_state`` writes, or ValueError saying what is wrong: a missing array, a
+    size other than this learner's, a value that is not finite, a negative second moment,
+    or counters that no run leaves (t, the updates applied, an int32 the kernels advance;
+    step, the steps counted, at least t)."""
+    missing = [k for k in LEARNER_STATE_KEYS if k not in arrays]
+    if missing:
+        raise ValueError(f"the learner state lacks {missing}")
+    out = {}
+    for key, size in (("params", n_params), ("target", n_params), ("m", n_params), ("v", n_params), ("u", n_u)):
+        a = np.asarray(arrays[key])
+        if a.size != size:
+            raise ValueError(f"{key} holds {a.size} values, this learner needs {size}")
+        if a.dtype.kind not in "fiu":
+            raise ValueError(f"{key} must hold numbers, not {a.dtype}")
+        a = a.astype(np.float32).reshape(-1)
+        if not np.isfinite(a).all():
+            raise ValueError(f"{key} holds {int((~np.isfinite(a)).sum())} values that are not finite")
+        out[key] = a
+    if (out["v"] < 0).any():
+        raise ValueError("v (AdamW's second moment) holds negative values")
+    counters = {}
+    for key in ("t", "step"):
+        a = np.asarray(arrays[key])
+        if a.size != 1 or a.dtype.kind not in "iu":
+            raise ValueError(f"{key} must be one integer, got {a.dtype}{a.shape}")
+        counters[key] = int(a.reshape(-1)[0])
+    t, step = counters["t"], counters["step"]
+    if not 0 <= t <= 2**31 - 2:
+        raise ValueError(f"t (AdamW updates applied) must be in [0, 2^31 - 2], got {t}")
+    if not t <= step < 2**63:
+        raise ValueError(f"step (steps counted, skipped ones too) must be in [t, 2^63), got {step} with t = {t}")
+    out["t"], out["step"] = np.array([t], np.int32), np.array([step], np.int64)
+    return out
 
 
 @dataclass(frozen=True)
@@ -786,7 +827,7 @@ class DQNStep:
     def load(self, path) -> None:
         """Read a file written by ``save``; a file of another network is refused and nothing changes."""
         with np.load(Path(path)) as data:
-            missing = {"layers", "params", "target", "m", "v", "t", "u", "step"} - set(data.files)
+            missing = {"layers", *LEARNER_STATE_KEYS} - set(data.files)
             if missing:
                 raise ValueError(f"{path}: not a DQN checkpoint (missing {sorted(missing)})")
             layers = [tuple(int(v) for v in row) for row in data["layers"]]
@@ -796,19 +837,16 @@ class DQNStep:
         self.load_state(arrays)
 
     def load_state(self, arrays: dict) -> None:
-        """Restore ``state_numpy()``'s arrays; shapes are checked before anything is written."""
-        want = {"params": self.layout.size, "target": self.layout.size, "m": self.layout.size,
-                "v": self.layout.size, "u": self.u.size}
-        for key, size in want.items():
-            if np.asarray(arrays[key]).size != size:
-                raise ValueError(f"{key} holds {np.asarray(arrays[key]).size} values, this learner needs {size}")
-        self.params.buffer.copy_from_numpy(np.asarray(arrays["params"], np.float32))
-        self.target.buffer.copy_from_numpy(np.asarray(arrays["target"], np.float32))
-        self.optimizer.m.buffer.copy_from_numpy(np.asarray(arrays["m"], np.float32))
-        self.optimizer.v.buffer.copy_from_numpy(np.asarray(arrays["v"], np.float32))
-        self.optimizer.t.copy_from_numpy(np.array([int(arrays["t"])], np.int32))
-        self.u.copy_from_numpy(np.asarray(arrays["u"], np.float32).reshape(self.u.shape))
-        self._step_counter.copy_from_numpy(np.asarray(arrays["step"], np.int64).reshape(1))
+        """Restore ``state_numpy()``'s arrays; every one is checked
+        (:func:`check_learner_state`) before anything is written."""
+        s = check_learner_state(arrays, self.layout.size, self.u.size)
+        self.params.buffer.copy_from_numpy(s["params"])
+        self.target.buffer.copy_from_numpy(s["target"])
+        self.optimizer.m.buffer.copy_from_numpy(s["m"])
+        self.optimizer.v.buffer.copy_from_numpy(s["v"])
+        self.optimizer.t.copy_from_numpy(s["t"])
+        self.u.copy_from_numpy(s["u"].reshape(self.u.shape))
+        self._step_counter.copy_from_numpy(s["step"])
 
     def close(self) -> None:
         for s in self.streams + ((self._means_stream,) if self._means_stream is not None else ()):
