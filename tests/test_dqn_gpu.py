@@ -496,20 +496,8 @@ def test_finish_pass_reads_only_what_no_spectral_phase_writes_before_its_wait(de
     y, partials = step.u.to_numpy(), step._spectral_partials.to_numpy()
     y_buf, partials_buf = DeviceBuffer.from_numpy(y), DeviceBuffer.from_numpy(partials)
     params0, target0 = step.params.buffer.to_numpy(), step.target.buffer.to_numpy()
-    counter0 = step._step_counter.to_numpy()
-
-    def restore():
-        step.params.buffer.copy_from_numpy(params0)
-        step.target.buffer.copy_from_numpy(target0)
-        step._step_counter.copy_from_numpy(counter0)
-        step.metrics.ring.view()[:] = 0
-
-    def state():
-        stream.synchronize()
-        return [b.to_numpy().tobytes() for b in (step.params.buffer, step.target.buffer, step.u, step.sigma,
-                                                 step.spectral_scale, step._step_counter)] + [
-            step.metrics.ring.view().tobytes()]
-
+    restore, state = finish_pass_harness(step, stream, (step.params.buffer, step.target.buffer, step.u, step.sigma,
+                                                        step.spectral_scale, step._step_counter))
     restore()
     step._launch_finish(stream)
     want = state()
@@ -542,19 +530,7 @@ def test_finish_pass_without_a_projected_layer_reads_the_parameters_after_its_wa
     assert step.n_spectral == 0 and int(step.optimizer.skip.to_numpy()[0]) == 0
     params0, target0 = step.params.buffer.to_numpy(), step.target.buffer.to_numpy()
     params_buf = DeviceBuffer.from_numpy(params0)
-    counter0 = step._step_counter.to_numpy()
-
-    def restore():
-        step.params.buffer.copy_from_numpy(params0)
-        step.target.buffer.copy_from_numpy(target0)
-        step._step_counter.copy_from_numpy(counter0)
-        step.metrics.ring.view()[:] = 0
-
-    def state():
-        stream.synchronize()
-        return [b.to_numpy().tobytes() for b in (step.params.buffer, step.target.buffer, step._step_counter)] + [
-            step.metrics.ring.view().tobytes()]
-
+    restore, state = finish_pass_harness(step, stream, (step.params.buffer, step.target.buffer, step._step_counter))
     restore()
     step._launch_finish(stream)
     want = state()
@@ -640,6 +616,26 @@ def _columns_phase_bits(W: np.ndarray, u: np.ndarray):
             s = s + squares[c]
         partials.append(s)
     return x, np.array(partials)
+
+
+def finish_pass_harness(step, stream, buffers):
+    """For the finish pass's race tests: restore() puts back the parameters, the target
+    network and the step counter as they are now and clears the metrics ring; state()
+    synchronises and returns the bits of `buffers` and of the ring."""
+    params0, target0 = step.params.buffer.to_numpy(), step.target.buffer.to_numpy()
+    counter0 = step._step_counter.to_numpy()
+
+    def restore():
+        step.params.buffer.copy_from_numpy(params0)
+        step.target.buffer.copy_from_numpy(target0)
+        step._step_counter.copy_from_numpy(counter0)
+        step.metrics.ring.view()[:] = 0
+
+    def state():
+        stream.synchronize()
+        return [b.to_numpy().tobytes() for b in buffers] + [step.metrics.ring.view().tobytes()]
+
+    return restore, state
 
 
 def trained_step(rng, stream, *, obs_dim, hidden, **overrides):
