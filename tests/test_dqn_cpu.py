@@ -87,6 +87,9 @@ def test_adamw_settings_are_checked_when_made_and_when_changed():
     assert check_settings(**{**good, "max_norm": float("inf")})[4] == float("inf")
     bad = [("lr", 0.0, "lr must"), ("lr", -1e-3, "lr must"), ("lr", float("inf"), "lr must"),
            ("lr", float("nan"), "lr must"), ("lr", 1e-50, "lr must"),  # 0 as a float32
+           ("lr", 1e39, "lr must"), ("weight_decay", 1e39, "weight_decay must"),  # inf as a float32
+           ("lr", None, "lr must be a real number"), ("lr", "1e-3", "lr must be a real number"),
+           ("max_norm", True, "max_norm must be a real number"), ("betas", {0.9, 0.999}, "betas must"),
            ("betas", (0.9,), "betas must"), ("betas", None, "betas must"), ("betas", (0.9, 1.0), "beta2 must"),
            ("betas", (-0.1, 0.999), "beta1 must"), ("betas", (float("nan"), 0.999), "beta1 must"),
            ("weight_decay", -1e-2, "weight_decay must"), ("weight_decay", float("inf"), "weight_decay must"),
@@ -110,6 +113,8 @@ def test_adamw_settings_are_checked_when_made_and_when_changed():
         opt.betas = (0.9, 1 - 1e-8)
     opt.lr, opt.betas, opt.max_norm, opt.eps = 3e-4, [0.8, 0.99], 1, 1e-8
     assert opt._settings() == (3e-4, (0.8, 0.99), 1e-8, 1e-2, 1.0)
+    with pytest.raises(ValueError, match="lr must be finite and positive as a float32"):
+        DQNConfig.small(lr=1e-46)  # the config refuses what the optimizer would
 
 
 def learner_state(rng, n=40, n_u=12, t=5, step=9):
@@ -150,6 +155,8 @@ def test_learner_state_is_checked_before_a_load():
     refused(r"lacks \['m', 'step'\]", m=None, step=None)
     refused("params holds 40 values, this learner needs 41", n=41)
     refused("u holds 12 values, this learner needs 13", n_u=13)
+    refused("target holds 39 values, this learner needs 40", target=np.ones(39, np.float32))
+    refused("u holds 1 values that are not finite", u=np.r_[np.ones(11, np.float32), np.nan])
     poisoned = learner_state(rng)["params"]
     poisoned[[3, 17]] = np.nan
     refused("params holds 2 values that are not finite", params=poisoned)
@@ -160,6 +167,7 @@ def test_learner_state_is_checked_before_a_load():
     refused(r"t \(AdamW updates applied\) must be in", t=np.array(2**31 - 1), step=np.array([2**31]))
     refused(r"step .* must be in \[t, 2\^63\), got 4 with t = 5", step=np.array([4]))
     refused("t must be one integer", t=np.array(5.0))
+    refused("t must be one integer, got bool", t=np.array(True))
     refused("step must be one integer", step=np.array([9, 10]))
 
 

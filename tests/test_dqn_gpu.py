@@ -1080,11 +1080,13 @@ def test_save_and_load_restore_the_learner(device, rng, tmp_path):
     other = DQNStep(DQNConfig(seed=1, **dict(ODD, hidden=(70, 34))))
     with pytest.raises(ValueError, match="differs"):
         other.load(tmp_path / "learner.npz")
-    # A state that no run leaves is refused whole: the learner keeps every bit.
-    for change, match in ((dict(t=np.array(-1)), "t .* must be in"), (dict(step=saved["t"] - 1), "step"),
+    # A state the kernels cannot go on from is refused whole: the learner keeps every bit.
+    other_values = {k: saved[k] + 1 for k in ("params", "target", "m", "v", "u")}
+    for change, match in ((dict(t=np.array(-1)), r"t \(AdamW updates applied\) must be in"),
+                          (dict(step=saved["t"] - 1), r"step .* must be in \[t"),
                           (dict(v=-saved["v"] - 1), "negative")):
         with pytest.raises(ValueError, match=match):
-            step.load_state({**saved, "params": saved["params"] + 1, **change})
+            step.load_state({**saved, **other_values, **change})
         now = step.state_numpy()
         for key in saved:
             assert saved[key].tobytes() == now[key].tobytes(), key

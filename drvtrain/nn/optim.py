@@ -35,22 +35,28 @@ def check_eps(eps: float, beta2: float) -> None:
 
 def check_settings(lr, betas, eps, weight_decay, max_norm) -> tuple:
     """AdamW's settings as its kernels take them, ``(lr, (beta1, beta2), eps,
-    weight_decay, max_norm)`` as floats, or ValueError naming the first bad one: lr
-    finite and positive as a float32 (the kernels take it in float32), betas in [0, 1),
-    weight_decay finite and not negative, max_norm positive (inf: no clipping), eps as
-    :func:`check_eps`."""
-    try:
-        b1, b2 = (float(b) for b in betas)
-    except (TypeError, ValueError):
-        raise ValueError(f"betas must be two numbers (beta1, beta2), got {betas!r}") from None
-    lr, eps, weight_decay, max_norm = float(lr), float(eps), float(weight_decay), float(max_norm)
-    if not (math.isfinite(lr) and np.float32(lr) > 0):
+    weight_decay, max_norm)`` as floats, or ValueError naming the first bad one: every
+    setting a real number (not a bool or a string); lr finite and positive as a float32
+    (the kernels take it in float32); betas a (beta1, beta2) tuple or list, each in
+    [0, 1); weight_decay not negative and finite as a float32; max_norm positive (inf:
+    no clipping); eps as :func:`check_eps`."""
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be (beta1, beta2), got {betas!r}")
+    named = (("lr", lr), ("beta1", betas[0]), ("beta2", betas[1]), ("eps", eps), ("weight_decay", weight_decay),
+             ("max_norm", max_norm))
+    for name, value in named:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise ValueError(f"{name} must be a real number, got {value!r}")
+    lr, b1, b2, eps, weight_decay, max_norm = (float(value) for _, value in named)
+    with np.errstate(over="ignore"):
+        lr32, weight_decay32 = np.float32(lr), np.float32(weight_decay)
+    if not (np.isfinite(lr32) and lr32 > 0):
         raise ValueError(f"lr must be finite and positive as a float32, got {lr!r}")
     for name, b in (("beta1", b1), ("beta2", b2)):
         if not 0 <= b < 1:
             raise ValueError(f"{name} must be in [0, 1), got {b!r}")
-    if not (math.isfinite(weight_decay) and weight_decay >= 0):
-        raise ValueError(f"weight_decay must be finite and not negative, got {weight_decay!r}")
+    if not (np.isfinite(weight_decay32) and weight_decay >= 0):
+        raise ValueError(f"weight_decay must be finite as a float32 and not negative, got {weight_decay!r}")
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm!r}")
     check_eps(eps, b2)

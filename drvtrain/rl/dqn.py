@@ -32,7 +32,7 @@ from ..nn.layout import FlatBuffer, ParamLayout
 from ..nn.metrics import Metrics
 from ..nn.mlp import MLP, Forward
 from ..nn.narrow import NarrowMLP
-from ..nn.optim import AdamW, check_eps
+from ..nn.optim import AdamW, check_eps, check_settings
 from ..stream import Stream, fork, join
 from .replay import ReplayBuffer
 
@@ -114,8 +114,9 @@ def check_learner_state(arrays: dict, n_params: int, n_u: int) -> dict:
     """A learner's state (``DQNStep.state_numpy()``'s arrays) checked and converted to what
     ``DQNStep.load_state`` writes, or ValueError saying what is wrong: a missing array, a
     size other than this learner's, a value that is not finite, a negative second moment,
-    or counters that no run leaves (t, the updates applied, an int32 the kernels advance;
-    step, the steps counted, at least t)."""
+    or counters the kernels cannot go on from (t, the updates applied, an int32 the
+    kernels advance, so at most 2^31 - 2; step, the steps counted, skipped ones too, so
+    at least t)."""
     missing = [k for k in LEARNER_STATE_KEYS if k not in arrays]
     if missing:
         raise ValueError(f"the learner state lacks {missing}")
@@ -136,7 +137,7 @@ def check_learner_state(arrays: dict, n_params: int, n_u: int) -> dict:
     for key in ("t", "step"):
         a = np.asarray(arrays[key])
         if a.size != 1 or a.dtype.kind not in "iu":
-            raise ValueError(f"{key} must be one integer, got {a.dtype}{a.shape}")
+            raise ValueError(f"{key} must be one integer, got {a.dtype} of shape {a.shape}")
         counters[key] = int(a.reshape(-1)[0])
     t, step = counters["t"], counters["step"]
     if not 0 <= t <= 2**31 - 2:
@@ -281,6 +282,7 @@ class DQNConfig:
         _real("eps", self.eps, 0.0, 1.0, low_open=True)
         check_eps(self.eps, self.betas[1])
         _real("max_norm", self.max_norm, 0.0, 1e30, low_open=True)
+        check_settings(self.lr, self.betas, self.eps, self.weight_decay, self.max_norm)  # as AdamW will
         _real("huber_delta", self.huber_delta, 0.0, 1e30, low_open=True)
         if (self.tau is None) == (self.target_period is None):
             raise ValueError("set exactly one of tau (Polyak averaging) and target_period (hard copy), "
