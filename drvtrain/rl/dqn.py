@@ -546,7 +546,7 @@ class DQNStep:
         # covers at most half the SMs, in shared memory (spectral_rows_staged: 64
         # registers, so its blocks start beside others'). Measured: the small step faster
         # staged, the large one (a rows block on nearly every SM) faster with registers
-        # (docs/perf-notes.md, fortieth pass). The same bits either way.
+        # (docs/perf-notes.md, fortieth and forty-first passes). The same bits either way.
         name = spectral_rows_kernel(rb, get_device().sm_count)
         staged = name == "spectral_rows_staged"
         self._spectral_rows = mod.kernel(name, "ptr ptr i32 ptr ptr ptr ptr", fixed_block=True)
