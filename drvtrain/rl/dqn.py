@@ -32,7 +32,7 @@ from ..nn.layout import FlatBuffer, ParamLayout
 from ..nn.metrics import Metrics
 from ..nn.mlp import MLP, Forward
 from ..nn.narrow import NarrowMLP
-from ..nn.optim import AdamW, check_eps, check_settings
+from ..nn.optim import AdamW, check_settings
 from ..stream import Stream, fork, join
 from .replay import ReplayBuffer
 
@@ -280,9 +280,8 @@ class DQNConfig:
         _real("betas[0]", self.betas[0], 0.0, 1.0, high_open=True)
         _real("betas[1]", self.betas[1], 0.0, 1.0, high_open=True)
         _real("eps", self.eps, 0.0, 1.0, low_open=True)
-        check_eps(self.eps, self.betas[1])
         _real("max_norm", self.max_norm, 0.0, 1e30, low_open=True)
-        check_settings(self.lr, self.betas, self.eps, self.weight_decay, self.max_norm)  # as AdamW will
+        check_settings(self.lr, self.betas, self.eps, self.weight_decay, self.max_norm)  # as AdamW will, eps too
         _real("huber_delta", self.huber_delta, 0.0, 1e30, low_open=True)
         if (self.tau is None) == (self.target_period is None):
             raise ValueError("set exactly one of tau (Polyak averaging) and target_period (hard copy), "
