@@ -6,8 +6,8 @@ a filled replay), then for each kernel a graph of K launches of that kernel alon
 (dependent launches, as in the step) is captured for two values of K; the time a
 launch adds is (T(K_high) - T(K_low)) / (K_high - K_low), each T the median over
 repeats of back-to-back replays. The kernels:
-- trivial: `scale_f32` in place over the parameters, one element a thread (one load
-  round trip and one store): the floor a dependent node costs;
+- trivial: `scale_f32` in place, one float a thread on AdamW's grid (one load round
+  trip and one store): the floor a dependent node on that grid costs;
 - norm: `grad_norm_partials`;
 - norm+adamw: AdamW.step (the norm kernel and `adamw_clip_step`, the pair the step
   runs); AdamW's own cost is this less the norm;
@@ -45,14 +45,14 @@ class Chain:
         self.opt = step.optimizer
         self.scale = builtin_module("elementwise.cu").kernel("scale_f32", "ptr ptr f32 i32")
         self.floats = DeviceBuffer.from_numpy(np.ones(step.layout.size, np.float32))
-        # One element a thread: the kernel's grid-stride loop then makes one round trip.
-        self.trivial_grid = -(-step.layout.size // 256)
+        # One float a thread of AdamW's grid: the kernel's grid-stride loop makes one round trip.
+        self.trivial_n = min(step.layout.size, self.opt._adam_grid * 256)
 
     def launch(self, kernel: str) -> None:
         step, opt, stream = self.step, self.opt, self.stream
         cb, rb = step._spectral_grids
         if kernel == "trivial":
-            self.scale.launch(self.trivial_grid, 256, self.floats, self.floats, 1.0, step.layout.size, stream=stream)
+            self.scale.launch(opt._adam_grid, 256, self.floats, self.floats, 1.0, self.trivial_n, stream=stream)
         elif kernel == "norm":
             opt._partials.launch(opt.norm_grid, opt._partials.block, opt.grads, opt.n, opt.norm_partials, opt.t,
                                  opt._t_next, 0, stream=stream)
