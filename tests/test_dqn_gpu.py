@@ -889,6 +889,41 @@ def test_hard_copy_every_k_steps_decided_on_the_device(device, rng):
             assert target.tobytes() == initial.tobytes() and params.tobytes() != target.tobytes()
 
 
+@pytest.mark.parametrize("u_scale", [0.0, 1e-30], ids=["zero-u", "tiny-u"])
+def test_spectral_projection_of_a_vanishing_u_takes_the_floored_branch(device, rng, u_scale):
+    """u at 0, or at 1e-30 of a random vector: ||W^T u|| and ||W v|| fall below the
+    1e-12 floors, so the finish pass takes dt_spectral_result's floored branch. sigma and
+    u_new match the float64 formula (dqn_reference.spectral_project) and W is left as it
+    was: sigma is far below c."""
+    from dqn_reference import spectral_project
+    stream = Stream()
+    step = trained_step(rng, stream, obs_dim=3, hidden=(40, 24))
+    u0 = (u_scale * rng.standard_normal(step.u.to_numpy().size)).astype(np.float32)
+    step.u.copy_from_numpy(u0)
+    params = step.params.buffer.to_numpy()
+    for buf in (step.sigma, step.spectral_scale):
+        buf.poison(stream=stream)
+    step._enqueue_spectral_and_finish(stream)
+    stream.synchronize()
+    sigma, scale, u, after = (step.sigma.to_numpy(), step.spectral_scale.to_numpy(), step.u.to_numpy(),
+                              step.params.buffer.to_numpy())
+    assert step.n_spectral == 2
+    for m, row in enumerate(step.spectral_table):
+        rows, cols, wo, uo = (int(row[k]) for k in ("rows", "cols", "w_offset", "u_offset"))
+        w = params[wo: wo + rows * cols].reshape(rows, cols)
+        w_new, u_want, sigma_want = spectral_project(w, u0[uo: uo + rows], float(np.float32(step.config.spectral_c)))
+        assert np.array_equal(w_new, w) and sigma_want < 1e-12
+        if u_scale == 0.0:
+            assert sigma[m] == 0.0 and not u[uo: uo + rows].any()
+        else:
+            assert 0.0 < sigma[m] and rel(sigma[m], sigma_want) < 1e-5, (sigma[m], sigma_want)
+            assert u_want.any() and rel(u[uo: uo + rows], u_want) < 1e-5
+        assert scale[m] == 1.0
+        assert after[wo: wo + rows * cols].tobytes() == w.astype(np.float32).tobytes()
+    step.close()
+    stream.close()
+
+
 def test_spectral_projection_bounds_sigma(device, rng):
     """With c below the layers' norms, every projected layer ends with spectral norm ~c."""
     cfg = DQNConfig(seed=int(rng.integers(1 << 30)), spectral_c=0.3, **ODD)
