@@ -759,9 +759,11 @@ def test_rows_kernel_follows_the_rows_grid(device, rng, config):
 @pytest.mark.parametrize("hidden", [(40, 24, 33, 17, 20, 28), (4200, 8)],
                          ids=["six-projected-layers", "tall-projected-layer"])
 def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, hidden):
-    """From the row partials and y that spectral_rows leaves, numpy in float64 reproduces the
-    finish pass's sigma, scale, u = y / ||y|| and scaled weights bit for bit: every thread's
-    share of the partials in order, the block tree, the square root, the divisions. Six
+    """From the partials and y' = W x that spectral_rows leaves, numpy in float64 reproduces
+    the finish pass's sigma, scale, u = y' / (||x|| ||y||) and scaled weights bit for bit:
+    every thread's share of the partials in order, the block tree, the square roots, the
+    divisions. Every row block's ||x||^2 is the columns phase's partials summed in that
+    order, bit for bit, and its partial of ||y||^2 its rows' y'^2 over ||x||^2. Six
     matrices take two groups of four; the tall layer has 263 row partials, more than a
     block's threads."""
     stream = Stream()
@@ -774,6 +776,7 @@ def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, h
                       step._spectral_partials, step.optimizer.skip, stream=stream)
     stream.synchronize()
     y, partials, params = step.u.to_numpy(), step._row_partials.to_numpy(), step.params.buffer.to_numpy()
+    column_partials = step._spectral_partials.to_numpy()[:cb]
     step.u.copy_from_numpy(u0)
     for buf in (step.sigma, step.spectral_scale):
         buf.poison(stream=stream)
@@ -783,26 +786,36 @@ def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, h
     sigma, scale, u, after = (step.sigma.to_numpy(), step.spectral_scale.to_numpy(), step.u.to_numpy(),
                               step.params.buffer.to_numpy())
     c = float(np.float32(step.config.spectral_c))
-    projected = 0
-    for m, row in enumerate(step.spectral_table):
-        first, count = int(row["first_block_rows"]), -(-int(row["rows"]) // 16)
-        part = partials[first: first + count]
+
+    def partials_sum(part):  # dt_partials_sum: each thread's share in order, then the block tree
         assert np.all(np.isfinite(part)) and np.all(part > 0)
         shares = np.zeros(256)
         for t in range(256):
             acc = 0.0
-            for b in range(t, count, 256):
+            for b in range(t, len(part), 256):
                 acc += float(part[b])
             shares[t] = acc
-        y_squared = _block_sum_bits(shares)
+        return _block_sum_bits(shares)
+
+    projected = 0
+    for m, row in enumerate(step.spectral_table):
+        first, count = int(row["first_block_rows"]), -(-int(row["rows"]) // 16)
+        col_first, col_count = int(row["first_block_cols"]), -(-int(row["cols"]) // 16)
+        x_squared = partials_sum(column_partials[col_first: col_first + col_count])
+        assert np.all(partials[rb + first: rb + first + count] == x_squared), f"||x||^2 of matrix {m}"
+        uo, rows = int(row["u_offset"]), int(row["rows"])
+        y_rows = y[uo: uo + rows].astype(np.float64) ** 2
+        block_sums = np.add.reduceat(y_rows, np.arange(0, rows, 16))
+        assert rel(partials[first: first + count] * x_squared, block_sums) < 1e-6, f"row partials of matrix {m}"
+        y_squared = partials_sum(partials[first: first + count])
         y_norm = max(math.sqrt(y_squared), 1e-12)
         sig = y_squared / y_norm
         want_scale = np.float32(c / sig) if sig > c else np.float32(1.0)
         projected += sig > c
         assert sigma[m].tobytes() == np.float32(sig).tobytes(), f"sigma of matrix {m}"
         assert scale[m].tobytes() == want_scale.tobytes(), f"scale of matrix {m}"
-        uo, rows = int(row["u_offset"]), int(row["rows"])
-        want_u = (y[uo: uo + rows].astype(np.float64) / y_norm).astype(np.float32)
+        u_den = max(math.sqrt(x_squared), 1e-12) * y_norm
+        want_u = (y[uo: uo + rows].astype(np.float64) / u_den).astype(np.float32)
         assert u[uo: uo + rows].tobytes() == want_u.tobytes(), f"u of matrix {m}"
         wo, n = int(row["w_offset"]), rows * int(row["cols"])
         assert after[wo: wo + n].tobytes() == (params[wo: wo + n] * want_scale).tobytes(), f"weights of matrix {m}"
