@@ -26,7 +26,9 @@
 // does: it takes sigma and the scale, forms u_new = y' / (max(||x||, 1e-12)
 // max(||y||, 1e-12)) and applies W *= scale[m].
 // Between the phases v_all holds x; after phase 2, u_all holds y' until the
-// finish pass replaces it with u_new.
+// finish pass replaces it with u_new. y' = W x is about sigma^2 ||u|| (y about
+// sigma), both stored as floats: sigma up to about 1e19 (and down to 1e-19) stays
+// in range, far past any layer this projection bounds.
 //
 // Scratch (the same `partials` buffer goes to both kernels):
 //   partials: GC + 2 GR doubles, GC = spectral_columns' grid, GR = spectral_rows'
@@ -35,7 +37,7 @@
 //     [GC + GR, GC + 2 GR) (every block of a matrix the same bits). Both find GC and
 //     GR from the table: max_m(first_block_cols + ceil(cols / 16)) and
 //     max_m(first_block_rows + ceil(rows / 16)).
-//   v_all: sum(cols) floats (v_offset); no y scratch: y is staged in u_all.
+//   v_all: sum(cols) floats (v_offset); no y' scratch: y' is staged in u_all.
 // skip: when non-null and *skip != 0 both kernels write nothing (they load their
 //   first operands with the flag, then return).
 // Sizes: rows, cols >= 1, any size (the 1024-column bound of the v stage is
@@ -96,8 +98,9 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 }  // namespace
 
 // Phase block `index`'s place in the table, for either phase: the matrix, the
-// block within it (`found` -1 when no matrix holds the index) and the columns
-// phase's grid. The table is constant for the step's life, so a kernel finds
+// block within it (`found` -1 when no matrix holds the index) and, for the rows
+// phase, both phases' grids (0 for the columns phase, which needs neither). The
+// table is constant for the step's life, so a kernel finds
 // its block before it waits for the kernel before it: the table's loads leave
 // the chain.
 struct DtSpectralBlock {
@@ -213,8 +216,10 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const DtSpe
 // Blocks: index in [0, sum_m ceil(rows_m / 16)) (matrix m from first_block_rows),
 //   `where` = dt_spectral_block(.., false, index), SPECTRAL_THREADS (256) threads,
 //   every one of which calls it; after every block of phase 1 has finished.
-//   The first chunk's operands (phase 1's partials, x, and on the float4 path
-//   the block's rows of W, see STAGED) are loaded before anything waits on them. It takes
+//   The first chunk's operands (x, and on the float4 path the block's rows of W,
+//   see STAGED) are loaded before anything waits on them, and this thread's first
+//   partial of phase 1 with them (used after the products: one round trip for
+//   both). It takes
 //   the skip flag's address (the columns phase takes its value): where the flag
 //   is set it returns before writing; the cooperative tail passes null (never set).
 // WAIT (the spectral_rows kernels, dependent launches directly after
@@ -260,8 +265,8 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectr
 
     // Everything the first chunk needs, loaded before anything waits on it: on the
     // float4 path its lane's float4s of the warp's rows (before the grid wait where
-    // WAIT), this thread's first partial of phase 1 (for ||x||), its values of x in
-    // the first chunk.
+    // WAIT), its values of x in the first chunk; and in the same round this thread's
+    // first partial of phase 1, for ||x|| after the products.
     const int column_blocks = dt_spectral_column_blocks(cols);
     const int len0 = min(SPECTRAL_V_CHUNK, cols);
     const int quads0 = len0 / 4;  // float4s of a row's first chunk
