@@ -109,7 +109,8 @@ __device__ __forceinline__ double dt_block_sum(double v) {
 // dt_block_sum's bits from values already in shared memory (`values[t]` for
 // thread t of THREADS), taken by one warp alone: every lane of the calling warp
 // must call it (no barrier; the values written before the caller's last one),
-// and every lane gets the sum. For a sum only one warp needs.
+// and every lane gets the sum. For a sum only one warp needs. (dt_block_sums
+// keeps its own copy of these steps: it interleaves the shuffles of its N sums.)
 template <int THREADS>
 __device__ __forceinline__ double dt_block_sum_warp0(const double* values) {
     static_assert(THREADS >= 32 && (THREADS & (THREADS - 1)) == 0, "THREADS must be a power of two >= 32");
