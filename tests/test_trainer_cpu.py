@@ -54,8 +54,9 @@ CAPACITY, N_ACTIONS, N_ENVS, MAX_STEPS, N_PARAMS, N_U = 1000, 3, 8, 500, 40, 12
 
 def trainer_state(rng, iterations=90):
     """A consistent Trainer.state_arrays() for a 1000-slot replay, 8 envs, 3 actions:
-    random transitions and priorities, the tree's sums from its leaves, the counters of
-    `iterations` iterations (720 transitions: the replay not yet full)."""
+    random transitions and priorities, the tree's sums from its leaves, the largest leaf
+    seen equal to the largest leaf (as inserts leave it), the counters of `iterations`
+    iterations (90: 720 transitions, the replay not yet full; 0: a trainer just made)."""
     import math
 
     from drvtrain.rl.sumtree import tree_levels
@@ -72,7 +73,7 @@ def trainer_state(rng, iterations=90):
         nodes[offset: offset + real] = padded.reshape(real, 32).sum(axis=1)
         children = nodes[offset: offset + real]
     tree_state = np.zeros(6, np.uint32)
-    tree_state[4] = np.float32(2.5).view(np.uint32)
+    tree_state[4] = np.float32(leaves.max() if stored else 1.0).view(np.uint32)
     arrays = {
         "learner.params": rng.standard_normal(N_PARAMS).astype(np.float32),
         "learner.target": rng.standard_normal(N_PARAMS).astype(np.float32),
@@ -89,11 +90,12 @@ def trainer_state(rng, iterations=90):
         "replay.state": np.array([steps, stored], np.int64),
         "env.states": rng.standard_normal((N_ENVS, 4)).astype(np.float32),
         "env.obs": rng.standard_normal((N_ENVS, 4)).astype(np.float32),
-        "env.episode_steps": rng.integers(0, MAX_STEPS + 1, N_ENVS).astype(np.int32),
+        "env.episode_steps": rng.integers(0, MAX_STEPS, N_ENVS).astype(np.int32),
         "env.rng_counters": rng.integers(0, 2**32, N_ENVS).astype(np.uint32),
         "env.ep_return": rng.uniform(0, 100, N_ENVS).astype(np.float32),
-        "loop": np.array([steps, iterations, 31], np.int64), "gate": np.array([1], np.int32),
-        "host": np.array([iterations, 2, 31, 31, 40], np.int64), "host.recent": np.array([12.0, 30.0]),
+        "loop": np.array([steps, iterations, 31 if steps else 0], np.int64), "gate": np.array([1], np.int32),
+        "host": np.array([iterations, 2, 31, 31, 40] if steps else [0] * 5, np.int64),
+        "host.recent": np.array([12.0, 30.0]),
     }
     assert math.isclose(nodes[0], float(leaves.astype(np.float64).sum()))
     return arrays, levels
@@ -114,7 +116,22 @@ def _set(key, index, value):
 
 def _node_nudge(arrays):  # a leaf changed without its sums: another run's tree
     arrays["tree.leaves"] = arrays["tree.leaves"].copy()
-    arrays["tree.leaves"][7] += 0.5
+    arrays["tree.leaves"][7] *= 0.5
+
+
+def _inserted_only(arrays):  # a full replay whose insert count alone is off
+    arrays["loop"] = np.array([1600, 200, 31], np.int64)
+    arrays["host"] = arrays["host"].copy()
+    arrays["host"][0] = 200
+    arrays["replay.state"] = np.array([1592, CAPACITY], np.int64)
+
+
+def _root_gap(times):
+    def breaks(arrays):  # the root off its children by `times` the tolerance
+        max_leaf = float(arrays["tree.state"][4:5].view(np.float32)[0])
+        arrays["tree.nodes"] = arrays["tree.nodes"].copy()
+        arrays["tree.nodes"][0] += times * 1e-9 * CAPACITY * max_leaf
+    return breaks
 
 
 # What is broken, and a part of the refusal's message.
@@ -127,22 +144,24 @@ BROKEN_TRAINER_STATE = {
     "obs nan": (_set("replay.obs", 17, np.nan), "replay.obs holds 1 values"),
     "next obs inf": (_set("replay.next_obs", 3, np.inf), "replay.next_obs"),
     "reward nan": (_set("replay.reward", 0, np.nan), "replay.reward"),
-    "env state nan": (_set("env.states", 2, np.nan), "env.states"),
     "env obs nan": (_set("env.obs", 2, np.nan), "env.obs"),
     "episode return inf": (_set("env.ep_return", 1, -np.inf), "env.ep_return"),
-    "episode steps past the limit": (_set("env.episode_steps", 0, MAX_STEPS + 1), "env.episode_steps"),
+    "episode steps at the limit": (_set("env.episode_steps", 0, MAX_STEPS), "env.episode_steps"),
     "episode steps negative": (_set("env.episode_steps", 0, -1), "env.episode_steps"),
     "loop steps not iterations x envs": (_set("loop", 0, 90 * N_ENVS + 1), "loop counters"),
     "loop episodes negative": (_set("loop", 2, -1), "loop counters"),
     "host iterations not the loop's": (_set("host", 0, 89), "host counters"),
     "host count negative": (_set("host", 3, -2), "host counters"),
     "gate not 0 or 1": (_set("gate", 0, 2), "gate"),
-    "replay inserted not env steps": (_set("replay.state", 0, 90 * N_ENVS - 8), "replay counters"),
+    "replay inserted not env steps": (_inserted_only, "replay counters [1592, 1000]"),
     "replay stored wrong": (_set("replay.state", 1, 700), "replay counters"),
     "leaf negative": (_set("tree.leaves", 4, -0.25), "negative"),
     "leaf nan": (_set("tree.leaves", 4, np.nan), "tree.leaves holds 1 values"),
     "leaf past the stored count": (_set("tree.leaves", 900, 0.5), "past the 720 stored"),
+    "leaf just past the stored count": (_set("tree.leaves", 720, 0.5), "past the 720 stored"),
     "largest leaf seen below a leaf": (_set("tree.state", 4, np.float32(1.5).view(np.uint32)), "largest leaf"),
+    "largest leaf seen inf": (_set("tree.state", 4, np.float32(np.inf).view(np.uint32)), "largest leaf"),
+    "tree root off by twice the tolerance": (_root_gap(2.0), "not the sum of its leaves"),
     "tree sums of other leaves": (_node_nudge, "not the sum of its leaves"),
     "tree root off": (_set("tree.nodes", 0, 1.0), "not the sum of its leaves"),
     "tree padding": (_set("tree.nodes", 1, 0.5), "padding"),
@@ -163,12 +182,21 @@ def test_a_trainer_state_it_cannot_go_on_from_is_refused(rng, case):
     assert message in str(info.value), str(info.value)
 
 
-def test_a_full_replay_and_float64_drift_in_the_tree_pass(rng):
-    """A replay past its capacity (stored = capacity, every leaf live), and internal sums
-    off their leaves by float64 rounding of many updates (1e-12 relative), are a state a
-    trainer goes on from."""
+def test_states_a_trainer_goes_on_from_pass(rng):
+    """A trainer just made (nothing stored, the tree empty, the largest leaf seen at its
+    initial 1); a replay past its capacity (stored = capacity, every leaf live); internal
+    sums off their leaves by float64 rounding of many updates (1e-12 relative), or by half
+    the tolerance; an environment's own state not finite (only its observations must be)."""
+    arrays, levels = trainer_state(rng, iterations=0)
+    assert arrays["replay.state"].tolist() == [0, 0] and not arrays["tree.nodes"].any()
+    check(arrays, levels)
     arrays, levels = trainer_state(rng, iterations=200)
     assert arrays["replay.state"].tolist() == [1600, CAPACITY]
     check(arrays, levels)
     arrays["tree.nodes"] = arrays["tree.nodes"] * (1 + 1e-12)
+    check(arrays, levels)
+    arrays, levels = trainer_state(rng)
+    _root_gap(0.5)(arrays)
+    arrays["env.states"] = arrays["env.states"].copy()
+    arrays["env.states"][0, 1] = np.inf
     check(arrays, levels)

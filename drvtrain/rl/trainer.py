@@ -27,7 +27,7 @@ from ..stream import Event, Stream
 from .dqn import DQNConfig, DQNStep, check_learner_state
 from .env import make_env
 
-__all__ = ["TrainConfig", "Trainer", "ENV_DEFAULTS"]
+__all__ = ["TrainConfig", "Trainer", "ENV_DEFAULTS", "check_trainer_state"]
 
 # Hyperparameters per environment: the defaults `drvtrain train ENV` uses.
 ENV_DEFAULTS = {
@@ -438,8 +438,9 @@ def check_trainer_state(arrays: dict, *, capacity: int, levels, n_actions: int, 
     least every leaf), and its internal sums (finite, 0 in the padding, each within
     1e-9 capacity times the largest leaf of the sum of its children: far looser than the
     float64 drift of the updates, far tighter than a tree of other leaves); the
-    environments' state (finite, episode steps in [0, max_steps] where there is a
-    limit); the loop's counters (env steps = iterations x n_envs, as the host counts
+    environments' observations (finite: the network reads them) and episode steps (in
+    [0, max_steps - 1] where there is a limit, as ``DeviceEnv.load_state`` takes them);
+    the episodes' returns (finite); the loop's counters (env steps = iterations x n_envs, as the host counts
     them) and the gate (0 or 1). ``levels`` is ``SumTree.levels``."""
     learner = {k.removeprefix("learner."): v for k, v in arrays.items() if k.startswith("learner.")}
     try:
@@ -475,11 +476,11 @@ def check_trainer_state(arrays: dict, *, capacity: int, levels, n_actions: int, 
         raise ValueError(f"replay.action holds actions outside [0, {n_actions})")
     if not np.isin(values("replay.done"), (0.0, 1.0)).all():
         raise ValueError("replay.done holds values other than 0 and 1")
-    for key in ("replay.obs", "replay.next_obs", "replay.reward", "env.states", "env.obs", "env.ep_return"):
+    for key in ("replay.obs", "replay.next_obs", "replay.reward", "env.obs", "env.ep_return"):
         finite(key)
     steps = values("env.episode_steps")
-    if (steps < 0).any() or (max_steps > 0 and (steps > max_steps).any()):
-        raise ValueError(f"env.episode_steps holds counts outside [0, {max_steps if max_steps > 0 else 'inf'}]")
+    if (steps < 0).any() or (max_steps > 0 and (steps >= max_steps).any()):
+        raise ValueError(f"env.episode_steps holds counts outside [0, {max_steps - 1 if max_steps > 0 else 'inf'}]")
     leaves = finite("tree.leaves").astype(np.float64)
     if (leaves < 0).any():
         raise ValueError("tree.leaves holds negative priorities")
