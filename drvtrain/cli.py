@@ -331,8 +331,8 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
             try:
                 trainer.load_state_arrays(arrays)
             except (KeyError, ValueError) as exc:
-                return _fail(f"--resume {run.path}: the checkpoint does not fit this trainer "
-                             f"({str(exc).splitlines()[0]})", EXIT_BAD_INPUT)
+                return _fail(f"--resume {run.path}: its checkpoint cannot be loaded: {str(exc).splitlines()[0]}",
+                             EXIT_BAD_INPUT)
             print(f"resuming {run.path} from {start_steps:,} env steps")
         elif resuming:
             print(f"{run.path} has no checkpoint yet: starting it again from step 0")

@@ -106,6 +106,29 @@ __device__ __forceinline__ double dt_block_sum(double v) {
     return s[0];
 }
 
+// dt_block_sum's bits from values already in shared memory (`values[t]` for
+// thread t of THREADS), taken by one warp alone: every lane of the calling warp
+// must call it (no barrier; the values written before the caller's last one),
+// and every lane gets the sum. For a sum only one warp needs. (dt_block_sums
+// keeps its own copy of these steps: it interleaves the shuffles of its N sums.)
+template <int THREADS>
+__device__ __forceinline__ double dt_block_sum_warp0(const double* values) {
+    static_assert(THREADS >= 32 && (THREADS & (THREADS - 1)) == 0, "THREADS must be a power of two >= 32");
+    constexpr int WARPS = THREADS / 32;
+    const int lane = threadIdx.x & 31;
+    double r[WARPS];
+#pragma unroll
+    for (int k = 0; k < WARPS; ++k) r[k] = values[lane + 32 * k];
+#pragma unroll
+    for (int h = WARPS / 2; h >= 1; h >>= 1)
+#pragma unroll
+        for (int k = 0; k < h; ++k) r[k] += r[k + h];
+    double v = r[0];
+#pragma unroll
+    for (int w = 16; w >= 1; w >>= 1) v += __shfl_down_sync(0xffffffffu, v, w);
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
 // The grid-wide sum of one double per thread: each block writes its sum to
 // partials[blockIdx.x]; the last block (dt_last_block) adds the partials in a
 // fixed order into `total` and returns true; every other block returns false.

@@ -366,8 +366,9 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_means_256(
 // spectral_rows (and spectral_rows_staged): grid = sum_m ceil(rows_m / 16), block
 //   SPECTRAL_THREADS, directly after spectral_columns on the same stream: it reads
 //   W before its grid wait, which holds only when the kernel before it writes no W.
-//   It leaves y in u_all and the row partials after the column partials;
-//   dqn_finish (dqn_step.cu) takes sigma, the scale and u_new from them.
+//   It leaves y' = W x in u_all, and after the column partials its partials of
+//   ||y||^2 and ||x||^2 (spectral.cuh); dqn_finish (dqn_step.cu) takes sigma, the
+//   scale and u_new from them.
 // skip: when non-null and *skip != 0 both write nothing (they read their first
 //   operands with the flag, so that the flag costs no round trip of its own).
 extern "C" __global__ void __launch_bounds__(SPECTRAL_THREADS) spectral_columns(

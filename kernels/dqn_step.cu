@@ -8,10 +8,12 @@
 //   - unless the step was skipped (*skip != 0, the NaN guard):
 //       every block sums the row partials of each spectral matrix m
 //       (spectral_rows leaves them in row_partials, matrix m's at its
-//       first_block_rows) in the order spectral.cuh fixes, so every block
-//       holds the same ||y||, sigma and scale (dt_spectral_result, with the
-//       bound c); the grid replaces y in u_all by u_new = y / ||y||, one
-//       element per thread; block 0 writes sigma[m] and scale[m];
+//       first_block_rows, and ||x||^2 of matrix m GR slots after them,
+//       spectral.cuh) in the order spectral.cuh fixes, so every block holds
+//       the same ||y||, sigma and scale (dt_spectral_result, with the bound
+//       c); the grid replaces y' in u_all by u_new = y' / (max(||x||, 1e-12)
+//       max(||y||, 1e-12)), one element per thread; block 0 writes sigma[m]
+//       and scale[m];
 //       params[e] *= scale[m] for every element of matrix m;
 //       then the target: Polyak target += tau (params - target) when
 //       period == 0, else target = params when the optimizer counter *adam_t
@@ -54,9 +56,10 @@ struct FinishMats {
     long long w_begin[FINISH_MAX_MATS], w_end[FINISH_MAX_MATS];
     int u_begin[FINISH_MAX_MATS], u_end[FINISH_MAX_MATS];
     int row_block0[FINISH_MAX_MATS], row_blocks[FINISH_MAX_MATS];
-    double y_norm[FINISH_MAX_MATS];
+    double u_den[FINISH_MAX_MATS];
     float sigma[FINISH_MAX_MATS], scale[FINISH_MAX_MATS];
-    int u_total;  // max_m u_end
+    int u_total;   // max_m u_end
+    int row_grid;  // spectral_rows' grid, max_m (row_block0 + row_blocks): where the ||x||^2 slots start
 };
 
 // Stages the table (constant for the step's life, so a kernel may do this
@@ -74,9 +77,13 @@ __device__ __forceinline__ void finish_stage(FinishMats& sh, const DtSpectralMat
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        int total = 0;
-        for (int m = 0; m < n_mats; ++m) total = max(total, sh.u_end[m]);
+        int total = 0, row_grid = 0;
+        for (int m = 0; m < n_mats; ++m) {
+            total = max(total, sh.u_end[m]);
+            row_grid = max(row_grid, sh.row_block0[m] + sh.row_blocks[m]);
+        }
         sh.u_total = total;
+        sh.row_grid = row_grid;
     }
     __syncthreads();
 }
@@ -128,7 +135,8 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, const FinishFirst& f
                                             unsigned int* skip_counts, unsigned int* skip_published,
                                             long long* skipped_step) {
     // What the first ||y|| sums need is loaded before anything waits on it: this
-    // thread's first row partial of the first matrices and its first element of y.
+    // thread's first row partial of the first matrices, its first element of y' and,
+    // in thread i < FINISH_GROUP, ||x||^2 of matrix i.
     const int skip_value = f.skip_value, t_value = f.t_value;
     const bool hard = period > 0;
     float4* p4 = reinterpret_cast<float4*>(params);
@@ -140,6 +148,8 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, const FinishFirst& f
         part0[i] = i < n_mats && (int)threadIdx.x < sh.row_blocks[i]
                        ? __ldcg(&row_partials[sh.row_block0[i] + threadIdx.x]) : 0.0;
     const float y0 = first < sh.u_total ? __ldcg(&u_all[first]) : 0.0f;
+    const double x_sq0 = (int)threadIdx.x < min(n_mats, FINISH_GROUP)
+                             ? __ldcg(&row_partials[sh.row_grid + sh.row_block0[threadIdx.x]]) : 0.0;
     const long long old_step = f.old_step;
     const float loss = f.loss, norm = f.norm, clip_scale = f.clip_scale, mean_q = f.mean_q,
                 mean_abs_td = f.mean_abs_td, beta_used = f.beta_used;
@@ -150,6 +160,7 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, const FinishFirst& f
 #pragma unroll
     for (int i = 0; i < FINISH_GROUP; ++i) dt_issued(part0[i]);
     dt_issued(y0);
+    dt_issued(x_sq0);
     if (skip_value == 2) return;  // a training loop's step that was not due: nothing happened
     const bool skipped = skip_value != 0;
     if (!skipped && n_mats > 0) {  // block-uniform: every thread meets the block sums
@@ -173,8 +184,9 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, const FinishFirst& f
                 if ((int)threadIdx.x == i) mine = s[i];
             if ((int)threadIdx.x < FINISH_GROUP && g + (int)threadIdx.x < n_mats) {
                 const int m = g + threadIdx.x;
-                const DtSpectralResult r = dt_spectral_result(mine, c);
-                sh.y_norm[m] = r.y_norm;
+                const double x_sq = g == 0 ? x_sq0 : __ldcg(&row_partials[sh.row_grid + sh.row_block0[m]]);
+                const DtSpectralResult r = dt_spectral_result(x_sq, mine, c);
+                sh.u_den[m] = r.u_den;
                 sh.sigma[m] = r.sigma;
                 sh.scale[m] = r.scale;
                 if (lead) {
@@ -188,7 +200,7 @@ __device__ __forceinline__ void finish_pass(FinishMats& sh, const FinishFirst& f
             const float y = i == first ? y0 : __ldcg(&u_all[i]);
             for (int m = 0; m < n_mats; ++m) {
                 if (i >= sh.u_begin[m] && i < sh.u_end[m]) {
-                    u_all[i] = (float)((double)y / sh.y_norm[m]);
+                    u_all[i] = (float)((double)y / sh.u_den[m]);
                     break;
                 }
             }

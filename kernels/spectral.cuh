@@ -15,21 +15,29 @@
 // blocks over them with a grid barrier between the phases. The same blocks, the
 // same partials in the same order: the same bits either way.
 // Phase 1 (spectral_columns) writes x unnormalised into v_all and one partial
-// ||x||^2 per block; phase 2 (spectral_rows) forms ||x|| in every block from
-// those partials (same order, so the same bits in every block), normalises v
-// while staging it, computes y into u_all and one partial ||y||^2 per block.
-// Neither phase has a last block: whoever needs ||y|| sums phase 2's partials
-// in the same order (dt_partials_sum in common.cuh), in every block that needs it. The
-// finish pass (dqn_step.cu) does: it takes sigma and the scale, normalises u
-// and applies W *= scale[m].
-// Between the phases v_all holds x; after phase 2, u_all holds y until the
-// finish pass replaces it with u_new.
+// ||x||^2 per block. Phase 2 (spectral_rows) computes y' = W x from x as phase
+// 1 stored it, into u_all, so that no dot product waits on a norm; after them
+// every block sums phase 1's partials into ||x||^2 (the same order, so the same
+// bits in every block), writes it to its slot and one partial ||y||^2 per block,
+// its rows' sum of y'^2 divided by max(||x||^2, 1e-24) (so y = y' / max(||x||,
+// 1e-12), and the partials add up to ||y||^2). Neither phase has a last block:
+// whoever needs ||y|| sums phase 2's partials in the same order (dt_partials_sum
+// in common.cuh), in every block that needs it. The finish pass (dqn_step.cu)
+// does: it takes sigma and the scale, forms u_new = y' / (max(||x||, 1e-12)
+// max(||y||, 1e-12)) and applies W *= scale[m].
+// Between the phases v_all holds x; after phase 2, u_all holds y' until the
+// finish pass replaces it with u_new. y' = W x is about sigma^2 ||u|| (y about
+// sigma), both stored as floats: sigma up to about 1e19 (and down to 1e-19) stays
+// in range, far past any layer this projection bounds.
 //
 // Scratch (the same `partials` buffer goes to both kernels):
-//   partials: GC + GR doubles, GC = spectral_columns' grid, GR = spectral_rows'
-//     grid. Phase 1 writes [0, GC); phase 2 reads them and writes [GC, GC + GR).
-//     Phase 2 finds GC from the table as max_m(first_block_cols + ceil(cols / 16)).
-//   v_all: sum(cols) floats (v_offset); no y scratch: y is staged in u_all.
+//   partials: GC + 2 GR doubles, GC = spectral_columns' grid, GR = spectral_rows'
+//     grid. Phase 1 writes [0, GC); phase 2 reads them and writes its partials of
+//     ||y||^2 to [GC, GC + GR) and ||x||^2 of its block's matrix to
+//     [GC + GR, GC + 2 GR) (every block of a matrix the same bits). Both find GC and
+//     GR from the table: max_m(first_block_cols + ceil(cols / 16)) and
+//     max_m(first_block_rows + ceil(rows / 16)).
+//   v_all: sum(cols) floats (v_offset); no y' scratch: y' is staged in u_all.
 // skip: when non-null and *skip != 0 both kernels write nothing (they load their
 //   first operands with the flag, then return).
 // Sizes: rows, cols >= 1, any size (the 1024-column bound of the v stage is
@@ -52,6 +60,9 @@ namespace {
 
 // max(n, 1e-12) that keeps a NaN norm NaN (fmax would return 1e-12).
 __device__ __forceinline__ double spectral_norm_floor(double n) { return n < 1e-12 ? 1e-12 : n; }
+
+// The same floor on a squared norm: max(n2, 1e-24), NaN kept.
+__device__ __forceinline__ double spectral_square_floor(double n2) { return n2 < 1e-24 ? 1e-24 : n2; }
 
 // The matrix whose block range in this phase holds block `index`, or -1.
 __device__ __forceinline__ int spectral_find(const DtSpectralMatrix* mats, int n_mats, bool by_columns, int index,
@@ -87,13 +98,14 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 }  // namespace
 
 // Phase block `index`'s place in the table, for either phase: the matrix, the
-// block within it (`found` -1 when no matrix holds the index) and the columns
-// phase's grid. The table is constant for the step's life, so a kernel finds
+// block within it (`found` -1 when no matrix holds the index) and, for the rows
+// phase, both phases' grids (0 for the columns phase, which needs neither). The
+// table is constant for the step's life, so a kernel finds
 // its block before it waits for the kernel before it: the table's loads leave
 // the chain.
 struct DtSpectralBlock {
     DtSpectralMatrix mat;
-    int found, block, column_grid;
+    int found, block, column_grid, row_grid;
 };
 
 __device__ __forceinline__ DtSpectralBlock dt_spectral_block(const DtSpectralMatrix* mats, int n_mats,
@@ -102,10 +114,12 @@ __device__ __forceinline__ DtSpectralBlock dt_spectral_block(const DtSpectralMat
     b.block = 0;
     b.found = spectral_find(mats, n_mats, by_columns, index, b.mat, b.block);
     b.column_grid = 0;
+    b.row_grid = 0;
     if (!by_columns)
         for (int k = 0; k < n_mats; ++k) {
             const DtSpectralMatrix e = mats[k];
             b.column_grid = max(b.column_grid, e.first_block_cols + dt_spectral_column_blocks(e.cols));
+            b.row_grid = max(b.row_grid, e.first_block_rows + dt_spectral_row_blocks(e.rows));
         }
     return b;
 }
@@ -193,16 +207,19 @@ __device__ __forceinline__ void dt_spectral_columns_block(int index, const DtSpe
     }
 }
 
-// spectral_rows: y = W v for DT_SPECTRAL_ROWS_PER_BLOCK (16) rows per block;
+// spectral_rows: y' = W x for DT_SPECTRAL_ROWS_PER_BLOCK (16) rows per block;
 //   each warp takes rows warp, warp + 8 of the block and reads them along the
-//   columns (float4 per lane), with v normalised into shared memory in chunks of
-//   1024. Writes y_i into u_all[u_offset + i] and partials[GC + index] =
-//   sum of y_i^2 over the block's rows.
+//   columns (float4 per lane), with x staged in shared memory in chunks of 1024.
+//   Writes y'_i into u_all[u_offset + i]; then, with X = ||x||^2 (phase 1's
+//   partials of the matrix, dt_partials_sum's order), partials[GC + GR + index] = X
+//   and partials[GC + index] = (sum of y'_i^2 over the block's rows) / max(X, 1e-24).
 // Blocks: index in [0, sum_m ceil(rows_m / 16)) (matrix m from first_block_rows),
 //   `where` = dt_spectral_block(.., false, index), SPECTRAL_THREADS (256) threads,
 //   every one of which calls it; after every block of phase 1 has finished.
-//   The first chunk's operands (phase 1's partials, x, and on the float4 path
-//   the block's rows of W, see STAGED) are loaded before anything waits on them. It takes
+//   The first chunk's operands (x, and on the float4 path the block's rows of W,
+//   see STAGED) are loaded before anything waits on them, and this thread's first
+//   partial of phase 1 with them (used after the products: one round trip for
+//   both). It takes
 //   the skip flag's address (the columns phase takes its value): where the flag
 //   is set it returns before writing; the cooperative tail passes null (never set).
 // WAIT (the spectral_rows kernels, dependent launches directly after
@@ -235,19 +252,21 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectr
     const int block = where.block, column_grid = where.column_grid;
     __shared__ __align__(16) float v_stage[SPECTRAL_V_CHUNK];
     __shared__ double row_squares[DT_SPECTRAL_ROWS_PER_BLOCK];
+    __shared__ double x_shares[SPECTRAL_THREADS];
 
     const int rows = mat.rows, cols = mat.cols;
     const float* W = params + mat.w_offset;
     float* u = u_all + mat.u_offset;
     double* row_partials = partials + column_grid;
+    double* x_squares = row_partials + where.row_grid;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int row0 = block * DT_SPECTRAL_ROWS_PER_BLOCK + warp;
     const bool vec = cols % 4 == 0 && aligned16(W);
 
     // Everything the first chunk needs, loaded before anything waits on it: on the
     // float4 path its lane's float4s of the warp's rows (before the grid wait where
-    // WAIT), this thread's first partial of phase 1 (for ||x||), its values of x in
-    // the first chunk.
+    // WAIT), its values of x in the first chunk; and in the same round this thread's
+    // first partial of phase 1, for ||x|| after the products.
     const int column_blocks = dt_spectral_column_blocks(cols);
     const int len0 = min(SPECTRAL_V_CHUNK, cols);
     const int quads0 = len0 / 4;  // float4s of a row's first chunk
@@ -303,13 +322,6 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectr
     }
     if (skipped) return;
 
-    // ||x|| from phase 1's partials of this matrix, in block order.
-    double s = 0.0;
-    if ((int)threadIdx.x < column_blocks) s += partial0;
-    for (int b = threadIdx.x + SPECTRAL_THREADS; b < column_blocks; b += SPECTRAL_THREADS)
-        s += partials[mat.first_block_cols + b];
-    const double x_norm = spectral_norm_floor(sqrt(dt_block_sum<SPECTRAL_THREADS>(s)));
-
     double acc[SPECTRAL_ROWS_PER_WARP];
 #pragma unroll
     for (int r = 0; r < SPECTRAL_ROWS_PER_WARP; ++r) acc[r] = 0.0;
@@ -320,11 +332,11 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectr
 #pragma unroll
             for (int k = 0; k < SPECTRAL_V_PER_THREAD; ++k) {
                 const int e = threadIdx.x + k * SPECTRAL_THREADS;
-                if (e < len) v_stage[e] = (float)((double)x0[k] / x_norm);
+                if (e < len) v_stage[e] = x0[k];
             }
         } else {
             for (int e = threadIdx.x; e < len; e += SPECTRAL_THREADS)
-                v_stage[e] = (float)((double)v_all[mat.v_offset + c0 + e] / x_norm);
+                v_stage[e] = v_all[mat.v_offset + c0 + e];
         }
         __syncthreads();
         if (vec) {
@@ -390,24 +402,37 @@ __device__ __forceinline__ void dt_spectral_rows_block(int index, const DtSpectr
             row_squares[warp + r * SPECTRAL_WARPS] = i < rows ? acc[r] * acc[r] : 0.0;
         }
     }
+    // This thread's share of ||x||^2 (dt_partials_share's order), for warp 0's block sum
+    // after the barrier the row sums need anyway.
+    double s = 0.0;
+    if ((int)threadIdx.x < column_blocks) s += partial0;
+    for (int b = threadIdx.x + SPECTRAL_THREADS; b < column_blocks; b += SPECTRAL_THREADS)
+        s += __ldcg(&partials[mat.first_block_cols + b]);
+    x_shares[threadIdx.x] = s;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        double sq = 0.0;
-        for (int r = 0; r < DT_SPECTRAL_ROWS_PER_BLOCK; ++r) sq += row_squares[r];
-        row_partials[index] = sq;
+    if (warp == 0) {
+        const double x_squared = dt_block_sum_warp0<SPECTRAL_THREADS>(x_shares);
+        if (lane == 0) {
+            double sq = 0.0;
+            for (int r = 0; r < DT_SPECTRAL_ROWS_PER_BLOCK; ++r) sq += row_squares[r];
+            x_squares[index] = x_squared;
+            row_partials[index] = sq / spectral_square_floor(x_squared);
+        }
     }
 }
 
-// From ||y||^2 of a matrix: ||y|| (floored), sigma and the scale applied to W.
+// From ||x||^2 and ||y||^2 of a matrix: sigma, the scale applied to W and u_den,
+// the divisor that turns y' into u_new (max(||x||, 1e-12) max(||y||, 1e-12)).
 struct DtSpectralResult {
-    double y_norm;
+    double u_den;
     float sigma, scale;
 };
 
-__device__ __forceinline__ DtSpectralResult dt_spectral_result(double y_squared, float c) {
+__device__ __forceinline__ DtSpectralResult dt_spectral_result(double x_squared, double y_squared, float c) {
     DtSpectralResult r;
-    r.y_norm = spectral_norm_floor(sqrt(y_squared));
-    const double sig = y_squared / r.y_norm;
+    const double y_norm = spectral_norm_floor(sqrt(y_squared));
+    const double sig = y_squared / y_norm;
+    r.u_den = spectral_norm_floor(sqrt(x_squared)) * y_norm;
     r.sigma = (float)sig;
     // W stays exactly as it was unless sigma > c (so a NaN sigma leaves it too).
     r.scale = sig > (double)c ? (float)((double)c / sig) : 1.0f;

@@ -528,6 +528,18 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, rng, fake_trainer,
     assert "was not written by this run" in one_line(capsys.readouterr().err)
 
 
+def test_resume_refuses_a_state_the_trainer_cannot_load(tmp_path, fake_trainer, capsys):
+    """A checkpoint of this run whose arrays the trainer refuses (here one value short):
+    exit 2, and the line says why."""
+    folder = a_run_folder(tmp_path)
+    save_checkpoint(RunFolder(folder).checkpoint_path(),
+                    {"params": np.zeros(36, np.float32), "steps": np.array(10, np.int64)},
+                    {"env_steps": 10, "config": FakeTrainConfig.for_env("cartpole").to_dict()})
+    assert cli.main(["train", "cartpole", "--resume", str(folder)]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert f"--resume {folder}: its checkpoint cannot be loaded: checkpoint of another trainer" in line, line
+
+
 # ---------------------------------------------------------------------- the progress line
 class Terminal(io.StringIO):
     def isatty(self):

@@ -756,24 +756,29 @@ def test_rows_kernel_follows_the_rows_grid(device, rng, config):
     step.close()
 
 
-@pytest.mark.parametrize("hidden", [(40, 24, 33, 17, 20, 28), (4200, 8)],
+@pytest.mark.parametrize("hidden", [(40, 24, 33, 17, 20, 28), (4200, 300)],
                          ids=["six-projected-layers", "tall-projected-layer"])
 def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, hidden):
-    """From the row partials and y that spectral_rows leaves, numpy in float64 reproduces the
-    finish pass's sigma, scale, u = y / ||y|| and scaled weights bit for bit: every thread's
-    share of the partials in order, the block tree, the square root, the divisions. Six
+    """From the partials and y' = W x that spectral_rows leaves, numpy in float64 reproduces
+    the finish pass's sigma, scale, u = y' / (||x|| ||y||) and scaled weights bit for bit:
+    every thread's share of the partials in order, the block tree, the square roots, the
+    divisions. Every row block's ||x||^2 is the columns phase's partials summed in that
+    order, bit for bit, and its partial of ||y||^2 its rows' y'^2 over ||x||^2. Six
     matrices take two groups of four; the tall layer has 263 row partials, more than a
-    block's threads."""
+    block's threads, and the next (300 x 4200) 263 column partials, summed in every one of
+    its 19 row blocks. The partials are poisoned first: a slot no block writes fails."""
     stream = Stream()
     step = trained_step(rng, stream, obs_dim=3, hidden=hidden)
     assert int(step.optimizer.skip.to_numpy()[0]) == 0
     u0 = step.u.to_numpy()
     cb, rb = step._spectral_grids
+    step._spectral_partials.poison(stream=stream)
     for kernel, grid in ((step._spectral_columns, cb), (step._spectral_rows, rb)):
         kernel.launch(grid, kernel.block, step.params, step._spectral_mats, step.n_spectral, step.u, step._v,
                       step._spectral_partials, step.optimizer.skip, stream=stream)
     stream.synchronize()
     y, partials, params = step.u.to_numpy(), step._row_partials.to_numpy(), step.params.buffer.to_numpy()
+    column_partials = step._spectral_partials.to_numpy()[:cb]
     step.u.copy_from_numpy(u0)
     for buf in (step.sigma, step.spectral_scale):
         buf.poison(stream=stream)
@@ -783,26 +788,36 @@ def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, h
     sigma, scale, u, after = (step.sigma.to_numpy(), step.spectral_scale.to_numpy(), step.u.to_numpy(),
                               step.params.buffer.to_numpy())
     c = float(np.float32(step.config.spectral_c))
-    projected = 0
-    for m, row in enumerate(step.spectral_table):
-        first, count = int(row["first_block_rows"]), -(-int(row["rows"]) // 16)
-        part = partials[first: first + count]
+
+    def partials_sum(part):  # dt_partials_sum: each thread's share in order, then the block tree
         assert np.all(np.isfinite(part)) and np.all(part > 0)
         shares = np.zeros(256)
         for t in range(256):
             acc = 0.0
-            for b in range(t, count, 256):
+            for b in range(t, len(part), 256):
                 acc += float(part[b])
             shares[t] = acc
-        y_squared = _block_sum_bits(shares)
+        return _block_sum_bits(shares)
+
+    projected = 0
+    for m, row in enumerate(step.spectral_table):
+        first, count = int(row["first_block_rows"]), -(-int(row["rows"]) // 16)
+        col_first, col_count = int(row["first_block_cols"]), -(-int(row["cols"]) // 16)
+        x_squared = partials_sum(column_partials[col_first: col_first + col_count])
+        assert np.all(partials[rb + first: rb + first + count] == x_squared), f"||x||^2 of matrix {m}"
+        uo, rows = int(row["u_offset"]), int(row["rows"])
+        y_rows = y[uo: uo + rows].astype(np.float64) ** 2
+        block_sums = np.add.reduceat(y_rows, np.arange(0, rows, 16))
+        assert rel(partials[first: first + count] * x_squared, block_sums) < 1e-6, f"row partials of matrix {m}"
+        y_squared = partials_sum(partials[first: first + count])
         y_norm = max(math.sqrt(y_squared), 1e-12)
         sig = y_squared / y_norm
         want_scale = np.float32(c / sig) if sig > c else np.float32(1.0)
         projected += sig > c
         assert sigma[m].tobytes() == np.float32(sig).tobytes(), f"sigma of matrix {m}"
         assert scale[m].tobytes() == want_scale.tobytes(), f"scale of matrix {m}"
-        uo, rows = int(row["u_offset"]), int(row["rows"])
-        want_u = (y[uo: uo + rows].astype(np.float64) / y_norm).astype(np.float32)
+        u_den = max(math.sqrt(x_squared), 1e-12) * y_norm
+        want_u = (y[uo: uo + rows].astype(np.float64) / u_den).astype(np.float32)
         assert u[uo: uo + rows].tobytes() == want_u.tobytes(), f"u of matrix {m}"
         wo, n = int(row["w_offset"]), rows * int(row["cols"])
         assert after[wo: wo + n].tobytes() == (params[wo: wo + n] * want_scale).tobytes(), f"weights of matrix {m}"
@@ -887,6 +902,41 @@ def test_hard_copy_every_k_steps_decided_on_the_device(device, rng):
             initial = target
         else:
             assert target.tobytes() == initial.tobytes() and params.tobytes() != target.tobytes()
+
+
+@pytest.mark.parametrize("u_scale", [0.0, 1e-30, 1e-18], ids=["zero-u", "tiny-u", "small-u"])
+def test_spectral_projection_of_a_vanishing_u_takes_the_floored_branches(device, rng, u_scale):
+    """u at 0, or at 1e-30 of a random vector: ||W^T u|| and ||W v|| fall below their
+    1e-12 floors; at 1e-18, ||W^T u|| alone (||W v|| is about 1e-5, so u_new is a unit
+    vector). sigma and u_new match the float64 formula (dqn_reference.spectral_project),
+    and W is left as it was: sigma is far below c."""
+    from dqn_reference import spectral_project
+    stream = Stream()
+    step = trained_step(rng, stream, obs_dim=3, hidden=(40, 24))
+    u0 = (u_scale * rng.standard_normal(step.u.to_numpy().size)).astype(np.float32)
+    step.u.copy_from_numpy(u0)
+    params = step.params.buffer.to_numpy()
+    for buf in (step.sigma, step.spectral_scale):
+        buf.poison(stream=stream)
+    step._enqueue_spectral_and_finish(stream)
+    stream.synchronize()
+    sigma, scale, u, after = (step.sigma.to_numpy(), step.spectral_scale.to_numpy(), step.u.to_numpy(),
+                              step.params.buffer.to_numpy())
+    assert step.n_spectral == 2
+    for m, row in enumerate(step.spectral_table):
+        rows, cols, wo, uo = (int(row[k]) for k in ("rows", "cols", "w_offset", "u_offset"))
+        w = params[wo: wo + rows * cols].reshape(rows, cols)
+        w_new, u_want, sigma_want = spectral_project(w, u0[uo: uo + rows], float(np.float32(step.config.spectral_c)))
+        assert np.array_equal(w_new, w) and sigma_want < (1e-12 if u_scale < 1e-20 else 1e-3)
+        if u_scale == 0.0:
+            assert sigma[m] == 0.0 and not u[uo: uo + rows].any()
+        else:
+            assert 0.0 < sigma[m] and rel(sigma[m], sigma_want) < 1e-5, (sigma[m], sigma_want)
+            assert u_want.any() and rel(u[uo: uo + rows], u_want) < 1e-5
+        assert scale[m] == 1.0
+        assert after[wo: wo + rows * cols].tobytes() == w.astype(np.float32).tobytes()
+    step.close()
+    stream.close()
 
 
 def test_spectral_projection_bounds_sigma(device, rng):

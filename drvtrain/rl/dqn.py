@@ -531,9 +531,10 @@ class DQNStep:
                                          else np.zeros(1, np.float32))
         self._v = DeviceBuffer(max(1, v_off), np.float32)
         self._spectral_grids = (cb, rb)
-        self._spectral_partials = DeviceBuffer(max(1, cb + rb), np.float64)
-        # The rows phase's partials, after the columns phase's: the finish pass sums them.
-        self._row_partials = (self._spectral_partials.view(np.float64, (rb,), 8 * cb) if rb
+        self._spectral_partials = DeviceBuffer(max(1, cb + 2 * rb), np.float64)
+        # What the rows phase writes, after the columns phase's partials: its partials of
+        # ||y||^2, then ||x||^2 of each row block's matrix; the finish pass reads both.
+        self._row_partials = (self._spectral_partials.view(np.float64, (2 * rb,), 8 * cb) if rb
                               else self._spectral_partials)
         n = max(1, len(layers))
         self._sigma_scale = DeviceBuffer.from_numpy(np.concatenate([np.zeros(n), np.ones(n)]).astype(np.float32))

@@ -24,10 +24,10 @@ from ..graph import capture
 from ..kernel import dependent_launches
 from ..memory import Arena, DeviceBuffer, MappedBuffer
 from ..stream import Event, Stream
-from .dqn import DQNConfig, DQNStep
+from .dqn import DQNConfig, DQNStep, check_learner_state
 from .env import make_env
 
-__all__ = ["TrainConfig", "Trainer", "ENV_DEFAULTS"]
+__all__ = ["TrainConfig", "Trainer", "ENV_DEFAULTS", "check_trainer_state"]
 
 # Hyperparameters per environment: the defaults `drvtrain train ENV` uses.
 ENV_DEFAULTS = {
@@ -376,7 +376,8 @@ class Trainer:
         return out
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        """Restore ``state_arrays()``; every array is checked before anything is written."""
+        """Restore ``state_arrays()``; every array is checked (its shape and dtype, then its
+        values: :func:`check_trainer_state`) before anything is written."""
         current = self.state_arrays()
         missing = sorted(set(current) - set(arrays) - {"host.recent"})
         if missing:
@@ -389,6 +390,9 @@ class Trainer:
                 raise ValueError(f"checkpoint array {key} is {got.dtype}{got.shape}, this run needs "
                                  f"{now.dtype}{now.shape}: it belongs to another configuration")
         learner, replay, tree, actor = self.learner, self.learner.replay, self.learner.replay.tree, self.actor
+        check_trainer_state(arrays, capacity=replay.capacity, levels=tree.levels, n_actions=learner.config.n_actions,
+                            n_envs=self.config.n_envs, max_steps=self.max_steps, n_params=learner.layout.size,
+                            n_u=learner.u.size)
         learner.load_state({k.removeprefix("learner."): v for k, v in arrays.items() if k.startswith("learner.")})
         for buf, key in ((tree.nodes, "tree.nodes"), (tree.leaves, "tree.leaves"), (tree._state, "tree.state"),
                          (replay.obs, "replay.obs"), (replay.next_obs, "replay.next_obs"),
@@ -421,6 +425,85 @@ class Trainer:
         self.eval_actor.close()
         self.learner.close()
         self.stream.close()
+
+
+def check_trainer_state(arrays: dict, *, capacity: int, levels, n_actions: int, n_envs: int, max_steps: int,
+                        n_params: int, n_u: int) -> None:
+    """``Trainer.state_arrays()``'s arrays, of the shapes and dtypes a trainer of this
+    configuration holds, checked for values it can go on from; ValueError says what is
+    wrong. The learner's arrays as ``check_learner_state``; the replay's transitions
+    (actions in [0, n_actions), done 0 or 1, everything else finite) and its counters
+    (stored = min(inserted, capacity), one transition inserted per env step); the sum
+    tree's leaves (finite, at least 0, 0 past the stored count), its largest leaf seen (at
+    least every leaf), and its internal sums (finite, 0 in the padding, each within
+    1e-9 capacity times the largest leaf of the sum of its children: far looser than the
+    float64 drift of the updates, far tighter than a tree of other leaves); the
+    environments' observations (finite: the network reads them) and episode steps (in
+    [0, max_steps - 1] where there is a limit, as ``DeviceEnv.load_state`` takes them);
+    the episodes' returns (finite); the loop's counters (env steps = iterations x n_envs, as the host counts
+    them) and the gate (0 or 1). ``levels`` is ``SumTree.levels``."""
+    learner = {k.removeprefix("learner."): v for k, v in arrays.items() if k.startswith("learner.")}
+    try:
+        check_learner_state(learner, n_params, n_u)
+    except ValueError as exc:
+        raise ValueError(f"learner: {exc}") from None
+
+    def values(key):
+        return np.asarray(arrays[key]).reshape(-1)
+
+    def finite(key):
+        a = values(key)
+        bad = int((~np.isfinite(a)).sum())
+        if bad:
+            raise ValueError(f"{key} holds {bad} values that are not finite")
+        return a
+
+    env_steps, iterations, finished = (int(v) for v in values("loop"))
+    if min(env_steps, iterations, finished) < 0 or env_steps != iterations * n_envs:
+        raise ValueError(f"loop counters [{env_steps}, {iterations}, {finished}] are not env steps = iterations "
+                         f"x {n_envs} envs, all at least 0")
+    host = [int(v) for v in values("host")]
+    if min(host) < 0 or host[0] != iterations:
+        raise ValueError(f"host counters {host} must be at least 0, the first the loop's {iterations} iterations")
+    if values("gate")[0] not in (0, 1):
+        raise ValueError(f"gate must be 0 or 1, got {values('gate')[0]}")
+    inserted, stored = (int(v) for v in values("replay.state"))
+    if inserted != env_steps or stored != min(inserted, capacity):
+        raise ValueError(f"replay counters [{inserted}, {stored}] do not follow from {env_steps} env steps "
+                         f"into {capacity} slots")
+    actions = values("replay.action")
+    if ((actions < 0) | (actions >= n_actions)).any():
+        raise ValueError(f"replay.action holds actions outside [0, {n_actions})")
+    if not np.isin(values("replay.done"), (0.0, 1.0)).all():
+        raise ValueError("replay.done holds values other than 0 and 1")
+    for key in ("replay.obs", "replay.next_obs", "replay.reward", "env.obs", "env.ep_return"):
+        finite(key)
+    steps = values("env.episode_steps")
+    if (steps < 0).any() or (max_steps > 0 and (steps >= max_steps).any()):
+        raise ValueError(f"env.episode_steps holds counts outside [0, {max_steps - 1 if max_steps > 0 else 'inf'}]")
+    leaves = finite("tree.leaves").astype(np.float64)
+    if (leaves < 0).any():
+        raise ValueError("tree.leaves holds negative priorities")
+    if leaves[stored:].any():
+        raise ValueError(f"tree.leaves holds priorities past the {stored} stored transitions")
+    max_leaf = float(values("tree.state").astype(np.uint32)[4:5].view(np.float32)[0])
+    if not (np.isfinite(max_leaf) and max_leaf >= leaves.max(initial=0.0)):
+        raise ValueError(f"tree.state's largest leaf seen ({max_leaf}) is below a leaf, or not finite")
+    nodes = finite("tree.nodes")
+    tolerance = 1e-9 * capacity * max_leaf
+    children = leaves
+    for offset, real, size in reversed(levels):
+        sums = np.zeros(real * 32)
+        sums[: min(len(children), real * 32)] = children[: real * 32]
+        sums = sums.reshape(real, 32).sum(axis=1)
+        stored_sums = nodes[offset: offset + real]
+        if nodes[offset + real: offset + size].any():
+            raise ValueError("tree.nodes holds sums in its padding")
+        gap = float(np.max(np.abs(stored_sums - sums)))
+        if gap > tolerance:
+            raise ValueError(f"tree.nodes is not the sum of its leaves (a gap of {gap:.3g}, at most {tolerance:.3g} "
+                             f"allowed)")
+        children = stored_sums
 
 
 def _derive_seed(seed: int, stream: int) -> int:
