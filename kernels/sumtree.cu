@@ -207,9 +207,22 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
         }
     }
     // The gather comes last: its HBM round trip overlaps the weights tail
-    // instead of delaying the counter.
+    // instead of delaying the counter. Every load of the row is issued before
+    // any store: a load of action, reward or done may not move above a store
+    // to the batch (the pointers could alias), so loaded in turn after the
+    // rows' stores they would cost a round trip each.
     if (j < batch && obs_dim > 0) {
         const long long src = (long long)leaf * obs_dim, dst = (long long)j * obs_dim;
+        int a = 0;
+        float r = 0.0f, dn = 0.0f;
+        if (lane == 0) {
+            a = action[leaf];
+            r = reward[leaf];
+            dn = done[leaf];
+        }
+        dt_issued(a);
+        dt_issued(r);
+        dt_issued(dn);
         if ((obs_dim & 3) == 0) {
             // 16-byte accesses, both loads issued before either store: a row of
             // 128 floats is one load per lane per array, one HBM round trip.
@@ -218,21 +231,21 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
             float4* bo = reinterpret_cast<float4*>(batch_obs + dst);
             float4* bno = reinterpret_cast<float4*>(batch_next_obs + dst);
             for (int d = lane; d < (obs_dim >> 2); d += 32) {
-                const float4 a = __ldg(o + d), b = __ldg(no + d);
-                bo[d] = a;
-                bno[d] = b;
+                const float4 x = __ldg(o + d), y = __ldg(no + d);
+                bo[d] = x;
+                bno[d] = y;
             }
         } else {
             for (int d = lane; d < obs_dim; d += 32) {
-                const float a = __ldg(obs + src + d), b = __ldg(next_obs + src + d);
-                batch_obs[dst + d] = a;
-                batch_next_obs[dst + d] = b;
+                const float x = __ldg(obs + src + d), y = __ldg(next_obs + src + d);
+                batch_obs[dst + d] = x;
+                batch_next_obs[dst + d] = y;
             }
         }
         if (lane == 0) {
-            batch_action[j] = action[leaf];
-            batch_reward[j] = reward[leaf];
-            batch_done[j] = done[leaf];
+            batch_action[j] = a;
+            batch_reward[j] = r;
+            batch_done[j] = dn;
         }
     }
 }

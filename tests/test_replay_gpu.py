@@ -103,12 +103,15 @@ def test_bad_inserts_are_refused_and_change_nothing(device, stream, rng, case, e
     np.testing.assert_array_equal(rb.tree.leaves_numpy(), leaves)
 
 
-def test_sample_gathers_the_sampled_rows(device, stream, rng):
-    c, d, b = 3000, 7, 512
+@pytest.mark.parametrize("d", [7, 4, 128, 132])  # 4-byte rows; 16-byte rows of one, 32 and 33 a warp
+def test_sample_gathers_the_sampled_rows(device, stream, rng, d):
+    c, b = 3000, 512
     rb = ReplayBuffer(c, d, alpha=0.6, seed=int(rng.integers(2**63)))
     rb.insert(*transitions(rng, c, d), stream=stream)
     rb.update_priorities(np.arange(c), rng.uniform(0.1, 1.1, c).astype(np.float32), stream=stream)
     arena = Arena(1 << 20)
+    arena.array((arena.capacity // 4,), np.uint32).poison(stream=stream)  # the batch lands on NaN and -1
+    arena.reset()
     beta_used = DeviceBuffer(1, np.float32)
     beta_used.poison(stream=stream)
     batch = rb.sample(b, stream=stream, beta=0.4, arena=arena, beta_out=beta_used)
