@@ -26,15 +26,31 @@ extern "C" __global__ void __launch_bounds__(INSERT_THREADS) replay_insert(
     if (t < n) {
         const int slot = (int)((state[0] + t) % capacity);
         const long long src = (long long)t * obs_dim, dst = (long long)slot * obs_dim;
+        // Every load is issued before any store: a load may not move above a
+        // store to the ring (the pointers could alias), so loaded in turn each
+        // would be its own round trip, over the bus where the inputs are mapped.
+        int a = 0;
+        float r = 0.0f, dn = 0.0f, p = 0.0f;
+        if (lane == 0) {
+            a = in_action[t];
+            r = in_reward[t];
+            dn = in_done[t];
+            p = *max_leaf;
+        }
+        dt_issued(a);
+        dt_issued(r);
+        dt_issued(dn);
+        dt_issued(p);
         for (int d = lane; d < obs_dim; d += 32) {
-            obs[dst + d] = in_obs[src + d];
-            next_obs[dst + d] = in_next_obs[src + d];
+            const float x = in_obs[src + d], y = in_next_obs[src + d];
+            obs[dst + d] = x;
+            next_obs[dst + d] = y;
         }
         if (lane == 0) {
-            action[slot] = in_action[t];
-            reward[slot] = in_reward[t];
-            done[slot] = in_done[t];
-            dt_tree_set_leaf(nodes, leaves, capacity, tree_height, tree_internal, slot, *max_leaf);
+            action[slot] = a;
+            reward[slot] = r;
+            done[slot] = dn;
+            dt_tree_set_leaf(nodes, leaves, capacity, tree_height, tree_internal, slot, p);
         }
     }
     // Every block has read the cursor before it arrives, so the last one may move it.
