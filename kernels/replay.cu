@@ -26,9 +26,11 @@ extern "C" __global__ void __launch_bounds__(INSERT_THREADS) replay_insert(
     if (t < n) {
         const int slot = (int)((state[0] + t) % capacity);
         const long long src = (long long)t * obs_dim, dst = (long long)slot * obs_dim;
-        // Every load is issued before any store: a load may not move above a
-        // store to the ring (the pointers could alias), so loaded in turn each
-        // would be its own round trip, over the bus where the inputs are mapped.
+        // Action, reward, done and the largest leaf are loaded before any
+        // store: a load may not move above a store to the ring (the pointers
+        // could alias), so loaded after the row's stores each would be its own
+        // round trip. A row longer than 32 floats still loads and stores a
+        // warp's width at a time.
         int a = 0;
         float r = 0.0f, dn = 0.0f, p = 0.0f;
         if (lane == 0) {

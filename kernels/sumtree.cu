@@ -207,10 +207,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
         }
     }
     // The gather comes last: its HBM round trip overlaps the weights tail
-    // instead of delaying the counter. Every load of the row is issued before
-    // any store: a load of action, reward or done may not move above a store
-    // to the batch (the pointers could alias), so loaded in turn after the
-    // rows' stores they would cost a round trip each.
+    // instead of delaying the counter. Action, reward and done are loaded
+    // before any store: a load may not move above a store to the batch (the
+    // pointers could alias), so loaded after the rows' stores each would cost
+    // a round trip. A row longer than 32 elements (float4s on the 16-byte
+    // path) still loads and stores a warp's width at a time.
     if (j < batch && obs_dim > 0) {
         const long long src = (long long)leaf * obs_dim, dst = (long long)j * obs_dim;
         int a = 0;
