@@ -103,7 +103,7 @@ def test_bad_inserts_are_refused_and_change_nothing(device, stream, rng, case, e
     np.testing.assert_array_equal(rb.tree.leaves_numpy(), leaves)
 
 
-@pytest.mark.parametrize("d", [7, 4, 128, 132])  # 4-byte rows; 16-byte rows of one, 32 and 33 a warp
+@pytest.mark.parametrize("d", [7, 37, 4, 128, 132])  # 4-byte rows of one and two a lane; 16-byte of 1, 32, 33
 def test_sample_gathers_the_sampled_rows(device, stream, rng, d):
     c, b = 3000, 512
     rb = ReplayBuffer(c, d, alpha=0.6, seed=int(rng.integers(2**63)))
@@ -115,6 +115,7 @@ def test_sample_gathers_the_sampled_rows(device, stream, rng, d):
     beta_used = DeviceBuffer(1, np.float32)
     beta_used.poison(stream=stream)
     batch = rb.sample(b, stream=stream, beta=0.4, arena=arena, beta_out=beta_used)
+    assert arena.fallback_count == 0  # the batch is on the poisoned slab
     idx = batch.indices.to_numpy()
     obs, action, reward, next_obs, done = host_copy(rb)
     np.testing.assert_array_equal(batch.obs.to_numpy(), obs[idx])
