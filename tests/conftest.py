@@ -3,6 +3,10 @@
 Tests marked ``gpu`` skip, with the reason, when no CUDA driver or GPU is
 present. Set ``DRVTRAIN_REQUIRE_GPU=1`` to make that a collection error
 instead, so a GPU run can never pass by skipping.
+
+Every test that takes ``rng`` draws a fresh seed and prints it (pytest shows it
+when the test fails); ``DRVTRAIN_TEST_SEED=<seed>`` gives every such test that
+seed, to run a failure again.
 """
 import os
 import secrets
@@ -44,8 +48,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def rng():
-    """A generator with a fresh seed per test; the seed is printed for reproduction."""
-    seed = secrets.randbits(63)
+    """A generator with a fresh seed per test (or DRVTRAIN_TEST_SEED's); the seed is printed."""
+    fixed = os.environ.get("DRVTRAIN_TEST_SEED")
+    if fixed is None:
+        seed = secrets.randbits(63)
+    else:
+        try:
+            seed = int(fixed, 0)
+        except ValueError:
+            raise pytest.UsageError(f"DRVTRAIN_TEST_SEED must be an integer, not {fixed!r}") from None
     print(f"rng seed {seed}")
     return np.random.default_rng(seed)
 
