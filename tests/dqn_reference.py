@@ -81,7 +81,7 @@ def dqn_loss(q_s_out, q_next_online_out, q_next_target_out, action, reward, done
     dout[:, 1:] = g[:, None] * (onehot - 1.0 / n_actions)
     return {"q": q, "a_star": a_star, "y": y, "td": td, "loss": loss, "dout": dout,
             "priorities": np.abs(td) + PRIORITY_EPS, "mean_q": float(q_taken.mean()),
-            "mean_abs_td": float(np.abs(td).mean())}
+            "mean_abs_q": float(np.abs(q_taken).mean()), "mean_abs_td": float(np.abs(td).mean())}
 
 
 def _named(layout, flat: np.ndarray) -> dict:
@@ -138,7 +138,7 @@ def dqn_step(layout, state: dict, batch: dict, cfg: dict) -> dict:
     grad = _flat(layout, mlp_backward(online, acts, res["dout"], batch.get("masks")))
     grad_norm, scale = clip_scale(grad, cfg["max_norm"])
 
-    out = {"loss": res["loss"], "grad_norm": grad_norm, "mean_q": res["mean_q"],
+    out = {"loss": res["loss"], "grad_norm": grad_norm, "mean_q": res["mean_q"], "mean_abs_q": res["mean_abs_q"],
            "mean_abs_td": res["mean_abs_td"]}
     if not (math.isfinite(res["loss"]) and math.isfinite(grad_norm)):
         return {**out, "params": params, "target": target, "m": m, "v": v, "t": t, "u": u,

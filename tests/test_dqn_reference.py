@@ -190,6 +190,8 @@ def test_priorities_and_metrics_come_from_the_td_errors(rng):
     np.testing.assert_array_equal(res["priorities"], np.abs(res["td"]) + 1e-6)
     assert res["mean_abs_td"] == pytest.approx(np.abs(res["td"]).mean(), rel=1e-14)
     assert res["mean_q"] == pytest.approx(res["q"][rows, args["action"]].mean(), rel=1e-13, abs=1e-15)
+    assert res["mean_abs_q"] == pytest.approx(np.abs(res["q"][rows, args["action"]]).mean(), rel=1e-14)
+    assert res["mean_abs_q"] >= abs(res["mean_q"])
     assert res["a_star"].dtype.kind == "i"
 
 
