@@ -30,7 +30,7 @@
 #include "sumtree.cuh"
 
 template <class Env>
-__device__ __forceinline__ int dt_greedy_action(const float* q_row) {
+__device__ __forceinline__ int dt_greedy_action(const float (&q_row)[1 + Env::N_ACTIONS]) {
     float mean = 0.0f;
     for (int a = 0; a < Env::N_ACTIONS; ++a) mean += q_row[1 + a];
     mean /= (float)Env::N_ACTIONS;
@@ -57,25 +57,43 @@ __device__ __forceinline__ void dt_act_step_insert(
     const int i = (int)dt_thread_index();
     const long long env_steps = loop[0];
     if (i < n) {
-        DtRandom agent{seed, (unsigned int)i, DT_RNG_AGENT, &rng_counters[i]};
+        // Every load first (the env's registers, its Q row, its observation, its
+        // return, the replay's cursor and the largest leaf), so that one round trip
+        // serves them all; then the work in registers; then the stores.
+        DtEnvRegs<Env> env;
+        env.load(states, episode_steps, rng_counters, i);
+        float q_row[1 + Env::N_ACTIONS], before[Env::OBS_DIM];
+        const float* qi = q + (long long)i * (1 + Env::N_ACTIONS);
+#pragma unroll
+        for (int a = 0; a < 1 + Env::N_ACTIONS; ++a) q_row[a] = qi[a];
+        float* row = obs + (long long)i * Env::OBS_DIM;
+#pragma unroll
+        for (int d = 0; d < Env::OBS_DIM; ++d) before[d] = row[d];
+        const float ret_before = ep_return[i];
+        const bool insert = r_obs != nullptr;
+        const long long cursor = insert ? r_state[0] : 0;
+        const float priority = insert ? *max_leaf : 0.0f;
+
+        DtRandom agent{seed, (unsigned int)i, DT_RNG_AGENT, &env.counter};
         const float explore = agent.uniform(), pick = agent.uniform();
         float eps = 0.0f;
         if (!greedy) {
             const float frac = eps_steps > 0 ? fminf(1.0f, (float)env_steps / (float)eps_steps) : 1.0f;
             eps = eps_start + (eps_end - eps_start) * frac;
         }
-        int action = dt_greedy_action<Env>(q + (long long)i * (1 + Env::N_ACTIONS));
+        int action = dt_greedy_action<Env>(q_row);
         if (explore < eps) action = min(Env::N_ACTIONS - 1, (int)(pick * (float)Env::N_ACTIONS));
-        float before[Env::OBS_DIM], after[Env::OBS_DIM];
-        const float* row = obs + (long long)i * Env::OBS_DIM;
-        for (int d = 0; d < Env::OBS_DIM; ++d) before[d] = row[d];
+        float after[Env::OBS_DIM], next[Env::OBS_DIM];
         float reward;
         bool terminated, truncated;
-        const int length = dt_env_step_one<Env>(i, states, obs, episode_steps, rng_counters, action, seed, after,
-                                                reward, terminated, truncated);
-        const float ret = ep_return[i] + reward;
-        if (terminated || truncated) {
-            ep_return[i] = 0.0f;
+        const int length = dt_env_step_one<Env>(env, i, action, seed, after, next, reward, terminated, truncated);
+        const float ret = ret_before + reward;
+        const bool finished = terminated || truncated;
+
+        env.store(states, episode_steps, rng_counters, i);
+        dt_env_store_obs<Env>(row, next);
+        ep_return[i] = finished ? 0.0f : ret;
+        if (finished) {
             const unsigned long long k = atomicAdd(reinterpret_cast<unsigned long long*>(&loop[2]), 1ull);
             double* e = episodes + 5 * (long long)(k % (unsigned long long)episode_slots);
             e[0] = ret;
@@ -84,20 +102,16 @@ __device__ __forceinline__ void dt_act_step_insert(
             e[3] = i;
             __threadfence_system();
             reinterpret_cast<volatile double*>(e)[4] = (double)(k + 1);
-        } else {
-            ep_return[i] = ret;
         }
-        if (r_obs != nullptr) {
-            const int slot = (int)((r_state[0] + i) % capacity);
+        if (insert) {
+            const int slot = (int)((cursor + i) % capacity);
             const long long o = (long long)slot * Env::OBS_DIM;
-            for (int d = 0; d < Env::OBS_DIM; ++d) {
-                r_obs[o + d] = before[d];
-                r_next_obs[o + d] = after[d];
-            }
+            dt_env_store_obs<Env>(r_obs + o, before);
+            dt_env_store_obs<Env>(r_next_obs + o, after);
             r_action[slot] = action;
             r_reward[slot] = reward;
             r_done[slot] = terminated ? 1.0f : 0.0f;
-            dt_tree_set_leaf(nodes, leaves, capacity, tree_height, tree_internal, slot, *max_leaf);
+            dt_tree_set_leaf(nodes, leaves, capacity, tree_height, tree_internal, slot, priority);
         }
     }
     if (!dt_last_block(counter, gridDim.x) || threadIdx.x != 0) return;
