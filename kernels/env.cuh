@@ -8,12 +8,15 @@
 //   __device__ static void reset(float* state, DtRandom& rng);
 //   __device__ static void observe(const float* state, float* obs);
 //   __device__ static void step(float* state, int action, DtRandom& rng, float& reward, bool& terminated);
-// `state` points at this env's STATE_DIM floats; all randomness comes from `rng`.
-// `step` is never called on a finished episode: the kernels below reset it first.
-// The kernels below hand these functions a copy of the state in registers
-// (DtEnvRegs), loaded before and stored after: the functions must index the
-// state with constants once unrolled (as loops with #pragma unroll over
-// STATE_DIM do), or the copy spills to local memory.
+// `state` points at this env's STATE_DIM floats, `obs` at OBS_DIM; all randomness
+// comes from `rng`. `step` is never called on a finished episode: the kernels
+// below reset it first. For an env of at most DT_ENV_REGISTER_FLOATS floats of
+// state and of observation, the kernels below hand these functions a copy of the
+// state, and observations to fill, in registers (DtEnvRegs, DtEnvObs), loaded
+// before and stored after: index them with constants once unrolled (loops over
+// STATE_DIM and OBS_DIM with #pragma unroll), or the copies go to local memory,
+// and use plain loads and stores on them (no atomics, __ldg or cp.async: they are
+// not global memory). A larger env's pointers are into global memory.
 //
 // DT_DEFINE_ENV(Env, name), placed after the struct in a .cu file, emits the
 // kernels the Python side (drvtrain.rl.env.DeviceEnv) loads by name:
@@ -39,7 +42,7 @@ struct DtRandom {
     unsigned long long seed;
     unsigned int env;
     unsigned int stream;
-    unsigned int* counter;  // this env's draw counter, in device memory
+    unsigned int* counter;  // this env's draw counter (DtEnvRegs: a register copy for a small env)
 
     // A float in [0, 1) with 24 random bits.
     __device__ __forceinline__ float uniform() {
@@ -52,64 +55,109 @@ struct DtRandom {
     __device__ __forceinline__ float uniform(float low, float high) { return low + (high - low) * uniform(); }
 };
 
-// One env's state, Philox counter and episode step count, held in registers
-// while a kernel works on them: load() issues every load at once, store()
-// writes them back. In between, Env's functions and DtRandom touch registers
-// only, so no load has to wait for a store it might alias.
+// Up to this many floats of state and of observation, the kernels below keep an
+// env in registers; a larger env works on its state in memory, as its
+// functions get it either way.
+constexpr int DT_ENV_REGISTER_FLOATS = 64;
+
+template <class Env>
+__host__ __device__ constexpr bool dt_env_in_registers() {
+    return Env::STATE_DIM <= DT_ENV_REGISTER_FLOATS && Env::OBS_DIM <= DT_ENV_REGISTER_FLOATS;
+}
+
+// How far a loop over an observation unrolls: fully for a small env (its copies
+// then stay in registers), not at all for a larger one.
+template <class Env>
+__host__ __device__ constexpr int dt_env_unroll() {
+    return dt_env_in_registers<Env>() ? Env::OBS_DIM : 1;
+}
+
+// One env's state, Philox counter and episode step count while a kernel works on
+// them. For a small env (dt_env_in_registers) load() copies them into registers,
+// every load issued at once, and store() writes them back: in between, Env's
+// functions and DtRandom touch registers only, so no load waits for a store it
+// might alias. A larger env's `state` and `counter` point into memory; only the
+// step count is copied.
 template <class Env>
 struct DtEnvRegs {
-    float state[Env::STATE_DIM];
-    unsigned int counter;
+    static constexpr bool IN_REGISTERS = dt_env_in_registers<Env>();
+    float copy[IN_REGISTERS ? Env::STATE_DIM : 1];
+    unsigned int counter_copy;
+    float* in_memory;             // a larger env's state
+    unsigned int* counter_memory;  // and its counter
     int steps;
 
-    __device__ __forceinline__ void load(const float* states, const int* episode_steps,
-                                         const unsigned int* rng_counters, int i) {
-        const float* s = states + (long long)i * Env::STATE_DIM;
+    // What Env's functions and DtRandom get: the copies, or the env in memory.
+    __device__ __forceinline__ float* state() { return IN_REGISTERS ? copy : in_memory; }
+    __device__ __forceinline__ unsigned int* counter() { return IN_REGISTERS ? &counter_copy : counter_memory; }
+
+    __device__ __forceinline__ void load(float* states, const int* episode_steps, unsigned int* rng_counters,
+                                         int i) {
+        float* s = states + (long long)i * Env::STATE_DIM;
+        if constexpr (IN_REGISTERS) {
 #pragma unroll
-        for (int k = 0; k < Env::STATE_DIM; ++k) state[k] = s[k];
-        counter = rng_counters[i];
+            for (int k = 0; k < Env::STATE_DIM; ++k) copy[k] = s[k];
+            counter_copy = rng_counters[i];
+        } else {
+            in_memory = s;
+            counter_memory = &rng_counters[i];
+        }
         steps = episode_steps[i];
     }
 
     __device__ __forceinline__ void store(float* states, int* episode_steps, unsigned int* rng_counters,
                                           int i) const {
-        float* s = states + (long long)i * Env::STATE_DIM;
+        if constexpr (IN_REGISTERS) {
+            float* s = states + (long long)i * Env::STATE_DIM;
 #pragma unroll
-        for (int k = 0; k < Env::STATE_DIM; ++k) s[k] = state[k];
-        rng_counters[i] = counter;
+            for (int k = 0; k < Env::STATE_DIM; ++k) s[k] = copy[k];
+            rng_counters[i] = counter_copy;
+        }
         episode_steps[i] = steps;
     }
 };
 
-// Stores an observation held in registers to `dst` (global memory).
+// An observation on its way to `dst` (global memory): for a small env it is
+// built in registers (at()) and written by store(); a larger env's goes to
+// `dst` directly, and store() has nothing to do.
 template <class Env>
-__device__ __forceinline__ void dt_env_store_obs(float* dst, const float (&obs)[Env::OBS_DIM]) {
-#pragma unroll
-    for (int d = 0; d < Env::OBS_DIM; ++d) dst[d] = obs[d];
-}
+struct DtEnvObs {
+    static constexpr bool IN_REGISTERS = dt_env_in_registers<Env>();
+    float copy[IN_REGISTERS ? Env::OBS_DIM : 1];
+    float* dst;
 
-// One step of env i (its registers `env`) with `action`, with truncation and
+    __device__ __forceinline__ explicit DtEnvObs(float* to) : dst(to) {}
+    __device__ __forceinline__ float* at() { return IN_REGISTERS ? copy : dst; }
+    __device__ __forceinline__ void store() const {
+        if constexpr (IN_REGISTERS) {
+#pragma unroll
+            for (int d = 0; d < Env::OBS_DIM; ++d) dst[d] = copy[d];
+        }
+    }
+};
+
+// One step of env i (`env`, loaded) with `action`, with truncation and
 // auto-reset. On return `final_obs` holds the observation the step reached
 // (the true last one of a finished episode), `obs` the observation the next
-// step starts from (a fresh episode's first after a reset); both are
-// registers, for the caller to store. Returns the step count of the episode
-// that the step belonged to (so the caller can record finished episodes).
+// step starts from (a fresh episode's first after a reset). Returns the step
+// count of the episode that the step belonged to (so the caller can record
+// finished episodes).
 template <class Env>
 __device__ __forceinline__ int dt_env_step_one(DtEnvRegs<Env>& env, int i, int action, unsigned long long seed,
-                                               float (&final_obs)[Env::OBS_DIM], float (&obs)[Env::OBS_DIM],
-                                               float& reward, bool& terminated, bool& truncated) {
-    DtRandom rng{seed, (unsigned int)i, DT_RNG_ENV, &env.counter};
-    Env::step(env.state, action, rng, reward, terminated);
+                                               float* final_obs, float* obs, float& reward, bool& terminated,
+                                               bool& truncated) {
+    DtRandom rng{seed, (unsigned int)i, DT_RNG_ENV, env.counter()};
+    Env::step(env.state(), action, rng, reward, terminated);
     const int steps = env.steps + 1;
     truncated = !terminated && Env::MAX_STEPS > 0 && steps >= Env::MAX_STEPS;
-    Env::observe(env.state, final_obs);
+    Env::observe(env.state(), final_obs);
     if (terminated || truncated) {
-        Env::reset(env.state, rng);
+        Env::reset(env.state(), rng);
         env.steps = 0;
     } else {
         env.steps = steps;
     }
-    Env::observe(env.state, obs);
+    Env::observe(env.state(), obs);
     return steps;
 }
 
@@ -123,13 +171,13 @@ __device__ __forceinline__ int dt_env_step_one(DtEnvRegs<Env>& env, int i, int a
         if (i >= n) return;                                                                                    \
         DtEnvRegs<Env> env;                                                                                    \
         env.load(states, episode_steps, rng_counters, i);                                                      \
-        DtRandom rng{seed, (unsigned int)i, DT_RNG_ENV, &env.counter};                                         \
-        Env::reset(env.state, rng);                                                                            \
+        DtRandom rng{seed, (unsigned int)i, DT_RNG_ENV, env.counter()};                                        \
+        Env::reset(env.state(), rng);                                                                          \
         env.steps = 0;                                                                                         \
-        float first[Env::OBS_DIM];                                                                             \
-        Env::observe(env.state, first);                                                                        \
+        DtEnvObs<Env> first(obs + (long long)i * Env::OBS_DIM);                                                \
+        Env::observe(env.state(), first.at());                                                                 \
         env.store(states, episode_steps, rng_counters, i);                                                     \
-        dt_env_store_obs<Env>(obs + (long long)i * Env::OBS_DIM, first);                                       \
+        first.store();                                                                                         \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(DT_ENV_THREADS) name##_step(                                 \
             float* states, float* obs, int* episode_steps, unsigned int* rng_counters, const int* actions,     \
@@ -142,13 +190,13 @@ __device__ __forceinline__ int dt_env_step_one(DtEnvRegs<Env>& env, int i, int a
         DtEnvRegs<Env> env;                                                                                    \
         env.load(states, episode_steps, rng_counters, i);                                                      \
         const int action = actions[i];                                                                         \
-        float reached[Env::OBS_DIM], next[Env::OBS_DIM];                                                       \
+        DtEnvObs<Env> reached(final_obs + (long long)i * Env::OBS_DIM), next(obs + (long long)i * Env::OBS_DIM); \
         float r;                                                                                               \
         bool term, trunc;                                                                                      \
-        dt_env_step_one<Env>(env, i, action, seed, reached, next, r, term, trunc);                             \
+        dt_env_step_one<Env>(env, i, action, seed, reached.at(), next.at(), r, term, trunc);                   \
         env.store(states, episode_steps, rng_counters, i);                                                     \
-        dt_env_store_obs<Env>(obs + (long long)i * Env::OBS_DIM, next);                                        \
-        dt_env_store_obs<Env>(final_obs + (long long)i * Env::OBS_DIM, reached);                               \
+        next.store();                                                                                          \
+        reached.store();                                                                                       \
         reward[i] = r;                                                                                         \
         terminated[i] = term ? 1.0f : 0.0f;                                                                    \
         truncated[i] = trunc ? 1.0f : 0.0f;                                                                    \

@@ -67,14 +67,14 @@ __device__ __forceinline__ void dt_act_step_insert(
 #pragma unroll
         for (int a = 0; a < 1 + Env::N_ACTIONS; ++a) q_row[a] = qi[a];
         float* row = obs + (long long)i * Env::OBS_DIM;
-#pragma unroll
+#pragma unroll(dt_env_unroll<Env>())
         for (int d = 0; d < Env::OBS_DIM; ++d) before[d] = row[d];
         const float ret_before = ep_return[i];
         const bool insert = r_obs != nullptr;
         const long long cursor = insert ? r_state[0] : 0;
         const float priority = insert ? *max_leaf : 0.0f;
 
-        DtRandom agent{seed, (unsigned int)i, DT_RNG_AGENT, &env.counter};
+        DtRandom agent{seed, (unsigned int)i, DT_RNG_AGENT, env.counter()};
         const float explore = agent.uniform(), pick = agent.uniform();
         float eps = 0.0f;
         if (!greedy) {
@@ -83,15 +83,17 @@ __device__ __forceinline__ void dt_act_step_insert(
         }
         int action = dt_greedy_action<Env>(q_row);
         if (explore < eps) action = min(Env::N_ACTIONS - 1, (int)(pick * (float)Env::N_ACTIONS));
-        float after[Env::OBS_DIM], next[Env::OBS_DIM];
+        float after[Env::OBS_DIM];
+        DtEnvObs<Env> next(row);
         float reward;
         bool terminated, truncated;
-        const int length = dt_env_step_one<Env>(env, i, action, seed, after, next, reward, terminated, truncated);
+        const int length = dt_env_step_one<Env>(env, i, action, seed, after, next.at(), reward, terminated,
+                                                truncated);
         const float ret = ret_before + reward;
         const bool finished = terminated || truncated;
 
         env.store(states, episode_steps, rng_counters, i);
-        dt_env_store_obs<Env>(row, next);
+        next.store();
         ep_return[i] = finished ? 0.0f : ret;
         if (finished) {
             const unsigned long long k = atomicAdd(reinterpret_cast<unsigned long long*>(&loop[2]), 1ull);
@@ -106,8 +108,11 @@ __device__ __forceinline__ void dt_act_step_insert(
         if (insert) {
             const int slot = (int)((cursor + i) % capacity);
             const long long o = (long long)slot * Env::OBS_DIM;
-            dt_env_store_obs<Env>(r_obs + o, before);
-            dt_env_store_obs<Env>(r_next_obs + o, after);
+#pragma unroll(dt_env_unroll<Env>())
+            for (int d = 0; d < Env::OBS_DIM; ++d) {
+                r_obs[o + d] = before[d];
+                r_next_obs[o + d] = after[d];
+            }
             r_action[slot] = action;
             r_reward[slot] = reward;
             r_done[slot] = terminated ? 1.0f : 0.0f;

@@ -46,17 +46,31 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
+def fixed_seed():
+    """DRVTRAIN_TEST_SEED as a seed, or None when it is not set."""
+    text = os.environ.get("DRVTRAIN_TEST_SEED")
+    if text is None:
+        return None
+    try:
+        seed = int(text, 16) if text.lower().startswith("0x") else int(text)
+    except ValueError:
+        seed = -1
+    if seed < 0:
+        raise pytest.UsageError(f"DRVTRAIN_TEST_SEED must be a non-negative integer (decimal, or hex with 0x), "
+                                f"got {text!r}")
+    return seed
+
+
+def pytest_configure(config):
+    fixed_seed()  # a bad DRVTRAIN_TEST_SEED stops the run before any test
+
+
 @pytest.fixture
 def rng():
     """A generator with a fresh seed per test (or DRVTRAIN_TEST_SEED's); the seed is printed."""
-    fixed = os.environ.get("DRVTRAIN_TEST_SEED")
-    if fixed is None:
+    seed = fixed_seed()
+    if seed is None:
         seed = secrets.randbits(63)
-    else:
-        try:
-            seed = int(fixed, 0)
-        except ValueError:
-            raise pytest.UsageError(f"DRVTRAIN_TEST_SEED must be an integer, not {fixed!r}") from None
     print(f"rng seed {seed}")
     return np.random.default_rng(seed)
 

@@ -278,6 +278,47 @@ def test_chain_follows_its_documented_rules_under_random_actions(device, stream,
     assert min(ends.values()) > 50, ends
 
 
+def test_an_env_wider_than_the_registers_follows_its_rules(device, stream, rng):
+    """72 floats of state and of observation (tests/envs/wide.cu), more than the kernels
+    keep in registers: its functions work on the state in memory. Every step against a
+    float32 model of its rules, started from the device's own resets; each reset draws
+    72 numbers from the env's counter."""
+    n, dim = 300, 72
+    env = DeviceEnv(Path(__file__).resolve().parent / "envs" / "wide.cu", "wide", n, seed=new_seed(rng),
+                    obs_dim=dim, n_actions=2, state_dim=dim, max_steps=4)
+    env.reset(stream=stream)
+    obs = env.obs.to_numpy()
+    assert ((obs >= 0) & (obs < 2)).all() and len(np.unique(obs)) > n * dim // 2
+    state = obs / np.float32(2)
+    count, resets, ends = np.zeros(n, int), np.ones(n, int), np.zeros(2, int)
+    ramp = np.arange(1, dim + 1, dtype=np.float32)
+    buffer = DeviceBuffer(n, np.int32)
+    for t in range(12):
+        actions = (rng.random(n) < 0.7).astype(np.int32)
+        out = step(env, actions, buffer, stream)
+        state = state + np.where(actions == 1, np.float32(1), np.float32(-1))[:, None] * ramp
+        count += 1
+        terminated = state[:, 0] > 3
+        truncated = ~terminated & (count >= 4)
+        np.testing.assert_array_equal(out["final_obs"], np.float32(2) * state, err_msg=f"step {t}")
+        np.testing.assert_array_equal(out["reward"], state[:, 1])
+        np.testing.assert_array_equal(out["terminated"], terminated.astype(np.float32))
+        np.testing.assert_array_equal(out["truncated"], truncated.astype(np.float32))
+        done = terminated | truncated
+        ends += terminated.sum(), truncated.sum()
+        fresh = out["obs"][done]
+        assert ((fresh >= 0) & (fresh < 2)).all()
+        np.testing.assert_array_equal(out["obs"][~done], np.float32(2) * state[~done])
+        state[done] = fresh / np.float32(2)
+        count[done], resets[done] = 0, resets[done] + 1
+    assert ends.min() > 50, ends
+    got = env.state_numpy()
+    np.testing.assert_array_equal(got["states"], state)
+    np.testing.assert_array_equal(got["episode_steps"], count)
+    np.testing.assert_array_equal(got["rng_counters"], dim * resets)
+    env.close()
+
+
 # ---------------------------------------------------------------- determinism
 def trajectory(env, actions, stream, start=None) -> list:
     """Every output of every step of ``actions`` [T, n], after a reset or from ``start``."""
