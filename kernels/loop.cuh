@@ -57,9 +57,10 @@ __device__ __forceinline__ void dt_act_step_insert(
     const int i = (int)dt_thread_index();
     const long long env_steps = loop[0];
     if (i < n) {
-        // Every load first (the env's registers, its Q row, its observation, its
+        // Every load first (the env's copies, its Q row, its observation, its
         // return, the replay's cursor and the largest leaf), so that one round trip
-        // serves them all; then the work in registers; then the stores.
+        // serves them all; then the work (in registers, for a small env); then the
+        // stores.
         DtEnvRegs<Env> env;
         env.load(states, episode_steps, rng_counters, i);
         float q_row[1 + Env::N_ACTIONS], before[Env::OBS_DIM];
