@@ -1,0 +1,44 @@
+"""The test configuration itself: DRVTRAIN_TEST_SEED gives the ``rng`` fixture its seed."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+# A test of the float64 references that takes ``rng`` and needs no GPU.
+ONE_TEST = "test_per_reference.py::test_stratified_masses_fall_in_their_strata"
+
+
+def run_pytest(seed):
+    env = {k: v for k, v in os.environ.items() if k != "DRVTRAIN_TEST_SEED"}
+    if seed is not None:
+        env["DRVTRAIN_TEST_SEED"] = seed
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", ONE_TEST],
+                          capture_output=True, text=True, env=env, cwd=TESTS, timeout=120)
+
+
+@pytest.mark.parametrize("text, seed", [("42", 42), ("0x2a", 42), ("010", 10), ("8833482274894272575",
+                                                                             8833482274894272575)])
+def test_the_seed_reaches_the_rng_fixture(text, seed):
+    out = run_pytest(text)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"rng seed {seed}\n" in out.stdout
+
+
+def test_without_it_every_run_draws_a_fresh_seed():
+    seeds = set()
+    for _ in range(2):
+        out = run_pytest(None)
+        assert out.returncode == 0, out.stdout + out.stderr
+        seeds |= {line for line in out.stdout.splitlines() if line.startswith("rng seed ")}
+    assert len(seeds) == 2
+
+
+@pytest.mark.parametrize("text", ["abc", "-5", "", "1.5"])
+def test_a_bad_seed_stops_the_run_before_any_test(text):
+    out = run_pytest(text)
+    assert out.returncode == pytest.ExitCode.USAGE_ERROR
+    assert "DRVTRAIN_TEST_SEED must be a non-negative integer (decimal, or hex with 0x)" in out.stderr
+    assert "rng seed" not in out.stdout
