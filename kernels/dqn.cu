@@ -200,10 +200,13 @@ constexpr int DQN_HEAD_ROWS = 4;
 namespace {
 
 // acc[r] += the lane's share of dot(w, x_r) for the block's rows: lane l takes
-// elements 4l .. 4l+3 of every 128 (VEC) or element l of every 32.
+// elements 4l .. 4l+3 of every 128 (VEC) or element l of every 32. With `w1` not
+// null, unit += the lane's share of dot(w1, x1) too, in the same order (one more
+// row, of another item: dqn_head's last round).
 template <bool VEC>
 __device__ __forceinline__ void lane_dots(const float* w, const float* x, int hidden, int rows, int lane,
-                                          float (&acc)[DQN_HEAD_ROWS]) {
+                                          float (&acc)[DQN_HEAD_ROWS], const float* w1, const float* x1,
+                                          float& unit) {
     if (VEC) {
         for (int k = 4 * lane; k < hidden; k += 128) {
             const float4 wv = *reinterpret_cast<const float4*>(w + k);
@@ -217,6 +220,14 @@ __device__ __forceinline__ void lane_dots(const float* w, const float* x, int hi
                     acc[r] = fmaf(wv.w, xv.w, acc[r]);
                 }
             }
+            if (w1 != nullptr) {
+                const float4 uw = *reinterpret_cast<const float4*>(w1 + k);
+                const float4 ux = *reinterpret_cast<const float4*>(x1 + k);
+                unit = fmaf(uw.x, ux.x, unit);
+                unit = fmaf(uw.y, ux.y, unit);
+                unit = fmaf(uw.z, ux.z, unit);
+                unit = fmaf(uw.w, ux.w, unit);
+            }
         }
     } else {
         for (int k = lane; k < hidden; k += 32) {
@@ -224,6 +235,7 @@ __device__ __forceinline__ void lane_dots(const float* w, const float* x, int hi
 #pragma unroll
             for (int r = 0; r < DQN_HEAD_ROWS; ++r)
                 if (r < rows) acc[r] = fmaf(wk, x[r * hidden + k], acc[r]);
+            if (w1 != nullptr) unit = fmaf(w1[k], x1[k], unit);
         }
     }
 }
@@ -275,33 +287,63 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
         d = done[j];
         w = weights[j];
     }
+    // How the forwards' dot products are shared out (below), and the biases this warp
+    // adds first, loaded with the copies too: loaded after a dot product's shuffle
+    // tree, each was a round trip on the chain.
+    constexpr int WARPS = DQN_HEAD_THREADS / 32;
+    const int items = 3 * cols, rest = items % WARPS;
+    const bool by_rows = items > WARPS && rest > 0 && rest * here <= WARPS;  // block-uniform
+    const int whole = by_rows ? items - rest : items;
+    const bool has_unit = by_rows && warp < rest * here;
+    const int unit_item = whole + (has_unit ? warp / here : 0), unit_row = has_unit ? warp % here : 0;
+    const int unit_p = unit_item / cols, unit_c = unit_item % cols;
+    const float first_bias = warp < whole ? (warp / cols == 2 ? b_target : b_online)[warp % cols] : 0.0f;
+    const float unit_bias = has_unit ? (unit_p == 2 ? b_target : b_online)[unit_c] : 0.0f;
+    dt_issued(first_bias);
+    dt_issued(unit_bias);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     if (gated) return;  // grid-uniform, and before the block's first barrier
     __syncthreads();
 
     // The forwards: warp item (pass p, column c) = Q[p][r][c] for the block's rows,
-    // lanes over k, then a fixed shuffle tree whose result lane 0 holds.
-    for (int item = warp; item < 3 * cols; item += DQN_HEAD_THREADS / 32) {
+    // lanes over k, then a fixed shuffle tree whose result lane 0 holds. Warp w takes
+    // items w, w + 8, ... When more items than warps leave a last round of at most 8
+    // (item, row) units (3 cols % 8 items of `here` rows: with cols = 3, the ninth
+    // item's rows), its units go one a warp, in the k loop of the warp's last item:
+    // no warp takes a second item on its own. Every dot keeps its lanes' order and
+    // its tree, so the bits are the same either way. The biases of a warp's first
+    // item and of its unit were loaded with the staged operands (above).
+    for (int item = warp; item < whole; item += WARPS) {
         const int p = item / cols, c = item % cols;
         const float* wrow = w_sh + (p == 2 ? cols * hidden : 0) + c * hidden;
-        float acc[DQN_HEAD_ROWS];
+        const bool with_unit = has_unit && item + WARPS >= whole;  // this warp's last item
+        const float* w1 = with_unit ? w_sh + (unit_p == 2 ? cols * hidden : 0) + unit_c * hidden : nullptr;
+        const float* x1 = x_sh + (unit_p * DQN_HEAD_ROWS + unit_row) * hidden;
+        const float bias = item == warp ? first_bias : (p == 2 ? b_target : b_online)[c];
+        float acc[DQN_HEAD_ROWS], unit = 0.0f;
 #pragma unroll
         for (int i = 0; i < DQN_HEAD_ROWS; ++i) acc[i] = 0.0f;
         if (vec)
-            lane_dots<true>(wrow, x_sh + p * DQN_HEAD_ROWS * hidden, hidden, here, lane, acc);
+            lane_dots<true>(wrow, x_sh + p * DQN_HEAD_ROWS * hidden, hidden, here, lane, acc, w1, x1, unit);
         else
-            lane_dots<false>(wrow, x_sh + p * DQN_HEAD_ROWS * hidden, hidden, here, lane, acc);
+            lane_dots<false>(wrow, x_sh + p * DQN_HEAD_ROWS * hidden, hidden, here, lane, acc, w1, x1, unit);
 #pragma unroll
-        for (int i = 0; i < DQN_HEAD_ROWS; ++i)
+        for (int off = 16; off >= 1; off >>= 1) {
 #pragma unroll
-            for (int off = 16; off >= 1; off >>= 1) acc[i] += __shfl_down_sync(0xffffffffu, acc[i], off);
+            for (int i = 0; i < DQN_HEAD_ROWS; ++i) acc[i] += __shfl_down_sync(0xffffffffu, acc[i], off);
+            unit += __shfl_down_sync(0xffffffffu, unit, off);
+        }
         if (lane == 0) {
-            const float bias = (p == 2 ? b_target : b_online)[c];
             float* out = p == 0 ? q_s : (p == 1 ? q_next : q_target);
             for (int i = 0; i < here; ++i) {
                 const float z = acc[i] + bias;
                 q_sh[(p * DQN_HEAD_ROWS + i) * cols + c] = z;
                 out[(j0 + i) * cols + c] = z;
+            }
+            if (with_unit) {
+                const float z = unit + unit_bias;
+                q_sh[(unit_p * DQN_HEAD_ROWS + unit_row) * cols + unit_c] = z;
+                (unit_p == 0 ? q_s : (unit_p == 1 ? q_next : q_target))[(j0 + unit_row) * cols + unit_c] = z;
             }
         }
     }
@@ -326,6 +368,27 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
             for (int i = 0; i < DQN_HEAD_ROWS; ++i) acc[i] = fmaf(q_sh[i * cols + c], wk, acc[i]);
         }
         for (int i = 0; i < here; ++i) dh[x0 + (long long)i * hidden + k] = x_sh[i * hidden + k] > 0.0f ? acc[i] : 0.0f;
+    }
+    if (counter == nullptr) {
+        // The means left to dqn_means_256: this block's partials. Its live rows are
+        // threads 0 .. DQN_HEAD_ROWS - 1, all in warp 0, and every other thread's terms
+        // are +0. dt_block_sums' levels across the warps would only add +0 to warp 0's
+        // values (x + 0 is x; -0 + 0 is +0, which the first shuffle level below does
+        // as well), so warp 0's shuffle tree alone gives its bits, with no barrier, and
+        // the other warps are done once their stores are issued.
+        static_assert(DQN_HEAD_ROWS <= 32, "the block's rows are threads of warp 0");
+        if (warp != 0) return;
+        double v[3] = {terms.loss, terms.q, terms.abs_td};
+#pragma unroll
+        for (int off = 16; off >= 1; off >>= 1)
+#pragma unroll
+            for (int i = 0; i < 3; ++i) v[i] += __shfl_down_sync(0xffffffffu, v[i], off);
+        if (lane == 0) {
+            partials[blockIdx.x] = v[0];
+            partials[gridDim.x + blockIdx.x] = v[1];
+            partials[2 * gridDim.x + blockIdx.x] = v[2];
+        }
+        return;
     }
     publish_means<DQN_HEAD_THREADS>(terms, batch, scalars, partials, counter);
 }
