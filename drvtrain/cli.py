@@ -276,6 +276,10 @@ def train(args) -> int:
             if _plain(meta.get("config")) != config_dict or not isinstance(meta.get("env_steps"), int):
                 return _fail(f"--resume {args.resume}: checkpoint {checkpoint} was not written by this run",
                              EXIT_BAD_INPUT)
+            if meta["env_steps"] >= config.total_steps:  # the run's last checkpoint: its summary stays
+                print(f"{run.path} is complete ({meta['env_steps']:,} env steps of {config.total_steps:,}); "
+                      "nothing to resume")
+                return 0
     else:
         out = args.out if args.out is not None else \
             Path("runs") / f"{config.env}-seed{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -298,12 +302,14 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
     from .compiler import CompileError
     from .driver import DriverError, NoDeviceError
     from .rl.dqn import TrainingError
+    from .rl.run import RunFolderError
     from .rl.sumtree import ReplayError
 
     start_steps = meta["env_steps"] if meta else 0
     wall_offset = float(meta.get("wall_s", 0.0)) if meta else 0.0
     every = int(getattr(config, "checkpoint_every", 0) or 0)
-    state = {"saved_at": start_steps if meta else None, "env_steps": start_steps, "wall_s": wall_offset}
+    state = {"saved_at": start_steps if meta else None, "env_steps": start_steps, "wall_s": wall_offset,
+             "written": resuming}  # whether the run folder holds this run
     printer = _ProgressLine(sys.stdout, config.total_steps)
     started = time.perf_counter()
     writer = None
@@ -326,7 +332,10 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
     trainer = None
     try:
         # The trainer writes nothing itself: this command owns the run folder.
-        trainer = Trainer(config)
+        try:
+            trainer = Trainer(config)
+        except ValueError as exc:  # settings that each pass their own check but not together
+            return _fail(f"invalid training config: {str(exc).splitlines()[0]}", EXIT_BAD_INPUT)
         if arrays is not None:
             try:
                 trainer.load_state_arrays(arrays)
@@ -337,6 +346,7 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
         elif resuming:
             print(f"{run.path} has no checkpoint yet: starting it again from step 0")
         run.write_config(config_dict)
+        state["written"] = True
         writer = run.metrics_writer(keep_up_to=start_steps if resuming else None)
         summary = trainer.run(on_progress)
         wall = wall_offset + time.perf_counter() - started
@@ -346,6 +356,8 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
             checkpoint(final_steps, wall)
     except KeyboardInterrupt:
         printer.end()
+        if not state["written"]:
+            return _fail(f"interrupted before the run started; nothing was written to {run.path}", EXIT_INTERRUPTED)
         saved = state["saved_at"]
         where = f"the checkpoint at {saved:,} env steps" if saved is not None else "step 0 (no checkpoint yet)"
         return _fail(f"interrupted at {state['env_steps']:,} env steps; --resume {run.path} continues from "
@@ -359,6 +371,15 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
     except CompileError as exc:
         printer.end()
         return _fail(f"NVRTC could not compile {exc.filename}", EXIT_FAILED)
+    except RunFolderError as exc:  # e.g. a metrics.csv that another program rewrote
+        printer.end()
+        return _fail(f"{run.path}: {str(exc).splitlines()[0]}", EXIT_BAD_INPUT)
+    except OSError as exc:  # a checkpoint or a metrics row that could not be written: a full disk, say
+        printer.end()
+        return _fail(f"{run.path}: {exc}", EXIT_FAILED)
+    except RuntimeError as exc:  # an evaluation whose episodes did not all end
+        printer.end()
+        return _fail(f"training failed: {str(exc).splitlines()[0]}", EXIT_FAILED)
     finally:
         if writer is not None:
             writer.close()
@@ -409,17 +430,21 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 _TRAIN_EPILOG = """\
 The run folder gets config.json, metrics.csv (one row per progress report),
 checkpoint.ckpt (every checkpoint_every env steps and at the end) and
-summary.json. --resume continues a run from its checkpoint: ENV, the flags
-and --config must give the config the run was started with.
+summary.json. Every iteration steps all --envs envs, so a run ends at the
+first multiple of --envs at or past --steps. --resume continues a run from
+its checkpoint: ENV, the flags and --config must give the config the run was
+started with; a run that is complete is left as it is.
 
 exit codes:
-  0    the run finished
-  1    training failed (a skipped step, a driver or compile error), or
-       drvtrain.rl.trainer cannot be imported
+  0    the run finished (or --resume found it complete)
+  1    training failed (a skipped step, a driver or compile error, an
+       evaluation whose episodes did not end, a run folder that cannot be
+       written), or drvtrain.rl.trainer cannot be imported
   2    bad input (an unknown ENV, --envs/--steps/--eval-episodes < 1, an
-       unreadable or invalid --config, an --out folder that holds a run, a
-       --resume folder that does not exist, holds another config or a damaged
-       checkpoint), or no CUDA driver/GPU found
+       unreadable or invalid --config, settings that do not go together, an
+       --out folder that holds a run, a --resume folder that does not exist,
+       holds another config, a damaged checkpoint or metrics.csv), or no CUDA
+       driver/GPU found
   130  interrupted; --resume continues from the last checkpoint
 """
 

@@ -58,19 +58,26 @@ class FakeTrainConfig(TrainConfig):
 
 
 class FakeTrainer:
-    """Deterministic in its config and state, so a resumed run reproduces an uninterrupted one bit for bit."""
+    """Deterministic in its config and state, so a resumed run reproduces an uninterrupted one bit for bit.
+    Like the Trainer, it steps all n_envs envs an iteration, unroll iterations a report, and ends at the
+    first multiple of n_envs at or past total_steps."""
     stop_at = None  # an env step at which run() is interrupted, as by Ctrl-C
+    raise_in_init = None  # an exception Trainer(config) raises
+    raise_in_run = None  # an exception run() raises after its first report
 
     def __init__(self, config):  # Trainer's signature: the command owns the run folder
+        if FakeTrainer.raise_in_init is not None:
+            raise FakeTrainer.raise_in_init
         self.config = config
         self.steps = 0
         self.params = np.random.default_rng(config.seed).standard_normal(37).astype(np.float32)
 
     def run(self, callback=None):
         cfg = self.config
-        while self.steps < cfg.total_steps:
+        end = final_steps(cfg.total_steps, cfg.n_envs)
+        while self.steps < end:
             before = self.steps
-            self.steps = min(cfg.total_steps, self.steps + cfg.n_envs * cfg.unroll)
+            self.steps = min(end, self.steps + cfg.n_envs * cfg.unroll)
             self.params = np.sin(self.params * np.float32(1.5) + np.float32(self.steps % 7)).astype(np.float32)
             if FakeTrainer.stop_at is not None and self.steps >= FakeTrainer.stop_at:
                 raise KeyboardInterrupt
@@ -80,6 +87,8 @@ class FakeTrainer:
                           "mean_return_100": float(self.params.mean()) if self.steps > 20 else float("nan"),
                           "loss": float(self.params[0]) ** 2, "epsilon": float(self.params[1]) ** 2,
                           "eval_return": float(self.params[2]) if evaluated else None})
+            if FakeTrainer.raise_in_run is not None:
+                raise FakeTrainer.raise_in_run
         return {"env_steps": self.steps, "episodes": self.steps // 20}
 
     def state_arrays(self):
@@ -90,6 +99,11 @@ class FakeTrainer:
             raise ValueError("checkpoint of another trainer")
         self.params = arrays["params"].copy()
         self.steps = int(arrays["steps"])
+
+
+def final_steps(total_steps, n_envs):
+    """Where a run of total_steps env steps ends: the first multiple of n_envs at or past it."""
+    return -(-total_steps // n_envs) * n_envs
 
 
 def install_fake_trainer(modules) -> None:
@@ -106,6 +120,8 @@ def fake_trainer(monkeypatch):
     monkeypatch.setitem(sys.modules, "drvtrain.rl.trainer", fake)
     monkeypatch.setattr(cli, "_require_device", lambda: None)
     monkeypatch.setattr(FakeTrainer, "stop_at", None)
+    monkeypatch.setattr(FakeTrainer, "raise_in_init", None)
+    monkeypatch.setattr(FakeTrainer, "raise_in_run", None)
 
 
 def drvtrain(*args, cwd, env=NO_GPU_ENV, fake=False):
@@ -457,8 +473,8 @@ def test_train_writes_a_run_folder(tmp_path, rng, fake_trainer, capsys):
     assert saved["total_steps"] == steps and saved["unroll"] == config["unroll"]
     assert saved["learning_starts"] == 777 and saved["dqn"] == {"hidden": [64, 64], "lr": 1e-3}  # env defaults
     metrics = run.read_metrics()
-    per_iteration = saved["n_envs"] * saved["unroll"]
-    expected_steps = np.minimum(np.arange(1, -(-steps // per_iteration) + 1) * per_iteration, steps)
+    per_launch, end = saved["n_envs"] * saved["unroll"], final_steps(steps, saved["n_envs"])
+    expected_steps = np.minimum(np.arange(1, -(-end // per_launch) + 1) * per_launch, end)
     np.testing.assert_array_equal(metrics["env_steps"], expected_steps)
     assert np.all(np.diff(metrics["wall_s"]) >= 0)
     previous = np.concatenate([[0], expected_steps[:-1]])
@@ -466,13 +482,13 @@ def test_train_writes_a_run_folder(tmp_path, rng, fake_trainer, capsys):
                                   expected_steps // config["eval_every"] > previous // config["eval_every"])
     progress_lines = [line for line in stdout.splitlines() if line.startswith("steps ")]
     assert len(progress_lines) == expected_steps.size  # not a terminal: one line per report
-    assert f"steps {steps:,}/{steps:,}" in progress_lines[-1]
+    assert f"steps {end:,}/{steps:,}" in progress_lines[-1]
     arrays, meta = load_checkpoint(run.latest_checkpoint())
-    assert meta["env_steps"] == steps and meta["config"] == saved
+    assert meta["env_steps"] == end and meta["config"] == saved
     reference = FakeTrainer(FakeTrainConfig.from_dict(saved))
     reference.run()
     assert arrays["params"].tobytes() == reference.params.tobytes()
-    assert run.read_summary()["env_steps"] == steps
+    assert run.read_summary()["env_steps"] == end
     assert f"run folder {folder}" in stdout
 
 
@@ -510,7 +526,8 @@ def test_an_interrupted_run_resumes_to_the_same_result(tmp_path, rng, fake_train
     a, b = RunFolder(whole), RunFolder(parts)
     arrays_a, meta_a = load_checkpoint(a.latest_checkpoint())
     arrays_b, meta_b = load_checkpoint(b.latest_checkpoint())
-    assert meta_a["env_steps"] == meta_b["env_steps"] == steps and meta_a["config"] == meta_b["config"]
+    end = final_steps(steps, meta_a["config"]["n_envs"])
+    assert meta_a["env_steps"] == meta_b["env_steps"] == end and meta_a["config"] == meta_b["config"]
     for name in arrays_a:
         assert arrays_a[name].tobytes() == arrays_b[name].tobytes(), name
     # Same rows as the uninterrupted run: none lost, none repeated (wall time aside).
@@ -538,6 +555,50 @@ def test_resume_refuses_a_state_the_trainer_cannot_load(tmp_path, fake_trainer, 
     assert cli.main(["train", "cartpole", "--resume", str(folder)]) == 2
     line = one_line(capsys.readouterr().err)
     assert f"--resume {folder}: its checkpoint cannot be loaded: checkpoint of another trainer" in line, line
+
+
+def test_resuming_a_complete_run_leaves_it_as_it_is(tmp_path, rng, fake_trainer, capsys):
+    """The run's last checkpoint is at its end: --resume says so, exits 0 and rewrites
+    nothing (a run() that had nothing to do would leave no final evaluation in its summary)."""
+    flags, _, steps = small_run_config(tmp_path, rng)
+    folder = tmp_path / "run"
+    assert cli.main(["train", "cartpole", *flags, "--out", str(folder)]) == 0
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    capsys.readouterr()
+    assert cli.main(["train", "cartpole", *flags, "--resume", str(folder)]) == 0
+    out = capsys.readouterr().out
+    end = final_steps(steps, RunFolder(folder).read_config()["n_envs"])
+    assert f"{folder} is complete ({end:,} env steps of {steps:,}); nothing to resume" in out, out
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+@pytest.mark.parametrize("where, error, code, message", [
+    ("init", ValueError("cluster_forward=True cannot run this net"), 2,
+     "invalid training config: cluster_forward=True cannot run this net"),
+    ("run", RuntimeError("evaluation: only 3 of 8 episodes finished"), 1,
+     "training failed: evaluation: only 3 of 8 episodes finished"),
+    ("run", OSError(28, "No space left on device"), 1, "No space left on device"),
+    ("run", RunFolderError("metrics.csv: not written by drvtrain"), 2, "metrics.csv: not written by drvtrain")])
+def test_errors_while_training_exit_with_one_line(tmp_path, rng, fake_trainer, capsys, where, error, code, message):
+    """Settings the Trainer refuses together, an evaluation that does not end, a disk that is full, a
+    run folder that cannot be written: one line on stderr and the documented exit code, no traceback."""
+    flags, _, _ = small_run_config(tmp_path, rng)
+    setattr(FakeTrainer, f"raise_in_{where}", error)
+    assert cli.main(["train", "cartpole", *flags, "--out", str(tmp_path / "run")]) == code
+    line = one_line(capsys.readouterr().err)
+    assert message in line, line
+
+
+def test_an_interrupt_before_the_run_starts_says_nothing_was_written(tmp_path, rng, fake_trainer, capsys):
+    """Ctrl-C while the trainer is being built (compiling, capturing): no run folder exists yet,
+    so the line does not point --resume at it."""
+    flags, _, _ = small_run_config(tmp_path, rng)
+    FakeTrainer.raise_in_init = KeyboardInterrupt()
+    folder = tmp_path / "run"
+    assert cli.main(["train", "cartpole", *flags, "--out", str(folder)]) == cli.EXIT_INTERRUPTED
+    line = one_line(capsys.readouterr().err)
+    assert f"interrupted before the run started; nothing was written to {folder}" in line, line
+    assert not RunFolder(folder).holds_run()
 
 
 # ---------------------------------------------------------------------- the progress line

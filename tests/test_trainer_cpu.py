@@ -1,10 +1,10 @@
-"""TrainConfig validation and its JSON round trip (CPU)."""
+"""TrainConfig validation and its JSON round trip, and the trainer's progress report (CPU)."""
 import json
 
 import numpy as np
 import pytest
 
-from drvtrain.rl.trainer import ENV_DEFAULTS, TrainConfig
+from drvtrain.rl.trainer import ENV_DEFAULTS, TrainConfig, Trainer
 
 
 def test_cartpole_defaults_are_valid_and_round_trip_through_json():
@@ -200,3 +200,19 @@ def test_states_a_trainer_goes_on_from_pass(rng):
     arrays["env.states"] = arrays["env.states"].copy()
     arrays["env.states"][0, 1] = np.inf
     check(arrays, levels)
+
+
+def test_the_rate_counts_only_the_steps_of_this_run(rng, monkeypatch):
+    """After a resume at S env steps, steps/s is (steps now - S) over this run()'s wall time,
+    not every step the run ever took."""
+    trainer = object.__new__(Trainer)  # no device: only the report's arithmetic
+    n = int(rng.integers(1, 64))
+    trainer.config = TrainConfig(env="cartpole", n_envs=n, train_every=max(10, n))
+    resumed_at, now_at = int(rng.integers(10**5, 10**6)), int(rng.integers(10**3, 10**5))
+    trainer.iterations = (resumed_at + now_at) // trainer.config.n_envs
+    trainer.episodes, trainer.recent, trainer.last_loss = 0, [], float("nan")
+    clock = float(rng.integers(1000, 2000))
+    monkeypatch.setattr("drvtrain.rl.trainer.time.perf_counter", lambda: clock)
+    progress = trainer._progress(clock - 4.0, resumed_at, None)
+    assert progress["steps_per_s"] == (trainer.env_steps - resumed_at) / 4.0
+    assert progress["wall_s"] == 4.0 and progress["env_steps"] == trainer.env_steps

@@ -42,6 +42,24 @@ def test_schedule_counters_and_replay_follow_the_device(device, rng):
     trainer.close()
 
 
+def test_a_run_stops_at_its_target_not_at_a_launch_boundary(device, rng):
+    """Targets that fall inside a launch of ``unroll`` iterations: the run stops at the first
+    multiple of ``n_envs`` at or past them (a shorter last launch), on the host and on the
+    device, and goes on from there."""
+    cfg = small_config(total_steps=1234, seed=int(rng.integers(1 << 30)))  # 309 iterations of 4 envs
+    trainer = Trainer(cfg)
+    trainer.run(until=555)  # 139 iterations: 13 launches of 10 and one of 9
+    loop = trainer.actor.loop.to_numpy()
+    assert trainer.iterations == loop[1] == 139 and trainer.env_steps == loop[0] == 556
+    summary = trainer.run()
+    loop = trainer.actor.loop.to_numpy()
+    assert trainer.iterations == loop[1] == 309 and summary["env_steps"] == loop[0] == 1236
+    assert trainer.learner.replay.stored() == 1236
+    assert trainer.learner.steps_done() == sum(trainer._learns(i) for i in range(309))
+    trainer.learner.check_errors()
+    trainer.close()
+
+
 def test_truncated_episodes_are_bootstrapped_and_store_the_true_final_obs(device, rng, chain):
     """Random policy on the chain: terminations at the goal (done = 1), truncations at 50 steps (done = 0)."""
     n = 8
@@ -96,7 +114,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(device, tmp_path, r
     cfg = small_config(seed=int(rng.integers(1 << 30)), total_steps=4000)
     straight = _params_after(cfg)
     again = _params_after(cfg)
-    resumed = _params_after(cfg, stop=2000, path=tmp_path / "ckpt")
+    resumed = _params_after(cfg, stop=2006, path=tmp_path / "ckpt")  # inside a launch: 502 iterations
     for key in ("learner.params", "learner.target", "learner.m", "learner.v", "tree.leaves", "replay.obs",
                 "env.states", "loop"):
         assert straight[key].tobytes() == again[key].tobytes(), f"same seed, {key} differs"

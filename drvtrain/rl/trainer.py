@@ -216,6 +216,7 @@ class Trainer:
         self.episodes = 0
         self.last_loss = float("nan")
         self._exe = None
+        self._partial_exe = {}  # iterations -> a graph of fewer than `unroll` (a run's last launch)
         self._eval_exe = None
         self._eval_unroll = 50
         self.stream.synchronize()
@@ -238,17 +239,29 @@ class Trainer:
         return after >= cfg.learning_starts and after // cfg.train_every > before // cfg.train_every
 
     # ------------------------------------------------------------------ graphs
-    def _capture(self):
+    def _capture(self, iterations: int | None = None):
         cfg = self.config
         eps = cfg.epsilon_schedule
         with capture(self.stream) as graph:
-            for _ in range(cfg.unroll):
+            for _ in range(cfg.unroll if iterations is None else iterations):
                 self.actor.enqueue(self.learner, stream=self.stream, greedy=False, eps=eps,
                                    schedule=(cfg.learning_starts, cfg.train_every), gate=self.gate,
                                    replay=self.learner.replay)
                 self.learner.enqueue(stream=self.stream, gate=self.gate)
-        self.graph = graph
+        if iterations is None:
+            self.graph = graph
         return graph.instantiate()
+
+    def _launch(self, iterations: int) -> None:
+        """``iterations`` (at most ``unroll``) iterations: the captured graph, or for a run's
+        last launch one of that many iterations, captured once."""
+        if iterations == self.config.unroll:
+            self._exe.launch(self.stream)
+            return
+        exe = self._partial_exe.get(iterations)
+        if exe is None:
+            exe = self._partial_exe[iterations] = self._capture(iterations)
+        exe.launch(self.stream)
 
     def _capture_eval(self):
         with capture(self.stream) as graph:
@@ -283,6 +296,9 @@ class Trainer:
     def run(self, callback=None, *, until: int | None = None, report_every_s: float = 1.0) -> dict:
         """Train to ``total_steps`` env steps (or stop at ``until`` env steps, to
         checkpoint and resume later); ``callback(progress)`` on every report.
+        Every iteration steps all ``n_envs`` envs, so a run ends at the first multiple
+        of ``n_envs`` at or past its target: launches of ``unroll`` iterations, and a
+        shorter last one where the target falls inside a launch.
 
         Returns the summary: wall time, env steps, episodes, learning steps,
         the final greedy evaluation (None when stopped before the end).
@@ -293,7 +309,7 @@ class Trainer:
         total_iterations = -(-cfg.total_steps // cfg.n_envs)
         stop_iterations = total_iterations if until is None else min(total_iterations, -(-until // cfg.n_envs))
         metrics = self.learner.metrics
-        started = time.perf_counter()
+        started, first_steps = time.perf_counter(), self.env_steps
         last_report = started
         next_eval = (self.env_steps // cfg.eval_every + 1) * cfg.eval_every
         eval_return = None
@@ -301,11 +317,12 @@ class Trainer:
         events = [Event() for _ in range(3)]
         launch_index = 0
         while self.iterations < stop_iterations:
-            self._exe.launch(self.stream)
-            for it in range(self.iterations, self.iterations + cfg.unroll):
+            count = min(cfg.unroll, stop_iterations - self.iterations)
+            self._launch(count)
+            for it in range(self.iterations, self.iterations + count):
                 if self._learns(it):
                     metrics.record(self.stream)
-            self.iterations += cfg.unroll
+            self.iterations += count
             event = events[launch_index % len(events)]
             event.record(self.stream)
             in_flight.append(event)
@@ -324,7 +341,7 @@ class Trainer:
                     eval_return = self.evaluate()
                     next_eval += cfg.eval_every
                     self._drain(metrics)
-                progress = self._progress(started, eval_return if due_eval else None)
+                progress = self._progress(started, first_steps, eval_return if due_eval else None)
                 last_report = now
                 if callback is not None:
                     callback(progress)
@@ -343,9 +360,12 @@ class Trainer:
             self.recent.append(ret)
             self.episodes += 1
 
-    def _progress(self, started: float, eval_return) -> dict:
+    def _progress(self, started: float, first_steps: int, eval_return) -> dict:
+        """The report: ``wall_s`` since this ``run()`` began (at ``first_steps`` env steps,
+        more than 0 after a resume), and the rate of the steps taken since then."""
         wall = time.perf_counter() - started
-        return {"env_steps": self.env_steps, "wall_s": wall, "steps_per_s": self.env_steps / max(wall, 1e-9),
+        rate = (self.env_steps - first_steps) / max(wall, 1e-9)
+        return {"env_steps": self.env_steps, "wall_s": wall, "steps_per_s": rate,
                 "episodes": self.episodes, "mean_return_100": _mean(self.recent), "loss": self.last_loss,
                 "epsilon": self.epsilon(), "eval_return": eval_return}
 
