@@ -230,3 +230,18 @@ def test_tool_parser_describes_the_tool_and_selects_the_device(common, monkeypat
         parser.parse_args(["--device", str(ordinal)])
     assert info.value.code == 2
     assert "--device" not in common.tool_parser("x", device=False).format_help()
+
+
+@pytest.mark.parametrize("tool, args, message", [
+    ("overfit.py", ["--steps", "0"], "--steps must be at least 1, got 0"),
+    ("overfit.py", ["--print-every", "0"], "--print-every must be at least 1, got 0"),
+    ("overfit.py", ["--lr", "nan"], "--lr must be a positive number, got nan"),
+    ("bench_train.py", ["--seeds", "-1"], "--seeds at least 0"),
+])
+def test_tool_arguments_out_of_range_exit_2_with_one_line(tool, args, message, tmp_path):
+    """Checked before the device is looked for: the same line with or without a GPU."""
+    out = subprocess.run([sys.executable, os.path.join(TOOLS_DIR, tool), *args], capture_output=True, text=True,
+                         env=NO_GPU_ENV, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr

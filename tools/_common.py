@@ -88,7 +88,11 @@ def select_device(ordinal: int) -> None:
 
 
 class ToolParser(argparse.ArgumentParser):
-    """An ArgumentParser whose ``parse_args`` also applies ``--device``."""
+    """An ArgumentParser whose ``parse_args`` also applies ``--device``, and whose usage
+    errors are one line on stderr (exit 2), as every other error of a tool."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)

@@ -37,12 +37,14 @@ def main(argv=None) -> int:
     parser.add_argument("--envs", type=int, nargs="+", default=[10, 1], help="env counts to run (default 10 1)")
     parser.add_argument("--steps", type=int, default=500_000, help="env steps per run (default 500000)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or any(n < 1 for n in args.envs):
-        parser.error("--steps and --envs must be at least 1")
+    if args.steps < 1 or any(n < 1 for n in args.envs) or any(s < 0 for s in args.seeds):
+        parser.error("--steps and --envs must be at least 1, --seeds at least 0")
     rows = []
     for n_envs in args.envs:
         for seed in args.seeds:
-            overrides = dict(n_envs=n_envs, total_steps=args.steps, seed=seed, eval_every=args.steps)
+            # CartPole's defaults learn once per 10 env steps; an iteration of more envs learns once.
+            overrides = dict(n_envs=n_envs, total_steps=args.steps, seed=seed, eval_every=args.steps,
+                             train_every=max(10, n_envs))
             if n_envs == 1:
                 overrides["unroll"] = 200
             cfg = TrainConfig.for_env("cartpole", **overrides)

@@ -25,6 +25,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed for data, teacher and student (default 0)")
     parser.add_argument("--print-every", type=int, default=250, help="print every N steps (default 250)")
     args = parser.parse_args(argv)
+    for flag, value in (("--steps", args.steps), ("--batch", args.batch), ("--hidden", args.hidden),
+                        ("--print-every", args.print_every)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if args.seed < 0:
+        parser.error(f"--seed must be at least 0, got {args.seed}")
+    if not 0.0 < args.lr < float("inf"):
+        parser.error(f"--lr must be a positive number, got {args.lr}")
     get_device()
     rng = np.random.default_rng(args.seed)
     inp, out, h = 16, 4, args.hidden
