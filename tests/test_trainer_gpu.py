@@ -104,23 +104,43 @@ def _params_after(cfg, stop=None, path=None):
         trainer.close()
         trainer = Trainer(cfg)
         trainer.load_checkpoint(path)
-    trainer.run()
+    summary = trainer.run()
     state = trainer.state_arrays()
+    state["final_eval_return"] = np.array(summary["final_eval_return"])
     trainer.close()
     return state
 
 
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(device, tmp_path, rng):
-    cfg = small_config(seed=int(rng.integers(1 << 30)), total_steps=4000)
+    """Stopped inside a launch and resumed from the checkpoint: the learner, the replay, the
+    envs, the loop's counters, and the evaluations after the resume (their envs start from
+    random states, drawn where the evaluations before the checkpoint left off)."""
+    cfg = small_config(seed=int(rng.integers(1 << 30)), total_steps=4000, eval_every=1000)
     straight = _params_after(cfg)
     again = _params_after(cfg)
     resumed = _params_after(cfg, stop=2006, path=tmp_path / "ckpt")  # inside a launch: 502 iterations
     for key in ("learner.params", "learner.target", "learner.m", "learner.v", "tree.leaves", "replay.obs",
-                "env.states", "loop"):
+                "env.states", "loop", "eval.rng_counters", "final_eval_return"):
         assert straight[key].tobytes() == again[key].tobytes(), f"same seed, {key} differs"
         assert straight[key].tobytes() == resumed[key].tobytes(), f"resumed, {key} differs"
+    assert straight["eval.rng_counters"].any()
     other = _params_after(small_config(seed=cfg.seed + 1, total_steps=4000))
     assert other["learner.params"].tobytes() != straight["learner.params"].tobytes()
+
+
+def test_an_env_that_ends_an_episode_every_step_is_evaluated(device, rng):
+    """max_steps = 1: every step of every env ends an episode, so one launch of the
+    evaluation fills its ring with as many episodes as it has slots; each evaluation
+    still reads every env's first episode."""
+    register_env("blink", os.path.join(os.path.dirname(CHAIN), "blink.cu"), obs_dim=2, n_actions=2, state_dim=1,
+                 max_steps=1)
+    cfg = small_config(env="blink", n_envs=8, total_steps=8 * 300, learning_starts=800, train_every=8,
+                       eval_every=8 * 100, eval_episodes=5, seed=int(rng.integers(1 << 30)))
+    trainer = Trainer(cfg)
+    summary = trainer.run()
+    assert trainer.evaluations == 3 and 0.0 <= summary["final_eval_return"] <= 1.0
+    assert trainer.episodes == trainer.actor.loop.to_numpy()[2] == 8 * 300
+    trainer.close()
 
 
 def test_a_checkpoint_of_another_configuration_is_refused(device, tmp_path, rng):

@@ -40,6 +40,7 @@ ENV_DEFAULTS = {
 }
 
 _EPISODE_FIELDS = 5  # return, length, env step at its end, env index, sequence
+_EVAL_LIMIT = 100_000  # env steps an evaluation gives an env without max_steps to end its episode
 
 
 def _check_int(name, value, low=1):
@@ -173,12 +174,17 @@ class _Actor:
                            self.episodes.ptr, self.episode_slots, stream=stream)
 
     def poll(self) -> list[tuple[float, int, int, int]]:
-        """Finished episodes since the last poll, in order: (return, length, env step, env index)."""
+        """Finished episodes since the last poll, in order: (return, length, env step, env index).
+        The ring holds more episodes than can end between two polls (Trainer sizes it), so a
+        row written a lap later than the one expected is a broken bound, not a row to skip."""
         rows = self.episodes.view()
         out = []
         while True:
             k = self.polled
             row = rows[k % self.episode_slots]
+            if row[4] > k + 1:
+                raise RuntimeError(f"the episode ring ({self.episode_slots} slots) was overwritten before "
+                                   f"episode {k + 1} was read")
             if row[4] != k + 1:
                 break
             out.append((float(row[0]), int(row[1]), int(row[2]), int(row[3])))
@@ -205,10 +211,14 @@ class Trainer:
         probe.close()
         self.learner = DQNStep(cfg.dqn_config(obs_dim=obs_dim, n_actions=n_actions), metrics_slots=4096)
         self.gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
+        self._eval_unroll = 50
+        # An env ends at most one episode an iteration. run() reads the ring after each
+        # launch with at most two launches unread, and evaluate() after each of its
+        # launches: so the rings hold two launches' episodes, and one.
         self.actor = _Actor(cfg, self.learner, cfg.n_envs, _derive_seed(cfg.seed, 1),
-                            episode_slots=max(4096, 4 * cfg.n_envs))
+                            episode_slots=max(4096, 2 * cfg.n_envs * cfg.unroll))
         self.eval_actor = _Actor(cfg, self.learner, cfg.eval_episodes, _derive_seed(cfg.seed, 2),
-                                 episode_slots=cfg.eval_episodes * max(1, self.max_steps))
+                                 episode_slots=cfg.eval_episodes * self._eval_unroll)
         self.actor.env.reset(stream=self.stream)
         self.iterations = 0          # host mirror of loop[1]
         self.evaluations = 0
@@ -218,7 +228,6 @@ class Trainer:
         self._exe = None
         self._partial_exe = {}  # iterations -> a graph of fewer than `unroll` (a run's last launch)
         self._eval_exe = None
-        self._eval_unroll = 50
         self.stream.synchronize()
 
     # ------------------------------------------------------------------ schedule (host mirror)
@@ -271,7 +280,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> float:
-        """Mean return of one greedy episode in each of ``eval_episodes`` fresh evaluation envs."""
+        """Mean return of one greedy episode in each of ``eval_episodes`` fresh evaluation envs.
+        An env with ``max_steps`` ends every episode within that many steps; one without
+        (``max_steps`` 0) is given up to ``_EVAL_LIMIT`` steps, and RuntimeError says when
+        some episode has not ended by then."""
         actor = self.eval_actor
         if self._eval_exe is None:
             self._eval_exe = self._capture_eval()
@@ -282,14 +294,18 @@ class Trainer:
         actor.ep_return.copy_from_numpy(np.zeros(actor.n, np.float32))
         actor.env.reset(stream=self.stream)
         first: dict[int, float] = {}
-        launches = -(-max(1, self.max_steps) // self._eval_unroll) + 1
+        limit = self.max_steps if self.max_steps > 0 else _EVAL_LIMIT
+        launches = -(-limit // self._eval_unroll) + (1 if self.max_steps > 0 else 0)
         for _ in range(launches):
             self._eval_exe.launch(self.stream)
-        self.stream.synchronize()
-        for ret, _, _, env in actor.poll():
-            first.setdefault(env, ret)
+            self.stream.synchronize()
+            for ret, _, _, env in actor.poll():
+                first.setdefault(env, ret)
+            if len(first) == actor.n:
+                break
         if len(first) < actor.n:
-            raise RuntimeError(f"evaluation: only {len(first)} of {actor.n} episodes finished")
+            raise RuntimeError(f"evaluation: only {len(first)} of {actor.n} episodes ended within "
+                               f"{launches * self._eval_unroll} steps")
         return float(np.mean([first[i] for i in range(actor.n)]))
 
     # ------------------------------------------------------------------ running
@@ -389,6 +405,8 @@ class Trainer:
             "env.rng_counters": actor.env.rng_counters.to_numpy(),
             "env.ep_return": actor.ep_return.to_numpy(), "loop": actor.loop.to_numpy(),
             "gate": self.gate.to_numpy(),
+            # Each evaluation resets its envs from where their random counters stopped.
+            "eval.rng_counters": self.eval_actor.env.rng_counters.to_numpy(),
             "host": np.array([self.iterations, self.evaluations, self.episodes, actor.polled,
                               learner.metrics.recorded], np.int64),
             "host.recent": np.array(self.recent, np.float64),
@@ -399,11 +417,12 @@ class Trainer:
         """Restore ``state_arrays()``; every array is checked (its shape and dtype, then its
         values: :func:`check_trainer_state`) before anything is written."""
         current = self.state_arrays()
-        missing = sorted(set(current) - set(arrays) - {"host.recent"})
+        optional = {"host.recent", "eval.rng_counters"}  # absent: empty, and counters from 0
+        missing = sorted(set(current) - set(arrays) - optional)
         if missing:
             raise ValueError(f"checkpoint lacks {missing}")
         for key, now in current.items():
-            if key == "host.recent":
+            if key == "host.recent" or key not in arrays:
                 continue
             got = np.asarray(arrays[key])
             if got.shape != now.shape or got.dtype != now.dtype:
@@ -423,6 +442,8 @@ class Trainer:
                          (actor.env.rng_counters, "env.rng_counters"), (actor.ep_return, "env.ep_return"),
                          (actor.loop, "loop"), (self.gate, "gate")):
             buf.copy_from_numpy(np.ascontiguousarray(arrays[key]))
+        if "eval.rng_counters" in arrays:
+            self.eval_actor.env.rng_counters.copy_from_numpy(np.ascontiguousarray(arrays["eval.rng_counters"]))
         iterations, evaluations, episodes, polled, recorded = (int(v) for v in arrays["host"])
         self.iterations, self.evaluations, self.episodes = iterations, evaluations, episodes
         actor.polled = polled
