@@ -53,3 +53,38 @@ def test_create_free_cycles_leave_memory_unchanged(device, stream, elementwise, 
         stream.synchronize()
         after = device.memory_info()[0]
         assert after == before, f"{name}: {before - after} bytes of device memory leaked over {CYCLES} cycles"
+
+
+def test_close_frees_a_trainer_while_it_is_still_referenced(device, tmp_path):
+    """Trainer.close() (and the DQNStep, actors and graphs it owns) gives back every byte of
+    device memory at once, not when Python collects the objects: each closed trainer is kept
+    alive here, with the collector off (1024-wide layers: megabytes a buffer, well above
+    the driver's allocation granularity)."""
+    import os
+
+    from drvtrain.rl.env import register_env
+    from drvtrain.rl.trainer import TrainConfig, Trainer
+    register_env("chain", os.path.join(os.path.dirname(os.path.abspath(__file__)), "envs", "chain.cu"),
+                 obs_dim=8, n_actions=2, state_dim=1, max_steps=50)
+    cfg = TrainConfig(env="chain", n_envs=4, total_steps=4 * 25, learning_starts=40, train_every=4, unroll=10,
+                      eval_every=4 * 20, eval_episodes=4, dqn=dict(hidden=(1024, 1024), batch=32, capacity=1024))
+    kept = []
+
+    def one():
+        trainer = Trainer(cfg)
+        trainer.run(until=4 * 23)  # a shorter last launch: its graph too
+        trainer.evaluate()
+        trainer.close()
+        kept.append(trainer)
+
+    one()  # lazy driver allocations and compiles
+    gc.collect()
+    gc.disable()
+    try:
+        before = device.memory_info()[0]
+        for _ in range(3):
+            one()
+        after = device.memory_info()[0]
+    finally:
+        gc.enable()
+    assert after == before, f"{before - after} bytes of device memory held by closed trainers"

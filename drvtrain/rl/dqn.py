@@ -859,6 +859,11 @@ class DQNStep:
         self.optimizer.close()
         self.skips.close()
         self._skipped_step.close()
+        for buf in (self.params, self.target, self.grads, self._scalars, self._loss_partials, self._step_counter,
+                    self._spectral_mats, self.u, self._v, self._spectral_partials, self._sigma_scale,
+                    getattr(self, "_head_partials", None), getattr(self, "_tail_barrier", None)):
+            if buf is not None:
+                buf.close()
 
 
 def lint_step_graph(step: DQNStep) -> list[Criterion]:

@@ -195,6 +195,8 @@ class _Actor:
         self.env.close()
         self.arena.close()
         self.episodes.close()
+        for buf in (self.loop, self.ep_return, self.counter):
+            buf.close()
 
 
 class Trainer:
@@ -462,9 +464,16 @@ class Trainer:
         self.load_state_arrays(arrays)
 
     def close(self) -> None:
+        for exe in (self._exe, self._eval_exe, *self._partial_exe.values()):
+            if exe is not None:
+                exe.close()
+        self._exe, self._eval_exe, self._partial_exe = None, None, {}
+        if getattr(self, "graph", None) is not None:
+            self.graph.close()
         self.actor.close()
         self.eval_actor.close()
         self.learner.close()
+        self.gate.close()
         self.stream.close()
 
 
