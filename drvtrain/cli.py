@@ -332,6 +332,7 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
     trainer = None
     try:
         # The trainer writes nothing itself: this command owns the run folder.
+        print("setting up: compiling kernels (a minute on a cold cache) and capturing the graphs", flush=True)
         try:
             trainer = Trainer(config)
         except ValueError as exc:  # settings that each pass their own check but not together

@@ -490,6 +490,7 @@ def test_train_writes_a_run_folder(tmp_path, rng, fake_trainer, capsys):
     assert arrays["params"].tobytes() == reference.params.tobytes()
     assert run.read_summary()["env_steps"] == end
     assert f"run folder {folder}" in stdout
+    assert stdout.startswith("setting up: compiling kernels")  # something to read before the first report
 
 
 def test_the_default_run_folder_is_named_after_env_seed_and_time(tmp_path, rng, fake_trainer, monkeypatch):
