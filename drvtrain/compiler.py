@@ -45,12 +45,18 @@ _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"]+)[>"]', re.M)
 
 
 class CompileError(RuntimeError):
-    """NVRTC rejected a source. ``filename`` and the full ``log`` are attached."""
+    """NVRTC rejected a source or its options. ``filename`` and the full ``log`` are attached.
 
-    def __init__(self, filename: str, log: str):
+    ``status`` is NVRTC's status where it is not ``NVRTC_ERROR_COMPILATION``
+    (e.g. ``NVRTC_ERROR_INVALID_OPTION``), else None; the message names it.
+    """
+
+    def __init__(self, filename: str, log: str, status=None):
         self.filename = filename
         self.log = log
-        super().__init__(f"NVRTC failed to compile {filename}:\n{log.rstrip()}")
+        self.status = status
+        why = f" ({status.name})" if status is not None else ""
+        super().__init__(f"NVRTC failed to compile {filename}{why}:\n{log.rstrip()}")
 
 
 class CacheWarning(UserWarning):
@@ -231,8 +237,8 @@ def _nvrtc_compile(source: str, name: str, options: list[str], name_expressions)
         if status == nvrtc.nvrtcResult.NVRTC_ERROR_COMPILATION:
             raise CompileError(name, log)
         if status:
-            from .driver import raise_status
-            raise_status("nvrtcCompileProgram", status)
+            # Any other failure (an invalid option, say) leaves its reason in the log too.
+            raise CompileError(name, log, status)
         size = check(nvrtc.nvrtcGetCUBINSize, prog)
         if size == 0:
             raise CompileError(name, "NVRTC produced no CUBIN; the target must be a real sm_XY\n" + log)

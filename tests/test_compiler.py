@@ -5,6 +5,7 @@ import tempfile
 import warnings
 
 import pytest
+from cuda.bindings import nvrtc
 
 from drvtrain import compiler
 from drvtrain.compiler import CacheWarning, CompileError, KernelCache, compile_file, compile_source
@@ -183,6 +184,18 @@ def test_compile_error_carries_file_and_full_log(tmp_path, cache_dir):
     assert "undefined_name" in err.log and "error" in err.log
     assert "broken.cu" in str(err)
     assert not list(cache_dir.glob("*.cubin")), "a failed compile must not be cached"
+
+
+def test_rejected_option_carries_nvrtcs_log(cache_dir):
+    """A failure other than a compilation error (an unknown option) keeps the log that says what was wrong."""
+    with pytest.raises(CompileError) as info:
+        compile_file("probe.cu", arch="sm_90", options=("-std=c++17", "--bogus-flag"))
+    err = info.value
+    assert err.filename == "probe.cu"
+    assert err.status == nvrtc.nvrtcResult.NVRTC_ERROR_INVALID_OPTION
+    assert "unrecognized option --bogus-flag" in err.log
+    assert "NVRTC_ERROR_INVALID_OPTION" in str(err) and "unrecognized option --bogus-flag" in str(err)
+    assert not list(cache_dir.glob("*.cubin"))
 
 
 def test_user_source_can_include_drvtrain_headers(cache_dir):
