@@ -1,9 +1,9 @@
 """The hot-loop audit: every driver call drvtrain makes while a loop runs, and a lint of a graph.
 
 ``count_driver_calls`` installs a counting wrapper around ``cuda.bindings.driver``
-as drvtrain's modules see it (each module's ``cu`` name, the launch function
-bound once in ``kernel.py`` and the tensor-map encoder that ``tma.py`` calls
-through ctypes), runs the loop, and restores everything.
+as drvtrain's modules see it (each module's ``cu`` name, the two launch
+functions bound once in ``kernel.py`` and the tensor-map encoder that ``tma.py``
+calls through ctypes), runs the loop, and restores everything.
 It counts calls; it does not grep source code, so a call hidden behind any
 helper is still seen.
 """
@@ -80,15 +80,19 @@ def count_driver_calls():
             patched.append((module, "cu", _real_driver))
             module.cu = proxy
     from . import kernel, tma
-    patched.append((kernel, "_cuLaunchKernel", kernel._cuLaunchKernel))
-    kernel._cuLaunchKernel = getattr(proxy, "cuLaunchKernel")
-    encode = tma._encode_tiled
 
-    def counted_encode(*args):
-        calls["cuTensorMapEncodeTiled"] += 1
-        return encode(*args)
-    patched.append((tma, "_encode_tiled", encode))
-    tma._encode_tiled = counted_encode
+    def count(module, attr: str, name: str) -> None:
+        # Names bound once, which the module's `cu` does not reach: each call is counted and passed on.
+        original = getattr(module, attr)
+
+        def counted(*args):
+            calls[name] += 1
+            return original(*args)
+        patched.append((module, attr, original))
+        setattr(module, attr, counted)
+    count(kernel, "_cuLaunchKernel", "cuLaunchKernel")
+    count(kernel, "_cuLaunchKernelEx", "cuLaunchKernelEx")  # dependent, cluster and cooperative launches
+    count(tma, "_encode_tiled", "cuTensorMapEncodeTiled")
     try:
         yield calls
     finally:

@@ -9,6 +9,10 @@ includes (recursively), the options, the architecture, the name expressions
 and the NVRTC version. Entries are written atomically (temp file, then
 ``os.replace``) and carry a SHA-256 of their payload; an entry that fails the
 check is recompiled, never trusted.
+
+NVRTC looks for includes in the ``-I`` folders only (``--no-source-include``).
+By default it first searches the program name's folder, for a bare name the
+current directory, where a header the key never saw would shadow drvtrain's own.
 """
 from __future__ import annotations
 
@@ -33,18 +37,26 @@ __all__ = [
 ]
 
 DEFAULT_OPTIONS = ("-std=c++17", "-lineinfo")
+# Always passed, whatever the caller's options; in the key too, so no entry compiled without it is reused.
+_SEARCH_OPTIONS = ("--no-source-include",)
 _FORMAT = 1
 _MAGIC = b"DRVTCUB1"
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"]+)[>"]', re.M)
 
 
 class CompileError(RuntimeError):
-    """NVRTC rejected a source. ``filename`` and the full ``log`` are attached."""
+    """NVRTC rejected a source or its options. ``filename`` and the full ``log`` are attached.
 
-    def __init__(self, filename: str, log: str):
+    ``status`` is NVRTC's status where it is not ``NVRTC_ERROR_COMPILATION``
+    (e.g. ``NVRTC_ERROR_INVALID_OPTION``), else None; the message names it.
+    """
+
+    def __init__(self, filename: str, log: str, status=None):
         self.filename = filename
         self.log = log
-        super().__init__(f"NVRTC failed to compile {filename}:\n{log.rstrip()}")
+        self.status = status
+        why = f" ({status.name})" if status is not None else ""
+        super().__init__(f"NVRTC failed to compile {filename}{why}:\n{log.rstrip()}")
 
 
 class CacheWarning(UserWarning):
@@ -87,22 +99,24 @@ def kernel_files() -> list[Path]:
 def _local_headers(source: str, search_dirs: list[Path]) -> list[tuple[str, str]]:
     """(path, sha256) of every header the source includes that exists locally, recursively.
 
-    Headers not found in ``search_dirs`` belong to NVRTC or the toolkit, which
-    the NVRTC version in the key already covers. Conditionals are ignored, so
-    this may hash a header that is not used; it never misses one that is.
+    Every include, a header's too, is looked up in ``search_dirs`` in order, as
+    NVRTC does under ``--no-source-include`` (which drops even the including
+    header's own folder). Headers not found there belong to NVRTC or the
+    toolkit, which the NVRTC version in the key already covers. Conditionals are
+    ignored, so this may hash a header that is not used; it never misses one that is.
     """
     found: dict[str, str] = {}
-    pending = [(source, search_dirs)]
+    pending = [source]
     while pending:
-        text, dirs = pending.pop()
+        text = pending.pop()
         for name in _INCLUDE.findall(text):
-            for d in dirs:
+            for d in search_dirs:
                 path = (d / name).resolve()
                 if path.is_file():
                     if str(path) not in found:
                         data = path.read_bytes()
                         found[str(path)] = hashlib.sha256(data).hexdigest()
-                        pending.append((data.decode("utf-8", "replace"), [path.parent] + dirs))
+                        pending.append(data.decode("utf-8", "replace"))
                     break
     return sorted(found.items())
 
@@ -223,8 +237,8 @@ def _nvrtc_compile(source: str, name: str, options: list[str], name_expressions)
         if status == nvrtc.nvrtcResult.NVRTC_ERROR_COMPILATION:
             raise CompileError(name, log)
         if status:
-            from .driver import raise_status
-            raise_status("nvrtcCompileProgram", status)
+            # Any other failure (an invalid option, say) leaves its reason in the log too.
+            raise CompileError(name, log, status)
         size = check(nvrtc.nvrtcGetCUBINSize, prog)
         if size == 0:
             raise CompileError(name, "NVRTC produced no CUBIN; the target must be a real sm_XY\n" + log)
@@ -260,8 +274,10 @@ def compile_source(source: str, name: str = "source.cu", *, arch: str, include_d
                    use_cache: bool = True, source_dir: Path | None = None) -> CompiledProgram:
     """Compile CUDA C++ ``source`` to CUBIN for ``arch``, through the disk cache.
 
-    ``include_dirs`` are searched for ``#include``; drvtrain's ``kernels/``
-    folder is always searched last, so user code can include its headers.
+    ``include_dirs`` are searched for ``#include``, after ``source_dir`` (the
+    source file's folder, for ``compile_file``) and before drvtrain's
+    ``kernels/`` folder, so user code can include its headers. Nothing else is
+    searched: not the current directory, nor an including header's own folder.
     ``name_expressions`` (e.g. ``"scale<float>"``) are instantiated and their
     lowered names returned.
     """
@@ -271,14 +287,15 @@ def compile_source(source: str, name: str = "source.cu", *, arch: str, include_d
         dirs.append(kernel_dir())
     except FileNotFoundError:
         pass
-    flags = list(options) + [f"--gpu-architecture={arch}"] + [f"-I{d}" for d in dirs]
+    options = list(options) + list(_SEARCH_OPTIONS)
+    flags = options + [f"--gpu-architecture={arch}"] + [f"-I{d}" for d in dirs]
     name_expressions = tuple(name_expressions)
     started = time.perf_counter()
     key_material = json.dumps({
         "format": _FORMAT,
         "nvrtc": list(nvrtc_version()),
         "arch": arch,
-        "options": list(options),
+        "options": options,
         "source": hashlib.sha256(source.encode()).hexdigest(),
         "headers": [h for _, h in _local_headers(source, dirs)],
         "names": list(name_expressions),

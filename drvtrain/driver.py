@@ -48,13 +48,16 @@ class NoDeviceError(RuntimeError):
         super().__init__(f"{text} ({detail})" if detail else text)
 
 
-# Statuses that mean "this machine cannot run CUDA", not "the program is wrong".
+# Statuses from any call that mean "this machine cannot run CUDA", not "the program is wrong"
+# (an invalid device from a later call is the program's error). Named directly, so a name the
+# bindings lack fails at import instead of dropping out. Every failure of a start-up call
+# (`_start_up`) means no device too.
 _NO_DEVICE = {
-    getattr(cu.CUresult, name) for name in (
-        "CUDA_ERROR_NO_DEVICE", "CUDA_ERROR_STUB_LIBRARY", "CUDA_ERROR_INSUFFICIENT_DRIVER",
-        "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE",
-        "CUDA_ERROR_DEVICES_UNAVAILABLE", "CUDA_ERROR_INVALID_DEVICE")
-    if hasattr(cu.CUresult, name)
+    cu.CUresult.CUDA_ERROR_NO_DEVICE,
+    cu.CUresult.CUDA_ERROR_STUB_LIBRARY,
+    cu.CUresult.CUDA_ERROR_SYSTEM_DRIVER_MISMATCH,
+    cu.CUresult.CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE,
+    cu.CUresult.CUDA_ERROR_DEVICE_UNAVAILABLE,
 }
 
 _CAPTURE_STATUSES = {
@@ -140,6 +143,16 @@ def check(fn, *args):
     return result[1:]
 
 
+def _start_up(fn, *args):
+    """``check(fn, *args)`` for a call that brings the driver or a device up (``cuInit``,
+    ``cuDeviceGetCount``, ``cuDeviceGet``, ``cuDevicePrimaryCtxRetain``): any failure there,
+    ``CUDA_ERROR_SYSTEM_NOT_READY`` or ``CUDA_ERROR_UNKNOWN`` say, means no usable GPU."""
+    try:
+        return check(fn, *args)
+    except DriverError as exc:
+        raise NoDeviceError(str(exc)) from None
+
+
 # ---------------------------------------------------------------- capture state
 # Streams capturing in this thread. drvtrain captures in thread-local mode, so
 # only calls made from the capturing thread can invalidate its capture; this
@@ -174,8 +187,8 @@ def _init() -> None:
         return
     with _init_lock:
         if not _initialised:
-            check(cu.cuInit, 0)
-            if check(cu.cuDeviceGetCount) < 1:
+            _start_up(cu.cuInit, 0)
+            if _start_up(cu.cuDeviceGetCount) < 1:
                 raise NoDeviceError("the driver reports no devices")
             _initialised = True
 
@@ -251,12 +264,12 @@ class Device:
 
     def __init__(self, ordinal: int = 0):
         _init()
-        count = check(cu.cuDeviceGetCount)
+        count = _start_up(cu.cuDeviceGetCount)
         if not 0 <= ordinal < count:
             raise ValueError(f"device ordinal {ordinal} out of range: {count} device(s) present")
         self.ordinal = ordinal
-        self.handle = check(cu.cuDeviceGet, ordinal)
-        self.context = check(cu.cuDevicePrimaryCtxRetain, self.handle)
+        self.handle = _start_up(cu.cuDeviceGet, ordinal)
+        self.context = _start_up(cu.cuDevicePrimaryCtxRetain, self.handle)
         self._finalizer = release_on_collect(self, release, cu.cuDevicePrimaryCtxRelease, self.handle)
         self.make_current()
         self.name = check(cu.cuDeviceGetName, 256, self.handle).split(b"\0", 1)[0].decode()

@@ -179,15 +179,22 @@ def _fast_packer(signature: tuple[str, ...], pack_into, buffer):
     """A function that packs ``args`` with one ``pack_into`` call, unrolled for the signature.
 
     Generated because this runs on every launch: no per-argument loop, and a
-    pointer argument costs one ``getattr`` (a tensor map one size check). It does not check the count or
-    the kinds; anything it cannot pack raises, and ``ArgPack.pack`` retries on
-    the validating path.
+    buffer costs one ``getattr`` (a plain int address also a type check, a
+    tensor map one size check). It does not check the count or the kinds;
+    anything it cannot pack raises, and ``ArgPack.pack`` retries on the
+    validating path.
+
+    A pointer is packed as it stands only from ``.ptr`` or a plain int; any
+    other object goes through ``_as_pointer``. struct would pack an object
+    with ``__index__`` (a one-element integer tensor, say) by its value, where
+    ``_as_pointer`` reads its ``__cuda_array_interface__`` address.
     """
-    terms = [f"getattr(args[{i}], 'ptr', args[{i}])" if k == "ptr" else
+    terms = [f"(p{i} if (p{i} := getattr(args[{i}], 'ptr', None)) is not None else "
+             f"args[{i}] if type(args[{i}]) is int else pointer(args[{i}], {i}))" if k == "ptr" else
              f"tmap(args[{i}], {i})" if k == "tmap" else f"args[{i}]"
              for i, k in enumerate(signature)]
     return eval(f"lambda args, pack_into=pack_into, buffer=buffer: pack_into(buffer, 0, {', '.join(terms)})",
-                {"tmap": _as_tensor_map}, {"pack_into": pack_into, "buffer": buffer})
+                {"tmap": _as_tensor_map, "pointer": _as_pointer}, {"pack_into": pack_into, "buffer": buffer})
 
 
 def _dims(value, what: str) -> tuple[int, int, int]:

@@ -5,6 +5,7 @@ import tempfile
 import warnings
 
 import pytest
+from cuda.bindings import nvrtc
 
 from drvtrain import compiler
 from drvtrain.compiler import CacheWarning, CompileError, KernelCache, compile_file, compile_source
@@ -84,6 +85,39 @@ def test_header_change_invalidates_entry(tmp_path, cache_dir):
     assert c.key != a.key and c.cubin != a.cubin
 
 
+@pytest.mark.parametrize("fresh_cache", [False, True], ids=["no-cache", "fresh-cache"])
+def test_header_in_the_current_directory_does_not_shadow_drvtrains(fresh_cache, tmp_path, monkeypatch):
+    """A common.cuh in the current directory is never compiled in place of kernels/common.cuh.
+
+    NVRTC would search the program name's folder, the current directory for a
+    bare name, before the -I folders; the key, which hashes kernels/common.cuh,
+    would then name a CUBIN built from the other header.
+    """
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "common.cuh").write_text("#error shadow\n")
+    monkeypatch.setenv("DRVTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    prog = compile_file(compiler.kernel_dir() / "elementwise.cu", arch="sm_90", use_cache=fresh_cache)
+    assert cubin_arch(prog.cubin) == 90
+    assert not prog.cache_hit
+
+
+def test_key_follows_the_header_nvrtc_reads(tmp_path, cache_dir):
+    """A header's own include is looked up in the -I folders only, and the key hashes the header found there."""
+    src_dir, inc = tmp_path / "src", tmp_path / "inc"
+    (src_dir / "sub").mkdir(parents=True)
+    inc.mkdir()
+    (src_dir / "sub" / "outer.cuh").write_text('#include "factor.cuh"\n')
+    (src_dir / "sub" / "factor.cuh").write_text("#error the including header's own folder is not searched\n")
+    (inc / "factor.cuh").write_text("#define FACTOR 2.0f\n")
+    src = src_dir / "k.cu"
+    src.write_text('#include "sub/outer.cuh"\nextern "C" __global__ void k(float* x) { x[0] *= FACTOR; }\n')
+    a = compile_file(src, arch="sm_90", include_dirs=[inc])
+    (inc / "factor.cuh").write_text("#define FACTOR 3.0f\n")
+    b = compile_file(src, arch="sm_90", include_dirs=[inc])
+    assert (a.cache_hit, b.cache_hit) == (False, False)
+    assert b.cubin != a.cubin
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
 def test_corrupt_entry_is_recompiled(damage, cache_dir):
     good = compile_file("probe.cu", arch="sm_90")
@@ -150,6 +184,18 @@ def test_compile_error_carries_file_and_full_log(tmp_path, cache_dir):
     assert "undefined_name" in err.log and "error" in err.log
     assert "broken.cu" in str(err)
     assert not list(cache_dir.glob("*.cubin")), "a failed compile must not be cached"
+
+
+def test_rejected_option_carries_nvrtcs_log(cache_dir):
+    """A failure other than a compilation error (an unknown option) keeps the log that says what was wrong."""
+    with pytest.raises(CompileError) as info:
+        compile_file("probe.cu", arch="sm_90", options=("-std=c++17", "--bogus-flag"))
+    err = info.value
+    assert err.filename == "probe.cu"
+    assert err.status == nvrtc.nvrtcResult.NVRTC_ERROR_INVALID_OPTION
+    assert "unrecognized option --bogus-flag" in err.log
+    assert "NVRTC_ERROR_INVALID_OPTION" in str(err) and "unrecognized option --bogus-flag" in str(err)
+    assert not list(cache_dir.glob("*.cubin"))
 
 
 def test_user_source_can_include_drvtrain_headers(cache_dir):

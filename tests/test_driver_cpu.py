@@ -64,6 +64,58 @@ def test_no_device_statuses_become_no_device_error():
         check(cuInit, 0)
 
 
+class FakeStartUp:
+    """The driver calls of the start-up path; ``failing`` returns ``status``, the others succeed."""
+
+    def __init__(self, failing: str, status):
+        def call(name, value):
+            def fn(*args):
+                return (status,) if name == failing else (cu.CUresult.CUDA_SUCCESS, value)
+            fn.__name__ = name
+            return fn
+        self.cuInit = call("cuInit", None)
+        self.cuDeviceGetCount = call("cuDeviceGetCount", 1)
+        self.cuDeviceGet = call("cuDeviceGet", 0)
+        self.cuDevicePrimaryCtxRetain = call("cuDevicePrimaryCtxRetain", object())
+
+
+@pytest.mark.parametrize("call, status", [
+    ("cuInit", cu.CUresult.CUDA_ERROR_SYSTEM_NOT_READY),
+    ("cuInit", cu.CUresult.CUDA_ERROR_UNKNOWN),
+    ("cuInit", cu.CUresult.CUDA_ERROR_NO_DEVICE),
+    ("cuInit", cu.CUresult.CUDA_ERROR_DEVICE_UNAVAILABLE),
+    ("cuInit", cu.CUresult.CUDA_ERROR_SYSTEM_DRIVER_MISMATCH),
+    ("cuDeviceGetCount", cu.CUresult.CUDA_ERROR_UNKNOWN),
+    ("cuDeviceGet", cu.CUresult.CUDA_ERROR_INVALID_DEVICE),
+    ("cuDevicePrimaryCtxRetain", cu.CUresult.CUDA_ERROR_DEVICE_UNAVAILABLE),
+    ("cuDevicePrimaryCtxRetain", cu.CUresult.CUDA_ERROR_UNKNOWN),
+], ids=lambda v: v.name.removeprefix("CUDA_ERROR_") if isinstance(v, cu.CUresult) else v)
+def test_any_start_up_failure_is_no_device_error_naming_the_status(monkeypatch, call, status):
+    """Whatever a start-up call returns (CUDA_ERROR_SYSTEM_NOT_READY when the fabric manager is not up,
+    CUDA_ERROR_UNKNOWN from a broken driver), making a Device says no GPU is usable, and which call said why."""
+    import drvtrain.driver as driver
+    monkeypatch.setattr(driver, "cu", FakeStartUp(call, status))
+    monkeypatch.setattr(driver, "_initialised", False)
+    with pytest.raises(NoDeviceError, match="no CUDA driver/GPU found") as info:
+        driver.Device(0)
+    assert f"{call}: {status.name}" in str(info.value)
+
+
+@pytest.mark.parametrize("status, error", [
+    (cu.CUresult.CUDA_ERROR_DEVICE_UNAVAILABLE, NoDeviceError),
+    (cu.CUresult.CUDA_ERROR_SYSTEM_DRIVER_MISMATCH, NoDeviceError),
+    (cu.CUresult.CUDA_ERROR_INVALID_DEVICE, DriverError),
+], ids=["DEVICE_UNAVAILABLE", "SYSTEM_DRIVER_MISMATCH", "INVALID_DEVICE"])
+def test_only_machine_statuses_from_later_calls_mean_no_device(status, error):
+    """After start-up an exclusive-process GPU taken by another process means no usable GPU; an invalid device
+    handle or ordinal passed to a call is the program's error."""
+    from drvtrain.driver import raise_status
+    with pytest.raises(error) as info:
+        raise_status("cuCtxCreate", status)
+    assert type(info.value) is error
+    assert f"cuCtxCreate: {status.name}" in str(info.value)
+
+
 def test_guard_sync_refuses_exactly_while_this_thread_captures():
     captures = active_captures()
     saved = list(captures)

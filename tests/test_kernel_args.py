@@ -84,6 +84,26 @@ def test_objects_exposing_cuda_array_interface_are_pointers():
     assert pack.values() == [123456]
 
 
+def test_foreign_arrays_with_index_are_packed_by_address_on_every_path(rng):
+    """An object without ``.ptr`` whose ``__index__`` gives its value (a one-element integer tensor) packs its
+    ``__cuda_array_interface__`` address, on the validating path (first pack) and the fast path (the next)."""
+    class OneElement:
+        def __init__(self, address):
+            self.__cuda_array_interface__ = {"data": (address, False), "shape": (1,), "typestr": "<i8",
+                                             "version": 3}
+
+        def __index__(self):
+            return 5
+
+    first, second = (int(rng.integers(1, 2**40)) * 256 for _ in range(2))
+    pack = ArgPack(parse_signature("ptr, i32"))
+    pack.pack((OneElement(first), 1))
+    assert pack.values() == [first, 1]
+    pack.pack((OneElement(second), 2))
+    assert pack.values() == [second, 2]
+    assert read_packed(pack)[0] == struct.pack("<Q", second)
+
+
 def test_buffer_views_keep_offsets_and_bounds():
     buf = fake_buffer(1 << 20, 64)
     v = buf.view(np.float32, (8,), offset=128)

@@ -309,6 +309,22 @@ def test_bound_launch_with_options_replays_through_cuLaunchKernelEx(launches):
         bound.launch(None)
 
 
+def test_the_audit_counts_launches_through_cuLaunchKernelEx(launches):
+    """Dependent and cluster launches, eager and bound, count as launches outside a graph, and still launch."""
+    from drvtrain.audit import CallCounts, count_driver_calls
+    k = hopper_kernel()
+    a = fake_buffer(4096)
+    with count_driver_calls() as calls:
+        k.launch(4, 64, a, 5, stream=FakeStream(1), dependent=True)
+        k.launch(4, 64, a, 6, stream=FakeStream(2), cluster=2)
+        k.bind(8, 32, a, 7, dependent=True).launch(FakeStream(3))
+    assert calls["cuLaunchKernelEx"] == 3
+    assert CallCounts(calls, 1).category("kernel launches outside a graph") == 3
+    assert [x[0] for x in launches] == ["ex"] * 3
+    k.launch(4, 64, a, 8, stream=FakeStream(4), dependent=True)
+    assert calls["cuLaunchKernelEx"] == 3 and len(launches) == 4  # counted inside the block only
+
+
 def test_refused_option_leaves_no_stale_arguments(launches):
     """launch(A) ok, launch(B) refused for its options or its arguments, launch(A): A is what is sent."""
     k = hopper_kernel()
