@@ -315,8 +315,10 @@ class Trainer:
         """Train to ``total_steps`` env steps (or stop at ``until`` env steps, to
         checkpoint and resume later); ``callback(progress)`` on every report.
         Every iteration steps all ``n_envs`` envs, so a run ends at the first multiple
-        of ``n_envs`` at or past its target: launches of ``unroll`` iterations, and a
-        shorter last one where the target falls inside a launch.
+        of ``n_envs`` at or past its target. Launches end at multiples of ``unroll``
+        iterations counted from the run's start, and where it stops: one that starts or
+        ends inside such a span is shorter. So a run stopped and resumed anywhere
+        launches, reports and evaluates after the same iterations as one that was not.
 
         Returns the summary: wall time, env steps, episodes, learning steps,
         the final greedy evaluation (None when stopped before the end).
@@ -335,7 +337,7 @@ class Trainer:
         events = [Event() for _ in range(3)]
         launch_index = 0
         while self.iterations < stop_iterations:
-            count = min(cfg.unroll, stop_iterations - self.iterations)
+            count = min(cfg.unroll - self.iterations % cfg.unroll, stop_iterations - self.iterations)
             self._launch(count)
             for it in range(self.iterations, self.iterations + count):
                 if self._learns(it):
