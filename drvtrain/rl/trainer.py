@@ -228,7 +228,7 @@ class Trainer:
         self.episodes = 0
         self.last_loss = float("nan")
         self._exe = None
-        self._partial_exe = {}  # iterations -> a graph of fewer than `unroll` (a run's last launch)
+        self._partial_exe = {}  # iterations -> a graph of fewer than `unroll` (see run())
         self._eval_exe = None
         self.stream.synchronize()
 
@@ -264,8 +264,8 @@ class Trainer:
         return graph.instantiate()
 
     def _launch(self, iterations: int) -> None:
-        """``iterations`` (at most ``unroll``) iterations: the captured graph, or for a run's
-        last launch one of that many iterations, captured once."""
+        """``iterations`` (at most ``unroll``) iterations: the captured graph, or for a shorter
+        launch (run()'s first after a resume, or its last) a graph of that many, captured once."""
         if iterations == self.config.unroll:
             self._exe.launch(self.stream)
             return
