@@ -353,6 +353,12 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
         wall = wall_offset + time.perf_counter() - started
         final_steps = int(summary.get("env_steps", state["env_steps"])) if isinstance(summary, dict) \
             else state["env_steps"]
+        # The summary first, the final checkpoint last: --resume finds a run complete only
+        # once both are written, and otherwise runs its end again and rewrites the summary.
+        printer.end()
+        run.write_summary({**(summary if isinstance(summary, dict) else {}), "wall_s": round(wall, 3),
+                           "env_steps": final_steps, "run_dir": str(run.path),
+                           "resumed_from": start_steps if meta else None})
         if state["saved_at"] != final_steps:
             checkpoint(final_steps, wall)
     except KeyboardInterrupt:
@@ -375,21 +381,14 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
     except RunFolderError as exc:  # e.g. a metrics.csv that another program rewrote
         printer.end()
         return _fail(f"{run.path}: {str(exc).splitlines()[0]}", EXIT_BAD_INPUT)
-    except OSError as exc:  # a checkpoint or a metrics row that could not be written: a full disk, say
+    except OSError as exc:  # a checkpoint, metrics row or summary that could not be written: a full disk, say
         printer.end()
         return _fail(f"{run.path}: {exc}", EXIT_FAILED)
-    except RuntimeError as exc:  # an evaluation whose episodes did not all end
-        printer.end()
-        return _fail(f"training failed: {str(exc).splitlines()[0]}", EXIT_FAILED)
     finally:
         if writer is not None:
             writer.close()
         if trainer is not None and callable(getattr(trainer, "close", None)):
             trainer.close()
-    printer.end()
-    summary = {**(summary if isinstance(summary, dict) else {}), "wall_s": round(wall, 3),
-               "env_steps": final_steps, "run_dir": str(run.path), "resumed_from": start_steps if meta else None}
-    run.write_summary(summary)
     print(f"done: {final_steps:,} env steps in {wall:,.1f} s; run folder {run.path}")
     return 0
 

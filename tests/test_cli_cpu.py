@@ -19,6 +19,7 @@ import pytest
 
 from drvtrain import cli
 from drvtrain.checkpoint import load_checkpoint, save_checkpoint
+from drvtrain.rl.dqn import TrainingError
 from drvtrain.rl.run import METRIC_COLUMNS, RunFolder, RunFolderError
 from drvtrain.rl.trainer import TrainConfig
 
@@ -576,8 +577,8 @@ def test_resuming_a_complete_run_leaves_it_as_it_is(tmp_path, rng, fake_trainer,
 @pytest.mark.parametrize("where, error, code, message", [
     ("init", ValueError("cluster_forward=True cannot run this net"), 2,
      "invalid training config: cluster_forward=True cannot run this net"),
-    ("run", RuntimeError("evaluation: only 3 of 8 episodes finished"), 1,
-     "training failed: evaluation: only 3 of 8 episodes finished"),
+    ("run", TrainingError("evaluation: only 3 of 8 episodes ended within 550 steps"), 1,
+     "training failed: evaluation: only 3 of 8 episodes ended within 550 steps"),
     ("run", OSError(28, "No space left on device"), 1, "No space left on device"),
     ("run", RunFolderError("metrics.csv: not written by drvtrain"), 2, "metrics.csv: not written by drvtrain")])
 def test_errors_while_training_exit_with_one_line(tmp_path, rng, fake_trainer, capsys, where, error, code, message):
@@ -588,6 +589,28 @@ def test_errors_while_training_exit_with_one_line(tmp_path, rng, fake_trainer, c
     assert cli.main(["train", "cartpole", *flags, "--out", str(tmp_path / "run")]) == code
     line = one_line(capsys.readouterr().err)
     assert message in line, line
+
+
+def test_a_summary_that_cannot_be_written_leaves_a_run_to_resume(tmp_path, rng, fake_trainer, capsys,
+                                                                 monkeypatch):
+    """A full disk when the summary is written: one line, exit 1, and the run's final
+    checkpoint is not written either, so --resume runs its end again and writes both."""
+    flags, _, steps = small_run_config(tmp_path, rng)
+    folder = tmp_path / "run"
+    write_summary = RunFolder.write_summary
+
+    def full_disk(self, summary):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(RunFolder, "write_summary", full_disk)
+    assert cli.main(["train", "cartpole", *flags, "--out", str(folder)]) == cli.EXIT_FAILED
+    assert "No space left on device" in one_line(capsys.readouterr().err)
+    end = final_steps(steps, RunFolder(folder).read_config()["n_envs"])
+    checkpoint = RunFolder(folder).latest_checkpoint()
+    assert checkpoint is None or load_checkpoint(checkpoint)[1]["env_steps"] < end
+    monkeypatch.setattr(RunFolder, "write_summary", write_summary)
+    assert cli.main(["train", "cartpole", *flags, "--resume", str(folder)]) == 0
+    assert RunFolder(folder).read_summary()["env_steps"] == end
+    assert load_checkpoint(RunFolder(folder).latest_checkpoint())[1]["env_steps"] == end
 
 
 def test_an_interrupt_before_the_run_starts_says_nothing_was_written(tmp_path, rng, fake_trainer, capsys):

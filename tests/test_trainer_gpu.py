@@ -120,7 +120,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(device, tmp_path, r
     again = _params_after(cfg)
     resumed = _params_after(cfg, stop=2006, path=tmp_path / "ckpt")  # inside a launch: 502 iterations
     for key in ("learner.params", "learner.target", "learner.m", "learner.v", "tree.leaves", "replay.obs",
-                "env.states", "loop", "eval.rng_counters", "final_eval_return"):
+                "env.states", "loop", "eval.rng_counters", "eval.states", "final_eval_return"):
         assert straight[key].tobytes() == again[key].tobytes(), f"same seed, {key} differs"
         assert straight[key].tobytes() == resumed[key].tobytes(), f"resumed, {key} differs"
     assert straight["eval.rng_counters"].any()
@@ -128,10 +128,12 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(device, tmp_path, r
     assert other["learner.params"].tobytes() != straight["learner.params"].tobytes()
 
 
-def test_an_env_that_ends_an_episode_every_step_is_evaluated(device, rng):
+def test_an_env_that_ends_an_episode_every_step_is_evaluated_and_resumed(device, tmp_path, rng):
     """max_steps = 1: every step of every env ends an episode, so one launch of the
     evaluation fills its ring with as many episodes as it has slots; each evaluation
-    still reads every env's first episode."""
+    still reads every env's first episode. The env's reset counts its resets in its
+    state, so a resumed run evaluates as an uninterrupted one only if the evaluation
+    envs' states are in the checkpoint."""
     register_env("blink", os.path.join(os.path.dirname(CHAIN), "blink.cu"), obs_dim=2, n_actions=2, state_dim=1,
                  max_steps=1)
     cfg = small_config(env="blink", n_envs=8, total_steps=8 * 300, learning_starts=800, train_every=8,
@@ -141,6 +143,11 @@ def test_an_env_that_ends_an_episode_every_step_is_evaluated(device, rng):
     assert trainer.evaluations == 3 and 0.0 <= summary["final_eval_return"] <= 1.0
     assert trainer.episodes == trainer.actor.loop.to_numpy()[2] == 8 * 300
     trainer.close()
+    straight = _params_after(cfg)
+    resumed = _params_after(cfg, stop=8 * 151, path=tmp_path / "ckpt")
+    assert straight["eval.states"].min() > 1  # the evaluations' resets counted
+    for key in ("learner.params", "env.states", "eval.states", "eval.rng_counters", "final_eval_return"):
+        assert straight[key].tobytes() == resumed[key].tobytes(), f"resumed, {key} differs"
 
 
 def test_a_checkpoint_of_another_configuration_is_refused(device, tmp_path, rng):

@@ -70,7 +70,9 @@ def head_shared_bytes(hidden: int, n_actions: int) -> int:
 
 
 class TrainingError(RuntimeError):
-    """The device skipped a step (a non-finite loss or gradient norm) or flagged bad replay input."""
+    """The device skipped a step (a non-finite loss or gradient norm) or flagged bad replay input;
+    or the training loop found an evaluation whose episodes did not end, or an episode ring
+    overwritten before it was read."""
 
 
 def spectral_stage_bytes(columns) -> int:

@@ -24,7 +24,7 @@ from ..graph import capture
 from ..kernel import dependent_launches
 from ..memory import Arena, DeviceBuffer, MappedBuffer
 from ..stream import Event, Stream
-from .dqn import DQNConfig, DQNStep, check_learner_state
+from .dqn import DQNConfig, DQNStep, TrainingError, check_learner_state
 from .env import make_env
 
 __all__ = ["TrainConfig", "Trainer", "ENV_DEFAULTS", "check_trainer_state"]
@@ -183,7 +183,7 @@ class _Actor:
             k = self.polled
             row = rows[k % self.episode_slots]
             if row[4] > k + 1:
-                raise RuntimeError(f"the episode ring ({self.episode_slots} slots) was overwritten before "
+                raise TrainingError(f"the episode ring ({self.episode_slots} slots) was overwritten before "
                                    f"episode {k + 1} was read")
             if row[4] != k + 1:
                 break
@@ -216,7 +216,8 @@ class Trainer:
         self._eval_unroll = 50
         # An env ends at most one episode an iteration. run() reads the ring after each
         # launch with at most two launches unread, and evaluate() after each of its
-        # launches: so the rings hold two launches' episodes, and one.
+        # launches: so the rings hold two launches' episodes, and one (40 bytes of mapped
+        # host memory an episode: 80 n_envs unroll bytes for training, 4096 rows at least).
         self.actor = _Actor(cfg, self.learner, cfg.n_envs, _derive_seed(cfg.seed, 1),
                             episode_slots=max(4096, 2 * cfg.n_envs * cfg.unroll))
         self.eval_actor = _Actor(cfg, self.learner, cfg.eval_episodes, _derive_seed(cfg.seed, 2),
@@ -284,7 +285,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean return of one greedy episode in each of ``eval_episodes`` fresh evaluation envs.
         An env with ``max_steps`` ends every episode within that many steps; one without
-        (``max_steps`` 0) is given up to ``_EVAL_LIMIT`` steps, and RuntimeError says when
+        (``max_steps`` 0) is given up to ``_EVAL_LIMIT`` steps, and TrainingError says when
         some episode has not ended by then."""
         actor = self.eval_actor
         if self._eval_exe is None:
@@ -306,7 +307,7 @@ class Trainer:
             if len(first) == actor.n:
                 break
         if len(first) < actor.n:
-            raise RuntimeError(f"evaluation: only {len(first)} of {actor.n} episodes ended within "
+            raise TrainingError(f"evaluation: only {len(first)} of {actor.n} episodes ended within "
                                f"{launches * self._eval_unroll} steps")
         return float(np.mean([first[i] for i in range(actor.n)]))
 
@@ -409,8 +410,10 @@ class Trainer:
             "env.rng_counters": actor.env.rng_counters.to_numpy(),
             "env.ep_return": actor.ep_return.to_numpy(), "loop": actor.loop.to_numpy(),
             "gate": self.gate.to_numpy(),
-            # Each evaluation resets its envs from where their random counters stopped.
+            # Each evaluation resets its envs from where they stopped: an env's reset draws from
+            # its random counter and is handed its state.
             "eval.rng_counters": self.eval_actor.env.rng_counters.to_numpy(),
+            "eval.states": self.eval_actor.env.states.to_numpy(),
             "host": np.array([self.iterations, self.evaluations, self.episodes, actor.polled,
                               learner.metrics.recorded], np.int64),
             "host.recent": np.array(self.recent, np.float64),
@@ -421,7 +424,7 @@ class Trainer:
         """Restore ``state_arrays()``; every array is checked (its shape and dtype, then its
         values: :func:`check_trainer_state`) before anything is written."""
         current = self.state_arrays()
-        optional = {"host.recent", "eval.rng_counters"}  # absent: empty, and counters from 0
+        optional = {"host.recent", "eval.rng_counters", "eval.states"}  # older checkpoints: see below
         missing = sorted(set(current) - set(arrays) - optional)
         if missing:
             raise ValueError(f"checkpoint lacks {missing}")
@@ -446,8 +449,10 @@ class Trainer:
                          (actor.env.rng_counters, "env.rng_counters"), (actor.ep_return, "env.ep_return"),
                          (actor.loop, "loop"), (self.gate, "gate")):
             buf.copy_from_numpy(np.ascontiguousarray(arrays[key]))
-        if "eval.rng_counters" in arrays:
-            self.eval_actor.env.rng_counters.copy_from_numpy(np.ascontiguousarray(arrays["eval.rng_counters"]))
+        # A checkpoint written before the evaluation envs were saved: they start as a new run's.
+        evaluation = self.eval_actor.env
+        for buf, key in ((evaluation.rng_counters, "eval.rng_counters"), (evaluation.states, "eval.states")):
+            buf.copy_from_numpy(np.ascontiguousarray(arrays[key]) if key in arrays else np.zeros(buf.shape, buf.dtype))
         iterations, evaluations, episodes, polled, recorded = (int(v) for v in arrays["host"])
         self.iterations, self.evaluations, self.episodes = iterations, evaluations, episodes
         actor.polled = polled
