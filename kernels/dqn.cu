@@ -308,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) dqn_head(
     // The forwards: warp item (pass p, column c) = Q[p][r][c] for the block's rows,
     // lanes over k, then a fixed shuffle tree whose result lane 0 holds. Warp w takes
     // items w, w + 8, ... When more items than warps leave a last round of at most 8
-    // (item, row) units (3 cols % 8 items of `here` rows: with cols = 3, the ninth
+    // (item, row) units ((3 cols) % 8 items of `here` rows: with cols = 3, the ninth
     // item's rows), its units go one a warp, in the k loop of the warp's last item:
     // no warp takes a second item on its own. Every dot keeps its lanes' order and
     // its tree, so the bits are the same either way. The biases of a warp's first
