@@ -326,7 +326,9 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
         state.update(env_steps=steps, wall_s=wall)
         writer.write({**progress, "wall_s": round(wall, 3)})
         printer.show(progress)
-        if every and steps // every > (state["saved_at"] or 0) // every:
+        # At the end the checkpoint waits for the summary (below), so that a run whose last
+        # checkpoint is at its end always has its summary.
+        if every and steps < config.total_steps and steps // every > (state["saved_at"] or 0) // every:
             checkpoint(steps, wall)
 
     trainer = None
