@@ -308,8 +308,7 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
     start_steps = meta["env_steps"] if meta else 0
     wall_offset = float(meta.get("wall_s", 0.0)) if meta else 0.0
     every = int(getattr(config, "checkpoint_every", 0) or 0)
-    state = {"saved_at": start_steps if meta else None, "env_steps": start_steps, "wall_s": wall_offset,
-             "written": resuming}  # whether the run folder holds this run
+    state = {"saved_at": start_steps if meta else None, "env_steps": start_steps, "wall_s": wall_offset}
     printer = _ProgressLine(sys.stdout, config.total_steps)
     started = time.perf_counter()
     writer = None
@@ -349,7 +348,6 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
         elif resuming:
             print(f"{run.path} has no checkpoint yet: starting it again from step 0")
         run.write_config(config_dict)
-        state["written"] = True
         writer = run.metrics_writer(keep_up_to=start_steps if resuming else None)
         summary = trainer.run(on_progress)
         wall = wall_offset + time.perf_counter() - started
@@ -365,7 +363,7 @@ def _run_training(Trainer, config, config_dict, run, arrays, meta, *, resuming: 
             checkpoint(final_steps, wall)
     except KeyboardInterrupt:
         printer.end()
-        if not state["written"]:
+        if not run.holds_run():  # stopped while the trainer was being built, before the config was written
             return _fail(f"interrupted before the run started; nothing was written to {run.path}", EXIT_INTERRUPTED)
         saved = state["saved_at"]
         where = f"the checkpoint at {saved:,} env steps" if saved is not None else "step 0 (no checkpoint yet)"

@@ -228,6 +228,7 @@ class Trainer:
         self.recent = deque(maxlen=100)
         self.episodes = 0
         self.last_loss = float("nan")
+        self.graph = None  # the captured graph of `unroll` iterations (run() captures it)
         self._exe = None
         self._partial_exe = {}  # iterations -> a graph of fewer than `unroll` (see run())
         self._eval_exe = None
@@ -475,7 +476,7 @@ class Trainer:
             if exe is not None:
                 exe.close()
         self._exe, self._eval_exe, self._partial_exe = None, None, {}
-        if getattr(self, "graph", None) is not None:
+        if self.graph is not None:
             self.graph.close()
         self.actor.close()
         self.eval_actor.close()
