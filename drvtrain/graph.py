@@ -57,6 +57,7 @@ class Graph:
         self.handle = None
         self.keepalive: list = []
         self._finalizer = None
+        self._closed = False
         self._nodes = None
         self._edges = None
         if handle is not None:
@@ -68,6 +69,8 @@ class Graph:
 
     def _require(self) -> None:
         if self.handle is None:
+            if self._closed:
+                raise RuntimeError("the graph is closed")
             raise RuntimeError("the graph is not captured yet: use it after the `with capture(...)` block")
 
     # -------------------------------------------------------------- structure
@@ -240,8 +243,11 @@ class Graph:
         return GraphExec(self)
 
     def close(self) -> None:
+        """Destroy the graph now. Executable graphs made from it keep working; the
+        graph itself refuses every later use."""
         if self._finalizer is not None:
             self._finalizer()
+        self.handle, self._closed, self._nodes, self._edges = None, True, None, None
         self.keepalive.clear()
 
 
@@ -249,6 +255,14 @@ class GraphExec:
     """An instantiated graph: ``launch`` replays it, ``update`` swaps in new parameters."""
 
     def __init__(self, graph: Graph):
+        graph._require()
+        kernels = _kernels_of(graph.keepalive)
+        for kernel in kernels:
+            if kernel.closed:
+                raise RuntimeError(f"the graph launches {kernel.name}, a kernel of a closed module")
+        # What cuGraphExecUpdate requires to match, read now: `update` must not
+        # depend on the source graph, which may be closed by then.
+        self._topology = _topology(graph)
         self.handle = check(cu.cuGraphInstantiate, graph.handle, 0)
         self.graph = graph
         # Its own list: the kernels (and so their modules) and buffers the
@@ -256,16 +270,29 @@ class GraphExec:
         # happens to the Graph it came from (Graph.close empties that one's).
         self.keepalive = list(graph.keepalive)
         self._finalizer = release_on_collect(self, release, cu.cuGraphExecDestroy, self.handle)
+        _register_with_modules(self, kernels)
 
     def launch(self, stream) -> None:
+        if self.handle is None:
+            raise RuntimeError("the executable graph is closed")
         status, = cu.cuGraphLaunch(self.handle, stream.handle)
         if status:
             raise_status("cuGraphLaunch", status)
 
+    @property
+    def closed(self) -> bool:
+        return self.handle is None
+
     def update(self, graph: Graph) -> None:
         """Take ``graph``'s node parameters; its topology must equal the instantiated one."""
+        if self.handle is None:
+            raise RuntimeError("the executable graph is closed")
         graph._require()
-        if _topology(graph) != _topology(self.graph):
+        kernels = _kernels_of(graph.keepalive)
+        for kernel in kernels:
+            if kernel.closed:
+                raise RuntimeError(f"the graph launches {kernel.name}, a kernel of a closed module")
+        if _topology(graph) != self._topology:
             reason = _UPDATE_REASONS[_R.CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED]
             raise GraphUpdateError("cuGraphExecUpdate", None, f"{reason}; the executable graph is unchanged")
         status, info = cu.cuGraphExecUpdate(self.handle, graph.handle)
@@ -279,10 +306,30 @@ class GraphExec:
                                    f"{reason}; the executable graph is unchanged")
         self.graph = graph
         self.keepalive = list(graph.keepalive)
+        _register_with_modules(self, kernels)
 
     def close(self) -> None:
+        """Destroy the executable graph now; later launches and updates are refused."""
         self._finalizer()
-        self.keepalive = []
+        self.handle, self.graph, self.keepalive = None, None, []
+
+
+def _kernels_of(keepalive) -> list:
+    """The distinct kernels a captured graph launches, from its keepalive entries."""
+    seen = {}
+    for entry in keepalive:
+        kernel = entry[0] if isinstance(entry, tuple) and entry else None
+        if hasattr(kernel, "closed") and id(kernel) not in seen:
+            seen[id(kernel)] = kernel
+    return list(seen.values())
+
+
+def _register_with_modules(exe: "GraphExec", kernels) -> None:
+    """Tell each module whose kernels ``exe`` replays: Module.close refuses while it lives."""
+    for kernel in kernels:
+        module = getattr(kernel, "_module", None)
+        if module is not None:
+            module._graphs.add(exe)
 
 
 _DOT_NODE = re.compile(r'^"(graph_\d+_node_\d+)"\[', re.M)

@@ -237,6 +237,8 @@ class Kernel:
     kernel made without either.
     """
 
+    closed = False  # set when its module is closed: launches are refused from then on
+
     def __init__(self, function, name: str, signature, limits: DeviceLimits,
                  max_threads: int | None = None, module=None, fixed_block: bool = False,
                  compute_capability: tuple[int, int] | None = None, dynamic_shared=None):
@@ -606,11 +608,17 @@ def _keep_for_captures(captures, kernel, refs) -> None:
         capture.keepalive.append((kernel, refs))
 
 
+def _closed_kernel(kernel: Kernel) -> RuntimeError:
+    return RuntimeError(f"{kernel.name}: its module is closed; load the module again for a new kernel")
+
+
 def _launch(kernel: Kernel, g, b, shared_mem, stream, pack: ArgPack) -> None:
     try:
         handle = stream.handle
     except AttributeError:
         raise TypeError("stream must be a drvtrain Stream; the legacy stream is never used") from None
+    if kernel.closed:
+        raise _closed_kernel(kernel)
     captures = getattr(_tls, "captures", None)
     if captures:
         _keep_for_captures(captures, kernel, pack.refs)
@@ -630,6 +638,8 @@ def _launch_ex(kernel: Kernel, config, stream, pack: ArgPack) -> None:
         handle = stream.handle
     except AttributeError:
         raise TypeError("stream must be a drvtrain Stream; the legacy stream is never used") from None
+    if kernel.closed:
+        raise _closed_kernel(kernel)
     captures = getattr(_tls, "captures", None)
     if captures:
         _keep_for_captures(captures, kernel, pack.refs)
@@ -687,6 +697,7 @@ class Module:
         # dropping the last reference frees a module without waiting for the GC.
         self._kernels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._dynamic_shared: dict[str, _DynamicShared] = {}  # per function symbol
+        self._graphs: weakref.WeakSet = weakref.WeakSet()  # executable graphs that replay its kernels
 
     def kernel(self, name: str, signature, *, fixed_block: bool = False) -> Kernel:
         """The kernel ``name`` (a function name or a compiled name expression).
@@ -696,6 +707,8 @@ class Module:
         ``__launch_bounds__``; ``Kernel.block`` holds it and other blocks are refused.
         """
         key = (name, parse_signature(signature), fixed_block)
+        if self.handle is None:
+            raise RuntimeError(f"the module {self.program.name} is closed")
         kern = self._kernels.get(key)
         if kern is None:
             symbol = self.program.lowered_names.get(name, name)
@@ -710,8 +723,21 @@ class Module:
         return kern
 
     def close(self) -> None:
+        """Unload the module now. Its kernels refuse every later launch, and graphs
+        captured with them can no longer be instantiated. Refused (nothing changes)
+        while an executable graph that replays its kernels is open: close those first."""
+        if self.handle is None:
+            return
+        live = [exe for exe in self._graphs if not exe.closed]
+        if live:
+            raise RuntimeError(f"the module {self.program.name} is still replayed by {len(live)} executable "
+                               f"graph{'s' if len(live) > 1 else ''}: close {'them' if len(live) > 1 else 'it'} "
+                               f"first")
+        for kern in list(self._kernels.values()):
+            kern.closed, kern.function = True, None
         self._kernels.clear()
         self._finalizer()
+        self.handle = None
 
 
 def _param_count(function) -> int | None:

@@ -47,6 +47,74 @@ def test_executable_graph_keeps_its_module_loaded(device, stream, rng):
     assert alive() is None, "closing the GraphExec should let the module go"
 
 
+def _scale_graph(stream, kernel, y, x, a, n):
+    with capture(stream) as graph:
+        kernel.launch(-(-n // 128), 128, y, x, a, n, stream=stream)
+    return graph
+
+
+def test_closed_graphs_refuse_use_and_an_update_needs_no_closed_graph(device, stream, rng):
+    """A closed Graph refuses every use; an executable graph updates from a new graph after
+    its source graph was closed, and once closed refuses launches and updates."""
+    n = int(rng.integers(3000, 9000))
+    src = rng.standard_normal(n).astype(np.float32)
+    a1, a2 = (float(v) for v in rng.uniform(1.5, 3.0, 2))
+    x, y = DeviceBuffer.from_numpy(src), DeviceBuffer(n)
+    kernel = load_source(SCALE_SOURCE, "scale_by.cu").kernel("scale_by", "ptr ptr f32 i32")
+    first = _scale_graph(stream, kernel, y, x, a1, n)
+    exe = first.instantiate()
+    first.close()
+    for use in (first.nodes, first.edges, first.instantiate, first.summary):
+        with pytest.raises(RuntimeError, match="the graph is closed"):
+            use()
+    second = _scale_graph(stream, kernel, y, x, a2, n)
+    exe.update(second)  # the topology is compared with the one read at instantiation
+    second.close()
+    y.poison(stream=stream)
+    exe.launch(stream)
+    np.testing.assert_array_equal(y.to_numpy(), np.float32(a2) * src)
+    exe.close()
+    with pytest.raises(RuntimeError, match="the executable graph is closed"):
+        exe.launch(stream)
+    third = _scale_graph(stream, kernel, y, x, a1, n)
+    with pytest.raises(RuntimeError, match="the executable graph is closed"):
+        exe.update(third)
+    third.close()
+
+
+def test_a_closed_module_refuses_its_kernels_and_its_graphs(device, stream, rng):
+    """Module.close is refused while an executable graph replays its kernels (and that graph
+    still runs); once it is closed, its kernels, bound launches and captured graphs are refused."""
+    n = int(rng.integers(3000, 9000))
+    src = rng.standard_normal(n).astype(np.float32)
+    a = float(rng.uniform(1.5, 3.0))
+    x, y = DeviceBuffer.from_numpy(src), DeviceBuffer(n)
+    module = load_source(SCALE_SOURCE, "scale_by.cu")
+    kernel = module.kernel("scale_by", "ptr ptr f32 i32")
+    bound = kernel.bind(-(-n // 128), 128, y, x, a, n)
+    graph = _scale_graph(stream, kernel, y, x, a, n)
+    exe = graph.instantiate()
+    with pytest.raises(RuntimeError, match="still replayed by 1 executable graph: close it first"):
+        module.close()
+    y.poison(stream=stream)
+    exe.launch(stream)  # the refused close changed nothing
+    np.testing.assert_array_equal(y.to_numpy(), np.float32(a) * src)
+    exe.close()
+    module.close()
+    for use in (lambda: kernel.launch(-(-n // 128), 128, y, x, a, n, stream=stream),
+                lambda: kernel.launch(-(-n // 128), 128, y, x, a, n, stream=stream, dependent=True),
+                lambda: bound.launch(stream)):
+        with pytest.raises(RuntimeError, match="scale_by: its module is closed"):
+            use()
+    with pytest.raises(RuntimeError, match="the graph launches scale_by, a kernel of a closed module"):
+        graph.instantiate()
+    with pytest.raises(RuntimeError, match="the module scale_by.cu is closed"):
+        module.kernel("scale_by", "ptr ptr f32 i32")
+    module.close()  # a second close does nothing
+    graph.close()
+    stream.synchronize()
+
+
 SPIN_SOURCE = r'''
 extern "C" __global__ void spin(long long cycles) {
     const long long start = clock64();

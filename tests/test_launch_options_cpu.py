@@ -515,3 +515,15 @@ def test_bad_cluster_policies_are_refused_before_any_driver_call(no_driver, opti
         k.launch(8, 64, fake_buffer(4096), 1, stream=FakeStream(), **options)
     with pytest.raises(ValueError, match=match):
         k.bind(8, 64, fake_buffer(4096), 1, **options)
+
+
+def test_a_kernel_of_a_closed_module_refuses_every_launch_before_the_driver(no_driver):
+    k = hopper_kernel()
+    a = fake_buffer(4096)
+    plain, with_options = k.bind(8, 32, a, 5), k.bind(8, 32, a, 5, dependent=True)
+    k.closed, k.function = True, None  # what Module.close does to its kernels
+    for launch in (lambda: k.launch(8, 32, a, 5, stream=FakeStream(1)),
+                   lambda: k.launch(8, 32, a, 5, stream=FakeStream(1), dependent=True, cluster=2),
+                   lambda: plain.launch(FakeStream(1)), lambda: with_options.launch(FakeStream(1))):
+        with pytest.raises(RuntimeError, match="k: its module is closed"):
+            launch()
