@@ -74,12 +74,7 @@ def count_driver_calls():
     """Yield a Counter that fills with the driver calls drvtrain makes inside the block."""
     calls: Counter = Counter()
     proxy = _CountingDriver(_real_driver, calls)
-    patched = []
-    for name, module in list(sys.modules.items()):
-        if (name == "drvtrain" or name.startswith("drvtrain.")) and getattr(module, "cu", None) is _real_driver:
-            patched.append((module, "cu", _real_driver))
-            module.cu = proxy
-    from . import kernel, tma
+    patched = []  # (module, attribute, original), in the order installed
 
     def count(module, attr: str, name: str) -> None:
         # Names bound once, which the module's `cu` does not reach: each call is counted and passed on.
@@ -90,13 +85,19 @@ def count_driver_calls():
             return original(*args)
         patched.append((module, attr, original))
         setattr(module, attr, counted)
-    count(kernel, "_cuLaunchKernel", "cuLaunchKernel")
-    count(kernel, "_cuLaunchKernelEx", "cuLaunchKernelEx")  # dependent, cluster and cooperative launches
-    count(tma, "_encode_tiled", "cuTensorMapEncodeTiled")
-    try:
+
+    try:  # a failure while installing undoes what was installed
+        for name, module in list(sys.modules.items()):
+            if (name == "drvtrain" or name.startswith("drvtrain.")) and getattr(module, "cu", None) is _real_driver:
+                patched.append((module, "cu", _real_driver))
+                module.cu = proxy
+        from . import kernel, tma
+        count(kernel, "_cuLaunchKernel", "cuLaunchKernel")
+        count(kernel, "_cuLaunchKernelEx", "cuLaunchKernelEx")  # dependent, cluster and cooperative launches
+        count(tma, "_encode_tiled", "cuTensorMapEncodeTiled")
         yield calls
     finally:
-        for module, attr, original in patched:
+        for module, attr, original in reversed(patched):
             setattr(module, attr, original)
 
 

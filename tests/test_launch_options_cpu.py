@@ -325,6 +325,24 @@ def test_the_audit_counts_launches_through_cuLaunchKernelEx(launches):
     assert calls["cuLaunchKernelEx"] == 3 and len(launches) == 4  # counted inside the block only
 
 
+def test_the_audit_undoes_its_patches_when_installing_them_fails(monkeypatch):
+    """A failure while the counters go in leaves every module as it was."""
+    import sys
+
+    from drvtrain import audit, tma
+    from drvtrain.audit import count_driver_calls
+    monkeypatch.delattr(tma, "_encode_tiled")  # the last name the audit wraps
+    before = {name: mod.cu for name, mod in sys.modules.items()
+              if name.startswith("drvtrain") and hasattr(mod, "cu")}
+    launch, launch_ex = kernel_module._cuLaunchKernel, kernel_module._cuLaunchKernelEx
+    with pytest.raises(AttributeError, match="_encode_tiled"):
+        with count_driver_calls():
+            pass
+    assert before and all(sys.modules[name].cu is cu_ for name, cu_ in before.items())
+    assert all(mod is audit._real_driver for mod in before.values())
+    assert (kernel_module._cuLaunchKernel, kernel_module._cuLaunchKernelEx) == (launch, launch_ex)
+
+
 def test_refused_option_leaves_no_stale_arguments(launches):
     """launch(A) ok, launch(B) refused for its options or its arguments, launch(A): A is what is sent."""
     k = hopper_kernel()
