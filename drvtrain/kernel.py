@@ -722,6 +722,23 @@ class Module:
             self._kernels[key] = kern
         return kern
 
+    def read_global(self, name: str, dtype, count: int) -> np.ndarray:
+        """A host copy of ``count`` elements of ``dtype`` from the start of the module's
+        device variable ``name`` (an ``extern "C"`` ``__device__`` or ``__constant__``
+        array), read synchronously. ``KeyError`` when the module has no such variable."""
+        if self.handle is None:
+            raise RuntimeError(f"the module {self.program.name} is closed")
+        status, ptr, size = cu.cuModuleGetGlobal(self.handle, name.encode())
+        if status == cu.CUresult.CUDA_ERROR_NOT_FOUND:
+            raise KeyError(f"{self.program.name} has no device variable {name}")
+        if status:
+            _driver.raise_status("cuModuleGetGlobal", status)
+        out = np.empty(count, dtype)
+        if out.nbytes > size:
+            raise ValueError(f"{name} holds {size} bytes, {out.nbytes} requested")
+        check(cu.cuMemcpyDtoH, out.ctypes.data, ptr, out.nbytes)
+        return out
+
     def close(self) -> None:
         """Unload the module now. Its kernels refuse every later launch, and graphs
         captured with them can no longer be instantiated. Refused (nothing changes)

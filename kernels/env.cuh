@@ -204,6 +204,10 @@ __device__ __forceinline__ int dt_env_step_one(DtEnvRegs<Env>& env, int i, int a
 
 #include "loop.cuh"
 
-#define DT_DEFINE_ENV(Env, name)            \
-    DT_ENV_RESET_STEP_KERNELS(Env, name)    \
-    DT_ENV_LOOP_KERNELS(Env, name)
+// name_dims: the struct's OBS_DIM, N_ACTIONS, STATE_DIM and MAX_STEPS, which DeviceEnv
+// reads to size its buffers (and to refuse dimensions given that differ).
+#define DT_DEFINE_ENV(Env, name)                                                                  \
+    DT_ENV_RESET_STEP_KERNELS(Env, name)                                                          \
+    DT_ENV_LOOP_KERNELS(Env, name)                                                                \
+    extern "C" __device__ const int name##_dims[4] = {Env::OBS_DIM, Env::N_ACTIONS, Env::STATE_DIM, \
+                                                      Env::MAX_STEPS};

@@ -8,7 +8,7 @@ import pytest
 
 import cartpole_reference as ref
 from drvtrain import DeviceBuffer
-from drvtrain.rl.env import DeviceEnv, known_envs, make_env, register_env
+from drvtrain.rl.env import ENVIRONMENTS, DeviceEnv, known_envs, make_env, register_env
 
 pytestmark = pytest.mark.gpu
 
@@ -390,6 +390,33 @@ def test_bad_arguments_are_refused(device, stream, rng):
     env.close()
     with pytest.raises(RuntimeError, match="closed"):
         env.reset(stream=stream)
+
+
+@pytest.mark.parametrize("given, member", [
+    (dict(state_dim=2), "STATE_DIM = 1"), (dict(obs_dim=4), "OBS_DIM = 8"), (dict(n_actions=3), "N_ACTIONS = 2"),
+    (dict(max_steps=0), "MAX_STEPS = 50")])
+def test_dimensions_that_differ_from_the_struct_are_refused(device, monkeypatch, given, member):
+    """The kernels size their indexing from the struct: a buffer sized otherwise would be overrun."""
+    monkeypatch.setattr("drvtrain.rl.env.ENVIRONMENTS", dict(ENVIRONMENTS))
+    what = next(iter(given))
+    with pytest.raises(ValueError, match=f"{what}={given[what]} was given for 'chain', but the struct in "
+                                         f".*chain.cu has {member}; leave {what} out"):
+        DeviceEnv(CHAIN, "chain", 8, seed=0, **given)
+    register_env("chain_wrong", CHAIN, **given)  # registering reads nothing; building does
+    with pytest.raises(ValueError, match=member):
+        make_env("chain_wrong", 8, seed=0)
+
+
+def test_dimensions_left_out_come_from_the_struct(device, monkeypatch):
+    monkeypatch.setattr("drvtrain.rl.env.ENVIRONMENTS", dict(ENVIRONMENTS))
+    register_env("chain_plain", CHAIN)
+    env = make_env("chain_plain", 3, seed=1)
+    assert (env.obs_dim, env.n_actions, env.state_dim, env.max_steps) == (CHAIN_LENGTH, 2, 1, CHAIN_MAX_STEPS)
+    assert env.obs.shape == (3, CHAIN_LENGTH) and env.states.shape == (3, 1)
+    env.close()
+    cart = DeviceEnv("cartpole.cu", "cartpole", 2, seed=0, obs_dim=4)
+    assert (cart.obs_dim, cart.n_actions, cart.state_dim, cart.max_steps) == (4, 2, 4, 500)
+    cart.close()
 
 
 @pytest.mark.provokes_driver_errors

@@ -216,3 +216,20 @@ def test_the_rate_counts_only_the_steps_of_this_run(rng, monkeypatch):
     progress = trainer._progress(clock - 4.0, resumed_at, None)
     assert progress["steps_per_s"] == (trainer.env_steps - resumed_at) / 4.0
     assert progress["wall_s"] == 4.0 and progress["env_steps"] == trainer.env_steps
+
+
+def test_register_env_checks_the_dimensions_it_is_given(monkeypatch):
+    """Each dimension may be left out (the struct's is read when an env is built); one given is
+    checked for its type and range at once, and a refused registration changes nothing."""
+    from drvtrain.rl import env as env_module
+    monkeypatch.setattr(env_module, "ENVIRONMENTS", dict(env_module.ENVIRONMENTS))
+    env_module.register_env("mine", "mine.cu", obs_dim=3)
+    spec = env_module.ENVIRONMENTS["mine"]
+    assert (spec.obs_dim, spec.n_actions, spec.state_dim, spec.max_steps) == (3, None, None, None)
+    for bad, error, match in ((dict(obs_dim=0), ValueError, r"obs_dim must be in 1\.\.1048576, got 0"),
+                              (dict(max_steps=-1), ValueError, r"max_steps must be in 0\.\."),
+                              (dict(n_actions=True), TypeError, "n_actions must be an integer, got bool"),
+                              (dict(state_dim=2.0), TypeError, "state_dim must be an integer, got float")):
+        with pytest.raises(error, match=match):
+            env_module.register_env("other", "other.cu", **bad)
+    assert "other" not in env_module.known_envs()

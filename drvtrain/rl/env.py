@@ -49,12 +49,24 @@ def _host(array, what: str, shape: tuple, dtype) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype)
 
 
+# The dimensions DT_DEFINE_ENV exports (name_dims): argument name, struct member, range.
+_DIMS = (("obs_dim", "OBS_DIM", 1, 2**20), ("n_actions", "N_ACTIONS", 1, 2**31 - 1),
+         ("state_dim", "STATE_DIM", 1, 2**20), ("max_steps", "MAX_STEPS", 0, 2**31 - 1))
+
+
+def _dims(*values) -> tuple:
+    """The dimensions given (None: take the struct's), each checked for its type and range."""
+    return tuple(None if v is None else _count(v, what, low, high)
+                 for v, (what, _, low, high) in zip(values, _DIMS))
+
+
 class DeviceEnv:
     """``n_envs`` copies of the environment ``name`` defined in ``source``, all stepped in one launch.
 
     ``source`` is a ``.cu`` path; a bare file name (``"cartpole.cu"``) means
-    drvtrain's own ``kernels/``. The dimensions must be those of the struct
-    the source defines (the kernels index the buffers with them). Env ``i``
+    drvtrain's own ``kernels/``. The dimensions are read from the struct the
+    source defines (``DT_DEFINE_ENV`` exports them); one given must equal the
+    struct's, or a ``ValueError`` says which differs. Env ``i``
     draws its randomness from Philox keyed by ``seed`` at counters kept on the
     device (``rng_counters``), so a graph replay draws fresh numbers.
 
@@ -77,24 +89,34 @@ class DeviceEnv:
     is needed.
     """
 
-    def __init__(self, source, name: str, n_envs: int, *, seed: int, obs_dim: int, n_actions: int,
-                 state_dim: int, max_steps: int):
+    def __init__(self, source, name: str, n_envs: int, *, seed: int, obs_dim: int | None = None,
+                 n_actions: int | None = None, state_dim: int | None = None, max_steps: int | None = None):
         self.name = str(name)
         self.n_envs = _count(n_envs, "n_envs", 1, 2**31 - 1)
         self.seed = _count(seed, "seed", 0, 2**64 - 1)
-        self.obs_dim = _count(obs_dim, "obs_dim", 1, 2**20)
-        self.n_actions = _count(n_actions, "n_actions", 1, 2**31 - 1)
-        self.state_dim = _count(state_dim, "state_dim", 1, 2**20)
-        self.max_steps = _count(max_steps, "max_steps", 0, 2**31 - 1)
+        given = _dims(obs_dim, n_actions, state_dim, max_steps)
         self.module = module = load_module(source)
+        missing = (f"{source} has no kernels {self.name}_reset and {self.name}_step; "
+                   f"does it end with DT_DEFINE_ENV(Env, {self.name})?")
         try:
             self._reset = module.kernel(f"{self.name}_reset", RESET_SIGNATURE, fixed_block=True)
             self._step = module.kernel(f"{self.name}_step", STEP_SIGNATURE, fixed_block=True)
+            struct = module.read_global(f"{self.name}_dims", np.int32, 4)
+        except KeyError:
+            raise ValueError(missing) from None
         except DriverError as exc:
             if exc.status_name != "CUDA_ERROR_NOT_FOUND":
                 raise
-            raise ValueError(f"{source} has no kernels {self.name}_reset and {self.name}_step; "
-                             f"does it end with DT_DEFINE_ENV(Env, {self.name})?") from exc
+            raise ValueError(missing) from exc
+        # The kernels index every buffer with the struct's dimensions: one given otherwise
+        # would size a buffer they overrun.
+        for (what, member, low, high), value, want in zip(_DIMS, given, struct.tolist()):
+            if not low <= want <= high:
+                raise ValueError(f"{source}: the struct's {member} = {want} is outside {low}..{high}")
+            if value is not None and value != want:
+                raise ValueError(f"{what}={value} was given for {self.name!r}, but the struct in {source} has "
+                                 f"{member} = {want}; leave {what} out to take the struct's")
+        self.obs_dim, self.n_actions, self.state_dim, self.max_steps = (int(v) for v in struct)
         self.block = self._reset.block
         self.grid = -(-self.n_envs // self.block)
         n = self.n_envs
@@ -197,10 +219,10 @@ class EnvSpec:
     """Where an environment is defined (a ``.cu`` path, or a bare name in drvtrain's kernels/)
     and the dimensions of its struct."""
     source: str | os.PathLike
-    obs_dim: int
-    n_actions: int
-    state_dim: int
-    max_steps: int
+    obs_dim: int | None = None  # None: the struct's (DeviceEnv reads it); a number must equal it
+    n_actions: int | None = None
+    state_dim: int | None = None
+    max_steps: int | None = None
 
 
 # The environments make_env builds by name: drvtrain's own, and those added by register_env.
@@ -209,16 +231,18 @@ ENVIRONMENTS: dict[str, EnvSpec] = {
 }
 
 
-def register_env(name: str, source, *, obs_dim: int, n_actions: int, state_dim: int, max_steps: int) -> None:
+def register_env(name: str, source, *, obs_dim: int | None = None, n_actions: int | None = None,
+                 state_dim: int | None = None, max_steps: int | None = None) -> None:
     """Make ``make_env(name, ...)`` build the environment ``name`` of ``source`` (a ``.cu`` file
-    ending with ``DT_DEFINE_ENV(Env, name)``); replaces an earlier registration of ``name``."""
+    ending with ``DT_DEFINE_ENV(Env, name)``); replaces an earlier registration of ``name``.
+    The dimensions come from the struct; one given here must equal the struct's (checked
+    when an env is built)."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"environment name must be a C identifier (its kernels are name_reset, name_step), "
                          f"got {name!r}")
-    ENVIRONMENTS[name] = EnvSpec(source, obs_dim=_count(obs_dim, "obs_dim", 1, 2**20),
-                                 n_actions=_count(n_actions, "n_actions", 1, 2**31 - 1),
-                                 state_dim=_count(state_dim, "state_dim", 1, 2**20),
-                                 max_steps=_count(max_steps, "max_steps", 0, 2**31 - 1))
+    obs_dim, n_actions, state_dim, max_steps = _dims(obs_dim, n_actions, state_dim, max_steps)
+    ENVIRONMENTS[name] = EnvSpec(source, obs_dim=obs_dim, n_actions=n_actions, state_dim=state_dim,
+                                 max_steps=max_steps)
 
 
 def known_envs() -> tuple[str, ...]:
