@@ -312,6 +312,7 @@ class GraphExec:
         """Destroy the executable graph now; later launches and updates are refused."""
         self._finalizer()
         self.handle, self.graph, self.keepalive = None, None, []
+        _register_with_modules(self, [])
 
 
 def _kernels_of(keepalive) -> list:
@@ -325,11 +326,15 @@ def _kernels_of(keepalive) -> list:
 
 
 def _register_with_modules(exe: "GraphExec", kernels) -> None:
-    """Tell each module whose kernels ``exe`` replays: Module.close refuses while it lives."""
-    for kernel in kernels:
-        module = getattr(kernel, "_module", None)
-        if module is not None:
-            module._graphs.add(exe)
+    """Tell each module whose kernels ``exe`` replays, and only those (Module.close refuses
+    while it lives): the modules of an earlier graph that ``update`` replaced are told it ended."""
+    modules = {id(m): m for m in (getattr(k, "_module", None) for k in kernels) if m is not None}
+    for old in getattr(exe, "_modules", {}).values():
+        if id(old) not in modules:
+            old._graphs.discard(exe)
+    for module in modules.values():
+        module._graphs.add(exe)
+    exe._modules = modules
 
 
 _DOT_NODE = re.compile(r'^"(graph_\d+_node_\d+)"\[', re.M)

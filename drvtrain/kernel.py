@@ -244,6 +244,7 @@ class Kernel:
                  compute_capability: tuple[int, int] | None = None, dynamic_shared=None):
         self.function = function
         self.name = name
+        self.closed = False  # an instance attribute: read on every launch
         self.signature = parse_signature(signature)
         self.limits = limits
         self.max_threads = max_threads or limits.max_threads_per_block
@@ -318,6 +319,8 @@ class Kernel:
         function's static ``__shared__`` arrays take counts against the
         device's opt-in maximum too.
         """
+        if self.closed:
+            raise _closed_kernel(self)
         state = self._dynamic_shared
         attr = cu.CUfunction_attribute
         if state.allowed is None:
@@ -374,6 +377,8 @@ class Kernel:
             return self._configs[key]
         except KeyError:
             pass
+        if self.closed:
+            raise _closed_kernel(self)
         if self.function is None or self._module is None:
             raise ValueError(f"{self.name}: occupancy needs a loaded kernel")
         self._configs[key] = value = query()
@@ -386,6 +391,8 @@ class Kernel:
         The config and its attributes are built once per shape; a launch only
         sets its stream.
         """
+        if self.closed:
+            raise _closed_kernel(self)
         key = (grid, block, shared_mem, dependent, cluster, cooperative, cluster_policy)
         try:
             return self._configs[key]
@@ -558,6 +565,8 @@ class Kernel:
         The options are those of :meth:`launch`; ``dependent=None`` follows the
         ``dependent_launches`` scope around this call (not around the replays).
         """
+        if self.closed:
+            raise _closed_kernel(self)
         if dependent is None:
             dependent = _scope.dependent and self._dependent_capable
         if dependent or cluster is not None or cooperative or cluster_policy is not None:
@@ -726,6 +735,7 @@ class Module:
         """A host copy of ``count`` elements of ``dtype`` from the start of the module's
         device variable ``name`` (an ``extern "C"`` ``__device__`` or ``__constant__``
         array), read synchronously. ``KeyError`` when the module has no such variable."""
+        _driver.guard_sync("Module.read_global")
         if self.handle is None:
             raise RuntimeError(f"the module {self.program.name} is closed")
         status, ptr, size = cu.cuModuleGetGlobal(self.handle, name.encode())
@@ -736,6 +746,7 @@ class Module:
         out = np.empty(count, dtype)
         if out.nbytes > size:
             raise ValueError(f"{name} holds {size} bytes, {out.nbytes} requested")
+        check(cu.cuCtxSynchronize)  # kernels on non-blocking streams may still write it
         check(cu.cuMemcpyDtoH, out.ctypes.data, ptr, out.nbytes)
         return out
 
@@ -852,7 +863,7 @@ def builtin_module(filename: str, *, arch_specific: bool = False) -> Module:
     device = get_device()
     key = (device.ordinal, filename, arch_specific)
     mod = _module_cache.get(key)
-    if mod is None:
+    if mod is None or mod.handle is None:  # not loaded yet, or closed by a caller
         mod = _module_cache[key] = load_module(filename, device=device, arch_specific=arch_specific)
     return mod
 

@@ -23,6 +23,7 @@
 //   name_reset(states, obs, episode_steps, rng_counters, n, seed)
 //   name_step(states, obs, episode_steps, rng_counters, actions, n, seed,
 //             final_obs, reward, terminated, truncated)
+//   name_dims, a device array {OBS_DIM, N_ACTIONS, STATE_DIM, MAX_STEPS}
 // and, from loop.cuh, the trainer's fused act-step-insert kernel.
 // Randomness: env i draws from Philox keyed by `seed`, at counters
 // (i, rng_counters[i]++, stream); the counters live on the device, so a graph

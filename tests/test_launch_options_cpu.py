@@ -542,6 +542,34 @@ def test_a_kernel_of_a_closed_module_refuses_every_launch_before_the_driver(no_d
     k.closed, k.function = True, None  # what Module.close does to its kernels
     for launch in (lambda: k.launch(8, 32, a, 5, stream=FakeStream(1)),
                    lambda: k.launch(8, 32, a, 5, stream=FakeStream(1), dependent=True, cluster=2),
-                   lambda: plain.launch(FakeStream(1)), lambda: with_options.launch(FakeStream(1))):
+                   lambda: plain.launch(FakeStream(1)), lambda: with_options.launch(FakeStream(1)),
+                   lambda: k.launch(8, 32, a, 5, stream=FakeStream(1), cooperative=True),
+                   lambda: k.bind(8, 32, a, 5), lambda: k.bind(8, 32, a, 5, dependent=True),
+                   lambda: k.launch(8, 32, a, 5, stream=FakeStream(1), shared_mem=64 * 1024),
+                   lambda: k.max_resident_blocks(32), lambda: k.max_active_clusters(2, 32)):
         with pytest.raises(RuntimeError, match="k: its module is closed"):
             launch()
+
+
+def test_an_executable_graph_is_registered_with_the_modules_it_replays_only():
+    """Module.close is refused while an executable graph replays its kernels: after an update
+    to another module's kernels, and after a close, the graph no longer holds the old module."""
+    import weakref
+
+    from drvtrain.graph import _register_with_modules
+
+    class FakeModule:
+        def __init__(self):
+            self._graphs = weakref.WeakSet()
+
+    class FakeExec:
+        pass
+
+    first, second = FakeModule(), FakeModule()
+    exe = FakeExec()
+    _register_with_modules(exe, [hopper_kernel(module=first), hopper_kernel(module=first)])
+    assert set(first._graphs) == {exe} and not set(second._graphs)
+    _register_with_modules(exe, [hopper_kernel(module=second)])  # what update does
+    assert not set(first._graphs) and set(second._graphs) == {exe}
+    _register_with_modules(exe, [])  # what close does
+    assert not set(first._graphs) and not set(second._graphs)

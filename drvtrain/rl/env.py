@@ -101,13 +101,15 @@ class DeviceEnv:
         try:
             self._reset = module.kernel(f"{self.name}_reset", RESET_SIGNATURE, fixed_block=True)
             self._step = module.kernel(f"{self.name}_step", STEP_SIGNATURE, fixed_block=True)
-            struct = module.read_global(f"{self.name}_dims", np.int32, 4)
-        except KeyError:
-            raise ValueError(missing) from None
         except DriverError as exc:
             if exc.status_name != "CUDA_ERROR_NOT_FOUND":
                 raise
             raise ValueError(missing) from exc
+        try:
+            struct = module.read_global(f"{self.name}_dims", np.int32, 4)
+        except KeyError:
+            raise ValueError(f"{source} has the kernels of {self.name!r} but not {self.name}_dims, which "
+                             f"DT_DEFINE_ENV emits: was it built against another env.cuh than drvtrain's?") from None
         # The kernels index every buffer with the struct's dimensions: one given otherwise
         # would size a buffer they overrun.
         for (what, member, low, high), value, want in zip(_DIMS, given, struct.tolist()):
@@ -217,7 +219,8 @@ class DeviceEnv:
 @dataclass(frozen=True)
 class EnvSpec:
     """Where an environment is defined (a ``.cu`` path, or a bare name in drvtrain's kernels/)
-    and the dimensions of its struct."""
+    and the dimensions its registration gave: each None (the struct's, read when an env is
+    built) or a number the struct's must equal."""
     source: str | os.PathLike
     obs_dim: int | None = None  # None: the struct's (DeviceEnv reads it); a number must equal it
     n_actions: int | None = None
