@@ -402,15 +402,15 @@ def test_dimensions_that_differ_from_the_struct_are_refused(device, monkeypatch,
     with pytest.raises(ValueError, match=f"{what}={given[what]} was given for 'chain', but the struct in "
                                          f".*chain.cu has {member}; leave {what} out"):
         DeviceEnv(CHAIN, "chain", 8, seed=0, **given)
-    register_env("chain_wrong", CHAIN, **given)  # registering reads nothing; building does
+    register_env("chain", CHAIN, **given)  # registering reads nothing; building does
     with pytest.raises(ValueError, match=member):
-        make_env("chain_wrong", 8, seed=0)
+        make_env("chain", 8, seed=0)
 
 
 def test_dimensions_left_out_come_from_the_struct(device, monkeypatch):
     monkeypatch.setattr("drvtrain.rl.env.ENVIRONMENTS", dict(ENVIRONMENTS))
-    register_env("chain_plain", CHAIN)
-    env = make_env("chain_plain", 3, seed=1)
+    register_env("chain", CHAIN)
+    env = make_env("chain", 3, seed=1)
     assert (env.obs_dim, env.n_actions, env.state_dim, env.max_steps) == (CHAIN_LENGTH, 2, 1, CHAIN_MAX_STEPS)
     assert env.obs.shape == (3, CHAIN_LENGTH) and env.states.shape == (3, 1)
     env.close()
