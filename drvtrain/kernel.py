@@ -237,14 +237,12 @@ class Kernel:
     kernel made without either.
     """
 
-    closed = False  # set when its module is closed: launches are refused from then on
-
     def __init__(self, function, name: str, signature, limits: DeviceLimits,
                  max_threads: int | None = None, module=None, fixed_block: bool = False,
                  compute_capability: tuple[int, int] | None = None, dynamic_shared=None):
         self.function = function
         self.name = name
-        self.closed = False  # an instance attribute: read on every launch
+        self.closed = False  # set when its module is closed: every launch is refused from then on
         self.signature = parse_signature(signature)
         self.limits = limits
         self.max_threads = max_threads or limits.max_threads_per_block
