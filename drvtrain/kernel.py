@@ -371,12 +371,12 @@ class Kernel:
 
     def _occupancy(self, key, query) -> int:
         """An occupancy count, queried once per shape (the kernel must be loaded)."""
+        if self.closed:
+            raise _closed_kernel(self)
         try:
             return self._configs[key]
         except KeyError:
             pass
-        if self.closed:
-            raise _closed_kernel(self)
         if self.function is None or self._module is None:
             raise ValueError(f"{self.name}: occupancy needs a loaded kernel")
         self._configs[key] = value = query()

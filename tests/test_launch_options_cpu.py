@@ -539,6 +539,7 @@ def test_a_kernel_of_a_closed_module_refuses_every_launch_before_the_driver(no_d
     k = hopper_kernel()
     a = fake_buffer(4096)
     plain, with_options = k.bind(8, 32, a, 5), k.bind(8, 32, a, 5, dependent=True)
+    k._configs[("resident", (32, 1, 1), 0)] = 264  # an occupancy asked before the close
     k.closed, k.function = True, None  # what Module.close does to its kernels
     for launch in (lambda: k.launch(8, 32, a, 5, stream=FakeStream(1)),
                    lambda: k.launch(8, 32, a, 5, stream=FakeStream(1), dependent=True, cluster=2),
