@@ -255,11 +255,7 @@ class GraphExec:
     """An instantiated graph: ``launch`` replays it, ``update`` swaps in new parameters."""
 
     def __init__(self, graph: Graph):
-        graph._require()
-        kernels = _kernels_of(graph.keepalive)
-        for kernel in kernels:
-            if kernel.closed:
-                raise RuntimeError(f"the graph launches {kernel.name}, a kernel of a closed module")
+        kernels = _kernels_to_replay(graph)
         # What cuGraphExecUpdate requires to match, read now: `update` must not
         # depend on the source graph, which may be closed by then.
         self._topology = _topology(graph)
@@ -287,11 +283,7 @@ class GraphExec:
         """Take ``graph``'s node parameters; its topology must equal the instantiated one."""
         if self.handle is None:
             raise RuntimeError("the executable graph is closed")
-        graph._require()
-        kernels = _kernels_of(graph.keepalive)
-        for kernel in kernels:
-            if kernel.closed:
-                raise RuntimeError(f"the graph launches {kernel.name}, a kernel of a closed module")
+        kernels = _kernels_to_replay(graph)
         if _topology(graph) != self._topology:
             reason = _UPDATE_REASONS[_R.CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED]
             raise GraphUpdateError("cuGraphExecUpdate", None, f"{reason}; the executable graph is unchanged")
@@ -315,12 +307,16 @@ class GraphExec:
         _register_with_modules(self, [])
 
 
-def _kernels_of(keepalive) -> list:
-    """The distinct kernels a captured graph launches, from its keepalive entries."""
+def _kernels_to_replay(graph: Graph) -> list:
+    """The distinct kernels a captured graph launches, from its keepalive entries; refused
+    when the graph is closed or one of them belongs to a closed module."""
+    graph._require()
     seen = {}
-    for entry in keepalive:
+    for entry in graph.keepalive:
         kernel = entry[0] if isinstance(entry, tuple) and entry else None
         if hasattr(kernel, "closed") and id(kernel) not in seen:
+            if kernel.closed:
+                raise RuntimeError(f"the graph launches {kernel.name}, a kernel of a closed module")
             seen[id(kernel)] = kernel
     return list(seen.values())
 

@@ -714,8 +714,7 @@ class Module:
         ``__launch_bounds__``; ``Kernel.block`` holds it and other blocks are refused.
         """
         key = (name, parse_signature(signature), fixed_block)
-        if self.handle is None:
-            raise RuntimeError(f"the module {self.program.name} is closed")
+        self._require_open()
         kern = self._kernels.get(key)
         if kern is None:
             symbol = self.program.lowered_names.get(name, name)
@@ -729,13 +728,16 @@ class Module:
             self._kernels[key] = kern
         return kern
 
+    def _require_open(self) -> None:
+        if self.handle is None:
+            raise RuntimeError(f"the module {self.program.name} is closed")
+
     def read_global(self, name: str, dtype, count: int) -> np.ndarray:
         """A host copy of ``count`` elements of ``dtype`` from the start of the module's
         device variable ``name`` (an ``extern "C"`` ``__device__`` or ``__constant__``
         array), read synchronously. ``KeyError`` when the module has no such variable."""
         _driver.guard_sync("Module.read_global")
-        if self.handle is None:
-            raise RuntimeError(f"the module {self.program.name} is closed")
+        self._require_open()
         status, ptr, size = cu.cuModuleGetGlobal(self.handle, name.encode())
         if status == cu.CUresult.CUDA_ERROR_NOT_FOUND:
             raise KeyError(f"{self.program.name} has no device variable {name}")
