@@ -8,7 +8,7 @@ import pytest
 from drvtrain import DeviceBuffer, Stream, capture, dependent_launches
 from drvtrain.rl import DQNConfig, DQNStep, TrainingError
 from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
-from drvtrain.rl.dqn import audit_step
+from drvtrain.rl.dqn import audit_step, head_kernel_name
 from dqn_reference import dqn_loss, dqn_step, dueling_q
 from late_writer import LATE_NS, late_copy, skip_unless_a_read_can_race, words
 from nn_reference import mlp_backward, mlp_forward, rel
@@ -994,7 +994,9 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     # The large step computes its loss in the output layer's backward product (dqn_loss_dwl).
     loss_in_backward = step._loss_dwl is not None
     assert loss_in_backward == (config == "large" and tuple(device.compute_capability) >= (9, 0))
-    assert ("dqn_head" in names) == fused and ("dqn_loss" in names) == (not fused and not loss_in_backward)
+    # Two actions: the head compiled for two (the same bits as dqn_head, test_head_kernel_matches_float64).
+    assert ("dqn_head_a2" in names) == fused and "dqn_head" not in names
+    assert ("dqn_loss" in names) == (not fused and not loss_in_backward)
     assert any(n.startswith("dqn_loss_dwl_") for n in names) == loss_in_backward
     # Pre-split products only when asked for (DQNConfig.presplit). `_settled_` kernels only
     # where MLP.forward takes them on its own: each pass's products after its first that
@@ -1035,7 +1037,7 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
         forwards = [k for k in kernels if k.function.startswith("linear_forward")]
         assert forwards and all(graph.can_run_concurrently(weights[0].node, k.node) for k in forwards)
         loss = [k for k in kernels
-                if k.function in ("dqn_head", "dqn_loss") or k.function.startswith("dqn_loss_dwl_")]
+                if k.function in ("dqn_head", "dqn_head_a2", "dqn_loss") or k.function.startswith("dqn_loss_dwl_")]
         assert len(loss) == 1 and not graph.can_run_concurrently(weights[0].node, loss[0].node)
     # Every forward and weight-gradient product starts on programmatic edges alone, those
     # on the forked streams too: a dependent launch's edges through fork's event are
@@ -1100,7 +1102,7 @@ def test_audit_of_the_small_step_with_the_cluster_forward_passes(device, rng):
     assert [r.measured for r in rows if r.name.startswith("three forwards in one")] == ["1 node(s)"]
     assert not [r for r in rows if not r.passed]
     names = [k.function for k in step.graph.kernel_nodes()]
-    assert names.count("narrow_forward_cluster") == 1 and "dqn_head" in names
+    assert names.count("narrow_forward_cluster") == 1 and head_kernel_name(cfg.n_actions) in names
     assert not any(n.startswith("linear_forward") for n in names)
 
 
@@ -1205,13 +1207,13 @@ def _head_case(rng, hidden, n_actions, batch):
                 weights=rng.uniform(0.1, 1.0, batch).astype(np.float32))
 
 
-def _run_head(case, hidden, n_actions, batch, gamma, delta, stream, gate=0, means="last block"):
-    """dqn_head on the case, every output poisoned first; returns the outputs as host arrays.
-    ``means``: "last block" (a counter), "kernel" (no counter, then dqn_means_256, as the
-    step runs it) or "none" (no counter and nothing after)."""
+def _run_head(case, hidden, n_actions, batch, gamma, delta, stream, gate=0, means="last block", name="dqn_head"):
+    """dqn_head (or the build ``name``) on the case, every output poisoned first; returns the
+    outputs as host arrays. ``means``: "last block" (a counter), "kernel" (no counter, then
+    dqn_means_256, as the step runs it) or "none" (no counter and nothing after)."""
     from drvtrain import builtin_module
     from drvtrain.rl.dqn import HEAD_SIGNATURE, MEANS_SIGNATURE, _HEAD_ROWS, head_shared_bytes
-    kernel = builtin_module("dqn.cu").kernel("dqn_head", HEAD_SIGNATURE, fixed_block=True)
+    kernel = builtin_module("dqn.cu").kernel(name, HEAD_SIGNATURE, fixed_block=True)
     cols = 1 + n_actions
     dev = [DeviceBuffer.from_numpy(x) for x in (*case["h"], case["w"][0], case["bias"][0], case["w"][1],
                                                 case["bias"][1], case["action"], case["reward"], case["done"],
@@ -1237,8 +1239,10 @@ def _run_head(case, hidden, n_actions, batch, gamma, delta, stream, gate=0, mean
 
 
 @pytest.mark.parametrize("hidden, n_actions, batch, broken", [
-    (33, 4, 10, False), (256, 2, 256, False), (1024, 18, 61, False), (64, 1, 7, False), (40, 3, 9, True)],
-    ids=["odd-scalar-copies", "small", "large-partial-block", "one-action", "nan-and-bad-action"])
+    (33, 4, 10, False), (256, 2, 256, False), (1024, 18, 61, False), (64, 1, 7, False), (40, 3, 9, True),
+    (36, 2, 11, True)],
+    ids=["odd-scalar-copies", "small", "large-partial-block", "one-action", "nan-and-bad-action",
+         "two-actions-nan-and-bad-action"])
 def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, broken):
     """dqn_head alone: the output layer's three forwards, the loss and the output
     layer's dX, against float64, every output poisoned first; a last block with
@@ -1264,6 +1268,11 @@ def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, brok
     alone = _run_head(case, hidden, n_actions, batch, gamma, delta, stream, means="none")
     assert np.all(alone["scalars"].view(np.uint32) == 0xFFFFFFFF)
     assert alone["dh"].tobytes() == got["dh"].tobytes()
+    if n_actions == 2:  # the build for two actions: every output the same bits, both means paths
+        for means, want in (("last block", got), ("kernel", split)):
+            two = _run_head(case, hidden, n_actions, batch, gamma, delta, stream, means=means, name="dqn_head_a2")
+            for name in want:
+                assert two[name].tobytes() == want[name].tobytes(), ("dqn_head_a2", means, name)
     f64 = lambda x: np.asarray(x, np.float64)
     h, w, bias = clean_case["h"], clean_case["w"], clean_case["bias"]
     want_q = [f64(h[0]) @ f64(w[0]).T + bias[0], f64(h[1]) @ f64(w[0]).T + bias[0], f64(h[2]) @ f64(w[1]).T + bias[1]]
@@ -1332,20 +1341,24 @@ def test_head_kernel_gate_writes_nothing(device, rng):
     stream = Stream()
     gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
     case = _head_case(rng, 64, 3, 20)
+    two = _head_case(rng, 64, 2, 20)
     for means in ("last block", "kernel"):  # dqn_means_256 follows the gate too
-        got = _run_head(case, 64, 3, 20, 0.99, 1.0, stream, gate=gate, means=means)
-        for name, value in got.items():  # DeviceBuffer.poison's pattern
-            assert np.all(value.view(np.uint32) == 0xFFFFFFFF), (means, name)
+        for got in (_run_head(case, 64, 3, 20, 0.99, 1.0, stream, gate=gate, means=means),
+                    _run_head(two, 64, 2, 20, 0.99, 1.0, stream, gate=gate, means=means, name="dqn_head_a2")):
+            for name, value in got.items():  # DeviceBuffer.poison's pattern
+                assert np.all(value.view(np.uint32) == 0xFFFFFFFF), (means, name)
 
 
-@pytest.mark.parametrize("n_actions", [0, 65])
-def test_head_kernel_with_a_bad_action_count_writes_nan_means_only(device, rng, n_actions):
-    """n_actions outside [1, 64]: dqn_head writes NaN means and nothing else, whether its
-    last block writes them or (no counter) dqn_means_256 sums the partials it left."""
+@pytest.mark.parametrize("name, n_actions", [("dqn_head", 0), ("dqn_head", 65), ("dqn_head_a2", 3),
+                                             ("dqn_head_a2", 1)])
+def test_head_kernel_with_a_bad_action_count_writes_nan_means_only(device, rng, name, n_actions):
+    """n_actions outside [1, 64] (dqn_head), or other than 2 (dqn_head_a2): the kernel writes
+    NaN means and nothing else, whether its last block writes them or (no counter)
+    dqn_means_256 sums the partials it left."""
     stream = Stream()
     case = _head_case(rng, 64, 3, 20)
     for means in ("last block", "kernel"):
-        got = _run_head(case, 64, n_actions, 20, 0.99, 1.0, stream, means=means)
+        got = _run_head(case, 64, n_actions, 20, 0.99, 1.0, stream, means=means, name=name)
         assert np.isnan(got["scalars"][:3]).all(), means
         for name, value in got.items():
             if name != "scalars":

@@ -62,6 +62,12 @@ LOSS_DWL_SIGNATURE = ("ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr p
                       "ptr ptr ptr ptr ptr ptr ptr f32 f32 ptr ptr i32 ptr")
 
 
+def head_kernel_name(n_actions: int) -> str:
+    """The ``dqn_head`` build for ``n_actions``: ``dqn_head_a2``, compiled for two actions
+    (the same bits, a shorter loss), or ``dqn_head``, which takes any count."""
+    return "dqn_head_a2" if n_actions == 2 else "dqn_head"
+
+
 def head_shared_bytes(hidden: int, n_actions: int) -> int:
     """Dynamic shared memory of one ``dqn_head`` block: both nets' output layers
     ([1 + n_actions, hidden] each), its rows of the three inputs and their Q rows."""
@@ -446,7 +452,7 @@ class DQNStep:
         fuse_head = cfg.fused_head if cfg.fused_head is not None else \
             HEAD_AUTO_WEIGHTS[0] <= head_weights <= HEAD_AUTO_WEIGHTS[1]
         if fuse_head and self.narrow is None:
-            head = mod.kernel("dqn_head", HEAD_SIGNATURE, fixed_block=True)
+            head = mod.kernel(head_kernel_name(a), HEAD_SIGNATURE, fixed_block=True)
             self._head_shared = head_shared_bytes(self.layout.layers[-1][1], a)
             if self._head_shared <= head.max_dynamic_shared():
                 self._head = head
@@ -911,7 +917,7 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
                               "yes" if want_overlap else "no (one stream)", "yes" if overlap else "no",
                               overlap == want_overlap))
     if step._head is not None:
-        heads = [k for k in kernels if k.function == "dqn_head"]
+        heads = [k for k in kernels if k.function in ("dqn_head", "dqn_head_a2")]
         losses = [k for k in kernels if k.function == "dqn_loss"]
         rows.append(Criterion("output layer's forwards, loss and dX: one node", "1", str(len(heads)),
                               len(heads) == 1 and not losses))
