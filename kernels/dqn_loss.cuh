@@ -74,7 +74,11 @@ __device__ __forceinline__ SampleTerms sample_loss_given(const float* row_target
     const float g = -(w * slope) / (float)batch;
     const float inv_n = 1.0f / (float)n_actions;
     row[0] = g;
-    for (int k = 0; k < n_actions; ++k) row[1 + k] = g * ((k == ac ? 1.0f : 0.0f) - inv_n);
+    // The one-hot of `a` itself, not of `ac`: for a valid action they are equal, and for
+    // an invalid one g is NaN and so is every product. (With n_actions a constant 2, as
+    // in dqn_head_a2, ptxas 13.0 tested `k == ac` through the clamp's VIMNMX.RELU and
+    // got k = 1 wrong for a = 0; test_head_kernel_matches_float64 found it on the H200.)
+    for (int k = 0; k < n_actions; ++k) row[1 + k] = g * ((k == a ? 1.0f : 0.0f) - inv_n);
     *priority = abs_td + 1e-6f;
     SampleTerms terms;
     terms.loss = (double)w * (double)huber;

@@ -1349,16 +1349,16 @@ def test_head_kernel_gate_writes_nothing(device, rng):
                 assert np.all(value.view(np.uint32) == 0xFFFFFFFF), (means, name)
 
 
-@pytest.mark.parametrize("name, n_actions", [("dqn_head", 0), ("dqn_head", 65), ("dqn_head_a2", 3),
-                                             ("dqn_head_a2", 1)])
-def test_head_kernel_with_a_bad_action_count_writes_nan_means_only(device, rng, name, n_actions):
+@pytest.mark.parametrize("kernel_name, n_actions", [("dqn_head", 0), ("dqn_head", 65), ("dqn_head_a2", 3),
+                                                    ("dqn_head_a2", 1)])
+def test_head_kernel_with_a_bad_action_count_writes_nan_means_only(device, rng, kernel_name, n_actions):
     """n_actions outside [1, 64] (dqn_head), or other than 2 (dqn_head_a2): the kernel writes
     NaN means and nothing else, whether its last block writes them or (no counter)
     dqn_means_256 sums the partials it left."""
     stream = Stream()
     case = _head_case(rng, 64, 3, 20)
     for means in ("last block", "kernel"):
-        got = _run_head(case, 64, n_actions, 20, 0.99, 1.0, stream, means=means, name=name)
+        got = _run_head(case, 64, n_actions, 20, 0.99, 1.0, stream, means=means, name=kernel_name)
         assert np.isnan(got["scalars"][:3]).all(), means
         for name, value in got.items():
             if name != "scalars":
