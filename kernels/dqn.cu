@@ -244,18 +244,28 @@ __device__ __forceinline__ void lane_dots(const float* w, const float* x, int hi
 
 namespace {
 
-// dqn_head's work after its checks. COLS > 0: compiled for 1 + n_actions == COLS, so
-// the loss's loops over the actions unroll and its divisions by n_actions are by a
-// constant (the same operations in the same order: the same bits as COLS = 0, which
-// takes any count).
+// A dqn_head kernel. COLS > 0: compiled for 1 + n_actions == COLS, so the loss's loops
+// over the actions unroll and its divisions by n_actions are by a constant (the same
+// operations in the same order: the same bits as COLS = 0, which takes any count); a
+// launch with another count gives NaN means, as an invalid count.
 template <int COLS>
-__device__ __forceinline__ void head_body(
+__device__ __forceinline__ void head_kernel(
         const float* h_s, const float* h_next, const float* h_target, int hidden, const float* w_online,
         const float* b_online, const float* w_target, const float* b_target, const int* action,
         const float* reward, const float* done, const float* weights, int batch, int n_actions, float gamma,
         float huber_delta, float* q_s, float* q_next, float* q_target, float* dout, float* dh, float* priorities,
-        float* scalars, double* partials, unsigned int* counter, int* a_star, int gated, float4* head_shared) {
+        float* scalars, double* partials, unsigned int* counter, int* a_star, const int* gate) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    // A step that is not due writes nothing. The gate word is loaded with the
+    // staged operands below and tested once they are in flight.
+    const int gated = dt_read_flag(gate);
+    if (n_actions < 1 || n_actions > DQN_MAX_ACTIONS || (COLS > 0 && n_actions != COLS - 1)) {
+        if (!gated) nan_means(scalars, partials, counter);
+        return;
+    }
     if (COLS > 0) n_actions = COLS - 1;
+    extern __shared__ float4 head_shared[];
     const int cols = 1 + n_actions;
     float* w_sh = reinterpret_cast<float*>(head_shared);   // [2][cols][hidden]: online, target
     float* x_sh = w_sh + 2 * cols * hidden;                // [3][ROWS][hidden]: s, s' online, s' target
@@ -393,34 +403,6 @@ __device__ __forceinline__ void head_body(
 
 }  // namespace
 
-namespace {
-
-// A dqn_head kernel: the wait, the gate and the checks, then head_body<COLS>. A
-// count of actions the build does not take gives NaN means, as an invalid one.
-template <int COLS>
-__device__ __forceinline__ void head_kernel(
-        const float* h_s, const float* h_next, const float* h_target, int hidden, const float* w_online,
-        const float* b_online, const float* w_target, const float* b_target, const int* action,
-        const float* reward, const float* done, const float* weights, int batch, int n_actions, float gamma,
-        float huber_delta, float* q_s, float* q_next, float* q_target, float* dout, float* dh, float* priorities,
-        float* scalars, double* partials, unsigned int* counter, int* a_star, const int* gate) {
-    dt_wait_prior_grid();
-    dt_allow_dependents();
-    // A step that is not due writes nothing. The gate word is loaded with the
-    // staged operands below and tested once they are in flight.
-    const int gated = dt_read_flag(gate);
-    if (n_actions < 1 || n_actions > DQN_MAX_ACTIONS || (COLS > 0 && n_actions != COLS - 1)) {
-        if (!gated) nan_means(scalars, partials, counter);
-        return;
-    }
-    extern __shared__ float4 head_shared[];
-    head_body<COLS>(h_s, h_next, h_target, hidden, w_online, b_online, w_target, b_target, action, reward, done,
-                    weights, batch, n_actions, gamma, huber_delta, q_s, q_next, q_target, dout, dh, priorities,
-                    scalars, partials, counter, a_star, gated, head_shared);
-}
-
-}  // namespace
-
 #define DQN_HEAD_KERNEL(NAME, COLS)                                                                             \
     extern "C" __global__ void __launch_bounds__(DQN_HEAD_THREADS) NAME(                                        \
             const float* h_s, const float* h_next, const float* h_target, int hidden, const float* w_online,    \
@@ -434,8 +416,7 @@ __device__ __forceinline__ void head_kernel(
                           dout, dh, priorities, scalars, partials, counter, a_star, gate);                      \
     }
 // Any count of actions; and two only (CartPole, the small configuration), its loss
-// compiled for them: 0.4 us off its four threads' chain (docs/perf-notes.md,
-// forty-sixth pass). The same bits.
+// compiled for them (docs/perf-notes.md, forty-sixth pass). The same bits.
 DQN_HEAD_KERNEL(dqn_head, 0)
 DQN_HEAD_KERNEL(dqn_head_a2, 3)
 
