@@ -7,7 +7,7 @@ import pytest
 from drvtrain import (Arena, DeviceBuffer, Event, MappedBuffer, Module, PinnedBuffer, Stream, builtin_module,
                       capture)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.counts_device_memory]
 CYCLES = 1000
 
 
