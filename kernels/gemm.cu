@@ -250,13 +250,21 @@ struct DqnLoss {
 //   partials: tiles * S * BM * BN, tile-major, in fragment order (fully coalesced);
 //   row sums (grad-weight only): gridDim.y * S * BM, after the partials.
 template <class CFG, int PREC, bool A_KFAST, bool B_KFAST, int EPI, bool VEC, bool CLUSTER, bool DW0 = false,
-          bool X0 = false, bool SETTLED = false, bool DWL = false, bool LOSS = false>
+          bool X0 = false, bool SETTLED = false, bool DWL = false, bool LOSS = false, int LOSS_K = 0>
 __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M,
                                      int N, int K, const float* bias, const float* mask, int ldm, float* col_sum,
                                      float* workspace, unsigned int* counters, const int* gate, FirstDw fd = {},
                                      FirstLayer fl = {}, LastDw lw = {}, DqnLoss dl = {}) {
     constexpr int BM = CFG::BM, BN = CFG::BN, BK = CFG::BK, STAGES = CFG::STAGES, THREADS = CFG::THREADS;
     constexpr int MI = CFG::MI, NI = CFG::NI;
+    // LOSS_K > 0: compiled for K == LOSS_K (1 + n_actions), so the loss's loops over the
+    // actions unroll, its divisions are by a constant, and k has one tile of known depth:
+    // the same operations in the same order, so the same bits as LOSS_K = 0.
+    static_assert(LOSS_K == 0 || (LOSS && LOSS_K >= 2 && LOSS_K <= BK), "a constant K is the loss's, one tile deep");
+    if constexpr (LOSS_K > 0) {
+        if (K != LOSS_K) __trap();  // the host launches this build for that K only
+        K = LOSS_K;
+    }
     using SA = Smem<BM, BK, A_KFAST>;
     using SB = Smem<BN, BK, B_KFAST>;
     constexpr int STAGE = SA::FLOATS + SB::FLOATS;
@@ -1265,13 +1273,13 @@ __device__ void gemm(const float* A, int lda, const float* B, int ldb, int M, in
     , const float *q_s, const float *q_next, const float *q_target, const int *action, const float *reward, \
         const float *done, const float *weights, float gamma, float huber_delta, float *priorities,        \
         double *loss_partials, int loss_blocks, int *a_star
-#define DT_TC_LOSS_DWL_KERNEL(NAME, VEC)                                                                       \
-    extern "C" __global__ void __launch_bounds__(tc::Tile64x64::THREADS)                                       \
-        NAME(DT_GEMM_PARAMS DT_DWL_PARAMS DT_LOSS_PARAMS) {                                                   \
-        tc::gemm<tc::Tile64x64, tc::PREC_3XTF32, true, false, EPI_MASK, VEC, false, false, false, false, true, \
-                 true>(DT_GEMM_ARGS, gate, tc::FirstDw{}, tc::FirstLayer{}, tc::LastDw{dwl, ldwl, dbl},        \
-                       tc::DqnLoss{q_s, q_next, q_target, action, reward, done, weights, gamma, huber_delta,   \
-                                   priorities, loss_partials, loss_blocks, a_star});                           \
+#define DT_TC_LOSS_DWL_KERNEL(NAME, VEC, LOSS_K)                                                                \
+    extern "C" __global__ void __launch_bounds__(tc::Tile64x64::THREADS)                                        \
+        NAME(DT_GEMM_PARAMS DT_DWL_PARAMS DT_LOSS_PARAMS) {                                                     \
+        tc::gemm<tc::Tile64x64, tc::PREC_3XTF32, true, false, EPI_MASK, VEC, false, false, false, false, true,  \
+                 true, LOSS_K>(DT_GEMM_ARGS, gate, tc::FirstDw{}, tc::FirstLayer{}, tc::LastDw{dwl, ldwl, dbl}, \
+                       tc::DqnLoss{q_s, q_next, q_target, action, reward, done, weights, gamma, huber_delta,    \
+                                   priorities, loss_partials, loss_blocks, a_star});                            \
     }
 #define DT_X0_PARAMS , const float *x0, int ldx0, int in0, const float *w0, const float *b0
 #define DT_TC_X0_KERNEL(NAME, EPI, VEC, SETTLED)                                                          \
@@ -1316,8 +1324,12 @@ DT_TC_DWL_KERNEL(linear_grad_input_dwl_64x64_cp16_cluster_3xtf32, true)
 DT_TC_DWL_KERNEL(linear_grad_input_dwl_64x64_cp4_cluster_3xtf32, false)
 // The same with the Double-DQN loss computed in it (tc::DqnLoss; its arguments follow
 // the LastDw ones): A is where dout is stored, lda its row stride; K = 1 + n_actions.
-DT_TC_LOSS_DWL_KERNEL(dqn_loss_dwl_64x64_cp16_cluster_3xtf32, true)
-DT_TC_LOSS_DWL_KERNEL(dqn_loss_dwl_64x64_cp4_cluster_3xtf32, false)
+// Any count of actions; and 18 (Atari's full set, the large configuration), compiled for
+// them (docs/perf-notes.md, forty-seventh pass). The same bits.
+DT_TC_LOSS_DWL_KERNEL(dqn_loss_dwl_64x64_cp16_cluster_3xtf32, true, 0)
+DT_TC_LOSS_DWL_KERNEL(dqn_loss_dwl_64x64_cp4_cluster_3xtf32, false, 0)
+DT_TC_LOSS_DWL_KERNEL(dqn_loss_dwl_a18_64x64_cp16_cluster_3xtf32, true, 19)
+DT_TC_LOSS_DWL_KERNEL(dqn_loss_dwl_a18_64x64_cp4_cluster_3xtf32, false, 19)
 // The second layer's forward with the first layer computed in it (tc::FirstLayer; the
 // arguments after gate): A is where H0 is stored, or 0.
 DT_TC_X0_KERNEL(linear_forward_x0_32x32_cp16_cluster_tf32, EPI_BIAS, true, false)

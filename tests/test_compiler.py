@@ -23,12 +23,23 @@ def cubin_arch(cubin: bytes) -> int:
     return (flags >> 8) & 0xFF
 
 
+def builds_the_step_picks():
+    """The kernel builds DQNStep picks by name for a count of actions, by source file."""
+    from drvtrain.rl.dqn import head_kernel_name, loss_dwl_kernel_name
+    counts = (1, 2, 3, 18, 64)
+    return {"dqn.cu": {head_kernel_name(a) for a in counts},
+            "gemm.cu": {loss_dwl_kernel_name(a, vec) for a in counts for vec in (4, 16)}}
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("path", compiler.kernel_files(), ids=lambda p: p.name)
 def test_every_kernel_compiles_to_cubin(path, arch, cache_dir):
     prog = compile_file(path, arch=arch)
     assert not prog.cache_hit
     assert cubin_arch(prog.cubin) == int(arch[3:])
+    # Every build the step may launch from this file is an entry of its CUBIN.
+    for name in builds_the_step_picks().get(path.name, ()):
+        assert b".text." + name.encode() + b"\0" in prog.cubin, f"{path.name} has no kernel {name}"
 
 
 def test_kernel_sources_are_found_and_documented():

@@ -998,6 +998,8 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     assert ("dqn_head_a2" in names) == fused and "dqn_head" not in names
     assert ("dqn_loss" in names) == (not fused and not loss_in_backward)
     assert any(n.startswith("dqn_loss_dwl_") for n in names) == loss_in_backward
+    # 18 actions: the build for them (the same bits, test_loss_in_the_output_layers_backward_matches_float64...).
+    assert any(n.startswith("dqn_loss_dwl_a18_") for n in names) == loss_in_backward
     # Pre-split products only when asked for (DQNConfig.presplit). `_settled_` kernels only
     # where MLP.forward takes them on its own: each pass's products after its first that
     # run on gemm.cu's tiles (the small net's second hidden layer; the large net's output
@@ -1385,8 +1387,10 @@ def test_fused_head_only_where_the_output_layers_fit(device):
 
 
 @pytest.mark.parametrize("batch, hidden, n_actions, w_offset, broken", [
-    (512, 1024, 18, 0, False), (450, 1000, 31, 4, False), (129, 4000, 4, 0, True), (60, 6400, 1, 4, False)],
-    ids=["large", "ragged-32-outputs-4-byte-copies", "nan-and-bad-action", "one-ragged-row-tile-one-action"])
+    (512, 1024, 18, 0, False), (450, 1000, 31, 4, False), (129, 4000, 4, 0, True), (60, 6400, 1, 4, False),
+    (200, 260, 18, 4, True)],
+    ids=["large", "ragged-32-outputs-4-byte-copies", "nan-and-bad-action", "one-ragged-row-tile-one-action",
+         "eighteen-actions-nan-and-bad-action-4-byte-copies"])
 def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apart(device, rng, batch, hidden,
                                                                                   n_actions, w_offset, broken):
     """gemm.cu's dqn_loss_dwl: the loss of each block's rows, then the output layer's dX,
@@ -1397,11 +1401,12 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
     ``broken``, row 1 of Q(s') holds a NaN, row 3 an action out of range, row 5 of
     Q_target(s') and row 6 of Q(s) a NaN (those two rows' advantage means are taken by the
     block's other warps): those rows' gradients and priorities are NaN, and so are dW, db
-    and the means. Nothing is written
-    while the gate is set."""
+    and the means. Nothing is written while the gate is set. With 18 actions the step's
+    build for them (``_a18``) runs, and the build for any count gives every output the
+    same bits."""
     from drvtrain import builtin_module
     from drvtrain.nn.mlp import LinearKernels
-    from drvtrain.rl.dqn import LOSS_DWL_SIGNATURE, LOSS_SIGNATURE, MEANS_SIGNATURE
+    from drvtrain.rl.dqn import LOSS_DWL_SIGNATURE, LOSS_SIGNATURE, MEANS_SIGNATURE, loss_dwl_kernel_name
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"the kernel runs its row tiles as a cluster: compute capability 9.0; this is {device.arch}")
     stream = Stream()
@@ -1451,22 +1456,32 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
                       dw=apart["dw"], lddw=hidden, db=apart["db"], stream=stream)
     # In one launch.
     vec = 4 if w_offset % 16 else 16
-    fused = gemm_mod.kernel(f"dqn_loss_dwl_64x64_cp{vec}_cluster_3xtf32", LOSS_DWL_SIGNATURE, fixed_block=True)
+    name = loss_dwl_kernel_name(n_actions, vec)
+    assert ("_a18_" in name) == (n_actions == 18)
+    fused = gemm_mod.kernel(name, LOSS_DWL_SIGNATURE, fixed_block=True)
     grid = (-(-hidden // 64), -(-batch // 64), 1)
 
-    def launch(outs, gate=0):
-        fused.launch(grid, fused.block, outs["dout"], k, w, hidden, outs["dx"], hidden, batch, hidden, k, 0, h,
-                     hidden, 0, 0, 0, gate, outs["dw"], hidden, outs["db"], *q, *per_sample, gamma, delta,
-                     outs["priorities"], outs["partials"], blocks, outs["a_star"], stream=stream,
-                     cluster=(1, grid[1], 1), cluster_policy="load_balancing")
+    def launch(outs, gate=0, kernel=fused):
+        kernel.launch(grid, kernel.block, outs["dout"], k, w, hidden, outs["dx"], hidden, batch, hidden, k, 0, h,
+                      hidden, 0, 0, 0, gate, outs["dw"], hidden, outs["db"], *q, *per_sample, gamma, delta,
+                      outs["priorities"], outs["partials"], blocks, outs["a_star"], stream=stream,
+                      cluster=(1, grid[1], 1), cluster_policy="load_balancing")
 
-    together = outputs()
-    launch(together)
-    sums.launch(3, sums.block, together["partials"], blocks, batch, together["scalars"], 0, stream=stream)
-    stream.synchronize()
-    got = {name: buf.to_numpy() for name, buf in together.items()}
+    def run(kernel=fused):
+        outs = outputs()
+        launch(outs, kernel=kernel)
+        sums.launch(3, sums.block, outs["partials"], blocks, batch, outs["scalars"], 0, stream=stream)
+        stream.synchronize()
+        return {name: buf.to_numpy() for name, buf in outs.items()}
+
+    got = run()
     for name, buf in apart.items():
         assert buf.to_numpy().tobytes() == got[name].tobytes(), name
+    if n_actions == 18:  # the build for any count: the same bits
+        anyk = run(gemm_mod.kernel(f"dqn_loss_dwl_64x64_cp{vec}_cluster_3xtf32", LOSS_DWL_SIGNATURE,
+                                   fixed_block=True))
+        for name, value in got.items():
+            assert value.tobytes() == anyk[name].tobytes(), ("any count", name)
     # Against float64.
     res = dqn_loss(*clean_qs, clean_action, reward, done, weights, gamma, delta)
     assert rel(got["dout"][clean], res["dout"][clean]) < 1e-5

@@ -68,6 +68,14 @@ def head_kernel_name(n_actions: int) -> str:
     return "dqn_head_a2" if n_actions == 2 else "dqn_head"
 
 
+def loss_dwl_kernel_name(n_actions: int, vec: int) -> str:
+    """gemm.cu's ``dqn_loss_dwl`` build for ``n_actions`` and copies of ``vec`` bytes: the
+    one compiled for 18 actions (Atari's full set; the same bits, a shorter loss), or the
+    one that takes any count."""
+    build = "_a18" if n_actions == 18 else ""
+    return f"dqn_loss_dwl{build}_64x64_cp{vec}_cluster_3xtf32"
+
+
 def head_shared_bytes(hidden: int, n_actions: int) -> int:
     """Dynamic shared memory of one ``dqn_head`` block: both nets' output layers
     ([1 + n_actions, hidden] each), its rows of the three inputs and their Q rows."""
@@ -469,8 +477,8 @@ class DQNStep:
             last = len(self.layout.layers) - 1
             inp = self.layout.layers[last][1]
             vec = 16 if inp % 4 == 0 and self.params.weight(last).ptr % 16 == 0 else 4
-            kernel = builtin_module("gemm.cu").kernel(f"dqn_loss_dwl_64x64_cp{vec}_cluster_3xtf32",
-                                                      LOSS_DWL_SIGNATURE, fixed_block=True)
+            kernel = builtin_module("gemm.cu").kernel(loss_dwl_kernel_name(a, vec), LOSS_DWL_SIGNATURE,
+                                                      fixed_block=True)
             # Its own registers: a cluster of the row tiles must fit it too (else dqn_loss apart).
             if kernel.max_active_clusters((1, -(-b // 64), 1), kernel.block, 0) >= 1:
                 self._loss_dwl = kernel
