@@ -1,6 +1,7 @@
 // Double-DQN kernels of the training step (docs/step-spec.md, steps 3-6 and 9):
 // the fused dueling Double-DQN loss with PER weights (dqn_loss), the same loss
-// fused with the output layer's forwards and data gradient (dqn_head), the
+// fused with the output layer's forwards and data gradient (dqn_head, and
+// dqn_head_a2 compiled for two actions), the
 // batch means of either when they leave them to a kernel of their own
 // (dqn_means_32, dqn_means_256), and the two phases of the spectral
 // projection's power iteration.
@@ -192,6 +193,8 @@ extern "C" __global__ void __launch_bounds__(DQN_LOSS_THREADS) dqn_loss(
 // Scratch: partials = 3 * gridDim.x doubles; counter as dqn_loss (null: the
 //   means are left to dqn_means_256).
 // Launch: grid = ceil(batch / DQN_HEAD_ROWS), block DQN_HEAD_THREADS.
+// dqn_head_a2: the same, compiled for n_actions == 2 (the same bits); any other
+//   count gives NaN means and writes nothing else, as a count outside [1, 64] does.
 // Determinism: fixed per-lane orders and a fixed shuffle tree for the dot
 //   products; the scalars as dqn_loss: bitwise reproducible for a fixed grid.
 constexpr int DQN_HEAD_THREADS = 256;
@@ -255,6 +258,7 @@ __device__ __forceinline__ void head_kernel(
         const float* reward, const float* done, const float* weights, int batch, int n_actions, float gamma,
         float huber_delta, float* q_s, float* q_next, float* q_target, float* dout, float* dh, float* priorities,
         float* scalars, double* partials, unsigned int* counter, int* a_star, const int* gate) {
+    static_assert(COLS == 0 || (COLS >= 2 && COLS - 1 <= DQN_MAX_ACTIONS), "a build's count of actions");
     dt_wait_prior_grid();
     dt_allow_dependents();
     // A step that is not due writes nothing. The gate word is loaded with the
@@ -416,7 +420,7 @@ __device__ __forceinline__ void head_kernel(
                           dout, dh, priorities, scalars, partials, counter, a_star, gate);                      \
     }
 // Any count of actions; and two only (CartPole, the small configuration), its loss
-// compiled for them (docs/perf-notes.md, forty-sixth pass). The same bits.
+// compiled for them (docs/perf-notes.md, forty-sixth and forty-seventh passes). The same bits.
 DQN_HEAD_KERNEL(dqn_head, 0)
 DQN_HEAD_KERNEL(dqn_head_a2, 3)
 

@@ -16,10 +16,11 @@
 //   linear_grad_input_dwl_64x64_<cp>_cluster_3xtf32: grad-input's dX of the output layer (K <= 32),
 //     with that layer's dW = dY^T X and db folded in (tc::LastDw; its arguments follow `gate`);
 //     launched as clusters of the grid's row tiles (1, gridDim.y, 1)
-//   dqn_loss_dwl_64x64_<cp>_cluster_3xtf32: the same with its A, the Double-DQN loss's
+//   dqn_loss_dwl[_a18]_64x64_<cp>_cluster_3xtf32: the same with its A, the Double-DQN loss's
 //     gradient rows dout, computed in the kernel from the three Q arrays and stored at A
 //     by the first column of blocks, with the priorities and the loss's partials
-//     (tc::DqnLoss, after the LastDw arguments)
+//     (tc::DqnLoss, after the LastDw arguments); _a18 is compiled for 18 actions
+//     (K = 19) and traps on any other K
 //   linear_forward[_relu]_x0_32x32_<cp>_cluster_tf32: the forward with its A = H0, the first layer's
 //     output, computed in the kernel from X0, W0 and b0 and stored at A (tc::FirstLayer; its
 //     arguments follow `gate`)

@@ -1,11 +1,11 @@
-"""DQNConfig validation (CPU: no driver call is made)."""
+"""DQNConfig validation and the builds the step picks (CPU: no driver call is made)."""
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from drvtrain.rl.dqn import MAX_SPECTRAL_LAYERS, DQNConfig
+from drvtrain.rl.dqn import MAX_SPECTRAL_LAYERS, DQNConfig, head_kernel_name, loss_dwl_kernel_name
 
 
 def test_benchmark_configurations_are_valid():
@@ -223,3 +223,14 @@ def test_fused_head_takes_none_true_or_false():
 def test_target_update_is_what_the_kernels_take():
     assert DQNConfig.small(tau=0.01).target_update == (0.01, 0)
     assert DQNConfig.small(tau=None, target_period=250).target_update == (0.0, 250)
+
+
+def test_the_step_picks_the_builds_compiled_for_its_count_of_actions():
+    """Two actions take the head compiled for two, 18 the fused loss compiled for 18;
+    every other count the builds that take any (test_compiler checks each is in its CUBIN)."""
+    assert head_kernel_name(2) == "dqn_head_a2"
+    assert [head_kernel_name(a) for a in (1, 3, 18, 64)] == ["dqn_head"] * 4
+    for vec in (4, 16):
+        assert loss_dwl_kernel_name(18, vec) == f"dqn_loss_dwl_a18_64x64_cp{vec}_cluster_3xtf32"
+        assert {loss_dwl_kernel_name(a, vec) for a in (1, 2, 17, 19, 31)} == \
+            {f"dqn_loss_dwl_64x64_cp{vec}_cluster_3xtf32"}

@@ -1,6 +1,10 @@
 """The Double-DQN step on the GPU against the float64 reference of docs/step-spec.md."""
 import dataclasses
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -8,7 +12,7 @@ import pytest
 from drvtrain import DeviceBuffer, Stream, capture, dependent_launches
 from drvtrain.rl import DQNConfig, DQNStep, TrainingError
 from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
-from drvtrain.rl.dqn import audit_step, head_kernel_name
+from drvtrain.rl.dqn import audit_step, head_kernel_name, loss_dwl_kernel_name
 from dqn_reference import dqn_loss, dqn_step, dueling_q
 from late_writer import LATE_NS, late_copy, skip_unless_a_read_can_race, words
 from nn_reference import mlp_backward, mlp_forward, rel
@@ -1249,8 +1253,9 @@ def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, brok
     """dqn_head alone: the output layer's three forwards, the loss and the output
     layer's dX, against float64, every output poisoned first; a last block with
     fewer than its rows; hidden widths with and without 16-byte copies. With
-    ``broken``, row 1 of h(s) holds a NaN and row 3 an action out of range: those
-    rows' gradients and priorities and the scalars are NaN, the others exact. And
+    ``broken``, row 1 of h(s) holds a NaN, row 3 an action past the last and row 4 a
+    negative one: those rows' gradients and priorities and the scalars are NaN, the
+    others exact. And
     dqn_loss fed the head's own Q rows gives the very same bits."""
     gamma, delta = 0.97, 0.8
     case = _head_case(rng, hidden, n_actions, batch)
@@ -1259,7 +1264,8 @@ def test_head_kernel_matches_float64(device, rng, hidden, n_actions, batch, brok
     if broken:
         case["h"][0][1, 5] = np.nan
         case["action"][3] = n_actions
-        clean[[1, 3]] = False
+        case["action"][4] = -1
+        clean[[1, 3, 4]] = False
     stream = Stream()
     got = _run_head(case, hidden, n_actions, batch, gamma, delta, stream)
     # The step's way: no counter, the means from dqn_means_256 after the head: the same
@@ -1388,9 +1394,9 @@ def test_fused_head_only_where_the_output_layers_fit(device):
 
 @pytest.mark.parametrize("batch, hidden, n_actions, w_offset, broken", [
     (512, 1024, 18, 0, False), (450, 1000, 31, 4, False), (129, 4000, 4, 0, True), (60, 6400, 1, 4, False),
-    (450, 1000, 18, 4, True)],
+    (450, 1000, 18, 4, False), (450, 1000, 18, 0, True)],
     ids=["large", "ragged-32-outputs-4-byte-copies", "nan-and-bad-action", "one-ragged-row-tile-one-action",
-         "eighteen-actions-nan-and-bad-action-4-byte-copies"])
+         "eighteen-actions-4-byte-copies", "eighteen-actions-nan-and-bad-action"])
 def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apart(device, rng, batch, hidden,
                                                                                   n_actions, w_offset, broken):
     """gemm.cu's dqn_loss_dwl: the loss of each block's rows, then the output layer's dX,
@@ -1398,15 +1404,15 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
     output poisoned first. dout, the priorities, a* and the loss's partials (summed by
     dqn_means_32) are dqn_loss's bit for bit; dX, dW and db are the fold's
     (linear_grad_input_dwl) on that dout, bit for bit; all of them match float64. With
-    ``broken``, row 1 of Q(s') holds a NaN, row 3 an action out of range, row 5 of
-    Q_target(s') and row 6 of Q(s) a NaN (those two rows' advantage means are taken by the
+    ``broken``, row 1 of Q(s') holds a NaN, row 3 an action past the last, row 4 a negative
+    one, row 5 of Q_target(s') and row 6 of Q(s) a NaN (those two rows' advantage means are taken by the
     block's other warps): those rows' gradients and priorities are NaN, and so are dW, db
     and the means. Nothing is written while the gate is set. With 18 actions the step's
     build for them (``_a18``) runs, and the build for any count gives every output the
     same bits."""
     from drvtrain import builtin_module
     from drvtrain.nn.mlp import LinearKernels
-    from drvtrain.rl.dqn import LOSS_DWL_SIGNATURE, LOSS_SIGNATURE, MEANS_SIGNATURE, loss_dwl_kernel_name
+    from drvtrain.rl.dqn import LOSS_DWL_SIGNATURE, LOSS_SIGNATURE, MEANS_SIGNATURE
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"the kernel runs its row tiles as a cluster: compute capability 9.0; this is {device.arch}")
     stream = Stream()
@@ -1421,9 +1427,10 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
     if broken:  # a NaN in each of the three rows a sample's loss reads, an action out of range
         qs[1][1, 2] = np.nan
         action[3] = n_actions
+        action[4] = -1
         qs[2][5, 1] = np.nan
         qs[0][6, 1] = np.nan  # A_0: the row's advantage mean, not V
-        clean[[1, 3, 5, 6]] = False
+        clean[[1, 3, 4, 5, 6]] = False
     h_h = np.maximum(rng.standard_normal((batch, hidden)), 0.0).astype(np.float32)
     w_h = (rng.standard_normal((k, hidden)) / np.sqrt(hidden)).astype(np.float32)
     w_all = DeviceBuffer.from_numpy(np.concatenate([rng.standard_normal(w_offset // 4).astype(np.float32),
@@ -1505,6 +1512,48 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
     stream.synchronize()
     for name, buf in gated.items():
         assert np.all(buf.to_numpy().view(np.uint8) == 0xFF), name
+
+
+@pytest.mark.provokes_driver_errors
+@pytest.mark.parametrize("build", ["a18", "any"])
+def test_the_loss_built_for_18_actions_traps_on_another_count(device, build):
+    """The device's own check of dqn_loss_dwl_a18: launched (past the host's routing) with
+    four actions, it traps and the launch fails, rather than read Q's rows with the wrong
+    stride; the build for any count runs the same launch to the end. In a child process,
+    since a trap ends the CUDA context."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"the kernel runs its row tiles as a cluster: compute capability 9.0; this is {device.arch}")
+    name = "dqn_loss_dwl_a18_64x64_cp16_cluster_3xtf32" if build == "a18" else loss_dwl_kernel_name(4, 16)
+    code = textwrap.dedent(f"""
+        import numpy as np
+        from drvtrain import DeviceBuffer, Stream, builtin_module
+        from drvtrain.rl.dqn import LOSS_DWL_SIGNATURE
+        rng = np.random.default_rng(0)
+        batch, hidden, k = 64, 64, 5
+        f32 = lambda *shape: DeviceBuffer.from_numpy(rng.standard_normal(shape).astype(np.float32))
+        kernel = builtin_module("gemm.cu").kernel("{name}", LOSS_DWL_SIGNATURE, fixed_block=True)
+        dout, w, dx, h, dw, db = f32(batch, k), f32(k, hidden), f32(batch, hidden), f32(batch, hidden), \
+            f32(k, hidden), f32(k)
+        q = [f32(batch, k) for _ in range(3)]
+        action = DeviceBuffer.from_numpy(rng.integers(0, k - 1, batch).astype(np.int32))
+        per_sample = [action, f32(batch), DeviceBuffer.from_numpy(np.zeros(batch, np.float32)), f32(batch)]
+        priorities, a_star = f32(batch), DeviceBuffer(batch, np.int32)
+        partials = DeviceBuffer(3 * 2, np.float64)
+        stream = Stream()
+        kernel.launch((1, 1, 1), kernel.block, dout, k, w, hidden, dx, hidden, batch, hidden, k, 0, h, hidden,
+                      0, 0, 0, 0, dw, hidden, db, *q, *per_sample, 0.99, 1.0, priorities, partials, 2, a_star,
+                      stream=stream, cluster=(1, 1, 1), cluster_policy="load_balancing")
+        stream.synchronize()
+        print("no trap")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    if build == "any":  # the same launch is sound: what fails below is the check
+        assert done.returncode == 0 and "no trap" in done.stdout, (done.stdout, done.stderr[-2000:])
+    else:
+        assert done.returncode != 0 and "no trap" not in done.stdout, (done.stdout, done.stderr[-2000:])
+        assert "CUDA_ERROR" in done.stderr, done.stderr[-2000:]
 
 
 def test_large_step_with_the_loss_in_the_backward_is_the_step_apart_bit_for_bit(device, rng):

@@ -925,7 +925,7 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
                               "yes" if want_overlap else "no (one stream)", "yes" if overlap else "no",
                               overlap == want_overlap))
     if step._head is not None:
-        heads = [k for k in kernels if k.function in ("dqn_head", "dqn_head_a2")]
+        heads = [k for k in kernels if k.function == head_kernel_name(step.config.n_actions)]
         losses = [k for k in kernels if k.function == "dqn_loss"]
         rows.append(Criterion("output layer's forwards, loss and dX: one node", "1", str(len(heads)),
                               len(heads) == 1 and not losses))
