@@ -1,10 +1,6 @@
 """The Double-DQN step on the GPU against the float64 reference of docs/step-spec.md."""
 import dataclasses
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -13,6 +9,7 @@ from drvtrain import DeviceBuffer, Stream, capture, dependent_launches
 from drvtrain.rl import DQNConfig, DQNStep, TrainingError
 from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
 from drvtrain.rl.dqn import audit_step, head_kernel_name, loss_dwl_kernel_name
+from child import run_python
 from dqn_reference import dqn_loss, dqn_step, dueling_q
 from late_writer import LATE_NS, late_copy, skip_unless_a_read_can_race, words
 from nn_reference import mlp_backward, mlp_forward, rel
@@ -1524,7 +1521,7 @@ def test_the_loss_built_for_18_actions_traps_on_another_count(device, build):
     if tuple(device.compute_capability) < (9, 0):
         pytest.skip(f"the kernel runs its row tiles as a cluster: compute capability 9.0; this is {device.arch}")
     name = "dqn_loss_dwl_a18_64x64_cp16_cluster_3xtf32" if build == "a18" else loss_dwl_kernel_name(4, 16)
-    code = textwrap.dedent(f"""
+    code = f"""
         import numpy as np
         from drvtrain import DeviceBuffer, Stream, builtin_module
         from drvtrain.rl.dqn import LOSS_DWL_SIGNATURE
@@ -1545,10 +1542,8 @@ def test_the_loss_built_for_18_actions_traps_on_another_count(device, build):
                       stream=stream, cluster=(1, 1, 1), cluster_policy="load_balancing")
         stream.synchronize()
         print("no trap")
-    """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    """
+    done = run_python(code)
     if build == "any":  # the same launch is sound: what fails below is the check
         assert done.returncode == 0 and "no trap" in done.stdout, (done.stdout, done.stderr[-2000:])
     else:

@@ -1,9 +1,5 @@
 """The fused narrow-MLP kernels on the GPU against float64 references: forward passes, every
 gradient, determinism, graph replay, the gate, and the arena accounting."""
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -11,6 +7,7 @@ import pytest
 from drvtrain import Arena, DeviceBuffer, capture
 from drvtrain.nn import MLP, FlatBuffer, ParamLayout
 from drvtrain.nn.narrow import NarrowMLP
+from child import run_python
 from nn_reference import forward_scales, mlp_backward, mlp_forward, rel, scaled_rel
 
 pytestmark = pytest.mark.gpu
@@ -199,7 +196,7 @@ def test_a_fixed_kernel_launched_with_another_shape_traps(device):
     """The device's own check of a fixed build: launched (past the host's routing) with a
     batch it was not built for, the kernel traps and the launch fails, rather than compute
     with the wrong shape. In a child process, since a trap ends the CUDA context."""
-    code = textwrap.dedent("""
+    code = """
         import numpy as np
         from drvtrain import Arena, DeviceBuffer, Stream
         from drvtrain.nn import FlatBuffer, ParamLayout
@@ -214,10 +211,8 @@ def test_a_fixed_kernel_launched_with_another_shape_traps(device):
         net.forward_many([p], [x], arena=Arena(net.forward_bytes(16)), stream=stream)
         stream.synchronize()
         print("no trap")
-    """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    """
+    done = run_python(code)
     assert done.returncode != 0 and "no trap" not in done.stdout, (done.stdout, done.stderr[-2000:])
     assert "CUDA_ERROR" in done.stderr, done.stderr[-2000:]
 
