@@ -182,12 +182,30 @@ class DeviceBuffer:
         check(cu.cuMemcpyDtoDAsync, self.ptr, other.ptr, self.nbytes, stream.handle)
 
     def close(self) -> None:
-        """Free the memory now (owning buffers only; views do nothing)."""
-        if self._finalizer is not None:
+        """Free the memory now (owning buffers only; views do nothing). A closed buffer
+        refuses every later use with one ``RuntimeError``, a launch that passes it
+        included. Views taken from it, launches bound and graphs captured with it
+        before hold its raw address: close or drop them first."""
+        if self._finalizer is not None and self._finalizer.alive:
             self._finalizer()
+            del self.ptr  # the slot is empty: reading it reaches __getattr__ below
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` freed this buffer's memory (never for a view)."""
+        return self._finalizer is not None and not self._finalizer.alive
+
+    def __getattr__(self, name):
+        # Only reached when the ordinary lookup fails, so an open buffer's ``ptr``
+        # costs nothing more: a launch's argument packer reads it on every launch.
+        if name == "ptr" and self.closed:
+            raise RuntimeError(f"DeviceBuffer {self.shape} {self.dtype} is closed: its memory was freed")
+        raise AttributeError(f"'DeviceBuffer' object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         kind = "view" if self.is_view else "buffer"
+        if self.closed:
+            return f"<DeviceBuffer {kind} {self.shape} {self.dtype}, closed>"
         return f"<DeviceBuffer {kind} {self.shape} {self.dtype} at 0x{self.ptr:x}>"
 
 

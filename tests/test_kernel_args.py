@@ -232,3 +232,40 @@ def test_fixed_block_kernels_refuse_other_blocks():
         with pytest.raises(ValueError, match=r"exactly \(256, 1, 1\)"):
             kern.check_launch(4, block)
     assert Kernel(None, "free", "ptr", H200_LIKE, max_threads=256).block is None
+
+
+def test_a_closed_buffer_is_refused_by_both_packing_paths_and_its_views_say_so(rng):
+    """DeviceBuffer.close() empties ``ptr``: the fast path (types seen before) and the
+    validating path (types new to the pack) both refuse the buffer with one clear
+    error, naming nothing stale, and ``repr``, ``closed`` and ``ptr`` tell the same."""
+    import weakref
+    addr = int(rng.integers(1, 2**40)) * 256
+    freed = []
+
+    def owning(address):  # an owning buffer with a stand-in for cuMemFree
+        buf = fake_buffer(address)
+        buf._finalizer = weakref.finalize(buf, freed.append, address)
+        return buf
+
+    pack = ArgPack(parse_signature("ptr, i32"))
+    open_buf, fresh = owning(addr), owning(addr + 256)
+    pack.pack((open_buf, 3))  # the types are now the fast path's
+    assert read_packed(pack)[0] == struct.pack("<Q", addr)
+    open_buf.close()
+    open_buf.close()  # a second close frees nothing more
+    assert freed == [addr] and open_buf.closed and not fresh.closed
+    assert "closed" in repr(open_buf) and f"{addr:x}" not in repr(open_buf)
+    with pytest.raises(RuntimeError, match="is closed: its memory was freed"):
+        open_buf.ptr
+    with pytest.raises(RuntimeError, match="is closed"):
+        pack.pack((open_buf, 3))
+    assert pack.refs == ()
+    with pytest.raises(RuntimeError, match="is closed"):
+        ArgPack(parse_signature("ptr, i32")).pack((open_buf, 3))  # the validating path
+    pack.pack((fresh, 4))  # the pack still works with a buffer that is open
+    assert read_packed(pack)[0] == struct.pack("<Q", addr + 256)
+    view = fake_buffer(addr + 512)
+    view.close()  # a view frees nothing and stays usable
+    assert not view.closed and view.ptr == addr + 512 and freed == [addr]
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        open_buf.nothing
