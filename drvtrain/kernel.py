@@ -25,6 +25,7 @@ from cuda.bindings import driver as cu
 from . import driver as _driver
 from .compiler import DEFAULT_OPTIONS, CompiledProgram, compile_file, compile_source
 from .driver import DeviceLimits, _tls, check, get_device, release, release_on_collect
+from .memory import DeviceBuffer, _closed_message, _on_close
 
 _cuLaunchKernel = cu.cuLaunchKernel  # bound once: it is called on every launch
 _cuLaunchKernelEx = cu.cuLaunchKernelEx
@@ -74,6 +75,8 @@ def _as_pointer(value, index: int) -> int:
     ptr = getattr(value, "ptr", None)
     if ptr is not None:
         return ptr
+    if isinstance(value, DeviceBuffer) and value.closed:
+        raise RuntimeError(f"argument {index}: {_closed_message(value)}")
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         if value < 0:
             raise ValueError(f"argument {index}: negative device address {value}")
@@ -113,6 +116,21 @@ def _convert(kind: str, value, index: int):
     return int(value)
 
 
+# Every live pack, for DeviceBuffer.close(): a pack whose last arguments named the
+# buffer forgets them, so Kernel.launch, which skips packing the very same objects
+# again, packs them and refuses the closed buffer (a cost at close, none at launch).
+_packs: "weakref.WeakSet[ArgPack]" = weakref.WeakSet()
+
+
+def _forget_closed_buffer(buf) -> None:
+    for pack in list(_packs):
+        if any(ref is buf for ref in pack.refs):
+            pack.refs = ()
+
+
+_on_close.append(_forget_closed_buffer)
+
+
 class ArgPack:
     """Kernel arguments packed into one buffer, plus the ``void*[]`` cuLaunchKernel reads.
 
@@ -136,6 +154,7 @@ class ArgPack:
         self.fast_pack = _fast_packer(signature, self._struct.pack_into, self._buffer)
         self.refs: tuple = ()  # the Python objects behind the packed arguments
         self._accepted_types: tuple | None = None  # argument types the validating path accepted
+        _packs.add(self)
 
     def pack(self, args) -> None:
         """Pack ``args``; on any error the pack names no arguments, so nothing stale is reused."""

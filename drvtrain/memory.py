@@ -25,6 +25,16 @@ def _shape_tuple(shape) -> tuple[int, ...]:
     return shape
 
 
+# Called with each buffer that close() frees, before the free: kernel.py's argument packs
+# forget a launch that named it, so the next launch of the very same objects packs them
+# again and refuses the buffer, rather than replay its freed address.
+_on_close: list = []
+
+
+def _closed_message(buf) -> str:
+    return f"DeviceBuffer {buf.shape} {buf.dtype} is closed: its memory was freed"
+
+
 class DeviceBuffer:
     """Device memory with a shape and dtype: an owning ``cuMemAlloc`` or a view.
 
@@ -121,7 +131,7 @@ class DeviceBuffer:
         return {
             "shape": self.shape,
             "typestr": self.dtype.str,
-            "data": (self.ptr, False),
+            "data": (self._address(), False),
             "strides": None,
             "version": 3,
         }
@@ -137,10 +147,11 @@ class DeviceBuffer:
         need = math.prod(shape) * dtype.itemsize
         if offset < 0 or offset + need > self.nbytes:
             raise ValueError(f"view of {need} bytes at offset {offset} exceeds the buffer's {self.nbytes} bytes")
-        if (self.ptr + offset) % dtype.alignment:
+        ptr = self._address()
+        if (ptr + offset) % dtype.alignment:
             raise ValueError(f"offset {offset} is not aligned for {dtype}")
         owner = self._owner if self._owner is not None else self  # never bool(): a torch owner raises
-        return DeviceBuffer._view(owner, self.ptr + offset, shape, dtype)
+        return DeviceBuffer._view(owner, ptr + offset, shape, dtype)
 
     # ------------------------------------------------------------ copies
     def copy_from_numpy(self, array) -> None:
@@ -149,27 +160,29 @@ class DeviceBuffer:
         if array.shape != self.shape or array.dtype != self.dtype:
             raise ValueError(f"host array {array.shape} {array.dtype} does not match "
                              f"buffer {self.shape} {self.dtype}")
+        ptr = self._address()
         guard_sync("DeviceBuffer.copy_from_numpy")
         # Our streams are non-blocking, so a plain copy would not wait for them.
         check(cu.cuCtxSynchronize)
-        check(cu.cuMemcpyHtoD, self.ptr, array.ctypes.data, self.nbytes)
+        check(cu.cuMemcpyHtoD, ptr, array.ctypes.data, self.nbytes)
         # From pageable memory the call may return while its DMA is still in flight,
         # and kernels on our non-blocking streams would not wait for it.
         check(cu.cuCtxSynchronize)
 
     def to_numpy(self) -> np.ndarray:
         """Synchronous download into a new host array (tests and setup only)."""
+        ptr = self._address()
         guard_sync("DeviceBuffer.to_numpy")
         out = np.empty(self.shape, self.dtype)
         check(cu.cuCtxSynchronize)
-        check(cu.cuMemcpyDtoH, out.ctypes.data, self.ptr, self.nbytes)
+        check(cu.cuMemcpyDtoH, out.ctypes.data, ptr, self.nbytes)
         return out
 
     def fill_u32(self, word: int, *, stream) -> None:
         """Fill with a 32-bit pattern on ``stream`` (async; legal inside a capture)."""
         if self.nbytes % 4:
             raise ValueError("fill_u32 needs a size that is a multiple of 4 bytes")
-        check(cu.cuMemsetD32Async, self.ptr, word & 0xFFFFFFFF, self.nbytes // 4, stream.handle)
+        check(cu.cuMemsetD32Async, self._address(), word & 0xFFFFFFFF, self.nbytes // 4, stream.handle)
 
     def poison(self, *, stream) -> None:
         """Fill with 0xFFFFFFFF (NaN as float32, -1 as int32) so unwritten elements show."""
@@ -179,15 +192,41 @@ class DeviceBuffer:
         """Async device-to-device copy of ``other`` into this buffer on ``stream``."""
         if other.nbytes != self.nbytes:
             raise ValueError(f"copy of {other.nbytes} bytes into a buffer of {self.nbytes}")
-        check(cu.cuMemcpyDtoDAsync, self.ptr, other.ptr, self.nbytes, stream.handle)
+        source = other._address() if isinstance(other, DeviceBuffer) else other.ptr
+        check(cu.cuMemcpyDtoDAsync, self._address(), source, self.nbytes, stream.handle)
 
     def close(self) -> None:
-        """Free the memory now (owning buffers only; views do nothing)."""
-        if self._finalizer is not None:
-            self._finalizer()
+        """Free the memory now (owning buffers only; views do nothing). A closed buffer
+        has no ``ptr``: a launch that names it, a bind, a copy or a view raises one
+        ``RuntimeError`` that says it is closed, and a kernel whose last launch named
+        it packs its arguments again. Views taken from it, launches bound and graphs
+        captured with it before hold its raw address: drop them (close graphs) first."""
+        if self._finalizer is None:
+            return
+        try:
+            del self.ptr  # first: no reader sees the address once it may be freed
+        except AttributeError:  # closed before (or by another thread)
+            return
+        for forget in _on_close:
+            forget(self)
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` freed this buffer's memory (never for a view)."""
+        return self._finalizer is not None and not hasattr(self, "ptr")
+
+    def _address(self) -> int:
+        """``ptr``, or the error that says this buffer is closed (the paths off a launch's)."""
+        try:
+            return self.ptr
+        except AttributeError:
+            raise RuntimeError(_closed_message(self)) from None
 
     def __repr__(self) -> str:
         kind = "view" if self.is_view else "buffer"
+        if self.closed:
+            return f"<DeviceBuffer {kind} {self.shape} {self.dtype}, closed>"
         return f"<DeviceBuffer {kind} {self.shape} {self.dtype} at 0x{self.ptr:x}>"
 
 

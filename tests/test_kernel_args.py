@@ -232,3 +232,66 @@ def test_fixed_block_kernels_refuse_other_blocks():
         with pytest.raises(ValueError, match=r"exactly \(256, 1, 1\)"):
             kern.check_launch(4, block)
     assert Kernel(None, "free", "ptr", H200_LIKE, max_threads=256).block is None
+
+
+def owning_fake(address: int, freed: list) -> DeviceBuffer:
+    """An owning DeviceBuffer over an address, its cuMemFree a stand-in that records it."""
+    import weakref
+    buf = fake_buffer(address)
+    buf._finalizer = weakref.finalize(buf, freed.append, address)
+    return buf
+
+
+def test_a_closed_buffer_is_refused_by_both_packing_paths_and_says_so(rng):
+    """DeviceBuffer.close() takes ``ptr`` away before it frees: the fast path (types
+    seen before) and the validating path (types new to the pack) both refuse the
+    buffer with one error naming the argument, nothing stale stays packed, and
+    ``repr``, ``closed``, views and a second close agree; a view's close frees nothing."""
+    addr = int(rng.integers(1, 2**40)) * 256
+    freed = []
+    pack = ArgPack(parse_signature("ptr, i32"))
+    buf, fresh = owning_fake(addr, freed), owning_fake(addr + 256, freed)
+    pack.pack((buf, 3))  # the types are now the fast path's
+    assert read_packed(pack)[0] == struct.pack("<Q", addr)
+    buf.close()
+    buf.close()  # a second close frees nothing more
+    assert freed == [addr] and buf.closed and not fresh.closed
+    assert "closed" in repr(buf) and f"{addr:x}" not in repr(buf) and not hasattr(buf, "ptr")
+    for p in (pack, ArgPack(parse_signature("ptr, i32"))):  # fast path, then validating path
+        with pytest.raises(RuntimeError, match=r"argument 0: DeviceBuffer \(16,\) float32 is closed"):
+            p.pack((buf, 3))
+        assert p.refs == ()
+    for use in (lambda: buf.view(np.float32, (4,)), lambda: buf.__cuda_array_interface__):
+        with pytest.raises(RuntimeError, match="is closed: its memory was freed"):
+            use()
+    pack.pack((fresh, 4))  # the pack still takes a buffer that is open
+    assert read_packed(pack)[0] == struct.pack("<Q", addr + 256)
+    view = fake_buffer(addr + 512)
+    view.close()
+    assert not view.closed and view.ptr == addr + 512 and freed == [addr]
+
+
+def test_a_launch_of_the_very_same_objects_after_a_close_packs_again_and_refuses(rng, monkeypatch):
+    """Kernel.launch skips packing when every argument is the object it packed last; a
+    close of one of them makes the next launch pack, and so refuse it, before any
+    driver call; bound launches of other buffers are untouched."""
+    import drvtrain.kernel as kmod
+    sent = []
+    monkeypatch.setattr(kmod, "_cuLaunchKernel", lambda *args: (sent.append(list(kern._pack.values())), (0,))[1])
+
+    class FakeStream:
+        handle = 0
+    addr = int(rng.integers(1, 2**40)) * 256
+    freed = []
+    kern = Kernel(None, "k", "ptr, i32", H200_LIKE)
+    buf, other = owning_fake(addr, freed), owning_fake(addr + 256, freed)
+    n = 1024
+    kern.launch(1, 32, buf, n, stream=FakeStream())
+    kern.launch(1, 32, buf, n, stream=FakeStream())  # the very same objects: not packed again
+    bound = kern.bind(1, 32, other, n)
+    buf.close()
+    with pytest.raises(RuntimeError, match="argument 0: DeviceBuffer .* is closed"):
+        kern.launch(1, 32, buf, n, stream=FakeStream())
+    assert bound.pack.refs == (other, n)  # a pack that did not name it keeps its arguments
+    kern.launch(1, 32, other, n, stream=FakeStream())
+    assert sent == [[addr, n], [addr, n], [addr + 256, n]] and freed == [addr]

@@ -574,3 +574,19 @@ def test_an_executable_graph_is_registered_with_the_modules_it_replays_only():
     assert not set(first._graphs) and set(second._graphs) == {exe}
     _register_with_modules(exe, [])  # what close does
     assert not set(first._graphs) and not set(second._graphs)
+
+
+def test_an_options_launch_of_the_very_same_objects_after_a_close_refuses(launches, rng):
+    """The launch with options (cuLaunchKernelEx) skips packing the very same objects too;
+    after a close of one of them it packs again and refuses it before any driver call."""
+    import weakref
+    addr = int(rng.integers(1, 2**40)) * 256
+    buf = fake_buffer(addr)
+    buf._finalizer = weakref.finalize(buf, lambda: None)  # owning, its free a stand-in
+    k = hopper_kernel()
+    k.launch(4, 64, buf, 7, stream=FakeStream(1), dependent=True)
+    k.launch(4, 64, buf, 7, stream=FakeStream(1), dependent=True)
+    buf.close()
+    with pytest.raises(RuntimeError, match="argument 0: DeviceBuffer .* is closed"):
+        k.launch(4, 64, buf, 7, stream=FakeStream(1), dependent=True)
+    assert [x[0] for x in launches] == ["ex", "ex"] and launches[1][-1][0] == struct.pack("<Q", addr)

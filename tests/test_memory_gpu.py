@@ -39,6 +39,31 @@ def test_poison_then_kernel_writes_every_element(rng, stream, elementwise):
     assert np.max(np.abs(got - ref)) / np.max(np.abs(ref)) < 1e-6
 
 
+def test_a_closed_buffer_refuses_launches_copies_and_views(rng, stream, elementwise):
+    """close() frees the memory and every later use of the buffer raises one clear
+    RuntimeError before any driver call: a launch of the very same objects as the last
+    (which skips packing until the close), a bind, a copy either way and a view. Another
+    buffer launches as before."""
+    fill = elementwise["fill"]
+    n = 1024
+    buf, other = DeviceBuffer(n), DeviceBuffer(n)
+    value = float(rng.uniform(1.0, 2.0))
+    fill.launch(grid(n), BLOCK, buf, value, n, stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(buf.to_numpy(), np.full(n, value, np.float32))
+    buf.close()
+    assert buf.closed and not other.closed
+    for use in (lambda: fill.launch(grid(n), BLOCK, buf, value, n, stream=stream),
+                lambda: fill.bind(grid(n), BLOCK, buf, value, n),
+                lambda: buf.to_numpy(), lambda: buf.copy_from_numpy(np.zeros(n, np.float32)),
+                lambda: buf.view(np.float32, (16,))):
+        with pytest.raises(RuntimeError, match="is closed"):
+            use()
+    fill.launch(grid(n), BLOCK, other, value, n, stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(other.to_numpy(), np.full(n, value, np.float32))
+
+
 def test_cuda_array_interface_is_seen_by_torch(rng, stream):
     torch = pytest.importorskip("torch")
     host = rng.standard_normal(1000).astype(np.float32)
