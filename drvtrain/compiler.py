@@ -6,7 +6,8 @@ architecture loads.
 
 Cache entries are keyed by the source, the contents of every local header it
 includes (recursively), the options, the architecture, the name expressions
-and the NVRTC version. Entries are written atomically (temp file, then
+and the NVRTC version and build (its library's name and size: patch releases
+of one version share ``nvrtcVersion``). Entries are written atomically (temp file, then
 ``os.replace``) and carry a SHA-256 of their payload; an entry that fails the
 check is recompiled, never trusted.
 
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from cuda.bindings import nvrtc
 
-from .driver import check, nvrtc_version
+from .driver import check, nvrtc_build, nvrtc_version
 from .files import atomic_file
 
 __all__ = [
@@ -294,6 +295,7 @@ def compile_source(source: str, name: str = "source.cu", *, arch: str, include_d
     key_material = json.dumps({
         "format": _FORMAT,
         "nvrtc": list(nvrtc_version()),
+        "nvrtc_build": nvrtc_build(),
         "arch": arch,
         "options": options,
         "source": hashlib.sha256(source.encode()).hexdigest(),

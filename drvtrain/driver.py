@@ -7,9 +7,11 @@ into an exception that names the call.
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 from cuda.bindings import driver as cu
 from cuda.bindings import nvrtc
@@ -204,6 +206,27 @@ def nvrtc_version() -> tuple[int, int]:
     """NVRTC's version as (major, minor); needs no GPU."""
     major, minor = check(nvrtc.nvrtcVersion)
     return major, minor
+
+
+_nvrtc_build: list | None = None
+
+
+def nvrtc_build() -> list:
+    """What tells NVRTC's builds of one (major, minor) apart, which ``nvrtcVersion``
+    does not: the name and size of the loaded library and of its builtins library
+    beside it (13.0.48 and 13.0.88 are both 13.0, and their CUBIN may differ). Read
+    once a process; empty where the library cannot be located (the key then has
+    the version alone)."""
+    global _nvrtc_build
+    if _nvrtc_build is None:
+        try:
+            from cuda.pathfinder import load_nvidia_dynamic_lib
+            path = Path(os.path.realpath(load_nvidia_dynamic_lib("nvrtc").abs_path))
+            files = [path] + sorted(path.parent.glob("*nvrtc-builtins*"))
+            _nvrtc_build = [[f.name, f.stat().st_size] for f in files]
+        except Exception:  # an NVRTC found some other way: the version alone keys the cache
+            _nvrtc_build = []
+    return _nvrtc_build
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,26 @@ def test_cache_miss_then_hit_returns_same_cubin(cache_dir):
     assert not list(cache_dir.glob(".tmp-*")), "atomic write left a temp file behind"
 
 
+def test_key_follows_the_nvrtc_build_in_the_process(cache_dir, monkeypatch):
+    """nvrtcVersion gives (major, minor) only, and patch releases of one version may
+    compile differently: the key also holds the loaded library's name and size (the
+    library this process mapped, as /proc/self/maps lists it), so another build of
+    the same version misses the cache."""
+    from drvtrain import driver
+    first = compile_file("probe.cu", arch="sm_90")  # NVRTC is loaded now
+    build = driver.nvrtc_build()
+    with open("/proc/self/maps") as maps:
+        mapped = {os.path.realpath(line.split()[-1]) for line in maps if "libnvrtc.so" in line}
+    assert len(mapped) == 1, mapped
+    lib = mapped.pop()
+    assert build[0] == [os.path.basename(lib), os.path.getsize(lib)]
+    assert all("nvrtc-builtins" in name and size > 0 for name, size in build[1:])
+    assert compile_file("probe.cu", arch="sm_90").cache_hit
+    monkeypatch.setattr(compiler, "nvrtc_build", lambda: [[build[0][0], build[0][1] + 1]] + build[1:])
+    other = compile_file("probe.cu", arch="sm_90")
+    assert not other.cache_hit and other.key != first.key
+
+
 def test_key_covers_arch_options_and_name_expressions(cache_dir):
     src = 'template <typename T> __global__ void twice(T* x) { x[0] *= 2; }\n'
     base = compile_source(src, arch="sm_90", name_expressions=["twice<float>"])
