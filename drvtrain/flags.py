@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .memory import DeviceBuffer, MappedBuffer
+from .memory import DeviceBuffer, MappedBuffer, close_attributes, closes_on_failure
 
 __all__ = ["ErrorFlags"]
 
@@ -18,6 +18,7 @@ __all__ = ["ErrorFlags"]
 class ErrorFlags:
     """Named flags: pass ``counts`` and ``published`` to the kernels, call ``raised()`` on the host."""
 
+    @closes_on_failure
     def __init__(self, names):
         self.names = tuple(names)
         if not self.names:
@@ -36,5 +37,4 @@ class ErrorFlags:
         return [name for name, hit in zip(self.names, new) if hit]
 
     def close(self) -> None:
-        self.counts.close()
-        self.published.close()
+        close_attributes(self, "counts", "published")

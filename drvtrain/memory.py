@@ -1,6 +1,7 @@
 """Device memory: buffers, the scratch arena, mapped and pinned host memory."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -9,13 +10,48 @@ from cuda.bindings import driver as cu
 from .driver import CaptureError, active_captures, check, get_device, guard_sync, release, release_on_collect
 
 __all__ = ["DeviceBuffer", "Arena", "ArenaExhausted", "MappedBuffer", "PinnedBuffer", "ALIGNMENT",
-           "pinned_total"]
+           "pinned_total", "close_attributes", "closes_on_failure"]
 
 ALIGNMENT = 256  # every arena slice and parameter view starts on this boundary
 
 
 def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
+
+
+def close_attributes(obj, *names: str) -> None:
+    """Close ``obj``'s attributes ``names`` in order, each that is set and not None: the
+    ``close()`` of an object whose ``__init__`` may have stopped part way (see
+    :func:`closes_on_failure`). Every one is tried; the first error is raised after."""
+    first = None
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is None:
+            continue
+        try:
+            value.close()
+        except Exception as exc:  # noqa: BLE001 (the rest still close; the first is raised)
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+def closes_on_failure(init):
+    """For an ``__init__`` that makes device resources one after another: when it
+    raises, ``self.close()`` frees what it had made (a ``close`` that skips what is not
+    there yet, as :func:`close_attributes` does) before the error goes on, so nothing
+    waits for the garbage collector. An error from that ``close`` becomes a note on the first."""
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except BaseException as exc:
+            try:
+                self.close()
+            except Exception as inner:  # noqa: BLE001
+                exc.add_note(f"closing the partly made {type(self).__name__} failed too: {inner!r}")
+            raise
+    return wrapper
 
 
 def _shape_tuple(shape) -> tuple[int, ...]:
@@ -284,6 +320,7 @@ class Arena:
     never share one.
     """
 
+    @closes_on_failure
     def __init__(self, nbytes: int, *, active: bool = True, zeroed_bytes: int = 16384):
         if nbytes <= 0:
             raise ValueError(f"arena size must be positive, got {nbytes}")
@@ -371,9 +408,9 @@ class Arena:
         self.zeroed_offset = 0
 
     def close(self) -> None:
-        self.reset()
-        self._slab.close()
-        self._zeroed_slab.close()
+        if getattr(self, "_loose", None) is not None:
+            self.reset()
+        close_attributes(self, "_slab", "_zeroed_slab")
 
     def __repr__(self) -> str:
         return (f"<Arena {self.offset}/{self.capacity} bytes, high water {self.high_water}, "

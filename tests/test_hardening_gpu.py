@@ -261,3 +261,82 @@ def test_doctor_compile_error_is_one_line_exit_1(device, tmp_path):
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert "broken.cu" in out.stderr
+
+
+
+class _Made:
+    """Every device buffer, pinned allocation, stream and event made while installed."""
+
+    def __init__(self, monkeypatch):
+        from drvtrain import Event
+        from drvtrain.memory import _HostAllocation
+        self.things = []
+        for cls in (DeviceBuffer, _HostAllocation, Stream, Event):
+            original = cls.__init__
+
+            def spy(obj, *args, _original=original, **kwargs):
+                _original(obj, *args, **kwargs)
+                self.things.append(obj)
+
+            monkeypatch.setattr(cls, "__init__", spy)
+
+    def still_open(self) -> list:
+        return [t for t in self.things if t._finalizer is not None and t._finalizer.alive]
+
+
+def _fail_on_call(monkeypatch, where: str, call: int) -> None:
+    """``where`` ("module:name") raises MemoryError on its ``call``-th call; earlier calls go through."""
+    import importlib
+    module_name, name = where.split(":")
+    module = importlib.import_module(module_name)
+    original, calls = getattr(module, name), [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            raise MemoryError(f"{name} call {call} refused by the test")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, failing)
+
+
+def _check_gives_back(made, build) -> None:
+    gc.disable()  # nothing may be left for the collector to free
+    try:
+        with pytest.raises(MemoryError, match="refused by the test"):
+            build()
+        assert len(made.things) >= 5, f"the failure came too early to test anything: {made.things}"
+        assert made.still_open() == []
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("where, call", [
+    ("drvtrain.rl.dqn:ReplayBuffer", 1),      # after the parameters, the metrics ring and the optimizer
+    ("drvtrain.rl.replay:builtin_module", 1),  # inside the replay, after its tree and its arrays
+    ("drvtrain.rl.dqn:ErrorFlags", 1),        # after the spectral buffers
+    ("drvtrain.rl.dqn:Arena", 1),
+    ("drvtrain.rl.dqn:Stream", 2),            # one stream of the two made
+])
+def test_a_dqn_step_that_fails_to_build_gives_back_what_it_made(device, monkeypatch, where, call):
+    """DQNStep.__init__ stopped part way (a refused allocation) closes every buffer, pinned
+    allocation, stream and event it had made before the error goes on."""
+    from drvtrain.rl.dqn import DQNConfig, DQNStep
+    made = _Made(monkeypatch)
+    _fail_on_call(monkeypatch, where, call)
+    _check_gives_back(made, lambda: DQNStep(DQNConfig.small(capacity=4096, seed=1)))
+
+
+@pytest.mark.parametrize("where, call", [
+    ("drvtrain.rl.trainer:_Actor", 2),   # the evaluation actor, after the learner and the training actor
+    ("drvtrain.rl.trainer:DQNStep", 1),  # after the stream and the probe env
+])
+def test_a_trainer_that_fails_to_build_gives_back_what_it_made(device, monkeypatch, where, call):
+    """Trainer.__init__ stopped part way closes the learner, the training actor and its
+    environments, the gate and the stream it had made."""
+    from drvtrain.rl.trainer import TrainConfig, Trainer
+    made = _Made(monkeypatch)
+    _fail_on_call(monkeypatch, where, call)
+    config = TrainConfig(env="cartpole", n_envs=4, total_steps=4000, learning_starts=400, train_every=4,
+                         eval_episodes=8, unroll=10, dqn=dict(capacity=4096), seed=3)
+    _check_gives_back(made, lambda: Trainer(config))

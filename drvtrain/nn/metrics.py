@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..memory import MappedBuffer
+from ..memory import MappedBuffer, close_attributes, closes_on_failure
 from ..stream import Event
 
 __all__ = ["Metrics", "StepMetrics", "split_words"]
@@ -57,6 +57,7 @@ class Metrics:
     counted in ``missed``.
     """
 
+    @closes_on_failure
     def __init__(self, slots: int = 1024, fields=("loss", "grad_norm", "clip_scale")):
         if slots < 2:
             raise ValueError(f"a metrics ring needs at least 2 slots, got {slots}")
@@ -68,7 +69,9 @@ class Metrics:
         self.ring = MappedBuffer((self.slots, self.width), np.uint64)
         self._words = self.ring.view()
         self._words[:] = 0  # tag 0: no step has written a slot yet (steps count from 1)
-        self._events = [Event() for _ in range(self.slots)]
+        self._events = []
+        for _ in range(self.slots):
+            self._events.append(Event())
         self.recorded = 0
         self.polled = 0
         self.missed = 0
@@ -117,6 +120,6 @@ class Metrics:
         return out
 
     def close(self) -> None:
-        for e in self._events:
+        for e in getattr(self, "_events", ()):
             e.close()
-        self.ring.close()
+        close_attributes(self, "ring")

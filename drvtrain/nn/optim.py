@@ -7,7 +7,7 @@ import numpy as np
 
 from ..driver import get_device
 from ..kernel import builtin_module
-from ..memory import DeviceBuffer
+from ..memory import DeviceBuffer, close_attributes, closes_on_failure
 from .layout import FlatBuffer
 from .mlp import FIRST_DW_MAX_ROW_TILES, TILE_32, FirstDwShares
 
@@ -95,6 +95,7 @@ class AdamW:
     read ``skip`` too, once the update has run.
     """
 
+    @closes_on_failure
     def __init__(self, params: FlatBuffer, grads: FlatBuffer, *, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, max_norm: float = 10.0,
                  loss: DeviceBuffer | None = None, metrics=None, nan_guard: bool = False):
@@ -103,7 +104,8 @@ class AdamW:
         self._lr, self._betas, self._eps, self._weight_decay, self._max_norm = check_settings(
             lr, betas, eps, weight_decay, max_norm)
         self.params, self.grads = params, grads
-        self.m, self.v = FlatBuffer(params.layout), FlatBuffer(params.layout)
+        self.m = FlatBuffer(params.layout)
+        self.v = FlatBuffer(params.layout)
         if metrics is not None and metrics.width != 3:
             raise ValueError("the norm kernel writes {loss, grad_norm, clip_scale} slots; "
                              f"this ring has fields {metrics.fields}")
@@ -235,5 +237,4 @@ class AdamW:
         return float(s[:2].view(np.float32)[0]), float(s[:2].view(np.float32)[1]), int(s[2])
 
     def close(self) -> None:
-        for b in (self.m, self.v, self.norm_partials, self._state):
-            b.close()
+        close_attributes(self, "m", "v", "norm_partials", "_state")

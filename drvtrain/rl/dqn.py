@@ -27,7 +27,7 @@ from ..driver import active_captures, get_device
 from ..flags import ErrorFlags
 from ..graph import Graph, GraphExec, capture, capture_frontier
 from ..kernel import builtin_module, dependent_launches
-from ..memory import Arena, DeviceBuffer, MappedBuffer
+from ..memory import Arena, DeviceBuffer, MappedBuffer, close_attributes, closes_on_failure
 from ..nn.layout import FlatBuffer, ParamLayout
 from ..nn.metrics import Metrics
 from ..nn.mlp import MLP, Forward
@@ -376,6 +376,7 @@ class DQNStep:
     row), ``capture`` records them as one executable graph. ``last`` describes the
     last step queued."""
 
+    @closes_on_failure
     def __init__(self, config: DQNConfig, *, arena_active: bool = True, metrics_slots: int = 1024):
         if not isinstance(config, DQNConfig):
             raise TypeError(f"DQNStep takes a DQNConfig, got {type(config).__name__}")
@@ -450,7 +451,9 @@ class DQNStep:
         out_bytes = 4 * b * (1 + a)
         self.arena = Arena(self.replay.scratch_bytes(b) + net_bytes + 2 * out_bytes + 8 * b + 4096,
                            zeroed_bytes=zeroed + 1024, active=arena_active)
-        self.streams = (Stream(), Stream()) if dual else ()
+        self.streams = ()
+        for _ in range(2 if dual else 0):  # one at a time: a failed second leaves the first to close()
+            self.streams += (Stream(),)
         # The sampler's IS weights (sumtree_weights) beside the forwards, joined before
         # the loss; later the loss's batch means (dqn_means_*) beside the backward,
         # joined before the optimizer, their first reader. Inline on one stream.
@@ -867,19 +870,13 @@ class DQNStep:
         self._step_counter.copy_from_numpy(s["step"])
 
     def close(self) -> None:
-        for s in self.streams + ((self._means_stream,) if self._means_stream is not None else ()):
+        """Give back every stream and device buffer now (also what a failed ``__init__`` had made)."""
+        for s in getattr(self, "streams", ()):
             s.close()
-        self.replay.close()
-        self.arena.close()
-        self.metrics.close()
-        self.optimizer.close()
-        self.skips.close()
-        self._skipped_step.close()
-        for buf in (self.params, self.target, self.grads, self._scalars, self._loss_partials, self._step_counter,
-                    self._spectral_mats, self.u, self._v, self._spectral_partials, self._sigma_scale,
-                    getattr(self, "_head_partials", None), getattr(self, "_tail_barrier", None)):
-            if buf is not None:
-                buf.close()
+        close_attributes(self, "_means_stream", "replay", "arena", "metrics", "optimizer", "skips", "_skipped_step",
+                         "params", "target", "grads", "_scalars", "_loss_partials", "_step_counter",
+                         "_spectral_mats", "u", "_v", "_spectral_partials", "_sigma_scale", "_head_partials",
+                         "_tail_barrier")
 
 
 def lint_step_graph(step: DQNStep) -> list[Criterion]:

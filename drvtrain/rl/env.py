@@ -17,7 +17,7 @@ import numpy as np
 
 from ..driver import DriverError
 from ..kernel import load_module
-from ..memory import DeviceBuffer, MappedBuffer
+from ..memory import DeviceBuffer, MappedBuffer, close_attributes, closes_on_failure
 
 __all__ = ["DeviceEnv", "EnvSpec", "ENVIRONMENTS", "known_envs", "make_env", "register_env"]
 
@@ -89,6 +89,7 @@ class DeviceEnv:
     is needed.
     """
 
+    @closes_on_failure
     def __init__(self, source, name: str, n_envs: int, *, seed: int, obs_dim: int | None = None,
                  n_actions: int | None = None, state_dim: int | None = None, max_steps: int | None = None):
         self.name = str(name)
@@ -130,8 +131,6 @@ class DeviceEnv:
         self.reward = DeviceBuffer.zeros(n, np.float32)
         self.terminated = DeviceBuffer.zeros(n, np.float32)
         self.truncated = DeviceBuffer.zeros(n, np.float32)
-        self._buffers = (self.states, self.obs, self.episode_steps, self.rng_counters, self.final_obs,
-                         self.reward, self.terminated, self.truncated)
         self._closed = False
 
     # -------------------------------------------------------------- stepping
@@ -200,10 +199,10 @@ class DeviceEnv:
 
     def close(self) -> None:
         """Free the device buffers now; the env cannot be used afterwards."""
-        if not self._closed:
+        if not getattr(self, "_closed", False):
             self._closed = True
-            for buf in self._buffers:
-                buf.close()
+            close_attributes(self, "states", "obs", "episode_steps", "rng_counters", "final_obs", "reward",
+                             "terminated", "truncated")
 
     def __enter__(self) -> "DeviceEnv":
         return self

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernel import builtin_module
-from ..memory import ALIGNMENT, Arena, DeviceBuffer
+from ..memory import ALIGNMENT, Arena, DeviceBuffer, close_attributes, closes_on_failure
 from .sumtree import SumTree
 
 __all__ = ["ReplayBuffer", "Batch"]
@@ -45,6 +45,7 @@ class ReplayBuffer:
     inserts replay inside a graph.
     """
 
+    @closes_on_failure
     def __init__(self, capacity: int, obs_dim: int, *, alpha: float = 0.6, seed: int | None = None,
                  max_batch: int = 4096):
         if int(obs_dim) < 1:
@@ -179,6 +180,4 @@ class ReplayBuffer:
         return int(self.state.to_numpy()[0])
 
     def close(self) -> None:
-        self.tree.close()
-        for buf in (self.obs, self.next_obs, self.action, self.reward, self.done, self._state_owner):
-            buf.close()
+        close_attributes(self, "tree", "obs", "next_obs", "action", "reward", "done", "_state_owner")

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..flags import ErrorFlags
 from ..kernel import builtin_module
-from ..memory import DeviceBuffer
+from ..memory import DeviceBuffer, close_attributes, closes_on_failure
 from ..stream import Stream, fork
 
 __all__ = ["SumTree", "ReplayError", "beta_schedule", "tree_levels"]
@@ -104,6 +104,7 @@ def beta_schedule(beta) -> tuple[float, float, int]:
 class SumTree:
     """A sum tree over ``capacity`` leaves holding ``priority ** alpha``."""
 
+    @closes_on_failure
     def __init__(self, capacity: int, *, alpha: float = 0.6, seed: int | None = None,
                  max_batch: int = 4096, initial_priority: float = 1.0):
         if int(capacity) < 1:
@@ -353,5 +354,4 @@ class SumTree:
         return float(self.total().to_numpy()[0])
 
     def close(self) -> None:
-        for buf in (self.nodes, self.leaves, self._state, self._drawn, self.flags):
-            buf.close()
+        close_attributes(self, "nodes", "leaves", "_state", "_drawn", "flags")

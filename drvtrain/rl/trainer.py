@@ -22,7 +22,7 @@ import numpy as np
 
 from ..graph import capture
 from ..kernel import dependent_launches
-from ..memory import Arena, DeviceBuffer, MappedBuffer
+from ..memory import Arena, DeviceBuffer, MappedBuffer, close_attributes, closes_on_failure
 from ..stream import Event, Stream
 from .dqn import DQNConfig, DQNStep, TrainingError, check_learner_state
 from .env import make_env
@@ -134,6 +134,7 @@ class TrainConfig:
 class _Actor:
     """One set of environments with its acting state: the fused act kernel's arguments."""
 
+    @closes_on_failure
     def __init__(self, config: TrainConfig, learner: DQNStep, n: int, seed: int, *, episode_slots: int):
         self.env = make_env(config.env, n, seed=seed)
         self.n, self.seed = n, seed
@@ -192,25 +193,21 @@ class _Actor:
         return out
 
     def close(self) -> None:
-        self.env.close()
-        self.arena.close()
-        self.episodes.close()
-        for buf in (self.loop, self.ep_return, self.counter):
-            buf.close()
+        close_attributes(self, "env", "arena", "episodes", "loop", "ep_return", "counter")
 
 
 class Trainer:
     """Runs a TrainConfig: ``run()`` trains and evaluates; ``drvtrain train`` (cli.py)
     writes the run folder from its reports."""
 
+    @closes_on_failure
     def __init__(self, config: TrainConfig):
         if not isinstance(config, TrainConfig):
             raise TypeError(f"Trainer takes a TrainConfig, got {type(config).__name__}")
         self.config = cfg = config
         self.stream = Stream()
-        probe = make_env(cfg.env, 1, seed=0)
-        obs_dim, n_actions, self.max_steps = probe.obs_dim, probe.n_actions, probe.max_steps
-        probe.close()
+        with make_env(cfg.env, 1, seed=0) as probe:
+            obs_dim, n_actions, self.max_steps = probe.obs_dim, probe.n_actions, probe.max_steps
         self.learner = DQNStep(cfg.dqn_config(obs_dim=obs_dim, n_actions=n_actions), metrics_slots=4096)
         self.gate = DeviceBuffer.from_numpy(np.ones(1, np.int32))
         self._eval_unroll = 50
@@ -472,17 +469,13 @@ class Trainer:
         self.load_state_arrays(arrays)
 
     def close(self) -> None:
-        for exe in (self._exe, self._eval_exe, *self._partial_exe.values()):
+        """Give back every graph, buffer and stream now (also what a failed ``__init__`` had made)."""
+        for exe in (getattr(self, "_exe", None), getattr(self, "_eval_exe", None),
+                    *getattr(self, "_partial_exe", {}).values()):
             if exe is not None:
                 exe.close()
         self._exe, self._eval_exe, self._partial_exe = None, None, {}
-        if self.graph is not None:
-            self.graph.close()
-        self.actor.close()
-        self.eval_actor.close()
-        self.learner.close()
-        self.gate.close()
-        self.stream.close()
+        close_attributes(self, "graph", "actor", "eval_actor", "learner", "gate", "stream")
 
 
 def check_trainer_state(arrays: dict, *, capacity: int, levels, n_actions: int, n_envs: int, max_steps: int,
