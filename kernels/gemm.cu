@@ -87,7 +87,11 @@ struct Config {
 };
 
 using Tile64x64 = Config<64, 64, 2, 2, 32, 2>;
-using Tile32x32 = Config<32, 32, 2, 2, 16, 4>;
+// The 32x32 tile keeps five stages: a split of the small nets' products (k = 64 of a
+// 256-deep product in four splits) is four k tiles, all of them in flight from the
+// prologue; with four stages the fourth tile's copy waited for the first tile to land
+// (docs/perf-notes.md, forty-eighth pass).
+using Tile32x32 = Config<32, 32, 2, 2, 16, 5>;
 
 // One operand's tile in shared memory, in its global layout. Row strides make the
 // m16n8k8 fragment loads conflict-free: lane (g, t) = (lane / 4, lane % 4) reads
@@ -722,28 +726,66 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             dt_cluster_barrier();  // block 0 has read them: only then may this block leave
             return;
         }
+        // The other ranks' partials are loaded R ranks a round, every fragment's and the
+        // row sums' loads of a round issued before any is added: one round trip over
+        // distributed shared memory a round, not one a load (docs/perf-notes.md,
+        // forty-eighth pass). R = 3: the 32x32 tile's at most four splits in one round
+        // (drvtrain.nn.mlp.TILE_32.cluster_splits). The adds keep z order.
+        constexpr int R = 3;
+        float4 v[MI][NI];
+        float rv = 0.0f;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) {
+                v[mi][ni] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                v[mi][ni].x += acc[mi][ni][0], v[mi][ni].y += acc[mi][ni][1];
+                v[mi][ni].z += acc[mi][ni][2], v[mi][ni].w += acc[mi][ni][3];
+            }
+        if (sums && tid < BM) rv += row_sum;
+        for (int s0 = 1; s0 < splits; s0 += R) {
+            float4 p[R][MI][NI];
+            float rp[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (s0 + r < splits) {
+                    if (active) {
+#pragma unroll
+                        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                            for (int ni = 0; ni < NI; ++ni)
+                                p[r][mi][ni] = dt_cluster_load4(
+                                    dt_cluster_address(smem0 + 16u * ((mi * NI + ni) * THREADS + tid), s0 + r));
+                    }
+                    if (sums && tid < BM)
+                        rp[r] = dt_cluster_load(dt_cluster_address(smem0 + 4u * (BM * BN + tid), s0 + r));
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (s0 + r < splits) {
+                    if (active) {
+#pragma unroll
+                        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                            for (int ni = 0; ni < NI; ++ni) {
+                                v[mi][ni].x += p[r][mi][ni].x, v[mi][ni].y += p[r][mi][ni].y;
+                                v[mi][ni].z += p[r][mi][ni].z, v[mi][ni].w += p[r][mi][ni].w;
+                            }
+                    }
+                    if (sums && tid < BM) rv += rp[r];
+                }
+            }
+        }
         if (active) {
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                for (int ni = 0; ni < NI; ++ni) {
-                    const unsigned int at = smem0 + 16u * ((mi * NI + ni) * THREADS + tid);
-                    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    for (int s = 0; s < splits; ++s) {
-                        const float4 p = s == 0 ? make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2],
-                                                              acc[mi][ni][3])
-                                                : dt_cluster_load4(dt_cluster_address(at, s));
-                        v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
-                    }
-                    acc[mi][ni][0] = v.x, acc[mi][ni][1] = v.y, acc[mi][ni][2] = v.z, acc[mi][ni][3] = v.w;
-                }
+                for (int ni = 0; ni < NI; ++ni)
+                    acc[mi][ni][0] = v[mi][ni].x, acc[mi][ni][1] = v[mi][ni].y, acc[mi][ni][2] = v[mi][ni].z,
+                    acc[mi][ni][3] = v[mi][ni].w;
         }
-        if (sums && tid < BM) {
-            float v = 0.0f;
-            for (int s = 0; s < splits; ++s)
-                v += s == 0 ? row_sum : dt_cluster_load(dt_cluster_address(smem0 + 4u * (BM * BN + tid), s));
-            row_sum = v;
-        }
+        if (sums && tid < BM) row_sum = rv;
         // The loads above have returned (release): the other blocks may leave while
         // this one stores; it waits for their arrival only at its very end.
         dt_cluster_arrive();
