@@ -40,7 +40,8 @@ def closes_on_failure(init):
     """For an ``__init__`` that makes device resources one after another: when it
     raises, ``self.close()`` frees what it had made (a ``close`` that skips what is not
     there yet, as :func:`close_attributes` does) before the error goes on, so nothing
-    waits for the garbage collector. An error from that ``close`` becomes a note on the first."""
+    waits for the garbage collector. An error from that ``close`` becomes a note on the
+    first (Python 3.11 and later; before, it is dropped)."""
     @functools.wraps(init)
     def wrapper(self, *args, **kwargs):
         try:
@@ -49,7 +50,9 @@ def closes_on_failure(init):
             try:
                 self.close()
             except Exception as inner:  # noqa: BLE001
-                exc.add_note(f"closing the partly made {type(self).__name__} failed too: {inner!r}")
+                add_note = getattr(exc, "add_note", None)  # Python 3.11 and later
+                if add_note is not None:
+                    add_note(f"closing the partly made {type(self).__name__} failed too: {inner!r}")
             raise
     return wrapper
 

@@ -42,8 +42,9 @@
 //             accuracy, about 2e-7 relative against float64 on random data.
 //   <tile>:   64x64: 128 threads, 4 warps of 32x32 outputs, k tiles of 32, 2 stages
 //                    (36 KB of shared memory at most);
-//             32x32: 128 threads, 4 warps of 16x16 outputs, k tiles of 16, 4 stages
-//                    (20 KB), so several blocks share an SM on the small products.
+//             32x32: 128 threads, 4 warps of 16x16 outputs, k tiles of 16, 5 stages
+//                    (25 KB; 35 KB where the first layer is folded in), so several
+//                    blocks share an SM on the small products.
 //             128-row tiles (128x128 and 128x64, 3 stages in dynamic shared
 //             memory) measured no faster than 64x64 on any product of the nets
 //             (docs/perf-notes.md), so there are none.
@@ -729,9 +730,11 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         // The other ranks' partials are loaded R ranks a round, every fragment's and the
         // row sums' loads of a round issued before any is added: one round trip over
         // distributed shared memory a round, not one a load (docs/perf-notes.md,
-        // forty-eighth pass). R = 3: the 32x32 tile's at most four splits in one round
-        // (drvtrain.nn.mlp.TILE_32.cluster_splits). The adds keep z order.
+        // forty-eighth pass). R = 3: the plans' at most four splits in one round
+        // (drvtrain.nn.mlp.TILE_32.cluster_splits), the most a cluster takes (8) in
+        // three. The adds keep z order.
         constexpr int R = 3;
+        auto add = [](float4& v, const float4& p) { v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w; };
         float4 v[MI][NI];
         float rv = 0.0f;
 #pragma unroll
@@ -739,8 +742,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni) {
                 v[mi][ni] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                v[mi][ni].x += acc[mi][ni][0], v[mi][ni].y += acc[mi][ni][1];
-                v[mi][ni].z += acc[mi][ni][2], v[mi][ni].w += acc[mi][ni][3];
+                add(v[mi][ni], make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]));
             }
         if (sums && tid < BM) rv += row_sum;
         for (int s0 = 1; s0 < splits; s0 += R) {
@@ -763,18 +765,14 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             }
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                if (s0 + r < splits) {
-                    if (active) {
+                if (s0 + r >= splits) continue;
+                if (active) {
 #pragma unroll
-                        for (int mi = 0; mi < MI; ++mi)
+                    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                            for (int ni = 0; ni < NI; ++ni) {
-                                v[mi][ni].x += p[r][mi][ni].x, v[mi][ni].y += p[r][mi][ni].y;
-                                v[mi][ni].z += p[r][mi][ni].z, v[mi][ni].w += p[r][mi][ni].w;
-                            }
-                    }
-                    if (sums && tid < BM) rv += rp[r];
+                        for (int ni = 0; ni < NI; ++ni) add(v[mi][ni], p[r][mi][ni]);
                 }
+                if (sums && tid < BM) rv += rp[r];
             }
         }
         if (active) {

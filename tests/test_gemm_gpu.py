@@ -266,9 +266,9 @@ def test_shapes_cover_whole_and_bounded_blocks_of_the_32x32_forward(device):
     copy is in bounds (kernels/gemm.cu's `whole`: the split's k range whole k tiles, the
     block inside M and N), the bounded loop elsewhere: SHAPES hold grids of each kind
     and one with both. And one bounded split ends inside a k tile that its k loop copies
-    (past the ring's first STAGES - 1 = 3 tiles, which the prologue copies with bounds):
+    (past the ring's first STAGES - 1 = 4 tiles, which the prologue copies with bounds):
     the only case where a block wrongly taken for whole changes a stored output."""
-    bk, prologue_tiles = TILE_32.bk, 3
+    bk, prologue_tiles = TILE_32.bk, 4
 
     def kinds(m, n, k):
         splits = plan(m, n, k, device.sm_count, precision="tf32", tile=TILE_32).splits

@@ -317,6 +317,8 @@ def _check_gives_back(made, build) -> None:
     ("drvtrain.rl.dqn:ErrorFlags", 1),        # after the spectral buffers
     ("drvtrain.rl.dqn:Arena", 1),
     ("drvtrain.rl.dqn:Stream", 2),            # one stream of the two made
+    ("drvtrain.rl.dqn:_Captured", 1),         # its last statement: everything made
+    ("drvtrain.nn.metrics:Event", 5),         # inside the metrics ring, four events made
 ])
 def test_a_dqn_step_that_fails_to_build_gives_back_what_it_made(device, monkeypatch, where, call):
     """DQNStep.__init__ stopped part way (a refused allocation) closes every buffer, pinned
@@ -330,6 +332,7 @@ def test_a_dqn_step_that_fails_to_build_gives_back_what_it_made(device, monkeypa
 @pytest.mark.parametrize("where, call", [
     ("drvtrain.rl.trainer:_Actor", 2),   # the evaluation actor, after the learner and the training actor
     ("drvtrain.rl.trainer:DQNStep", 1),  # after the stream and the probe env
+    ("drvtrain.rl.trainer:Arena", 1),    # inside the training actor, after its envs and rings
 ])
 def test_a_trainer_that_fails_to_build_gives_back_what_it_made(device, monkeypatch, where, call):
     """Trainer.__init__ stopped part way closes the learner, the training actor and its
@@ -340,3 +343,16 @@ def test_a_trainer_that_fails_to_build_gives_back_what_it_made(device, monkeypat
     config = TrainConfig(env="cartpole", n_envs=4, total_steps=4000, learning_starts=400, train_every=4,
                          eval_episodes=8, unroll=10, dqn=dict(capacity=4096), seed=3)
     _check_gives_back(made, lambda: Trainer(config))
+
+
+def test_an_arena_that_fails_to_build_gives_back_its_slab(device, monkeypatch):
+    """Arena's second slab refused: the first is freed before the error goes on."""
+    made = _Made(monkeypatch)
+
+    def refuse(*args, **kwargs):
+        raise MemoryError("zeros refused by the test")
+
+    monkeypatch.setattr(DeviceBuffer, "zeros", refuse)
+    with pytest.raises(MemoryError, match="refused by the test"):
+        Arena(1 << 20)
+    assert len(made.things) == 1 and made.still_open() == []

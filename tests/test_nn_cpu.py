@@ -300,9 +300,10 @@ def _fake_kernels(monkeypatch, launches, cc=(8, 0)):
                 assert ("_cluster_" in name) == (cc >= (9, 0) and ("_32x32_" in name and grid[2] <= 4
                                                                    or "_dwl_64x64_" in name)), name
             launches.append((name, grid, args, stream, shared_mem, cluster))
-        # 8 GPCs of 16 SMs, one wgmma block per SM (64 clusters of 2, 32 of 4, 16 of 8),
-        # 4 of the 64x64 tile's, 8 of the 32x32 tile's with 16-byte copies but 6 with 4-byte
-        # copies (more registers): the plan (and the scratch) must not depend on which runs.
+        # A stand-in for the occupancy query: 8 GPCs of 16 SMs, one wgmma block per SM (64
+        # clusters of 2, 32 of 4, 16 of 8), 4 of the 64x64 tile's, 8 of the 32x32 tile's with
+        # 16-byte copies but 6 with 4-byte copies: the plan (and the scratch) must not depend
+        # on which runs.
         per_sm = (8 if "_cp16_" in name else 6) if "_32x32_" in name else 4 if "_64x64_" in name else 1
         return SimpleNamespace(block=256, launch=launch,
                                max_active_clusters=lambda c, b, shared: 8 * (16 * per_sm // (c[0] * c[1] * c[2])))

@@ -870,7 +870,10 @@ class DQNStep:
         self._step_counter.copy_from_numpy(s["step"])
 
     def close(self) -> None:
-        """Give back every stream and device buffer now (also what a failed ``__init__`` had made)."""
+        """Give back the captured graph, every stream and every device buffer now (also what a
+        failed ``__init__`` had made). Executable graphs made by ``capture`` keep working
+        until their own close, but the buffers they replay are gone: close them first."""
+        close_attributes(self, "graph")
         for s in getattr(self, "streams", ()):
             s.close()
         close_attributes(self, "_means_stream", "replay", "arena", "metrics", "optimizer", "skips", "_skipped_step",

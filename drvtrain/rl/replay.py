@@ -58,10 +58,9 @@ class ReplayBuffer:
         self.action = DeviceBuffer.from_numpy(np.zeros(c, np.int32))
         self.reward = DeviceBuffer.from_numpy(np.zeros(c, np.float32))
         self.done = DeviceBuffer.from_numpy(np.zeros(c, np.float32))
-        state = DeviceBuffer.from_numpy(np.zeros(3, np.int64))
+        self._state_owner = state = DeviceBuffer.from_numpy(np.zeros(3, np.int64))
         self.state = state.view(np.int64, (2,), 0)
         self._counter = state.view(np.uint32, (1,), 16)
-        self._state_owner = state
         self._insert = builtin_module("replay.cu").kernel(
             "replay_insert", "ptr ptr ptr ptr ptr i32 i32 ptr ptr ptr ptr ptr i32 ptr ptr ptr ptr i32 i32 ptr",
             fixed_block=True)
