@@ -729,7 +729,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         }
         // The other ranks' partials are loaded R ranks a round, every fragment's and the
         // row sums' loads of a round issued before any is added: one round trip over
-        // distributed shared memory a round, not one a load (docs/perf-notes.md,
+        // distributed shared memory a round, not one a fragment (docs/perf-notes.md,
         // forty-eighth pass). R = 3: the plans' at most four splits in one round
         // (drvtrain.nn.mlp.TILE_32.cluster_splits), the most a cluster takes (8) in
         // three. The adds keep z order.

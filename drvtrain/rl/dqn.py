@@ -870,10 +870,9 @@ class DQNStep:
         self._step_counter.copy_from_numpy(s["step"])
 
     def close(self) -> None:
-        """Give back the captured graph, every stream and every device buffer now (also what a
-        failed ``__init__`` had made). Executable graphs made by ``capture`` keep working
-        until their own close, but the buffers they replay are gone: close them first."""
-        close_attributes(self, "graph")
+        """Give back every stream and device buffer now (also what a failed ``__init__`` had
+        made). ``graph``, the last capture's ``Graph``, stays open, so its topology can still be
+        read; the executable graphs made from it replay freed buffers: close them first."""
         for s in getattr(self, "streams", ()):
             s.close()
         close_attributes(self, "_means_stream", "replay", "arena", "metrics", "optimizer", "skips", "_skipped_step",
