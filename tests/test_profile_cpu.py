@@ -66,11 +66,11 @@ def test_hbm_rows_are_megabytes_by_their_units_and_the_command_leaves_the_cache(
     assert [r["written"] for r in rows] == pytest.approx([7.988992, 3.794688])
     assert [r["time"] for r in rows] == pytest.approx([13.28, 10.016])
     assert (rows[0]["l2_hit"], rows[0]["grid"], rows[0]["block"]) == (71.07, "528", "256") and "limit" not in rows[0]
-    cmd = profile.ncu_command("ncu", "dqn-large", 3, True)
+    cmd = profile.ncu_command("ncu", "dqn-large", 3, "hbm")
     assert cmd[cmd.index("--cache-control") + 1] == "none"
     assert cmd[cmd.index("--replay-mode") + 1] == "application"
     assert cmd[cmd.index("--metrics") + 1].split(",") == list(profile.HBM_METRICS)
-    default = profile.ncu_command("ncu", "dqn-large", 3, False)
+    default = profile.ncu_command("ncu", "dqn-large", 3)
     assert "--cache-control" not in default and "--replay-mode" not in default
     assert default[default.index("--metrics") + 1].split(",") == list(profile.METRICS)
     assert cmd[-4:] == default[-4:] == ["--child", "--warmup", "3", "dqn-large"]
@@ -90,6 +90,38 @@ def test_hbm_table_prints_the_totals_and_a_row_per_kernel(profile, capsys):
                         "| 1 | dqn_finish | 9.47 | 528 x 256 | 0.65 | 1.64 | 94.5 |"]
     odd = profile.table(text.replace('"byte","Mbyte"', '"byte","Tbyte"'), profile.HBM_METRICS)
     assert [r["written"] != r["written"] for r in odd] == [True, True]
+
+
+L2_HEADER = ('"ID","Process ID","Kernel Name","gpu__time_duration.sum","launch__block_size","launch__grid_size",'
+             '"lts__t_bytes.sum","lts__throughput.avg.pct_of_peak_sustained_elapsed",'
+             '"sm__warps_active.avg.pct_of_peak_sustained_active"')
+
+
+def test_l2_rows_and_table_give_bytes_rates_and_the_command_leaves_the_cache(profile, capsys):
+    """``--l2``: the bytes through the L2 read as 10^6 bytes by their unit, the printed rate
+    is those bytes over the kernel's time (MB/us = TB/s), the total is over every kernel;
+    the ncu command does not flush the caches but replays each kernel (no application
+    replay), and asks for exactly L2_METRICS; an unknown mode is refused."""
+    text = "\n".join(["==PROF== Connected to process 77", L2_HEADER, '"","","","ns","","","Mbyte","%","%"',
+                      '"0","1","linear_grad_weight_32x32_cp16_cluster_3xtf32(const float *)","5,120","128",'
+                      '"256","6.4","38.5","21.7"',
+                      '"1","1","dqn_finish","2,500","256","67","0.75","12.0","30.2"'])
+    rows = profile.table(text, profile.L2_METRICS)
+    assert [r["kernel"] for r in rows] == ["linear_grad_weight_32x32_cp16_cluster_3xtf32", "dqn_finish"]
+    assert [r["l2"] for r in rows] == pytest.approx([6.4, 0.75])
+    assert [r["time"] for r in rows] == pytest.approx([5.12, 2.5])
+    assert (rows[0]["l2_busy"], rows[0]["occupancy"], rows[0]["grid"]) == (38.5, 21.7, "256") and "limit" not in rows[0]
+    profile.print_l2_table("dqn-small", rows)
+    out = capsys.readouterr().out.splitlines()
+    assert "dqn-small: 2 kernels, 7.15 MB through the L2" in out[1]
+    assert out[-2:] == ["| 0 | linear_grad_weight_32x32_cp16_cluster_3xtf32 | 5.12 | 256 x 128 | 6.40 | 1.25 | 38.5 | 21.7 |",
+                        "| 1 | dqn_finish | 2.50 | 67 x 256 | 0.75 | 0.30 | 12.0 | 30.2 |"]
+    cmd = profile.ncu_command("ncu", "dqn-small", 2, "l2")
+    assert cmd[cmd.index("--cache-control") + 1] == "none" and "--replay-mode" not in cmd
+    assert cmd[cmd.index("--metrics") + 1].split(",") == list(profile.L2_METRICS)
+    assert cmd[-4:] == ["--child", "--warmup", "2", "dqn-small"]
+    with pytest.raises(ValueError, match="unknown mode"):
+        profile.ncu_command("ncu", "dqn-small", 2, "l1")
 
 
 def test_trace_timeline_takes_medians_per_node_and_refuses_other_graphs(monkeypatch):

@@ -17,6 +17,13 @@ metrics), so every kernel finds what the kernels before it left in L2. The bytes
 kernel writes are mostly lines that other kernels dirtied, evicted while it runs.
 Its times are not those of the default table (other metrics, other passes).
 
+``--l2``: instead, what each kernel moves through the L2 when it runs alone: the bytes
+of every request the L2 served (reads, writes and atomics, from the SMs and to HBM),
+the rate that makes over the kernel's time, and how busy the L2 was (% of its peak,
+the busiest of its units), with the L2 left as the kernels before it left it
+(``--cache-control none``). Kernels that run side by side in the step share that
+peak: their rates add up while they overlap.
+
 What is profiled: ``dqn-small`` / ``dqn-large`` (the Double-DQN step of
 docs/step-spec.md) or ``engine-small`` / ``engine-large`` (the supervised step
 of tools/bench_engine.py). Eager launches compute what the captured graph does,
@@ -47,6 +54,15 @@ HBM_METRICS = {
     "launch__grid_size": "grid",
     "launch__block_size": "block",
 }
+L2_METRICS = {
+    "gpu__time_duration.sum": "time",
+    "lts__t_bytes.sum": "l2",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2_busy",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy",
+    "launch__grid_size": "grid",
+    "launch__block_size": "block",
+}
+MODES = {"default": METRICS, "hbm": HBM_METRICS, "l2": L2_METRICS}
 WHAT = ("dqn-small", "dqn-large", "engine-small", "engine-large")
 TIME_UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "ns": 1e-3, "us": 1.0}
 BYTE_UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
@@ -91,7 +107,7 @@ def _number(text: str) -> float:
 
 def table(csv_text: str, metrics: dict = METRICS) -> list[dict]:
     """ncu's ``--page raw --csv`` output as rows of the fields in ``metrics`` (METRICS,
-    or HBM_METRICS: bytes in MB, 10^6 bytes), times in us."""
+    HBM_METRICS or L2_METRICS: bytes in MB, 10^6 bytes), times in us."""
     lines = [line for line in csv_text.splitlines() if line.startswith('"')]
     reader = list(csv.reader(io.StringIO("\n".join(lines))))
     if len(reader) < 3:
@@ -106,7 +122,7 @@ def table(csv_text: str, metrics: dict = METRICS) -> list[dict]:
             unit = units[col[metric]] if metric in col else ""
             if key == "time":
                 row[key] = _number(value) * TIME_UNITS.get(unit, 1e-3)
-            elif key in ("read", "written"):
+            elif key in ("read", "written", "l2"):
                 row[key] = _number(value) * BYTE_UNITS.get(unit, float("nan")) / 1e6
             elif key in ("grid", "block"):
                 row[key] = value.replace(",", "")
@@ -140,12 +156,29 @@ def print_hbm_table(what: str, rows: list[dict]) -> None:
               f"{r['written']:.2f} | {r['l2_hit']:.1f} |")
 
 
-def ncu_command(ncu: str, what: str, warmup: int, hbm: bool) -> list[str]:
-    """The ncu command line that profiles ``what`` (the child run of this script)."""
+def print_l2_table(what: str, rows: list[dict]) -> None:
+    total = sum(r["l2"] for r in rows)
+    print(f"\n{what}: {len(rows)} kernels, {total:.2f} MB through the L2, each kernel alone "
+          f"(the L2 left as the kernels before it left it)\n")
+    print("| # | kernel | us | grid x block | L2 MB | L2 TB/s | L2 busy % | occupancy % |")
+    print("|---|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rows):
+        rate = r["l2"] / r["time"] if r["time"] > 0 else float("nan")  # MB / us = TB/s
+        print(f"| {i} | {r['kernel']} | {r['time']:.2f} | {r['grid']} x {r['block']} | {r['l2']:.2f} | "
+              f"{rate:.2f} | {r['l2_busy']:.1f} | {r['occupancy']:.1f} |")
+
+
+def ncu_command(ncu: str, what: str, warmup: int, mode: str = "default") -> list[str]:
+    """The ncu command line that profiles ``what`` (the child run of this script) for
+    ``mode``'s metrics (MODES)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     cmd = [ncu, "--profile-from-start", "off", "--csv", "--page", "raw"]
-    if hbm:
+    if mode == "hbm":
         cmd += ["--cache-control", "none", "--replay-mode", "application"]
-    cmd += ["--metrics", ",".join(HBM_METRICS if hbm else METRICS)]
+    elif mode == "l2":
+        cmd += ["--cache-control", "none"]
+    cmd += ["--metrics", ",".join(MODES[mode])]
     return cmd + [sys.executable, os.path.abspath(__file__), "--child", "--warmup", str(warmup), what]
 
 
@@ -155,9 +188,13 @@ def main(argv=None) -> int:
                         help=f"steps to profile (default all: {', '.join(WHAT)})")
     parser.add_argument("--ncu", default="/usr/local/cuda/bin/ncu", help="the ncu executable")
     parser.add_argument("--warmup", type=int, default=3, help="eager steps before the profiled one (default 3)")
-    parser.add_argument("--hbm", action="store_true",
-                        help="HBM bytes read and written and the L2 hit rate per kernel, with the L2 left as the "
-                             "step leaves it (no cache flush, application replay), instead of the default table")
+    table_kind = parser.add_mutually_exclusive_group()
+    table_kind.add_argument("--hbm", action="store_true",
+                            help="HBM bytes read and written and the L2 hit rate per kernel, with the L2 left as the "
+                                 "step leaves it (no cache flush, application replay), instead of the default table")
+    table_kind.add_argument("--l2", action="store_true",
+                            help="the bytes each kernel moves through the L2, their rate (TB/s) and the L2's busy "
+                                 "share of its peak, each kernel alone (no cache flush), instead of the default table")
     parser.add_argument("--child", action="store_true", help=argparse_hidden())
     args = parser.parse_args(argv)
     args.what = args.what or list(WHAT)
@@ -169,17 +206,19 @@ def main(argv=None) -> int:
     get_device()  # no GPU: one line and exit 2, before starting the profiler
     if not os.path.exists(args.ncu):
         parser.error(f"--ncu {args.ncu}: no such file")
+    mode = "hbm" if args.hbm else "l2" if args.l2 else "default"
+    printer = {"default": print_table, "hbm": print_hbm_table, "l2": print_l2_table}[mode]
     status = 0
     for what in args.what:
         print(f"profiling {what} ...", flush=True)
-        proc = subprocess.run(ncu_command(args.ncu, what, args.warmup, args.hbm), capture_output=True, text=True)
-        rows = table(proc.stdout, HBM_METRICS if args.hbm else METRICS)
+        proc = subprocess.run(ncu_command(args.ncu, what, args.warmup, mode), capture_output=True, text=True)
+        rows = table(proc.stdout, MODES[mode])
         if proc.returncode != 0 or not rows:
             print(f"ncu failed for {what} (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}",
                   file=sys.stderr)
             status = 1
             continue
-        (print_hbm_table if args.hbm else print_table)(what, rows)
+        printer(what, rows)
     return status
 
 
