@@ -98,30 +98,44 @@ L2_HEADER = ('"ID","Process ID","Kernel Name","gpu__time_duration.sum","launch__
 
 
 def test_l2_rows_and_table_give_bytes_rates_and_the_command_leaves_the_cache(profile, capsys):
-    """``--l2``: the bytes through the L2 read as 10^6 bytes by their unit, the printed rate
-    is those bytes over the kernel's time (MB/us = TB/s), the total is over every kernel;
-    the ncu command does not flush the caches but replays each kernel (no application
-    replay), and asks for exactly L2_METRICS; an unknown mode is refused."""
-    text = "\n".join(["==PROF== Connected to process 77", L2_HEADER, '"","","","ns","","","Mbyte","%","%"',
+    """``--l2``: the bytes through the L2 read as 10^6 bytes by their unit (here Kbyte),
+    the printed rate is those bytes over the kernel's time (MB/us = TB/s, NaN for a
+    kernel of no time), the total is over every kernel; the ncu command, like
+    ``--hbm``'s, neither flushes the caches nor replays a kernel alone, and asks for
+    exactly L2_METRICS; an unknown mode is refused."""
+    text = "\n".join(["==PROF== Connected to process 77", L2_HEADER, '"","","","ns","","","Kbyte","%","%"',
                       '"0","1","linear_grad_weight_32x32_cp16_cluster_3xtf32(const float *)","5,120","128",'
-                      '"256","6.4","38.5","21.7"',
-                      '"1","1","dqn_finish","2,500","256","67","0.75","12.0","30.2"'])
+                      '"256","6,400","38.5","21.7"',
+                      '"1","1","dqn_finish","2,500","256","67","750","12.0","30.2"',
+                      '"2","1","probe","0","32","1","1","0.1","3.0"'])
     rows = profile.table(text, profile.L2_METRICS)
-    assert [r["kernel"] for r in rows] == ["linear_grad_weight_32x32_cp16_cluster_3xtf32", "dqn_finish"]
-    assert [r["l2"] for r in rows] == pytest.approx([6.4, 0.75])
-    assert [r["time"] for r in rows] == pytest.approx([5.12, 2.5])
-    assert (rows[0]["l2_busy"], rows[0]["occupancy"], rows[0]["grid"]) == (38.5, 21.7, "256") and "limit" not in rows[0]
+    assert [r["kernel"] for r in rows] == ["linear_grad_weight_32x32_cp16_cluster_3xtf32", "dqn_finish", "probe"]
+    assert [r["l2"] for r in rows] == pytest.approx([6.4, 0.75, 0.001])
+    assert [r["time"] for r in rows] == pytest.approx([5.12, 2.5, 0.0])
+    assert (rows[0]["l2_peak"], rows[0]["occupancy"], rows[0]["grid"]) == (38.5, 21.7, "256") and "limit" not in rows[0]
     profile.print_l2_table("dqn-small", rows)
     out = capsys.readouterr().out.splitlines()
-    assert "dqn-small: 2 kernels, 7.15 MB through the L2" in out[1]
-    assert out[-2:] == ["| 0 | linear_grad_weight_32x32_cp16_cluster_3xtf32 | 5.12 | 256 x 128 | 6.40 | 1.25 | 38.5 | 21.7 |",
-                        "| 1 | dqn_finish | 2.50 | 67 x 256 | 0.75 | 0.30 | 12.0 | 30.2 |"]
+    assert "dqn-small: 3 kernels, 7.15 MB through the L2" in out[1]
+    assert out[-3:] == [
+        "| 0 | linear_grad_weight_32x32_cp16_cluster_3xtf32 | 5.12 | 256 x 128 | 6.40 | 1.25 | 38.5 | 21.7 |",
+        "| 1 | dqn_finish | 2.50 | 67 x 256 | 0.75 | 0.30 | 12.0 | 30.2 |",
+        "| 2 | probe | 0.00 | 1 x 32 | 0.00 | nan | 0.1 | 3.0 |"]
     cmd = profile.ncu_command("ncu", "dqn-small", 2, "l2")
-    assert cmd[cmd.index("--cache-control") + 1] == "none" and "--replay-mode" not in cmd
+    assert cmd[cmd.index("--cache-control") + 1] == "none"
+    assert cmd[cmd.index("--replay-mode") + 1] == "application"
     assert cmd[cmd.index("--metrics") + 1].split(",") == list(profile.L2_METRICS)
     assert cmd[-4:] == ["--child", "--warmup", "2", "dqn-small"]
     with pytest.raises(ValueError, match="unknown mode"):
         profile.ncu_command("ncu", "dqn-small", 2, "l1")
+
+
+def test_hbm_and_l2_tables_are_one_or_the_other(profile, capsys):
+    """``--hbm`` and ``--l2`` choose different tables: asking for both is refused before
+    anything runs (no device needed)."""
+    with pytest.raises(SystemExit) as exit_info:
+        profile.main(["--hbm", "--l2"])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_trace_timeline_takes_medians_per_node_and_refuses_other_graphs(monkeypatch):

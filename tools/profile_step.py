@@ -18,11 +18,15 @@ kernel writes are mostly lines that other kernels dirtied, evicted while it runs
 Its times are not those of the default table (other metrics, other passes).
 
 ``--l2``: instead, what each kernel moves through the L2 when it runs alone: the bytes
-of every request the L2 served (reads, writes and atomics, from the SMs and to HBM),
-the rate that makes over the kernel's time, and how busy the L2 was (% of its peak,
-the busiest of its units), with the L2 left as the kernels before it left it
-(``--cache-control none``). Kernels that run side by side in the step share that
-peak: their rates add up while they overlap.
+of the requests its clients (the SMs, and the copy engines and HBM fills) made of the
+L2 (``lts__t_bytes``), the rate that makes over the kernel's time, and the L2's
+throughput as a share of its peak (``lts__throughput``, averaged over its slices), with
+the L2 left as the kernels before it left it (no cache flush, application replay, as
+``--hbm``). Kernels that run side by side in the step share the L2: their rates add up
+while they overlap.
+
+Every table is taken at the clocks ncu fixes (the base clocks), so its times are
+longer than the step's.
 
 What is profiled: ``dqn-small`` / ``dqn-large`` (the Double-DQN step of
 docs/step-spec.md) or ``engine-small`` / ``engine-large`` (the supervised step
@@ -57,12 +61,11 @@ HBM_METRICS = {
 L2_METRICS = {
     "gpu__time_duration.sum": "time",
     "lts__t_bytes.sum": "l2",
-    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2_busy",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2_peak",
     "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy",
     "launch__grid_size": "grid",
     "launch__block_size": "block",
 }
-MODES = {"default": METRICS, "hbm": HBM_METRICS, "l2": L2_METRICS}
 WHAT = ("dqn-small", "dqn-large", "engine-small", "engine-large")
 TIME_UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "ns": 1e-3, "us": 1.0}
 BYTE_UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
@@ -160,12 +163,16 @@ def print_l2_table(what: str, rows: list[dict]) -> None:
     total = sum(r["l2"] for r in rows)
     print(f"\n{what}: {len(rows)} kernels, {total:.2f} MB through the L2, each kernel alone "
           f"(the L2 left as the kernels before it left it)\n")
-    print("| # | kernel | us | grid x block | L2 MB | L2 TB/s | L2 busy % | occupancy % |")
+    print("| # | kernel | us | grid x block | L2 MB | L2 TB/s | L2 % of peak | occupancy % |")
     print("|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
         rate = r["l2"] / r["time"] if r["time"] > 0 else float("nan")  # MB / us = TB/s
         print(f"| {i} | {r['kernel']} | {r['time']:.2f} | {r['grid']} x {r['block']} | {r['l2']:.2f} | "
-              f"{rate:.2f} | {r['l2_busy']:.1f} | {r['occupancy']:.1f} |")
+              f"{rate:.2f} | {r['l2_peak']:.1f} | {r['occupancy']:.1f} |")
+
+
+# Each table: its metrics and its printer.
+MODES = {"default": (METRICS, print_table), "hbm": (HBM_METRICS, print_hbm_table), "l2": (L2_METRICS, print_l2_table)}
 
 
 def ncu_command(ncu: str, what: str, warmup: int, mode: str = "default") -> list[str]:
@@ -174,11 +181,9 @@ def ncu_command(ncu: str, what: str, warmup: int, mode: str = "default") -> list
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     cmd = [ncu, "--profile-from-start", "off", "--csv", "--page", "raw"]
-    if mode == "hbm":
+    if mode in ("hbm", "l2"):  # every kernel finds the L2 as the step leaves it
         cmd += ["--cache-control", "none", "--replay-mode", "application"]
-    elif mode == "l2":
-        cmd += ["--cache-control", "none"]
-    cmd += ["--metrics", ",".join(MODES[mode])]
+    cmd += ["--metrics", ",".join(MODES[mode][0])]
     return cmd + [sys.executable, os.path.abspath(__file__), "--child", "--warmup", str(warmup), what]
 
 
@@ -193,8 +198,9 @@ def main(argv=None) -> int:
                             help="HBM bytes read and written and the L2 hit rate per kernel, with the L2 left as the "
                                  "step leaves it (no cache flush, application replay), instead of the default table")
     table_kind.add_argument("--l2", action="store_true",
-                            help="the bytes each kernel moves through the L2, their rate (TB/s) and the L2's busy "
-                                 "share of its peak, each kernel alone (no cache flush), instead of the default table")
+                            help="the bytes each kernel moves through the L2, their rate (TB/s) and the L2's "
+                                 "throughput as a share of its peak, each kernel alone, with the L2 left as the step "
+                                 "leaves it (no cache flush, application replay), instead of the default table")
     parser.add_argument("--child", action="store_true", help=argparse_hidden())
     args = parser.parse_args(argv)
     args.what = args.what or list(WHAT)
@@ -207,12 +213,12 @@ def main(argv=None) -> int:
     if not os.path.exists(args.ncu):
         parser.error(f"--ncu {args.ncu}: no such file")
     mode = "hbm" if args.hbm else "l2" if args.l2 else "default"
-    printer = {"default": print_table, "hbm": print_hbm_table, "l2": print_l2_table}[mode]
+    metrics, printer = MODES[mode]
     status = 0
     for what in args.what:
         print(f"profiling {what} ...", flush=True)
         proc = subprocess.run(ncu_command(args.ncu, what, args.warmup, mode), capture_output=True, text=True)
-        rows = table(proc.stdout, MODES[mode])
+        rows = table(proc.stdout, metrics)
         if proc.returncode != 0 or not rows:
             print(f"ncu failed for {what} (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}",
                   file=sys.stderr)
