@@ -11,7 +11,7 @@ import numpy as np
 
 from .graph import Graph, capture
 from .kernel import builtin_module
-from .memory import Arena, DeviceBuffer, MappedBuffer
+from .memory import Arena, DeviceBuffer, MappedBuffer, close_attributes, closes_on_failure
 from .stream import Event, Stream, fork, join
 
 __all__ = ["ForkJoinDemo", "mapped_readback", "wait_for", "arena_check"]
@@ -39,13 +39,16 @@ class ForkJoinDemo:
     streams (concurrent branches), the add after the join.
     """
 
+    @closes_on_failure
     def __init__(self, n: int = 1 << 16):
         self.n = n
         mod = builtin_module("elementwise.cu")
         self.iota = mod.kernel("iota_f32", "ptr, f32, f32, i32")
         self.scale = mod.kernel("scale_f32", "ptr, ptr, f32, i32")
         self.add = mod.kernel("add_f32", "ptr, ptr, ptr, i32")
-        self.main, self.left, self.right = Stream(), Stream(), Stream()
+        self.main = Stream()  # one at a time: a failed one leaves the others to close
+        self.left = Stream()
+        self.right = Stream()
         self.arena = Arena(4 * n * 4)
         self.out = DeviceBuffer(n, np.float32)
         self.start = 0.0
@@ -74,10 +77,8 @@ class ForkJoinDemo:
         return [k.node for k in graph.kernel_nodes() if k.function == "scale_f32"]
 
     def close(self) -> None:
-        for s in (self.main, self.left, self.right):
-            s.close()
-        self.arena.close()
-        self.out.close()
+        """Give back the streams and buffers now (also what a failed ``__init__`` had made)."""
+        close_attributes(self, "main", "left", "right", "arena", "out")
 
 
 def mapped_readback(n: int = 4096) -> np.ndarray:

@@ -3,9 +3,11 @@ and every owner's close() on a half-built object; the GPU half is in test_harden
 import pytest
 
 from drvtrain.flags import ErrorFlags
+from drvtrain.demo import ForkJoinDemo
 from drvtrain.memory import Arena, close_attributes, closes_on_failure
 from drvtrain.nn.metrics import Metrics
 from drvtrain.nn.optim import AdamW
+from drvtrain.nn.regression import RegressionStep
 from drvtrain.rl.dqn import DQNStep
 from drvtrain.rl.env import DeviceEnv
 from drvtrain.rl.replay import ReplayBuffer
@@ -76,7 +78,7 @@ def test_close_attributes_tries_every_one_and_raises_the_first_error():
 
 
 @pytest.mark.parametrize("cls", [Arena, ErrorFlags, Metrics, AdamW, SumTree, ReplayBuffer, DeviceEnv, DQNStep,
-                                 _Actor, Trainer])
+                                 _Actor, Trainer, RegressionStep, ForkJoinDemo])
 def test_close_of_an_object_whose_init_made_nothing(cls):
     """close() on an object with none of its attributes set (its __init__ failed at once)
     returns quietly, as closes_on_failure needs it to."""
@@ -84,6 +86,6 @@ def test_close_of_an_object_whose_init_made_nothing(cls):
 
 
 @pytest.mark.parametrize("cls", [Arena, ErrorFlags, Metrics, AdamW, SumTree, ReplayBuffer, DeviceEnv, DQNStep,
-                                 _Actor, Trainer])
+                                 _Actor, Trainer, RegressionStep, ForkJoinDemo])
 def test_every_owner_closes_on_failure(cls):
     assert cls.__init__.__code__ is closes_on_failure(object).__code__, f"{cls.__name__}.__init__ is not decorated"

@@ -356,3 +356,46 @@ def test_an_arena_that_fails_to_build_gives_back_its_slab(device, monkeypatch):
     with pytest.raises(MemoryError, match="refused by the test"):
         Arena(1 << 20)
     assert len(made.things) == 1 and made.still_open() == []
+
+
+@pytest.mark.parametrize("where, call", [
+    ("drvtrain.nn.regression:Metrics", 1),  # after the parameters, the two streams and the step's buffers
+    ("drvtrain.nn.regression:AdamW", 1),    # after the metrics ring
+    ("drvtrain.nn.optim:FlatBuffer", 2),    # inside the optimizer, its m made
+    ("drvtrain.nn.regression:Arena", 1),    # its last statement: everything made
+])
+def test_a_regression_step_that_fails_to_build_gives_back_what_it_made(device, monkeypatch, where, call):
+    """RegressionStep.__init__ stopped part way closes every buffer, pinned allocation,
+    stream and event it had made before the error goes on."""
+    from drvtrain.nn import ParamLayout, RegressionStep
+    made = _Made(monkeypatch)
+    _fail_on_call(monkeypatch, where, call)
+    _check_gives_back(made, lambda: RegressionStep(ParamLayout.from_widths([4, 64, 64, 3]), 64))
+
+
+def test_a_regression_step_gives_back_everything_on_close_and_at_the_end_of_with(device, monkeypatch):
+    """A whole RegressionStep (two side streams) closed by its ``with`` block leaves nothing
+    open and refuses its buffers after; a second close is harmless."""
+    from drvtrain.nn import ParamLayout, RegressionStep
+    made = _Made(monkeypatch)
+    with RegressionStep(ParamLayout.from_widths([4, 64, 64, 3]), 64, weight_streams=2) as step:
+        assert len(step.weight_streams) == 2 and len(made.things) >= 10
+    assert made.still_open() == []
+    with pytest.raises(RuntimeError):
+        step.x.ptr
+    step.close()
+
+
+def test_a_fork_join_demo_that_fails_to_build_gives_back_what_it_made(device, monkeypatch):
+    """ForkJoinDemo's output buffer refused: its three streams and its arena are closed first."""
+    from drvtrain.demo import ForkJoinDemo
+    made = _Made(monkeypatch)
+    _fail_on_call(monkeypatch, "drvtrain.demo:DeviceBuffer", 1)
+    gc.disable()
+    try:
+        with pytest.raises(MemoryError, match="refused by the test"):
+            ForkJoinDemo(1 << 10)
+        assert len([t for t in made.things if isinstance(t, Stream)]) == 3 and len(made.things) >= 4
+        assert made.still_open() == []
+    finally:
+        gc.enable()

@@ -6,7 +6,7 @@ import numpy as np
 from ..driver import get_device
 from ..graph import GraphExec, capture
 from ..kernel import builtin_module, dependent_launches
-from ..memory import Arena, DeviceBuffer
+from ..memory import Arena, DeviceBuffer, close_attributes, closes_on_failure
 from ..stream import Stream
 from .layout import FlatBuffer, ParamLayout
 from .metrics import Metrics
@@ -44,8 +44,13 @@ class RegressionStep:
     ``NARROW_MAX_WIDTH`` (256 wide, with two side streams: 39.4 -> 36.1 us a step)
     and not for wider ones (1024 wide: 107.3 -> 116.6 us with it; seventeenth pass).
     The results are the same bits either way.
+
+    ``close()`` (or leaving a ``with`` block) gives back every buffer and stream now;
+    an ``__init__`` that fails part way gives back what it had made before the error
+    goes on.
     """
 
+    @closes_on_failure
     def __init__(self, layout: ParamLayout, batch: int, *, lr: float = 1e-3, weight_decay: float = 0.0,
                  max_norm: float = 10.0, tf32: bool = True, seed: int = 0, arena_active: bool = True,
                  metrics_slots: int = 1024, params: np.ndarray | None = None,
@@ -68,7 +73,9 @@ class RegressionStep:
         # fused: a narrow net in one forward kernel and two backward kernels (drvtrain.nn.narrow);
         # off by default, the per-layer GEMMs measure faster (docs/perf-notes.md).
         self.net = NarrowMLP(layout, tf32=tf32) if fused_net else self.mlp
-        self.weight_streams = tuple(Stream() for _ in range(int(weight_streams)))
+        self.weight_streams = ()
+        for _ in range(int(weight_streams)):  # one at a time: a failed one leaves the others to close
+            self.weight_streams += (Stream(),)
         self.x = DeviceBuffer((self.batch, layout.layers[0][1]), np.float32)
         self.target = DeviceBuffer((self.batch, layout.layers[-1][0]), np.float32)
         self.loss = DeviceBuffer(1, np.float32)
@@ -83,6 +90,21 @@ class RegressionStep:
         scratch = self.net.scratch_bytes(self.batch, 1) if fused_net else self.mlp.scratch_bytes(self.batch)
         self.arena = Arena(scratch + 4 * n + 256,  # + dout
                            zeroed_bytes=self.net.zeroed_bytes(self.batch) + 256, active=arena_active)
+
+    def close(self) -> None:
+        """Give back every stream and device buffer now (also what a failed ``__init__`` had
+        made). ``graph``, the last capture's ``Graph``, stays open, so its topology can still be
+        read; the executable graphs made from it replay freed buffers: close them first."""
+        for stream in getattr(self, "weight_streams", ()):
+            stream.close()
+        close_attributes(self, "arena", "optimizer", "metrics", "_loss_counter", "_loss_partials", "loss",
+                         "target", "x", "grads", "params")
+
+    def __enter__(self) -> "RegressionStep":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @staticmethod
     def narrow(layout: ParamLayout) -> bool:
