@@ -375,14 +375,15 @@ def test_a_regression_step_that_fails_to_build_gives_back_what_it_made(device, m
 
 def test_a_regression_step_gives_back_everything_on_close_and_at_the_end_of_with(device, monkeypatch):
     """A whole RegressionStep (two side streams) closed by its ``with`` block leaves nothing
-    open and refuses its buffers after; a second close is harmless."""
+    open, and its buffers are closed (a copy of one refused); a second close is harmless."""
     from drvtrain.nn import ParamLayout, RegressionStep
     made = _Made(monkeypatch)
     with RegressionStep(ParamLayout.from_widths([4, 64, 64, 3]), 64, weight_streams=2) as step:
         assert len(step.weight_streams) == 2 and len(made.things) >= 10
     assert made.still_open() == []
-    with pytest.raises(RuntimeError):
-        step.x.ptr
+    assert step.x.closed and step.params.buffer.closed and step.optimizer.m.buffer.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        step.x.to_numpy()
     step.close()
 
 
