@@ -45,7 +45,7 @@ class RegressionStep:
     and not for wider ones (1024 wide: 107.3 -> 116.6 us with it; seventeenth pass).
     The results are the same bits either way.
 
-    ``close()`` (or leaving a ``with`` block) gives back every buffer and stream now;
+    ``close()`` (or leaving a ``with`` block) gives back every buffer, stream and event now;
     an ``__init__`` that fails part way gives back what it had made before the error
     goes on.
     """
@@ -92,7 +92,7 @@ class RegressionStep:
                            zeroed_bytes=self.net.zeroed_bytes(self.batch) + 256, active=arena_active)
 
     def close(self) -> None:
-        """Give back every stream and device buffer now (also what a failed ``__init__`` had
+        """Give back every stream, event and device buffer now (also what a failed ``__init__`` had
         made). ``graph``, the last capture's ``Graph``, stays open, so its topology can still be
         read; the executable graphs made from it replay freed buffers: close them first."""
         for stream in getattr(self, "weight_streams", ()):
