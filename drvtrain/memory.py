@@ -139,21 +139,31 @@ class DeviceBuffer:
 
     @classmethod
     def zeros(cls, shape, dtype=np.float32) -> "DeviceBuffer":
-        """A new buffer filled with zero bytes (synchronous; setup only)."""
+        """A new buffer filled with zero bytes (synchronous; setup only). A failed fill
+        frees the buffer before the error goes on."""
+        guard_sync("DeviceBuffer.zeros")  # before the allocation: a refusal leaves nothing to free
         buf = cls(shape, dtype)
-        guard_sync("DeviceBuffer.zeros")
-        check(cu.cuMemsetD8, buf.ptr, 0, buf.nbytes)
-        # A memset of device memory returns before it is done, and kernels on our
-        # non-blocking streams would not wait for it.
-        check(cu.cuCtxSynchronize)
+        try:
+            check(cu.cuMemsetD8, buf.ptr, 0, buf.nbytes)
+            # A memset of device memory returns before it is done, and kernels on our
+            # non-blocking streams would not wait for it.
+            check(cu.cuCtxSynchronize)
+        except BaseException:
+            buf.close()
+            raise
         return buf
 
     @classmethod
     def from_numpy(cls, array) -> "DeviceBuffer":
-        """A new buffer holding a copy of a host array (setup and tests only)."""
+        """A new buffer holding a copy of a host array (setup and tests only). A failed
+        copy frees the buffer before the error goes on."""
         array = _host_array(array)
         buf = cls(array.shape, array.dtype)
-        buf.copy_from_numpy(array)
+        try:
+            buf.copy_from_numpy(array)
+        except BaseException:
+            buf.close()
+            raise
         return buf
 
     # ------------------------------------------------------------ properties

@@ -89,3 +89,64 @@ def test_close_of_an_object_whose_init_made_nothing(cls):
                                  _Actor, Trainer, RegressionStep, ForkJoinDemo])
 def test_every_owner_closes_on_failure(cls):
     assert cls.__init__.__code__ is closes_on_failure(object).__code__, f"{cls.__name__}.__init__ is not decorated"
+
+
+def test_a_flat_buffer_refuses_a_host_array_of_the_wrong_size_before_it_allocates(monkeypatch):
+    """FlatBuffer checks the host array's shape first: a refused one allocates nothing (no
+    device is needed to see the ValueError)."""
+    import numpy as np
+
+    from drvtrain.nn import layout as layout_module
+
+    class NoAllocation:
+        @staticmethod
+        def from_numpy(array):
+            raise AssertionError("allocated before the shape was checked")
+
+    monkeypatch.setattr(layout_module, "DeviceBuffer", NoAllocation)
+    layout = layout_module.ParamLayout.from_widths([4, 8, 2])
+    with pytest.raises(ValueError, match=rf"the layout needs \({layout.size},\)"):
+        layout_module.FlatBuffer(layout, np.zeros(layout.size + 1, np.float32))
+
+
+def test_zeros_while_capturing_is_refused_before_it_allocates(monkeypatch):
+    """DeviceBuffer.zeros synchronises: while a stream is capturing it raises CaptureError
+    before any allocation (no device is needed to see it)."""
+    from drvtrain import driver
+    from drvtrain.memory import DeviceBuffer
+
+    monkeypatch.setattr(driver._tls, "captures", [object()], raising=False)
+    monkeypatch.setattr(DeviceBuffer, "__init__", lambda self, *a, **k: pytest.fail("allocated first"))
+    with pytest.raises(driver.CaptureError, match="DeviceBuffer.zeros"):
+        DeviceBuffer.zeros(16)
+
+
+@pytest.mark.parametrize("how", ["from_numpy", "zeros"])
+def test_a_buffer_whose_fill_fails_is_freed_before_the_error_goes_on(monkeypatch, how):
+    """from_numpy's copy or zeros' memset refused: the new buffer is closed, then the error
+    goes on (the allocation itself stands in for the device here)."""
+    import numpy as np
+
+    from drvtrain import memory
+    from drvtrain.memory import DeviceBuffer
+
+    closed = []
+
+    def fake_init(self, shape, dtype=np.float32):
+        self.shape, self.dtype, self.ptr = (int(shape),) if np.isscalar(shape) else tuple(shape), np.dtype(dtype), 64
+
+    def refuse(*args, **kwargs):
+        raise MemoryError("fill refused by the test")
+
+    monkeypatch.setattr(DeviceBuffer, "__init__", fake_init)
+    monkeypatch.setattr(DeviceBuffer, "close", lambda self: closed.append(self))
+    monkeypatch.setattr(DeviceBuffer, "nbytes", property(lambda self: 4 * int(np.prod(self.shape))), raising=False)
+    if how == "from_numpy":
+        monkeypatch.setattr(DeviceBuffer, "copy_from_numpy", refuse)
+        build = lambda: DeviceBuffer.from_numpy(np.arange(6, dtype=np.float32))  # noqa: E731
+    else:
+        monkeypatch.setattr(memory, "check", refuse)
+        build = lambda: DeviceBuffer.zeros(6)  # noqa: E731
+    with pytest.raises(MemoryError, match="fill refused"):
+        build()
+    assert len(closed) == 1 and closed[0].shape == (6,)

@@ -135,10 +135,10 @@ class FlatBuffer:
 
     def __init__(self, layout: ParamLayout, host: np.ndarray | None = None):
         self.layout = layout
-        self.buffer = DeviceBuffer.from_numpy(np.zeros(layout.size, np.float32) if host is None
-                                              else np.ascontiguousarray(host, np.float32))
-        if self.buffer.shape != (layout.size,):
-            raise ValueError(f"host array has shape {self.buffer.shape}, the layout needs ({layout.size},)")
+        host = np.zeros(layout.size, np.float32) if host is None else np.ascontiguousarray(host, np.float32)
+        if host.shape != (layout.size,):  # before the allocation: nothing to free
+            raise ValueError(f"host array has shape {host.shape}, the layout needs ({layout.size},)")
+        self.buffer = DeviceBuffer.from_numpy(host)
 
     @property
     def ptr(self) -> int:
