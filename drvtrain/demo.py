@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .driver import Closable
 from .graph import Graph, capture
 from .kernel import builtin_module
 from .memory import Arena, DeviceBuffer, MappedBuffer, close_attributes, closes_on_failure
@@ -32,7 +33,7 @@ def wait_for(event: Event, timeout_s: float = 10.0) -> None:
         time.sleep(0)
 
 
-class ForkJoinDemo:
+class ForkJoinDemo(Closable):
     """``out = 2x + 3x`` with the two products on two streams forked from and joined to a main one.
 
     Captured as one graph: iota on the main stream, the two scales on side

@@ -17,7 +17,7 @@ from cuda.bindings import driver as cu
 from cuda.bindings import nvrtc
 
 __all__ = [
-    "DriverError", "NoDeviceError", "CaptureError", "check", "Device",
+    "DriverError", "NoDeviceError", "CaptureError", "Closable", "check", "Device",
     "get_device", "driver_version", "nvrtc_version", "guard_sync",
 ]
 
@@ -244,6 +244,19 @@ class DeviceLimits:
 # run at any allocation (Python's cyclic GC), and a cuMemFree or cuModuleUnload
 # issued mid-capture would invalidate the capture.
 _deferred: list = []
+
+
+class Closable:
+    """For the owners of device resources: ``with owner:`` closes it when the block
+    ends, however it ends. Every owner's ``close()`` may be called again: the second
+    call does nothing."""
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def release_on_collect(owner, func, *args) -> weakref.finalize:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from .driver import Closable
 from .memory import DeviceBuffer, MappedBuffer, close_attributes, closes_on_failure
 
 __all__ = ["ErrorFlags"]
 
 
-class ErrorFlags:
+class ErrorFlags(Closable):
     """Named flags: pass ``counts`` and ``published`` to the kernels, call ``raised()`` on the host."""
 
     @closes_on_failure

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from cuda.bindings import driver as cu
 
-from .driver import (CaptureError, DriverError, active_captures, check, raise_status, release,
+from .driver import (CaptureError, Closable, DriverError, active_captures, check, raise_status, release,
                      release_deferred, release_on_collect)
 
 __all__ = ["capture", "capture_frontier", "Graph", "GraphExec", "GraphUpdateError", "Node", "KernelNode"]
@@ -46,7 +46,7 @@ def _type_name(t) -> str:
     return t.name.removeprefix("CU_GRAPH_NODE_TYPE_").lower()
 
 
-class Graph:
+class Graph(Closable):
     """A captured ``CUgraph``; read its structure, dump it, instantiate it.
 
     Holds references to the buffers its kernels were launched with, so they
@@ -250,8 +250,13 @@ class Graph:
         self.handle, self._closed, self._nodes, self._edges = None, True, None, None
         self.keepalive.clear()
 
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` destroyed the graph."""
+        return self._closed
 
-class GraphExec:
+
+class GraphExec(Closable):
     """An instantiated graph: ``launch`` replays it, ``update`` swaps in new parameters."""
 
     def __init__(self, graph: Graph):

@@ -24,7 +24,7 @@ from cuda.bindings import driver as cu
 
 from . import driver as _driver
 from .compiler import DEFAULT_OPTIONS, CompiledProgram, compile_file, compile_source
-from .driver import DeviceLimits, _tls, check, get_device, release, release_on_collect
+from .driver import Closable, DeviceLimits, _tls, check, get_device, release, release_on_collect
 from .memory import DeviceBuffer, _closed_message, _on_close
 
 _cuLaunchKernel = cu.cuLaunchKernel  # bound once: it is called on every launch
@@ -703,7 +703,7 @@ class _BoundLaunchWithOptions(BoundLaunch):
         _launch_ex(self.kernel, self.config, stream, self.pack)
 
 
-class Module:
+class Module(Closable):
     """A loaded CUBIN and the kernels taken from it.
 
     Each ``Kernel`` keeps its module loaded. Once the module and its last kernel

@@ -7,7 +7,7 @@ import math
 import numpy as np
 from cuda.bindings import driver as cu
 
-from .driver import CaptureError, active_captures, check, get_device, guard_sync, release, release_on_collect
+from .driver import CaptureError, Closable, active_captures, check, get_device, guard_sync, release, release_on_collect
 
 __all__ = ["DeviceBuffer", "Arena", "ArenaExhausted", "MappedBuffer", "PinnedBuffer", "ALIGNMENT",
            "pinned_total", "close_attributes", "closes_on_failure"]
@@ -74,7 +74,7 @@ def _closed_message(buf) -> str:
     return f"DeviceBuffer {buf.shape} {buf.dtype} is closed: its memory was freed"
 
 
-class DeviceBuffer:
+class DeviceBuffer(Closable):
     """Device memory with a shape and dtype: an owning ``cuMemAlloc`` or a view.
 
     Views (``view()``, arena slices, parameter views) keep their owner alive
@@ -317,7 +317,7 @@ class ArenaExhausted(MemoryError):
             f"the capture was ended, create the Arena larger")
 
 
-class Arena:
+class Arena(Closable):
     """A bump-pointer scratch slab, rewound by ``reset()`` every step.
 
     The same sequence of ``alloc`` calls after ``reset()`` returns the same
@@ -470,7 +470,7 @@ class _HostArrayView:
             "shape": shape, "typestr": dtype.str, "data": (allocation.ptr, False), "version": 3}
 
 
-class _HostBuffer:
+class _HostBuffer(Closable):
     _flags = 0
 
     def __init__(self, shape, dtype=np.float32):

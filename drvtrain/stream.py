@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from cuda.bindings import driver as cu
 
-from .driver import check, get_device, guard_sync, raise_status, release, release_on_collect
+from .driver import Closable, check, get_device, guard_sync, raise_status, release, release_on_collect
 
 __all__ = ["Stream", "Event", "fork", "join"]
 
 
-class Event:
+class Event(Closable):
     """A CUDA event; without timing unless asked, since timing costs a little."""
 
     def __init__(self, timing: bool = False):
@@ -45,7 +45,7 @@ class Event:
         self._finalizer()
 
 
-class Stream:
+class Stream(Closable):
     """A ``CU_STREAM_NON_BLOCKING`` stream; the legacy stream is never used.
 
     A non-blocking stream does not synchronise with the legacy stream, so a

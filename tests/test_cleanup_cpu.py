@@ -150,3 +150,49 @@ def test_a_buffer_whose_fill_fails_is_freed_before_the_error_goes_on(monkeypatch
     with pytest.raises(MemoryError, match="fill refused"):
         build()
     assert len(closed) == 1 and closed[0].shape == (6,)
+
+
+def _owners():
+    """Every class of drvtrain that defines ``close()``."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import drvtrain
+    found = {}
+    for info in pkgutil.walk_packages(drvtrain.__path__, "drvtrain."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and "close" in vars(cls):
+                found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return found
+
+
+# Device.close releases the primary context that every other owner lives in: a process
+# closes it once, at its end, never at the end of a block.
+NOT_SCOPED = {"drvtrain.driver.Device"}
+
+
+def test_every_owner_of_resources_is_a_context_manager():
+    owners = _owners()
+    assert len(owners) >= 20 and "drvtrain.rl.dqn.DQNStep" in owners and "drvtrain.memory.DeviceBuffer" in owners
+    missing = [name for name, cls in owners.items()
+               if name not in NOT_SCOPED and not (hasattr(cls, "__enter__") and hasattr(cls, "__exit__"))]
+    assert missing == []
+
+
+@pytest.mark.parametrize("cls", [DQNStep, RegressionStep, ForkJoinDemo, ReplayBuffer, SumTree, Trainer, AdamW,
+                                 Metrics, ErrorFlags, Arena, DeviceEnv], ids=lambda c: c.__name__)
+def test_with_closes_once_and_lets_the_error_go_on(cls, monkeypatch):
+    closes = []
+    monkeypatch.setattr(cls, "close", lambda self: closes.append(self))
+    owner = cls.__new__(cls)
+    with owner as entered:
+        assert entered is owner and closes == []
+    assert closes == [owner]
+    with pytest.raises(KeyError, match="from the block"):
+        with owner:
+            raise KeyError("from the block")
+    assert closes == [owner, owner]

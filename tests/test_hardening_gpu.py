@@ -401,3 +401,73 @@ def test_a_fork_join_demo_that_fails_to_build_gives_back_what_it_made(device, mo
     _fail_on_call(monkeypatch, where, call)
     _check_gives_back(made, lambda: ForkJoinDemo(1 << 10), at_least=streams)
     assert len([t for t in made.things if isinstance(t, Stream)]) == streams
+
+
+class _Boom(Exception):
+    pass
+
+
+def _build_dqn_step():
+    from drvtrain.rl import DQNConfig, DQNStep
+    stream = Stream()
+    step = DQNStep(DQNConfig.small(seed=3))
+    try:
+        step.fill_random(1, stream=stream)
+        with step.capture(stream=stream) as exe:  # an executable graph closes at its block's end too
+            exe.launch(stream)
+            stream.synchronize()
+        assert exe.closed
+    finally:
+        stream.close()
+    return step
+
+
+@pytest.mark.parametrize("build", [
+    lambda: DeviceBuffer.from_numpy(np.random.default_rng().standard_normal(64).astype(np.float32)),
+    lambda: Arena(1 << 16),
+    lambda: MappedBuffer(64, np.float32),
+    lambda: PinnedBuffer(64, np.float32),
+    lambda: Stream(),
+    lambda: __import__("drvtrain").Event(),
+    lambda: ErrorFlags(["a", "b"]),
+    lambda: __import__("drvtrain.demo", fromlist=["ForkJoinDemo"]).ForkJoinDemo(1 << 10),
+    lambda: __import__("drvtrain.rl", fromlist=["ReplayBuffer"]).ReplayBuffer(1 << 10, 4, seed=1),
+    _build_dqn_step,
+], ids=["DeviceBuffer", "Arena", "MappedBuffer", "PinnedBuffer", "Stream", "Event", "ErrorFlags", "ForkJoinDemo",
+        "ReplayBuffer", "DQNStep"])
+def test_an_owner_gives_back_everything_when_its_with_block_raises(device, monkeypatch, build):
+    """Each owner of device resources closes at the end of its ``with`` block, also when the
+    block raises (the error goes on); nothing it made is left open, and a second close is
+    harmless."""
+    made = _Made(monkeypatch)
+    gc.disable()  # nothing may be left for the collector to free
+    try:
+        with pytest.raises(_Boom):
+            with build() as owner:
+                assert made.things, "the owner made nothing the test can follow"
+                raise _Boom
+        assert made.still_open() == []
+        owner.close()
+    finally:
+        gc.enable()
+
+
+def test_a_graph_and_its_executable_close_at_the_end_of_with(device):
+    stream = Stream()
+    try:
+        iota = builtin_module("elementwise.cu").kernel("iota_f32", "ptr, f32, f32, i32")
+        with DeviceBuffer((256,)) as out:
+            out.copy_from_numpy(np.full(256, np.nan, np.float32))
+            with capture(stream) as graph:
+                iota.launch(1, 256, out, 1.0, 2.0, 256, stream=stream)
+            with graph:
+                with graph.instantiate() as exe:
+                    exe.launch(stream)
+                    stream.synchronize()
+                    assert not exe.closed
+                assert exe.closed and not graph.closed
+            assert graph.closed
+            np.testing.assert_array_equal(out.to_numpy(), 1.0 + 2.0 * np.arange(256, dtype=np.float32))
+        assert out.closed
+    finally:
+        stream.close()

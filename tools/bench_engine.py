@@ -188,12 +188,12 @@ def main(argv=None) -> int:
                 continue  # a wide net has no fused path: the default already is per-layer
             if "presplit" in options and not presplit.presplit_layers(batch):
                 continue  # nothing runs pre-split: the default already is this
-            step = RegressionStep(layout, batch, lr=1e-4, weight_decay=1e-2, max_norm=10.0, **options)
-            step.x.copy_from_numpy(x)
-            step.target.copy_from_numpy(y)
-            exe = step.capture(stream=stream)
-            us = timed(exe)
-            steps.append((name, how, us, len(step.graph.nodes()), "<= 10" if name == "small" else "<= 45"))
+            with RegressionStep(layout, batch, lr=1e-4, weight_decay=1e-2, max_norm=10.0, **options) as step:
+                step.x.copy_from_numpy(x)
+                step.target.copy_from_numpy(y)
+                with step.capture(stream=stream) as exe, step.graph:
+                    us = timed(exe)
+                    steps.append((name, how, us, len(step.graph.nodes()), "<= 10" if name == "small" else "<= 45"))
     # The products the goals name: 512 x 1024 x 1024 forward (TF32) and its backward (3xTF32).
     layout = ParamLayout([(1024, 1024)])
     mlp = MLP(layout, presplit=True)  # its pre-split kernels too

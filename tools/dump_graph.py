@@ -26,13 +26,13 @@ def main(argv=None) -> int:
     parser.add_argument("--no-svg", action="store_true", help="skip the SVG even when `dot` is installed")
     args = parser.parse_args(argv)
     if args.what == "demo":
-        graph = ForkJoinDemo(args.n).record()
+        with ForkJoinDemo(args.n) as demo:
+            graph = demo.record()
     else:
-        stream = Stream()
-        step = DQNStep(getattr(DQNConfig, args.what.removeprefix("dqn-"))())
-        step.fill_random(1, stream=stream)
-        step.capture(stream=stream)
-        graph = step.graph
+        with Stream() as stream, DQNStep(getattr(DQNConfig, args.what.removeprefix("dqn-"))()) as step:
+            step.fill_random(1, stream=stream)
+            step.capture(stream=stream).close()
+            graph = step.graph  # the topology outlives the step's buffers
     graph.to_dot(args.out)
     print(f"wrote {args.out}")
     dot = shutil.which("dot")
@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     elif not args.no_svg:
         print("graphviz `dot` not found: no SVG written")
     print(graph.summary())
+    graph.close()
     return 0
 
 

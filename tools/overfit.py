@@ -6,6 +6,7 @@ and replayed; the loss curve is printed from the mapped metrics ring as it
 trains, with no synchronisation and no copy. Exits 0 when the loss falls from
 >= 0.3 to < 1e-3, 1 otherwise, 2 with no GPU.
 """
+import contextlib
 import sys
 import time
 
@@ -37,46 +38,50 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     inp, out, h = 16, 4, args.hidden
     layout = ParamLayout([(h, inp), (h, h), (out, h)])
-    stream = Stream()
+    with contextlib.ExitStack() as owned:  # every buffer, stream and graph closed at its end
+        stream = owned.enter_context(Stream())
 
-    # The teacher: a random MLP of the same shape whose output layer is scaled up,
-    # so the untrained student starts far from it.
-    teacher_flat = layout.init_numpy(args.seed + 1)
-    named = layout.unflatten(teacher_flat)
-    named["layer2.weight"] *= 8.0
-    teacher = FlatBuffer(layout, layout.flatten(named))
-    x = rng.standard_normal((args.batch, inp)).astype(np.float32)
-    step = RegressionStep(layout, args.batch, lr=args.lr, weight_decay=0.0, max_norm=10.0, seed=args.seed + 2)
-    step.x.copy_from_numpy(x)
-    teacher_mlp = MLP(layout, tf32=False)
-    arena = Arena(teacher_mlp.scratch_bytes(args.batch), zeroed_bytes=teacher_mlp.zeroed_bytes(args.batch) + 256)
-    target = teacher_mlp.forward(teacher, step.x, arena=arena, stream=stream).output
-    step.target.copy_from(target, stream=stream)
-    stream.synchronize()
+        # The teacher: a random MLP of the same shape whose output layer is scaled up,
+        # so the untrained student starts far from it.
+        teacher_flat = layout.init_numpy(args.seed + 1)
+        named = layout.unflatten(teacher_flat)
+        named["layer2.weight"] *= 8.0
+        teacher = owned.enter_context(FlatBuffer(layout, layout.flatten(named)))
+        x = rng.standard_normal((args.batch, inp)).astype(np.float32)
+        step = owned.enter_context(RegressionStep(layout, args.batch, lr=args.lr, weight_decay=0.0, max_norm=10.0,
+                                                  seed=args.seed + 2))
+        step.x.copy_from_numpy(x)
+        teacher_mlp = MLP(layout, tf32=False)
+        arena = owned.enter_context(Arena(teacher_mlp.scratch_bytes(args.batch),
+                                          zeroed_bytes=teacher_mlp.zeroed_bytes(args.batch) + 256))
+        target = teacher_mlp.forward(teacher, step.x, arena=arena, stream=stream).output
+        step.target.copy_from(target, stream=stream)
+        stream.synchronize()
 
-    exe = step.capture(stream=stream)
-    print(f"layout {layout.layers}, batch {args.batch}, {len(step.graph.nodes())} graph nodes per step")
-    first = last = None
-    started = time.perf_counter()
-    for i in range(args.steps):
-        exe.launch(stream)
-        step.metrics.record(stream)
+        exe = owned.enter_context(step.capture(stream=stream))
+        owned.enter_context(step.graph)  # the captured topology: the step leaves it open
+        print(f"layout {layout.layers}, batch {args.batch}, {len(step.graph.nodes())} graph nodes per step")
+        first = last = None
+        started = time.perf_counter()
+        for i in range(args.steps):
+            exe.launch(stream)
+            step.metrics.record(stream)
+            for m in step.metrics.poll():
+                first = m.loss if first is None else first
+                last = m.loss
+                if m.step == 1 or m.step % args.print_every == 0:
+                    print(f"step {m.step:6d}  loss {m.loss:.6e}  grad norm {m.grad_norm:.4e}")
+        stream.synchronize()
         for m in step.metrics.poll():
-            first = m.loss if first is None else first
             last = m.loss
-            if m.step == 1 or m.step % args.print_every == 0:
+            if m.step % args.print_every == 0:
                 print(f"step {m.step:6d}  loss {m.loss:.6e}  grad norm {m.grad_norm:.4e}")
-    stream.synchronize()
-    for m in step.metrics.poll():
-        last = m.loss
-        if m.step % args.print_every == 0:
-            print(f"step {m.step:6d}  loss {m.loss:.6e}  grad norm {m.grad_norm:.4e}")
-    elapsed = time.perf_counter() - started
-    print(f"first loss {first:.6e}, last loss {last:.6e}, {args.steps} steps in {elapsed:.2f} s "
-          f"({elapsed / args.steps * 1e6:.1f} us/step wall), {step.metrics.missed} metrics missed")
-    ok = first is not None and first >= 0.3 and last < 1e-3
-    print("converged" if ok else "did NOT converge (want first >= 0.3 and last < 1e-3)")
-    return 0 if ok else 1
+        elapsed = time.perf_counter() - started
+        print(f"first loss {first:.6e}, last loss {last:.6e}, {args.steps} steps in {elapsed:.2f} s "
+              f"({elapsed / args.steps * 1e6:.1f} us/step wall), {step.metrics.missed} metrics missed")
+        ok = first is not None and first >= 0.3 and last < 1e-3
+        print("converged" if ok else "did NOT converge (want first >= 0.3 and last < 1e-3)")
+        return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -91,13 +91,14 @@ def child(what: str, warmup: int) -> int:
         step = RegressionStep(ParamLayout.from_widths(widths), batch, lr=1e-4, weight_decay=1e-2)
         step.x.copy_from_numpy(rng.standard_normal((batch, obs)).astype(np.float32))
         step.target.copy_from_numpy(rng.standard_normal((batch, 1 + actions)).astype(np.float32))
-    for _ in range(warmup):
+    with stream, step:
+        for _ in range(warmup):
+            step.enqueue(stream=stream)
+        stream.synchronize()
+        check(driver.cuProfilerStart)
         step.enqueue(stream=stream)
-    stream.synchronize()
-    check(driver.cuProfilerStart)
-    step.enqueue(stream=stream)
-    stream.synchronize()
-    check(driver.cuProfilerStop)
+        stream.synchronize()
+        check(driver.cuProfilerStop)
     return 0
 
 

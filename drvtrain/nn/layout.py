@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..driver import Closable
 from ..memory import ALIGNMENT, DeviceBuffer
 
 __all__ = ["ParamLayout", "Slot", "FlatBuffer"]
@@ -130,7 +131,7 @@ class ParamLayout:
         return f"<ParamLayout {self.layers}: {self.parameter_count} parameters in {self.size} floats>"
 
 
-class FlatBuffer:
+class FlatBuffer(Closable):
     """One device buffer in a layout, with a view per weight and bias."""
 
     def __init__(self, layout: ParamLayout, host: np.ndarray | None = None):

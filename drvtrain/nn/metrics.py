@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..driver import Closable
 from ..memory import MappedBuffer, close_attributes, closes_on_failure
 from ..stream import Event
 
@@ -40,7 +41,7 @@ class StepMetrics:
         return f"StepMetrics(step={self.step}, {fields})"
 
 
-class Metrics:
+class Metrics(Closable):
     """A ring of K slots in a MappedBuffer, one per step, one 8-byte word per field.
 
     Default fields {loss, grad norm, clip scale}: the optimizer's norm kernel

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from ..driver import get_device
+from ..driver import Closable, get_device
 from ..kernel import builtin_module
 from ..memory import DeviceBuffer, close_attributes, closes_on_failure
 from .layout import FlatBuffer
@@ -63,7 +63,7 @@ def check_settings(lr, betas, eps, weight_decay, max_norm) -> tuple:
     return lr, (b1, b2), eps, weight_decay, max_norm
 
 
-class AdamW:
+class AdamW(Closable):
     """PyTorch AdamW with clipping to ``max_norm``, two launches per step, no host scalars.
 
     ``clip_grad_norm`` launches the norm kernel (norm, clip scale and the step

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..driver import get_device
+from ..driver import Closable, get_device
 from ..graph import GraphExec, capture
 from ..kernel import builtin_module, dependent_launches
 from ..memory import Arena, DeviceBuffer, close_attributes, closes_on_failure
@@ -21,7 +21,7 @@ __all__ = ["RegressionStep"]
 NARROW_MAX_WIDTH = 256
 
 
-class RegressionStep:
+class RegressionStep(Closable):
     """Fits an MLP to targets with mean squared error; every buffer is allocated up front.
 
     ``x`` and ``target`` are fixed device buffers: fill them, then ``enqueue``
@@ -100,11 +100,6 @@ class RegressionStep:
         close_attributes(self, "arena", "optimizer", "metrics", "_loss_counter", "_loss_partials", "loss",
                          "target", "x", "grads", "params")
 
-    def __enter__(self) -> "RegressionStep":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     @staticmethod
     def narrow(layout: ParamLayout) -> bool:

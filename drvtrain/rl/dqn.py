@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..audit import CallCounts, Criterion, classify, count_driver_calls
-from ..driver import active_captures, get_device
+from ..driver import Closable, active_captures, get_device
 from ..flags import ErrorFlags
 from ..graph import Graph, GraphExec, capture, capture_frontier
 from ..kernel import builtin_module, dependent_launches
@@ -370,7 +370,7 @@ class _Captured:
     extra: dict = field(default_factory=dict)
 
 
-class DQNStep:
+class DQNStep(Closable):
     """Owns the online and target parameters, gradients, Adam moments, the replay,
     the arena and the metrics ring; ``enqueue`` queues one step (or several in a
     row), ``capture`` records them as one executable graph. ``last`` describes the

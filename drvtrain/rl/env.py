@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..driver import DriverError
+from ..driver import Closable, DriverError
 from ..kernel import load_module
 from ..memory import DeviceBuffer, MappedBuffer, close_attributes, closes_on_failure
 
@@ -60,7 +60,7 @@ def _dims(*values) -> tuple:
                  for v, (what, _, low, high) in zip(values, _DIMS))
 
 
-class DeviceEnv:
+class DeviceEnv(Closable):
     """``n_envs`` copies of the environment ``name`` defined in ``source``, all stepped in one launch.
 
     ``source`` is a ``.cu`` path; a bare file name (``"cartpole.cu"``) means
@@ -204,11 +204,6 @@ class DeviceEnv:
             close_attributes(self, "states", "obs", "episode_steps", "rng_counters", "final_obs", "reward",
                              "terminated", "truncated")
 
-    def __enter__(self) -> "DeviceEnv":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"<DeviceEnv {self.name} x{self.n_envs}, obs {self.obs_dim}, actions {self.n_actions}, "

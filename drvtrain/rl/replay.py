@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..driver import Closable
 from ..kernel import builtin_module
 from ..memory import ALIGNMENT, Arena, DeviceBuffer, close_attributes, closes_on_failure
 from .sumtree import SumTree
@@ -36,7 +37,7 @@ def _batch_slices(batch: int, obs_dim: int):
             ("done", (batch,), np.float32))
 
 
-class ReplayBuffer:
+class ReplayBuffer(Closable):
     """``capacity`` transitions in per-field device arrays, with a sum tree over their priorities.
 
     ``insert`` overwrites the oldest entries once full; new entries enter the

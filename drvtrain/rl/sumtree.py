@@ -17,6 +17,7 @@ import secrets
 
 import numpy as np
 
+from ..driver import Closable
 from ..flags import ErrorFlags
 from ..kernel import builtin_module
 from ..memory import DeviceBuffer, close_attributes, closes_on_failure
@@ -101,7 +102,7 @@ def beta_schedule(beta) -> tuple[float, float, int]:
     return values[0], values[1], int(steps)
 
 
-class SumTree:
+class SumTree(Closable):
     """A sum tree over ``capacity`` leaves holding ``priority ** alpha``."""
 
     @closes_on_failure

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
+from ..driver import Closable
 from ..graph import capture
 from ..kernel import dependent_launches
 from ..memory import Arena, DeviceBuffer, MappedBuffer, close_attributes, closes_on_failure
@@ -131,7 +132,7 @@ class TrainConfig:
         return replace(self, **changes)
 
 
-class _Actor:
+class _Actor(Closable):
     """One set of environments with its acting state: the fused act kernel's arguments."""
 
     @closes_on_failure
@@ -196,7 +197,7 @@ class _Actor:
         close_attributes(self, "env", "arena", "episodes", "loop", "ep_return", "counter")
 
 
-class Trainer:
+class Trainer(Closable):
     """Runs a TrainConfig: ``run()`` trains and evaluates; ``drvtrain train`` (cli.py)
     writes the run folder from its reports."""
 
