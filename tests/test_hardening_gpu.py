@@ -422,6 +422,32 @@ def _build_dqn_step():
     return step
 
 
+def _build_replay():
+    """A replay given host arrays: the uploads it stages are its own to free."""
+    from drvtrain.rl import ReplayBuffer
+    rng = np.random.default_rng()
+    replay = ReplayBuffer(1 << 10, 4, seed=1)
+    with Stream() as stream:
+        n = 100
+        replay.insert(rng.standard_normal((n, 4), dtype=np.float32), rng.integers(0, 2, n, dtype=np.int32),
+                      rng.standard_normal(n, dtype=np.float32), rng.standard_normal((n, 4), dtype=np.float32),
+                      (rng.random(n) < 0.1).astype(np.float32), stream=stream)
+        replay.tree.update(rng.integers(0, n, 32).astype(np.int32), rng.uniform(0.1, 2.0, 32).astype(np.float32),
+                           stream=stream)
+    return replay
+
+
+def _build_dqn_step_q_values():
+    """q_values stages the observations and an arena of its own."""
+    from drvtrain.rl import DQNConfig, DQNStep
+    step = DQNStep(DQNConfig.small(seed=4))
+    with Stream() as stream:
+        q = step.q_values(np.random.default_rng().standard_normal((5, step.config.obs_dim), dtype=np.float32),
+                          stream=stream)
+    assert q.shape == (5, step.config.n_actions) and np.isfinite(q).all()
+    return step
+
+
 @pytest.mark.parametrize("build", [
     lambda: DeviceBuffer.from_numpy(np.random.default_rng().standard_normal(64).astype(np.float32)),
     lambda: Arena(1 << 16),
@@ -431,10 +457,11 @@ def _build_dqn_step():
     lambda: __import__("drvtrain").Event(),
     lambda: ErrorFlags(["a", "b"]),
     lambda: __import__("drvtrain.demo", fromlist=["ForkJoinDemo"]).ForkJoinDemo(1 << 10),
-    lambda: __import__("drvtrain.rl", fromlist=["ReplayBuffer"]).ReplayBuffer(1 << 10, 4, seed=1),
+    _build_replay,
     _build_dqn_step,
+    _build_dqn_step_q_values,
 ], ids=["DeviceBuffer", "Arena", "MappedBuffer", "PinnedBuffer", "Stream", "Event", "ErrorFlags", "ForkJoinDemo",
-        "ReplayBuffer", "DQNStep"])
+        "ReplayBuffer", "DQNStep", "DQNStep-q_values"])
 def test_an_owner_gives_back_everything_when_its_with_block_raises(device, monkeypatch, build):
     """Each owner of device resources closes at the end of its ``with`` block, also when the
     block raises (the error goes on); nothing it made is left open, and a second close is

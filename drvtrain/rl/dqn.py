@@ -820,12 +820,9 @@ class DQNStep(Closable):
         if obs.ndim != 2 or obs.shape[1] != self.config.obs_dim:
             raise ValueError(f"obs must have shape (N, {self.config.obs_dim}), got {obs.shape}")
         n = obs.shape[0]
-        arena = Arena(self.online_mlp.scratch_bytes(n), zeroed_bytes=self.online_mlp.zeroed_bytes(n) + 256)
-        try:
-            x = DeviceBuffer.from_numpy(obs)
+        with Arena(self.online_mlp.scratch_bytes(n), zeroed_bytes=self.online_mlp.zeroed_bytes(n) + 256) as arena, \
+                DeviceBuffer.from_numpy(obs) as x:
             out = self.online_mlp.forward(self.params, x, arena=arena, stream=stream).output.to_numpy()
-        finally:
-            arena.close()
         v, adv = out[:, :1].astype(np.float64), out[:, 1:].astype(np.float64)
         return (v + adv - adv.mean(axis=1, keepdims=True)).astype(np.float32)
 

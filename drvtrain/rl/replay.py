@@ -7,7 +7,7 @@ import numpy as np
 
 from ..driver import Closable
 from ..kernel import builtin_module
-from ..memory import ALIGNMENT, Arena, DeviceBuffer, close_attributes, closes_on_failure
+from ..memory import ALIGNMENT, Arena, DeviceBuffer, close_all, close_attributes, closes_on_failure
 from .sumtree import SumTree
 
 __all__ = ["ReplayBuffer", "Batch"]
@@ -73,9 +73,14 @@ class ReplayBuffer(Closable):
         fields = (obs, action, reward, next_obs, done)
         if any(isinstance(f, np.ndarray) for f in fields):
             host = self._validate_host(fields)
-            staged = [DeviceBuffer.from_numpy(a) for a in host]
-            self.insert(*staged, stream=stream)
-            stream.synchronize()
+            staged = []
+            try:  # the uploads are freed when the insert has run, not when a launch lets go of them
+                for a in host:
+                    staged.append(DeviceBuffer.from_numpy(a))
+                self.insert(*staged, stream=stream)
+                stream.synchronize()
+            finally:
+                close_all(staged)
             return
         n = self._validate_device(fields)
         obs, action, reward, next_obs, done = fields
