@@ -248,15 +248,24 @@ _deferred: list = []
 
 class Closable:
     """For the owners of device resources: ``with owner:`` closes it when the block
-    ends, however it ends. Every owner's ``close()`` may be called again: the second
-    call does nothing."""
+    ends, however it ends. When the block raised, that error goes on, and an error
+    from ``close()`` becomes a note on it. Every owner's ``close()`` may be called
+    again: the second call does nothing."""
     __slots__ = ()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, error, trace) -> None:
+        if error is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as inner:  # noqa: BLE001 (the block's error is the one that goes on)
+            add_note = getattr(error, "add_note", None)  # Python 3.11 and later
+            if add_note is not None:
+                add_note(f"closing the {type(self).__name__} at the end of the block failed too: {inner!r}")
 
 
 def release_on_collect(owner, func, *args) -> weakref.finalize:

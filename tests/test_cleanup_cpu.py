@@ -121,8 +121,9 @@ def test_zeros_while_capturing_is_refused_before_it_allocates(monkeypatch):
         DeviceBuffer.zeros(16)
 
 
-@pytest.mark.parametrize("how", ["from_numpy", "zeros"])
-def test_a_buffer_whose_fill_fails_is_freed_before_the_error_goes_on(monkeypatch, how):
+@pytest.mark.parametrize("how, refused_call", [("from_numpy", 1), ("zeros", 1), ("zeros", 2)],
+                         ids=["from_numpy", "zeros-memset", "zeros-synchronize"])
+def test_a_buffer_whose_fill_fails_is_freed_before_the_error_goes_on(monkeypatch, how, refused_call):
     """from_numpy's copy or zeros' memset refused: the new buffer is closed, then the error
     goes on (the allocation itself stands in for the device here)."""
     import numpy as np
@@ -135,8 +136,12 @@ def test_a_buffer_whose_fill_fails_is_freed_before_the_error_goes_on(monkeypatch
     def fake_init(self, shape, dtype=np.float32):
         self.shape, self.dtype, self.ptr = (int(shape),) if np.isscalar(shape) else tuple(shape), np.dtype(dtype), 64
 
+    calls = []
+
     def refuse(*args, **kwargs):
-        raise MemoryError("fill refused by the test")
+        calls.append(args[0] if args else None)
+        if len(calls) == refused_call:
+            raise MemoryError("fill refused by the test")
 
     monkeypatch.setattr(DeviceBuffer, "__init__", fake_init)
     monkeypatch.setattr(DeviceBuffer, "close", lambda self: closed.append(self))
@@ -149,7 +154,7 @@ def test_a_buffer_whose_fill_fails_is_freed_before_the_error_goes_on(monkeypatch
         build = lambda: DeviceBuffer.zeros(6)  # noqa: E731
     with pytest.raises(MemoryError, match="fill refused"):
         build()
-    assert len(closed) == 1 and closed[0].shape == (6,)
+    assert len(closed) == 1 and closed[0].shape == (6,) and len(calls) == refused_call
 
 
 def _owners():
@@ -171,16 +176,40 @@ def _owners():
 
 
 # Device.close releases the primary context that every other owner lives in: a process
-# closes it once, at its end, never at the end of a block.
-NOT_SCOPED = {"drvtrain.driver.Device"}
+# closes it once, at its end, never at the end of a block. MetricsWriter owns a CSV file
+# only (a context manager of its own).
+NOT_SCOPED = {"drvtrain.driver.Device", "drvtrain.rl.run.MetricsWriter"}
 
 
-def test_every_owner_of_resources_is_a_context_manager():
+def test_every_owner_of_resources_derives_from_closable():
+    from drvtrain import Closable
     owners = _owners()
     assert len(owners) >= 20 and "drvtrain.rl.dqn.DQNStep" in owners and "drvtrain.memory.DeviceBuffer" in owners
-    missing = [name for name, cls in owners.items()
-               if name not in NOT_SCOPED and not (hasattr(cls, "__enter__") and hasattr(cls, "__exit__"))]
+    assert NOT_SCOPED <= set(owners)
+    missing = [name for name, cls in owners.items() if name not in NOT_SCOPED and not issubclass(cls, Closable)]
     assert missing == []
+
+
+class _Refuses(__import__("drvtrain").Closable):
+    def __init__(self):
+        self.closes = 0
+
+    def close(self):
+        self.closes += 1
+        raise RuntimeError("close refused by the test")
+
+
+def test_a_failing_close_is_a_note_on_the_blocks_error_and_raised_when_the_block_ended_well():
+    owner = _Refuses()
+    with pytest.raises(KeyError, match="from the block") as info:
+        with owner:
+            raise KeyError("from the block")
+    assert owner.closes == 1
+    assert any("close refused by the test" in note for note in getattr(info.value, "__notes__", []))
+    with pytest.raises(RuntimeError, match="close refused"):
+        with owner:
+            pass
+    assert owner.closes == 2
 
 
 @pytest.mark.parametrize("cls", [DQNStep, RegressionStep, ForkJoinDemo, ReplayBuffer, SumTree, Trainer, AdamW,

@@ -212,6 +212,16 @@ def test_max_priority_tracks_largest_write(device, stream, rng):
     assert tree.max_priority().to_numpy()[0] == pytest.approx(float(pri.max()) ** 0.5, rel=1e-6)
 
 
+def test_an_empty_host_update_changes_nothing_as_an_empty_device_update(device, stream, rng):
+    tree = SumTree(64, alpha=0.6, seed=2)
+    tree.update(np.arange(64), rng.uniform(0.1, 3.0, 64).astype(np.float32), stream=stream)
+    leaves, nodes = tree.leaves_numpy(), tree.nodes_numpy()
+    tree.update(np.zeros(0, np.int32), np.zeros(0, np.float32), stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(tree.leaves_numpy(), leaves)
+    np.testing.assert_array_equal(tree.nodes_numpy(), nodes)
+
+
 def test_device_side_bad_input_sets_flags_not_crashes(device, stream, rng):
     tree = SumTree(10, alpha=1.0, seed=1)
     tree.set_priorities(rng.uniform(0.1, 1, 10).astype(np.float32))

@@ -33,17 +33,17 @@ def main(argv=None) -> int:
             step.fill_random(1, stream=stream)
             step.capture(stream=stream).close()
             graph = step.graph  # the topology outlives the step's buffers
-    graph.to_dot(args.out)
-    print(f"wrote {args.out}")
-    dot = shutil.which("dot")
-    if dot and not args.no_svg:
-        svg = args.out.with_suffix(".svg")
-        subprocess.run([dot, "-Tsvg", str(args.out), "-o", str(svg)], check=True)
-        print(f"wrote {svg}")
-    elif not args.no_svg:
-        print("graphviz `dot` not found: no SVG written")
-    print(graph.summary())
-    graph.close()
+    with graph:
+        graph.to_dot(args.out)
+        print(f"wrote {args.out}")
+        dot = shutil.which("dot")
+        if dot and not args.no_svg:
+            svg = args.out.with_suffix(".svg")
+            subprocess.run([dot, "-Tsvg", str(args.out), "-o", str(svg)], check=True)
+            print(f"wrote {svg}")
+        elif not args.no_svg:
+            print("graphviz `dot` not found: no SVG written")
+        print(graph.summary())
     return 0
 
 

@@ -33,6 +33,7 @@ docs/step-spec.md) or ``engine-small`` / ``engine-large`` (the supervised step
 of tools/bench_engine.py). Eager launches compute what the captured graph does,
 so the table is the graph's, less the replay's own launch costs.
 """
+import contextlib
 import csv
 import io
 import os
@@ -77,21 +78,23 @@ def child(what: str, warmup: int) -> int:
     from cuda.bindings import driver
 
     from drvtrain import Stream, check
-    stream = Stream()
     kind, size = what.split("-")
-    if kind == "dqn":
-        from drvtrain.rl import DQNConfig, DQNStep
-        step = DQNStep(getattr(DQNConfig, size)())
-        step.fill_random(1, stream=stream)
-    else:
-        from drvtrain.nn import ParamLayout, RegressionStep
-        obs, hidden, actions, batch = {"small": (4, [256, 256], 2, 256), "large": (128, [1024, 1024], 18, 512)}[size]
-        widths = [obs] + hidden + [1 + actions]
-        rng = np.random.default_rng(0)
-        step = RegressionStep(ParamLayout.from_widths(widths), batch, lr=1e-4, weight_decay=1e-2)
-        step.x.copy_from_numpy(rng.standard_normal((batch, obs)).astype(np.float32))
-        step.target.copy_from_numpy(rng.standard_normal((batch, 1 + actions)).astype(np.float32))
-    with stream, step:
+    with contextlib.ExitStack() as owned:  # the stream and the step closed at its end, also on an error
+        stream = owned.enter_context(Stream())
+        if kind == "dqn":
+            from drvtrain.rl import DQNConfig, DQNStep
+            step = owned.enter_context(DQNStep(getattr(DQNConfig, size)()))
+            step.fill_random(1, stream=stream)
+        else:
+            from drvtrain.nn import ParamLayout, RegressionStep
+            obs, hidden, actions, batch = {"small": (4, [256, 256], 2, 256),
+                                           "large": (128, [1024, 1024], 18, 512)}[size]
+            widths = [obs] + hidden + [1 + actions]
+            rng = np.random.default_rng(0)
+            step = owned.enter_context(RegressionStep(ParamLayout.from_widths(widths), batch, lr=1e-4,
+                                                      weight_decay=1e-2))
+            step.x.copy_from_numpy(rng.standard_normal((batch, obs)).astype(np.float32))
+            step.target.copy_from_numpy(rng.standard_normal((batch, 1 + actions)).astype(np.float32))
         for _ in range(warmup):
             step.enqueue(stream=stream)
         stream.synchronize()

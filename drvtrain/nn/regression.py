@@ -100,7 +100,6 @@ class RegressionStep(Closable):
         close_attributes(self, "arena", "optimizer", "metrics", "_loss_counter", "_loss_partials", "loss",
                          "target", "x", "grads", "params")
 
-
     @staticmethod
     def narrow(layout: ParamLayout) -> bool:
         """Whether no layer of ``layout`` is wider than ``NARROW_MAX_WIDTH``: the nets

@@ -204,7 +204,6 @@ class DeviceEnv(Closable):
             close_attributes(self, "states", "obs", "episode_steps", "rng_counters", "final_obs", "reward",
                              "terminated", "truncated")
 
-
     def __repr__(self) -> str:
         return (f"<DeviceEnv {self.name} x{self.n_envs}, obs {self.obs_dim}, actions {self.n_actions}, "
                 f"max_steps {self.max_steps}{', closed' if self._closed else ''}>")

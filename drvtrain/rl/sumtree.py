@@ -179,6 +179,8 @@ class SumTree(Closable):
             if n is not None:
                 raise ValueError("n applies to DeviceBuffers only; slice the numpy arrays instead")
             idx, pri = self._validate_host(indices, priorities)
+            if idx.size == 0:
+                return  # as the device path: nothing to set
             staged = []
             try:  # the uploads are freed when the update has run, not when a launch lets go of them
                 staged.append(DeviceBuffer.from_numpy(idx))
