@@ -23,15 +23,13 @@ def close_attributes(obj, *names: str) -> None:
     """Close ``obj``'s attributes ``names`` in order, each that is set and not None: the
     ``close()`` of an object whose ``__init__`` may have stopped part way (see
     :func:`closes_on_failure`). Every one is tried; the first error is raised after."""
-    close_all([value for value in (getattr(obj, name, None) for name in names) if value is not None])
-
-
-def close_all(things) -> None:
-    """Close each of ``things`` in order; every one is tried, the first error raised after."""
     first = None
-    for thing in things:
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is None:
+            continue
         try:
-            thing.close()
+            value.close()
         except Exception as exc:  # noqa: BLE001 (the rest still close; the first is raised)
             first = first or exc
     if first is not None:

@@ -1,13 +1,14 @@
 """Prioritized replay storage on the device: a ring of transitions over a sum tree."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..driver import Closable
 from ..kernel import builtin_module
-from ..memory import ALIGNMENT, Arena, DeviceBuffer, close_all, close_attributes, closes_on_failure
+from ..memory import ALIGNMENT, Arena, DeviceBuffer, close_attributes, closes_on_failure
 from .sumtree import SumTree
 
 __all__ = ["ReplayBuffer", "Batch"]
@@ -73,14 +74,11 @@ class ReplayBuffer(Closable):
         fields = (obs, action, reward, next_obs, done)
         if any(isinstance(f, np.ndarray) for f in fields):
             host = self._validate_host(fields)
-            staged = []
-            try:  # the uploads are freed when the insert has run, not when a launch lets go of them
-                for a in host:
-                    staged.append(DeviceBuffer.from_numpy(a))
+            # The uploads are freed once the insert has run, not when a launch lets go of them.
+            with contextlib.ExitStack() as uploads:
+                staged = [uploads.enter_context(DeviceBuffer.from_numpy(a)) for a in host]
                 self.insert(*staged, stream=stream)
                 stream.synchronize()
-            finally:
-                close_all(staged)
             return
         n = self._validate_device(fields)
         obs, action, reward, next_obs, done = fields

@@ -20,7 +20,7 @@ import numpy as np
 from ..driver import Closable
 from ..flags import ErrorFlags
 from ..kernel import builtin_module
-from ..memory import DeviceBuffer, close_all, close_attributes, closes_on_failure
+from ..memory import DeviceBuffer, close_attributes, closes_on_failure
 from ..stream import Stream, fork
 
 __all__ = ["SumTree", "ReplayError", "beta_schedule", "tree_levels"]
@@ -181,14 +181,10 @@ class SumTree(Closable):
             idx, pri = self._validate_host(indices, priorities)
             if idx.size == 0:
                 return  # as the device path: nothing to set
-            staged = []
-            try:  # the uploads are freed when the update has run, not when a launch lets go of them
-                staged.append(DeviceBuffer.from_numpy(idx))
-                staged.append(DeviceBuffer.from_numpy(pri))
-                self.update(*staged, stream=stream, skip=skip)
+            # The uploads are freed once the update has run, not when a launch lets go of them.
+            with DeviceBuffer.from_numpy(idx) as d_idx, DeviceBuffer.from_numpy(pri) as d_pri:
+                self.update(d_idx, d_pri, stream=stream, skip=skip)
                 stream.synchronize()
-            finally:
-                close_all(staged)
             return
         indices_ok = "a DeviceBuffer, or a numpy array when priorities is one too"
         priorities_ok = "a DeviceBuffer, or a numpy array when indices is one too"
