@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cartpole_reference as ref
-from drvtrain import DeviceBuffer
+from drvtrain import DeviceBuffer, capture
 from drvtrain.rl.env import ENVIRONMENTS, DeviceEnv, known_envs, make_env, register_env
 
 pytestmark = pytest.mark.gpu
@@ -423,3 +423,31 @@ def test_dimensions_left_out_come_from_the_struct(device, monkeypatch):
 def test_a_source_without_the_named_environment_is_refused(device):
     with pytest.raises(ValueError, match=r"DT_DEFINE_ENV\(Env, lattice\)"):
         DeviceEnv(CHAIN, "lattice", 8, seed=0, obs_dim=8, n_actions=2, state_dim=1, max_steps=50)
+
+
+def test_close_unloads_the_module_and_waits_for_the_graphs_that_step_the_env(device, stream, rng):
+    """DeviceEnv.close unloads the module it loaded. While an executable graph steps the env it is
+    refused and changes nothing (the graph and the env still run); then it closes everything once."""
+    n = int(rng.integers(100, 400))
+    env = make_env("cartpole", n, seed=new_seed(rng))
+    actions = DeviceBuffer.from_numpy(rng.integers(0, 2, n).astype(np.int32))
+    env.reset(stream=stream)
+    with capture(stream) as graph:
+        env.step(actions, stream=stream)
+    exe = graph.instantiate()
+    with pytest.raises(RuntimeError, match="still replayed by 1 executable graph: close it first"):
+        env.close()
+    assert env.module.handle is not None and not env.states.closed
+    before = env.state_numpy()["episode_steps"]
+    exe.launch(stream)
+    env.step(actions, stream=stream)  # the env refused to close: it still steps, eagerly too
+    after = env.state_numpy()["episode_steps"]
+    assert np.all((after == before + 2) | (after < 2)), "two steps, or an episode that ended and restarted"
+    exe.close()
+    graph.close()
+    env.close()
+    assert env.module.handle is None and env.states.closed and env.obs.closed
+    with pytest.raises(RuntimeError, match="is closed"):
+        env.step(actions, stream=stream)
+    env.close()  # a second close does nothing
+    actions.close()

@@ -22,12 +22,12 @@ def breakdown(trainer, replays=200):
     s = trainer.stream
     with capture(s) as g:
         trainer.actor.enqueue(trainer.learner, stream=s, greedy=True)
-    act = g.instantiate()
-    act_us = time_graph(act, s, replays=replays, repeats=3)
+    with g, g.instantiate() as act:  # closed before the trainer: its envs' close waits for them
+        act_us = time_graph(act, s, replays=replays, repeats=3)
     with capture(s) as g:
         trainer.learner.enqueue(stream=s)
-    learn = g.instantiate()
-    learn_us = time_graph(learn, s, replays=replays, repeats=3)
+    with g, g.instantiate() as learn:
+        learn_us = time_graph(learn, s, replays=replays, repeats=3)
     return act_us, learn_us
 
 

@@ -198,11 +198,17 @@ class DeviceEnv(Closable):
             raise RuntimeError(f"DeviceEnv {self.name!r} is closed")
 
     def close(self) -> None:
-        """Free the device buffers now; the env cannot be used afterwards."""
-        if not getattr(self, "_closed", False):
-            self._closed = True
-            close_attributes(self, "states", "obs", "episode_steps", "rng_counters", "final_obs", "reward",
-                             "terminated", "truncated")
+        """Unload the env's module and free its device buffers now; the env cannot be used
+        afterwards. Refused (a ``RuntimeError``, nothing changes) while an executable graph that
+        replays the env's kernels is open: close that first, since it also uses the buffers."""
+        if getattr(self, "_closed", False):
+            return
+        module = getattr(self, "module", None)
+        if module is not None:
+            module.close()  # raises, before anything is freed, while a graph replays its kernels
+        self._closed = True
+        close_attributes(self, "states", "obs", "episode_steps", "rng_counters", "final_obs", "reward",
+                         "terminated", "truncated")
 
     def __repr__(self) -> str:
         return (f"<DeviceEnv {self.name} x{self.n_envs}, obs {self.obs_dim}, actions {self.n_actions}, "
