@@ -200,7 +200,9 @@ class DeviceEnv(Closable):
     def close(self) -> None:
         """Unload the env's module and free its device buffers now; the env cannot be used
         afterwards. Refused (a ``RuntimeError``, nothing changes) while an executable graph that
-        replays the env's kernels is open: close that first, since it also uses the buffers."""
+        replays a kernel of the module (reset, step, or any other of its source) is open: close
+        that first. A graph that only reads the buffers does not hold the env: close it first
+        too, or its replays read freed memory."""
         if getattr(self, "_closed", False):
             return
         module = getattr(self, "module", None)
