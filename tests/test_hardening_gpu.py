@@ -265,11 +265,13 @@ def test_doctor_compile_error_is_one_line_exit_1(device, tmp_path):
 
 
 class _Made:
-    """Every device buffer, pinned allocation, stream and event made while installed."""
+    """Every device buffer, pinned allocation, stream and event made while installed, and
+    every module a DeviceEnv loads (its own, not a shared builtin one)."""
 
     def __init__(self, monkeypatch):
         from drvtrain import Event
         from drvtrain.memory import _HostAllocation
+        from drvtrain.rl import env as env_module
         self.things = []
         for cls in (DeviceBuffer, _HostAllocation, Stream, Event):
             original = cls.__init__
@@ -279,6 +281,14 @@ class _Made:
                 self.things.append(obj)
 
             monkeypatch.setattr(cls, "__init__", spy)
+        original_load = env_module.load_module
+
+        def load(*args, **kwargs):
+            module = original_load(*args, **kwargs)
+            self.things.append(module)
+            return module
+
+        monkeypatch.setattr(env_module, "load_module", load)
 
     def still_open(self) -> list:
         return [t for t in self.things if t._finalizer is not None and t._finalizer.alive]
@@ -343,6 +353,28 @@ def test_a_trainer_that_fails_to_build_gives_back_what_it_made(device, monkeypat
     config = TrainConfig(env="cartpole", n_envs=4, total_steps=4000, learning_starts=400, train_every=4,
                          eval_episodes=8, unroll=10, dqn=dict(capacity=4096), seed=3)
     _check_gives_back(made, lambda: Trainer(config))
+
+
+@pytest.mark.parametrize("call", [1, 5, 8])  # the first buffer, one in the middle, the last
+def test_a_device_env_that_fails_to_build_gives_back_its_module_and_buffers(device, monkeypatch, call):
+    """DeviceEnv.__init__ stopped part way (a refused buffer) unloads the module it loaded and
+    frees the buffers it had made before the error goes on."""
+    from drvtrain.kernel import Module
+    from drvtrain.rl.env import make_env
+    made = _Made(monkeypatch)
+    original, calls = DeviceBuffer.zeros, [0]
+
+    def zeros(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            raise MemoryError(f"zeros call {call} refused by the test")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(DeviceBuffer, "zeros", zeros)
+    _check_gives_back(made, lambda: make_env("cartpole", 64, seed=1), at_least=call)
+    modules = [t for t in made.things if isinstance(t, Module)]
+    assert len(modules) == 1 and modules[0].handle is None
+    assert len(made.things) == call  # the module and the call - 1 buffers made before the refusal
 
 
 def test_an_arena_that_fails_to_build_gives_back_its_slab(device, monkeypatch):
@@ -460,8 +492,9 @@ def _build_dqn_step_q_values():
     _build_replay,
     _build_dqn_step,
     _build_dqn_step_q_values,
+    lambda: __import__("drvtrain.rl.env", fromlist=["make_env"]).make_env("cartpole", 64, seed=2),
 ], ids=["DeviceBuffer", "Arena", "MappedBuffer", "PinnedBuffer", "Stream", "Event", "ErrorFlags", "ForkJoinDemo",
-        "ReplayBuffer", "DQNStep", "DQNStep-q_values"])
+        "ReplayBuffer", "DQNStep", "DQNStep-q_values", "DeviceEnv"])
 def test_an_owner_gives_back_everything_when_its_with_block_raises(device, monkeypatch, build):
     """Each owner of device resources closes at the end of its ``with`` block, also when the
     block raises (the error goes on); nothing it made is left open, and a second close is
