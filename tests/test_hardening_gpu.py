@@ -295,10 +295,14 @@ class _Made:
 
 
 def _fail_on_call(monkeypatch, where: str, call: int) -> None:
-    """``where`` ("module:name") raises MemoryError on its ``call``-th call; earlier calls go through."""
+    """``where`` ("module:name", or "module:Class.name" for a class's method) raises MemoryError
+    on its ``call``-th call; earlier calls go through."""
     import importlib
     module_name, name = where.split(":")
     module = importlib.import_module(module_name)
+    owner_name, _, name = name.rpartition(".")
+    if owner_name:
+        module = getattr(module, owner_name)
     original, calls = getattr(module, name), [0]
 
     def failing(*args, **kwargs):
@@ -362,15 +366,7 @@ def test_a_device_env_that_fails_to_build_gives_back_its_module_and_buffers(devi
     from drvtrain.kernel import Module
     from drvtrain.rl.env import make_env
     made = _Made(monkeypatch)
-    original, calls = DeviceBuffer.zeros, [0]
-
-    def zeros(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == call:
-            raise MemoryError(f"zeros call {call} refused by the test")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(DeviceBuffer, "zeros", zeros)
+    _fail_on_call(monkeypatch, "drvtrain.memory:DeviceBuffer.zeros", call)
     _check_gives_back(made, lambda: make_env("cartpole", 64, seed=1), at_least=call)
     modules = [t for t in made.things if isinstance(t, Module)]
     assert len(modules) == 1 and modules[0].handle is None
