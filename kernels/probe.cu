@@ -180,3 +180,19 @@ extern "C" __global__ void __launch_bounds__(128) block_sums_128(const double* i
 extern "C" __global__ void __launch_bounds__(256) block_sums_256(const double* in, double* out) {
     block_sums_body<256>(in, out);
 }
+
+// stamp_time: one thread reads %globaltimer (ns) after its grid wait and writes it
+// to out[*counter % slots], then advances *counter (tools/stamp_replays.py). As a
+// dependent launch it is resident early and reads the timer once every kernel it
+// waits for has ended (and its wait has returned); as the first node of a graph,
+// when the graph starts. Launch: one block (any size; thread 0 writes).
+extern "C" __global__ void stamp_time(unsigned long long* out, unsigned int* counter, int slots) {
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    const unsigned int k = *counter;
+    out[k % (unsigned int)slots] = now;
+    *counter = k + 1;
+}

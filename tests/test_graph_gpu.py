@@ -304,3 +304,32 @@ def test_a_dependent_launch_on_a_forked_stream_is_a_programmatic_dependent(devic
         case.check(read_before_the_writer=bool(early and dependent))
     exe.close()
     child.close()
+
+
+def test_a_dependent_stamp_reads_the_timer_after_its_wait(device):
+    """probe.cu's stamp_time (tools/stamp_replays.py) reads %globaltimer after its grid wait:
+    launched as a dependent after `late_copy`, which lets it start at once and then spins
+    1 ms, its stamp is at least 1 ms after the stamp before the writer (a stamp taken
+    before the wait would be microseconds after it); the counter counts the two, and the
+    ring's other slots stay as they were."""
+    from drvtrain import builtin_module, dependent_launches
+    skip_unless_a_read_can_race(device, early=True)
+    stamp = builtin_module("probe.cu").kernel("stamp_time", "ptr ptr i32")
+    ring = DeviceBuffer.from_numpy(np.full(4, 7, np.uint64))
+    counter = DeviceBuffer.zeros(1, np.uint32)
+    src = DeviceBuffer.from_numpy(np.arange(1, 33, dtype=np.float32))
+    dst = DeviceBuffer.zeros(32, np.float32)
+    stream = Stream()
+    writer = late_copy()
+    with dependent_launches(True):
+        stamp.launch(1, 32, ring, counter, 4, stream=stream, dependent=False)
+        writer.launch(1, 128, dst, src, words(src), 0, 0, 0, LATE_NS, stream=stream)
+        stamp.launch(1, 32, ring, counter, 4, stream=stream)
+    stream.synchronize()
+    t = ring.to_numpy()
+    assert int(counter.to_numpy()[0]) == 2 and t[2:].tolist() == [7, 7]
+    assert t[1] - t[0] >= LATE_NS
+    assert dst.to_numpy().tobytes() == src.to_numpy().tobytes()
+    for buf in (ring, counter, src, dst):
+        buf.close()
+    stream.close()

@@ -1,6 +1,7 @@
 """tools/profile_step.py's reading of Nsight Compute's raw CSV (runs everywhere)."""
 import os
 
+import numpy as np
 import pytest
 
 TOOLS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
@@ -164,3 +165,32 @@ def test_trace_timeline_takes_medians_per_node_and_refuses_other_graphs(monkeypa
     other = [dict(e, name="d") if e.get("name") == "b" and e["ts"] > 250 else e for e in events]
     with pytest.raises(ValueError, match="different kernels"):
         trace_step.timeline(other, 3, 0)
+
+
+def test_replay_stamps_give_median_spans_gaps_and_periods(monkeypatch):
+    """tools/stamp_replays.py's reading of the stamps: per replay its span (second stamp less
+    first), the gap to the next replay's first stamp and the period between first stamps, in
+    us, medians over the replays kept; stamps out of order or too few replays refused."""
+    monkeypatch.syspath_prepend(TOOLS_DIR)
+    import stamp_replays
+    rng = np.random.default_rng(3)
+    spans = rng.integers(30_000, 40_000, 9)
+    gaps = rng.integers(500, 3_000, 8)
+    starts = np.concatenate([[1_000_000], 1_000_000 + np.cumsum(spans[:-1] + gaps)])
+    stamps = np.stack([starts, starts + spans], axis=1)
+    got = stamp_replays.spans_and_gaps(stamps)
+    want = (np.median(spans), np.median(gaps), np.median(spans[:-1] + gaps))
+    assert got == pytest.approx(np.array(want) / 1e3, rel=1e-12)
+    got = stamp_replays.spans_and_gaps(stamps, skip=6)  # replays 6, 7, 8 kept
+    want = (np.median(spans[6:]), np.median(gaps[6:]), np.median(spans[6:8] + gaps[6:]))
+    assert got == pytest.approx(np.array(want) / 1e3, rel=1e-12)
+    with pytest.raises(ValueError, match="fewer than two"):
+        stamp_replays.spans_and_gaps(stamps, skip=8)
+    with pytest.raises(ValueError, match="out of order"):
+        stamp_replays.spans_and_gaps(stamps[::-1])
+    overlapping = stamps.copy()
+    overlapping[4, 0] = overlapping[3, 1] - 1
+    with pytest.raises(ValueError, match="out of order"):
+        stamp_replays.spans_and_gaps(overlapping)
+    with pytest.raises(ValueError, match="shape"):
+        stamp_replays.spans_and_gaps(stamps.ravel())

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU verification in one go: doctor, the full test suite with no GPU
 # test allowed to skip, the graph dumps, the step audit, the overfit smoke,
-# every benchmark, the per-kernel profile and, unless SANITIZE=0, compute-sanitizer:
-# memcheck over the GPU test files, memcheck and racecheck over a few captured
-# DQN steps of both configurations, and racecheck over the block sums, the DQN
+# every benchmark, the per-kernel profile, the replays' stamps and, unless
+# SANITIZE=0, compute-sanitizer: memcheck over the GPU test files, memcheck and
+# racecheck over a few captured DQN steps of both configurations, and racecheck
+# over the block sums, the DQN
 # loss kernels and the wgmma backward products. Logs go to the folder given as the
 # first argument (default ./gpu-logs). ONLY=a,b runs just those steps.
 set -uo pipefail
@@ -36,6 +37,7 @@ for bench in tools/bench_*.py; do
   step "$(basename "$bench" .py)" python3 "$bench"
 done
 TAIL=${TAIL_PROFILE:-80} step profile_step python3 tools/profile_step.py
+step stamp_replays python3 tools/stamp_replays.py
 if [ "${SANITIZE:-1}" = 1 ] && { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",sanitize,"* ]]; }; then
   # One sanitizer process per test file, side by side: the instrumentation costs
   # CPU time, and the files are independent. Tests that make failing driver
