@@ -4,9 +4,9 @@
 # every benchmark, the per-kernel profile, the replays' stamps and, unless
 # SANITIZE=0, compute-sanitizer: memcheck over the GPU test files, memcheck and
 # racecheck over a few captured DQN steps of both configurations, and racecheck
-# over the block sums, the DQN
-# loss kernels and the wgmma backward products. Logs go to the folder given as the
-# first argument (default ./gpu-logs). ONLY=a,b runs just those steps.
+# over the block sums, the DQN loss kernels and the wgmma backward products. Logs
+# go to the folder given as the first argument (default ./gpu-logs). ONLY=a,b runs
+# just those steps.
 set -uo pipefail
 logs=${1:-gpu-logs}
 mkdir -p "$logs"
