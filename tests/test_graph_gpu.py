@@ -311,7 +311,8 @@ def test_a_dependent_stamp_reads_the_timer_after_its_wait(device):
     launched as a dependent after `late_copy`, which lets it start at once and then spins
     1 ms, its stamp is at least 1 ms after the stamp before the writer (a stamp taken
     before the wait would be microseconds after it); the counter counts the two, and the
-    ring's other slots stay as they were."""
+    ring's other slots stay as they were; three more stamps fill it, the last wrapping
+    round to the first slot."""
     from drvtrain import builtin_module, dependent_launches
     skip_unless_a_read_can_race(device, early=True)
     stamp = builtin_module("probe.cu").kernel("stamp_time", "ptr ptr i32")
@@ -326,10 +327,17 @@ def test_a_dependent_stamp_reads_the_timer_after_its_wait(device):
         writer.launch(1, 128, dst, src, words(src), 0, 0, 0, LATE_NS, stream=stream)
         stamp.launch(1, 32, ring, counter, 4, stream=stream)
     stream.synchronize()
-    t = ring.to_numpy()
+    t = ring.to_numpy().astype(np.int64)
     assert int(counter.to_numpy()[0]) == 2 and t[2:].tolist() == [7, 7]
     assert t[1] - t[0] >= LATE_NS
     assert dst.to_numpy().tobytes() == src.to_numpy().tobytes()
+    # Three more go to slots 2, 3 and, wrapping, 0: each later than the one before.
+    for _ in range(3):
+        stamp.launch(1, 32, ring, counter, 4, stream=stream)
+    stream.synchronize()
+    later = ring.to_numpy().astype(np.int64)
+    assert int(counter.to_numpy()[0]) == 5 and later[1] == t[1]
+    assert t[1] <= later[2] <= later[3] <= later[0]
     for buf in (ring, counter, src, dst):
         buf.close()
     stream.close()

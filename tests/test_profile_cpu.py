@@ -194,3 +194,18 @@ def test_replay_stamps_give_median_spans_gaps_and_periods(monkeypatch):
         stamp_replays.spans_and_gaps(overlapping)
     with pytest.raises(ValueError, match="shape"):
         stamp_replays.spans_and_gaps(stamps.ravel())
+
+
+def test_a_stamped_graph_is_bracketed_by_its_stamps_alone(monkeypatch):
+    """tools/stamp_replays.py's check of the stamped graph: the first stamp its only root, the
+    second its only leaf; a second root or leaf (a branch the stamps do not hold) fails."""
+    monkeypatch.syspath_prepend(TOOLS_DIR)
+    import stamp_replays
+    # 0 -> {1, 2} -> 3 -> 4, the stamps 0 and 4
+    edges = [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4)]
+    assert stamp_replays.bracketed(5, edges, [0, 4])
+    assert not stamp_replays.bracketed(5, edges, [4, 0])
+    assert not stamp_replays.bracketed(6, edges, [0, 4])  # node 5 hangs free: a root and a leaf
+    assert not stamp_replays.bracketed(5, [(0, 1), (0, 2), (1, 3), (3, 4)], [0, 4])  # 2 ends apart
+    assert not stamp_replays.bracketed(5, [(0, 1), (2, 1), (1, 3), (3, 4)], [0, 4])  # 2 starts apart
+    assert not stamp_replays.bracketed(5, edges, [0])

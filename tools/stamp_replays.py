@@ -18,6 +18,7 @@ It prints the medians next to the replay time of the graph with and without the
 stamps (`drvtrain.timing.time_graph`, as tools/bench_dqn.py measures the step), so
 the stamps' own cost is in the table too. Per step: divided by the steps a graph.
 """
+import contextlib
 import statistics
 import sys
 
@@ -32,15 +33,15 @@ from drvtrain.timing import time_graph
 def spans_and_gaps(stamps, skip: int = 0) -> tuple[float, float, float]:
     """(span, gap, period), the medians in us, from the stamps of consecutive replays: an
     array of shape (R, 2), each row a replay's first and second stamp in ns, in replay
-    order; the first ``skip`` replays are left out (the gaps and periods start from the
-    last one left out, so each one kept has its own). ValueError for fewer than two
-    replays kept, or stamps out of order (a replay that ends before it starts, or starts
-    before the one before has ended)."""
+    order. The first ``skip`` replays are left out: the spans are those of the R - skip
+    replays kept, the gaps and periods the R - skip - 1 between consecutive ones kept.
+    ValueError for fewer than two replays kept, or stamps out of order (a replay that
+    ends before it starts, or starts before the one before has ended)."""
     s = np.asarray(stamps, np.int64)
     if s.ndim != 2 or s.shape[1] != 2:
         raise ValueError(f"stamps must be (replays, 2), got shape {s.shape}")
     if not 0 <= skip < len(s) - 1:
-        raise ValueError(f"--skip {skip} leaves fewer than two of {len(s)} replays")
+        raise ValueError(f"skipping {skip} leaves fewer than two of {len(s)} replays")
     if np.any(s[:, 1] < s[:, 0]) or np.any(s[1:, 0] < s[:-1, 1]):
         raise ValueError("stamps out of order: the replays overlap or a stamp was missed")
     kept = s[skip:]
@@ -50,29 +51,46 @@ def spans_and_gaps(stamps, skip: int = 0) -> tuple[float, float, float]:
     return float(statistics.median(span)), float(statistics.median(gap)), float(statistics.median(period))
 
 
+def bracketed(n_nodes: int, edges, stamps) -> bool:
+    """Whether a graph of ``n_nodes`` nodes (indices 0 ..) and ``edges`` ((from, to) pairs)
+    runs everything between its two ``stamps`` (node indices, the first stamp's first):
+    the first is its only node that depends on none, the second its only node that none
+    depends on."""
+    has_in, has_out = {b for _, b in edges}, {a for a, _ in edges}
+    roots = [k for k in range(n_nodes) if k not in has_in]
+    leaves = [k for k in range(n_nodes) if k not in has_out]
+    return len(stamps) == 2 and roots == [stamps[0]] and leaves == [stamps[1]]
+
+
 def measure(cfg, steps: int, args, stream) -> dict:
     """One configuration's row: the replay times with and without the stamps, and the
     stamps' medians, for ``steps`` steps a graph."""
-    step = DQNStep(cfg)
-    graphs, buffers = [], []
-    try:
+    with contextlib.ExitStack() as made:  # closed last made first, each even if another fails
+        step = DQNStep(cfg)
+        made.callback(step.close)
         stamp = builtin_module("probe.cu").kernel("stamp_time", "ptr ptr i32")
         ring = DeviceBuffer.zeros(2 * args.replays, np.uint64)
-        buffers.append(ring)
+        made.callback(ring.close)
         counter = DeviceBuffer.zeros(1, np.uint32)
-        buffers.append(counter)
+        made.callback(counter.close)
         step.fill_random(1, stream=stream)
         with capture(stream) as plain:
             step.enqueue(stream=stream, steps=steps)
-        graphs.append(plain)
+        made.callback(plain.close)
         with capture(stream) as stamped:
             stamp.launch(1, 32, ring, counter, 2 * args.replays, stream=stream, dependent=False)
             step.enqueue(stream=stream, steps=steps)
             stamp.launch(1, 32, ring, counter, 2 * args.replays, stream=stream,
                          dependent=cfg.dependent_launch)
-        graphs.append(stamped)
-        plain_exe, stamped_exe = plain.instantiate(), stamped.instantiate()
-        graphs += [plain_exe, stamped_exe]
+        made.callback(stamped.close)
+        ends = [k.node.index for k in stamped.kernel_nodes() if k.function == "stamp_time"]
+        if not bracketed(len(stamped.nodes()), stamped.edges(), sorted(ends)):
+            raise RuntimeError("the stamped graph is not the step between its two stamps")
+        plain_exe = plain.instantiate()
+        made.callback(plain_exe.close)
+        stamped_exe = stamped.instantiate()
+        made.callback(stamped_exe.close)
+        made.callback(stream.synchronize)  # first at exit: nothing is freed while a replay may run
         row = {"plain": time_graph(plain_exe, stream, replays=args.replays, repeats=args.repeats),
                "stamped": time_graph(stamped_exe, stream, replays=args.replays, repeats=args.repeats)}
         stream.synchronize()
@@ -84,12 +102,6 @@ def measure(cfg, steps: int, args, stream) -> dict:
             raise RuntimeError(f"{int(counter.to_numpy()[0])} stamps for {args.replays} replays")
         row["span"], row["gap"], row["period"] = spans_and_gaps(ring.to_numpy().reshape(-1, 2), args.skip)
         return row
-    finally:
-        for g in reversed(graphs):
-            g.close()
-        for buf in buffers:
-            buf.close()
-        step.close()
 
 
 def main(argv=None) -> int:
@@ -118,7 +130,8 @@ def main(argv=None) -> int:
     finally:
         stream.close()
     print(f"\nus a replay (timing: median of {args.repeats} repeats of {args.replays} replays; stamps: "
-          f"medians over {args.replays - args.skip} replays); last column: the span over the steps a graph")
+          f"medians over the last {args.replays - args.skip} replays' spans and the gaps between them); "
+          "last column: the span over the steps a graph")
     print("| config | steps a graph | replay, no stamps | replay, stamped | period | span | gap | span a step |")
     print("|---|---|---|---|---|---|---|---|")
     for name, steps, r in rows:
