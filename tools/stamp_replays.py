@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 import _common
-from drvtrain import DeviceBuffer, Stream, builtin_module, capture
+from drvtrain import DeviceBuffer, Stream, builtin_module, capture, dependent_launches
 from drvtrain.rl import DQNConfig, DQNStep
 from drvtrain.timing import time_graph
 
@@ -80,8 +80,8 @@ def measure(cfg, steps: int, args, stream) -> dict:
         with capture(stream) as stamped:
             stamp.launch(1, 32, ring, counter, 2 * args.replays, stream=stream, dependent=False)
             step.enqueue(stream=stream, steps=steps)
-            stamp.launch(1, 32, ring, counter, 2 * args.replays, stream=stream,
-                         dependent=cfg.dependent_launch)
+            with dependent_launches(cfg.dependent_launch):  # as the step's kernels: where the device has them
+                stamp.launch(1, 32, ring, counter, 2 * args.replays, stream=stream)
         made.callback(stamped.close)
         ends = [k.node.index for k in stamped.kernel_nodes() if k.function == "stamp_time"]
         if not bracketed(len(stamped.nodes()), stamped.edges(), sorted(ends)):
