@@ -358,8 +358,8 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
     if (blockIdx.x == 0 && threadIdx.x == 0)
         dt_clip_publish(decision, old_step, clip, adam_t, loss, nullptr, 1, skip);
     if (!decision.bad) {
-        dt_tree_update(dt_thread_index(), dt_grid_stride(), nodes, leaves, max_leaf, indices, priorities, alpha,
-                       n_update, capacity, height, internal, tree_err_counts, tree_err_published);
+        dt_tree_update(dt_thread_index(), dt_grid_stride(), leaves, max_leaf, indices, priorities, alpha, n_update,
+                       capacity, tree_err_counts, tree_err_published);
         dt_adamw_elements(dt_adamw_setup(lr, beta1, beta2, eps, weight_decay, decision.scale, old_step + 1),
                           dt_thread_index(), dt_grid_stride(), params, grads, m, v, n);
         if (n_mats > 0) {
@@ -378,6 +378,10 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_tail(
         }
     }
     dt_grid_barrier(barrier);
+    // The updated leaves' ancestors, by the last block, before its share of the finish pass
+    // (which reads nothing of the tree).
+    if (!decision.bad && blockIdx.x == gridDim.x - 1)
+        dt_tree_refresh(nodes, leaves, capacity, height, internal, indices, n_update);
     const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
     const FinishFirst f = finish_first(dt_thread_index(), reporter, params, target, n, period, adam_t, skip, scalars,
                                        clip, beta, step_counter);

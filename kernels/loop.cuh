@@ -10,7 +10,8 @@
 //   3. with a replay given (r_obs non-null): the transition (obs, action,
 //      reward, true final obs, done = terminated only, so a truncated episode
 //      is bootstrapped) at slot (cursor + i) mod capacity, its leaf set to the
-//      largest priority seen so far.
+//      largest priority seen so far (the last block recomputes the tree's sums
+//      above the n slots, dt_tree_refresh_range).
 //   4. a finished episode goes to the ring `episodes` [slots][5] in mapped host
 //      memory: {return, length, env step at its end, env index, sequence},
 //      the 1-based sequence number stored last, after a system fence, so a row
@@ -117,10 +118,13 @@ __device__ __forceinline__ void dt_act_step_insert(
             r_action[slot] = action;
             r_reward[slot] = reward;
             r_done[slot] = terminated ? 1.0f : 0.0f;
-            dt_tree_set_leaf(nodes, leaves, capacity, tree_height, tree_internal, slot, priority);
+            leaves[slot] = priority;
         }
     }
-    if (!dt_last_block(counter, gridDim.x) || threadIdx.x != 0) return;
+    if (!dt_last_block(counter, gridDim.x)) return;
+    // The inserted leaves' ancestors, from the cursor every block read before it arrived.
+    if (r_obs != nullptr) dt_tree_refresh_range(nodes, leaves, capacity, tree_height, tree_internal, r_state[0], n);
+    if (threadIdx.x != 0) return;
     if (r_obs != nullptr) {
         const long long stored = r_state[1] + n;
         r_state[0] += n;

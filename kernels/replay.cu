@@ -4,13 +4,14 @@
 #include "sumtree.cuh"
 
 // replay_insert: write n transitions at slots (cursor + t) mod capacity,
-// t < n <= capacity, and set each slot's leaf to *max_leaf.
+// t < n <= capacity, and set each slot's leaf to *max_leaf; the last block
+// then recomputes their ancestors in the sum tree (dt_tree_refresh_range).
 // state[0] = transitions ever inserted (the cursor), state[1] = stored count.
 // Launch: one warp per transition, block INSERT_THREADS (pinned), grid =
 // ceil(n / INSERT_WARPS). The last block (dt_last_block) advances the cursor
 // and count, so the kernel replays correctly inside a graph. Inputs may be
 // device or mapped memory. Deterministic: each slot is written by exactly one
-// warp.
+// warp, and the tree's sums in a fixed order.
 constexpr int INSERT_THREADS = 128;
 constexpr int INSERT_WARPS = INSERT_THREADS / 32;
 
@@ -52,11 +53,14 @@ extern "C" __global__ void __launch_bounds__(INSERT_THREADS) replay_insert(
             action[slot] = a;
             reward[slot] = r;
             done[slot] = dn;
-            dt_tree_set_leaf(nodes, leaves, capacity, tree_height, tree_internal, slot, p);
+            leaves[slot] = p;
         }
     }
-    // Every block has read the cursor before it arrives, so the last one may move it.
-    if (dt_last_block(counter, gridDim.x) && threadIdx.x == 0) {
+    // Every block has read the cursor before it arrives, so the last one may move
+    // it, once the refresh (which ends with a block barrier) has read it too.
+    if (!dt_last_block(counter, gridDim.x)) return;
+    dt_tree_refresh_range(nodes, leaves, capacity, tree_height, tree_internal, state[0], n);
+    if (threadIdx.x == 0) {
         const long long stored = state[1] + n;
         state[0] += n;
         state[1] = stored < capacity ? stored : capacity;

@@ -4,27 +4,38 @@
 #include "philox.cuh"
 #include "sumtree.cuh"
 
-// sumtree_update: leaf[indices[t]] = priorities[t]^alpha for t < n, one thread
-// per index over any grid whose block size is a multiple of 32. Duplicate
-// indices are legal (see dt_tree_set_leaf). An index outside [0, capacity) or
-// a negative, NaN or infinite priority is skipped and raises its flag
-// (dt_raise into err_counts / err_published). When `skip` is not null and
-// *skip != 0, nothing changes: a training step that found a NaN skips its
-// update without the host deciding.
-// max_leaf tracks the largest leaf value ever written (new transitions enter
-// with it). The final leaves depend only on which duplicate lands last; the
-// internal sums are exact to fp64 rounding.
-extern "C" __global__ void sumtree_update(double* nodes, float* leaves, float* max_leaf,
-                                          const int* indices, const float* priorities, float alpha,
-                                          int n, int capacity, int height, int internal, const int* skip,
-                                          unsigned int* err_counts, unsigned int* err_published) {
+// sumtree_update: leaf[indices[t]] = priorities[t]^alpha for t < n, then every
+// ancestor of those leaves recomputed from its children (dt_tree_refresh) by the
+// last block to finish its leaves (dt_last_block on `counter`): the nodes are
+// the fixed-order sums of the new leaves, the bits rebuild() gives. Block b
+// writes the leaves of its own contiguous share of the indices, ceil(n / grid)
+// of them, a thread an index; the last block then takes every index, a thread
+// a node of a level at a time, so a block of about n threads refreshes in one
+// round of loads a level. Duplicate indices are legal: the leaf ends as one of
+// the values written to it. An index outside [0, capacity) or a negative, NaN
+// or infinite priority is skipped and raises its flag (dt_raise into
+// err_counts / err_published). When `skip` is not null and *skip != 0, nothing
+// changes: a training step that found a NaN skips its update without the host
+// deciding. max_leaf tracks the largest leaf value ever written (new
+// transitions enter with it).
+// Launch: block a multiple of 32, at most UPDATE_THREADS; any grid.
+constexpr int UPDATE_THREADS = 512;
+
+extern "C" __global__ void __launch_bounds__(UPDATE_THREADS) sumtree_update(
+        double* nodes, float* leaves, float* max_leaf, const int* indices, const float* priorities, float alpha,
+        int n, int capacity, int height, int internal, const int* skip, unsigned int* err_counts,
+        unsigned int* err_published, unsigned int* counter) {
     dt_wait_prior_grid();
     dt_allow_dependents();
     // Nothing writes *skip here, so every thread sees the same value and the
     // warp-wide shuffles of the update are never split.
     if (skip != nullptr && *skip != 0) return;
-    dt_tree_update(dt_thread_index(), dt_grid_stride(), nodes, leaves, max_leaf, indices, priorities, alpha, n,
-                   capacity, height, internal, err_counts, err_published);
+    const long long share = ((long long)n + gridDim.x - 1) / gridDim.x, first = blockIdx.x * share;
+    const int count = (int)max(0ll, min((long long)n, first + share) - first);
+    dt_tree_update(threadIdx.x, blockDim.x, leaves, max_leaf, indices + first, priorities + first, alpha, count,
+                   capacity, err_counts, err_published);
+    if (!dt_last_block(counter, gridDim.x)) return;
+    dt_tree_refresh(nodes, leaves, capacity, height, internal, indices, n);
 }
 
 // sumtree_rebuild: recompute every internal node from the leaves with fixed-order
@@ -165,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, SAMPLE_MIN_BLOCKS) 
         if (total > 0.0) {
             leaf = dt_tree_descend(nodes, leaves, capacity, height, first, mass, total * 0x1p-40, p);
         } else {
-            // A root <= 0 is an empty tree or fp64 residue: only the leaves can
+            // A root <= 0 is an empty tree or sums that disagree with the leaves: only the leaves can
             // tell. Start from this sample's stratum of the leaf range.
             const int groups = dt_level_real(capacity, 1);
             leaf = dt_tree_nearest_live(leaves, groups, (int)((long long)j * groups / batch), p);

@@ -10,24 +10,28 @@
 //           multiple of 32; node n of level h sums children 32n .. 32n+31 of
 //           level h-1 (level 0 = the leaves). The root is nodes[0], the total.
 //
-// Why fp64 internal sums: updates add differences atomically, and fp32 sums
-// drift from their leaves over millions of updates (every add rounds at 2^-24
-// of the running sum). In fp64 the same rounding is 2^29 times smaller: after
-// 10^6 updates at capacity 2^20 the root still matches an exact sum of the
-// leaves to better than 1e-12 (measured: docs/perf-notes.md). rebuild()
-// restores sums that are exact up to one rounding per add.
+// Why the internal sums are never updated by adding differences: additions
+// in an order the hardware picks (atomics from many warps) round differently
+// from run to run. Instead, whatever writes leaves has one block recompute
+// every ancestor of the leaves it wrote from that node's 32 children, level by
+// level (dt_tree_refresh, dt_tree_refresh_range), in the fixed order of
+// dt_warp_sum, which sumtree_rebuild uses too. So every internal node is, bit
+// for bit, the fixed-order sum of its children, and the whole tree is a
+// function of its leaves: the same leaves give the same nodes in every run,
+// eager or captured, and after rebuild(). No float atomics anywhere.
 //
-// Why the sampler reads the leaves when the sums say otherwise: the fp64 error
-// is relative to the largest sums a node ever held, not to what it holds now.
-// Leaves once near 1e6, all set back to 0, leave their ancestors holding a
-// residue of 1e-10 or more, of either sign, while one live leaf elsewhere is
-// 1e-6: a dead node can then outweigh live ones, and the root can even be
-// <= 0 while a leaf is not. So the walk takes the sums as a guide only: when
-// it reaches 32 leaves that are all 0, or the root is not positive, the warp
-// scans the leaves themselves for the nearest non-zero one
-// (dt_tree_nearest_live). Only when every leaf is 0 does the sampler raise
-// DT_ERR_EMPTY. The scan is the rare path; rebuild() removes the residue that
-// leads to it.
+// Why fp64 internal sums: the walk subtracts child sums from a prefix mass at
+// every level. A sum in fp64 rounds at 2^-53 of itself, so a leaf of 1e-12 of
+// the total still moves the masses; in fp32 (2^-24) a leaf below about 6e-8 of
+// its ancestors' sums would vanish from them.
+//
+// Why the sampler still checks the leaves: sums that disagree with their
+// leaves can still reach it (the nodes are a device buffer its owner may
+// write, or load from an older file), and the root can be 0 while a caller
+// samples. So the walk takes the sums as a guide only: when it reaches 32
+// leaves that are all 0, or the root is not positive, the warp scans the
+// leaves themselves for the nearest non-zero one (dt_tree_nearest_live).
+// Only when every leaf is 0 does the sampler raise DT_ERR_EMPTY.
 #pragma once
 
 #define DT_FULL_MASK 0xffffffffu
@@ -47,34 +51,131 @@ __device__ __forceinline__ int dt_level_size(int capacity, int h) {
     return (dt_level_real(capacity, h) + 31) & ~31;
 }
 
-// Write leaf i and carry the difference up to the root. Concurrent writers
-// of the same leaf each see the value they replaced, so the differences
-// telescope: every internal node still equals the sum of its children.
-// `internal` is the length of `nodes`; level 1 sits at its end.
-// Add `diff` to the ancestors of leaf i below the root (levels 1 .. height-1).
-__device__ __forceinline__ void dt_tree_add_below_root(double* nodes, int capacity, int height, int internal,
-                                                       int i, double diff) {
-    int offset = internal;
-    for (int h = 1; h < height; ++h) {
-        offset -= dt_level_size(capacity, h);
-        atomicAdd(&nodes[offset + (int)((long long)i >> (5 * h))], diff);
-    }
-}
-
-__device__ __forceinline__ void dt_tree_set_leaf(double* nodes, float* leaves, int capacity, int height,
-                                                 int internal, int i, float p) {
-    float old = atomicExch(&leaves[i], p);
-    double diff = (double)p - (double)old;
-    if (diff == 0.0) return;
-    dt_tree_add_below_root(nodes, capacity, height, internal, i, diff);
-    atomicAdd(&nodes[0], diff);
-}
-
 // Deterministic warp sum (fixed butterfly order).
 __device__ __forceinline__ double dt_warp_sum(double v) {
 #pragma unroll
     for (int d = 16; d >= 1; d >>= 1) v += __shfl_xor_sync(DT_FULL_MASK, v, d);
     return v;
+}
+
+// dt_warp_sum's result, computed by one thread from the 32 values: at the stage
+// of distance d, lanes i and i ^ d add the same two numbers (IEEE addition
+// commutes), so lane 0 ends with the sum of this pairwise tree, the same bits.
+template <int D>
+__device__ __forceinline__ void dt_sum32_stage(double (&v)[32]) {
+#pragma unroll
+    for (int i = 0; i < D; ++i) v[i] += v[i + D];
+}
+
+__device__ __forceinline__ double dt_sum32(double (&v)[32]) {
+    dt_sum32_stage<16>(v);
+    dt_sum32_stage<8>(v);
+    dt_sum32_stage<4>(v);
+    dt_sum32_stage<2>(v);
+    dt_sum32_stage<1>(v);
+    return v[0];
+}
+
+// Node `node` of level h >= 1 recomputed from its 32 children (the leaves
+// when h == 1, else level h-1 at offset `below`), as rebuild computes it.
+// Children are read from L2 (__ldcg): other blocks, or other threads of this
+// one, wrote them in this launch.
+__device__ __forceinline__ void dt_tree_recompute(double* nodes, const float* leaves, int h, int offset, int below,
+                                                  int node) {
+    double v[32];
+    if (h == 1) {
+        const float4* p = reinterpret_cast<const float4*>(leaves + (long long)node * 32);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float4 f = __ldcg(p + j);
+            v[4 * j] = f.x;
+            v[4 * j + 1] = f.y;
+            v[4 * j + 2] = f.z;
+            v[4 * j + 3] = f.w;
+        }
+    } else {
+        const double2* p = reinterpret_cast<const double2*>(nodes + below + (long long)node * 32);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const double2 d = __ldcg(p + j);
+            v[2 * j] = d.x;
+            v[2 * j + 1] = d.y;
+        }
+    }
+    nodes[offset + node] = dt_sum32(v);
+}
+
+// Levels with at most this many nodes are recomputed once a node by
+// dt_tree_refresh (a claim bit a node in shared memory); wider ones once an
+// index, duplicates included (the same bits, written twice).
+constexpr int DT_TREE_CLAIM_NODES = 32768;
+
+// Every ancestor of the leaves indices[0 .. n) that lie in [0, capacity)
+// (others are skipped), recomputed from its children level by level up to the
+// root, from level `first` up (the levels below it already hold their sums),
+// by the calling block: every thread of the block calls it, with any block
+// size that is a multiple of 32. Before the call the block must see every
+// write below level `first` (a barrier after its own, dt_last_block or a grid
+// barrier after the grid's); the call ends with a block barrier.
+__device__ __forceinline__ void dt_tree_refresh(double* nodes, const float* leaves, int capacity, int height,
+                                                int internal, const int* indices, int n, int first = 1) {
+    __shared__ unsigned int claims[DT_TREE_CLAIM_NODES / 32];
+    int below = internal, offset = internal;  // levels h-1 and h
+    for (int h = 1; h <= height; ++h) {
+        offset -= dt_level_size(capacity, h);
+        if (h < first) {  // the same h in every thread: no barrier is skipped by some only
+            below = offset;
+            continue;
+        }
+        const int real = dt_level_real(capacity, h);
+        const bool claim = real <= DT_TREE_CLAIM_NODES;
+        if (claim) {
+            for (int w = threadIdx.x; w < (real + 31) / 32; w += blockDim.x) claims[w] = 0u;
+            __syncthreads();
+        }
+        for (int t = threadIdx.x; t < n; t += blockDim.x) {
+            const int i = __ldg(indices + t);
+            if (i < 0 || i >= capacity) continue;
+            const int node = (int)((long long)i >> (5 * h));
+            if (claim) {
+                const unsigned int bit = 1u << (node & 31);
+                if (atomicOr(&claims[node >> 5], bit) & bit) continue;  // another thread has it
+            }
+            dt_tree_recompute(nodes, leaves, h, offset, below, node);
+        }
+        __threadfence_block();
+        __syncthreads();
+        below = offset;
+    }
+}
+
+// Every ancestor of the leaves first, first + 1, ..., first + count - 1, taken
+// mod capacity (1 <= count <= capacity), by the calling block, as
+// dt_tree_refresh: the nodes of each level form one range, or two where the
+// slots wrap past the end.
+__device__ __forceinline__ void dt_tree_refresh_range(double* nodes, const float* leaves, int capacity, int height,
+                                                   int internal, long long first, int count) {
+    const int a = (int)(first % capacity);
+    const long long end = (long long)a + count - 1;  // past capacity - 1: the slots wrap to 0
+    int below = internal, offset = internal;
+    for (int h = 1; h <= height; ++h) {
+        offset -= dt_level_size(capacity, h);
+        const int lo = (int)((long long)a >> (5 * h));
+        int hi, wrapped = -1;  // nodes lo .. hi, then 0 .. wrapped
+        if (end < capacity) {
+            hi = (int)(end >> (5 * h));
+        } else {
+            hi = (int)((long long)(capacity - 1) >> (5 * h));
+            wrapped = (int)((end - capacity) >> (5 * h));
+            if (wrapped >= lo) wrapped = lo - 1;  // they meet at node lo: one range, each node once
+        }
+        const int first_range = hi - lo + 1, total = first_range + wrapped + 1;
+        for (int t = threadIdx.x; t < total; t += blockDim.x)
+            dt_tree_recompute(nodes, leaves, h, offset, below, t < first_range ? lo + t : t - first_range);
+        __threadfence_block();
+        __syncthreads();
+        below = offset;
+    }
 }
 
 // The nearest non-zero leaf to the group of 32 leaves `group` (level-1 node
@@ -115,8 +216,8 @@ __device__ __forceinline__ int dt_tree_nearest_live(const float* leaves, int gro
 // before it. A child whose sum is at most `empty` (0 for leaves) is never
 // taken, so rounding at a segment edge cannot end on a zero leaf: when no
 // child qualifies the walk clamps to the last non-empty one. A group of 32
-// leaves with none above 0 (reached through fp64 residue, see the top of this
-// file) hands over to dt_tree_nearest_live. Every lane returns the leaf index,
+// leaves with none above 0 (reached through sums that disagree with it, see
+// the top of this file) hands over to dt_tree_nearest_live. Every lane returns the leaf index,
 // and its value in `leaf_value`; -1 when every leaf is 0.
 // `first` is this lane's child of the root, loaded by the caller (see
 // dt_tree_first_level) so that its load overlaps the load of the total.
@@ -165,25 +266,24 @@ __device__ __forceinline__ double dt_tree_first_level(const double* nodes, const
     return height > 1 ? nodes[32 + lane] : (double)leaves[lane];
 }
 
-// The priority update of sumtree.cu's sumtree_update over indices t = first,
-// first + stride, ... below n (rounded up to a warp): both a multiple of 32, so
-// every lane of a warp runs the same iterations. Also a phase of dqn_step.cu's
-// cooperative tail.
-__device__ __forceinline__ void dt_tree_update(long long first, long long stride, double* nodes, float* leaves,
-                                               float* max_leaf, const int* indices, const float* priorities,
-                                               float alpha, int n, int capacity, int height, int internal,
-                                               unsigned int* err_counts, unsigned int* err_published) {
-    // Every lane of a warp runs the same iterations (the grid stride is a multiple
-    // of 32), so the root and the running maximum take one atomic per warp instead
-    // of one per index: those two addresses are where all updates collide.
+// The leaves of the priority update of sumtree.cu's sumtree_update over
+// indices t = first, first + stride, ... below n (rounded up to a warp): both
+// a multiple of 32, so every lane of a warp runs the same iterations. The
+// caller then refreshes their ancestors (dt_tree_refresh) in one block. Also
+// a phase of dqn_step.cu's cooperative tail. Duplicate indices are legal: the
+// leaf ends as one of the values written to it.
+__device__ __forceinline__ void dt_tree_update(long long first, long long stride, float* leaves, float* max_leaf,
+                                               const int* indices, const float* priorities, float alpha, int n,
+                                               int capacity, unsigned int* err_counts,
+                                               unsigned int* err_published) {
+    // The running maximum takes one atomic a warp: it is where all updates
+    // collide. An integer maximum: its result does not depend on the order.
     const int lane = threadIdx.x & 31;
     const long long rounded = ((long long)n + 31) & ~31ll;
     for (long long t = first; t < rounded; t += stride) {
-        double diff = 0.0;
         float p = 0.0f;
-        int i = 0;
         if (t < n) {
-            i = indices[t];
+            const int i = indices[t];
             const float pr = priorities[t];
             if (i < 0 || i >= capacity) {
                 dt_raise(err_counts, err_published, DT_ERR_INDEX);
@@ -191,17 +291,13 @@ __device__ __forceinline__ void dt_tree_update(long long first, long long stride
                 dt_raise(err_counts, err_published, DT_ERR_PRIORITY);
             } else {
                 p = alpha == 1.0f ? pr : powf(pr, alpha);
-                diff = (double)p - (double)atomicExch(&leaves[i], p);
+                atomicExch(&leaves[i], p);
             }
         }
-        if (diff != 0.0) dt_tree_add_below_root(nodes, capacity, height, internal, i, diff);
-        const double root_diff = dt_warp_sum(diff);
         float largest = p;
 #pragma unroll
         for (int d = 16; d >= 1; d >>= 1) largest = fmaxf(largest, __shfl_xor_sync(DT_FULL_MASK, largest, d));
-        if (lane == 0) {
-            if (root_diff != 0.0) atomicAdd(&nodes[0], root_diff);
-            atomicMax(reinterpret_cast<int*>(max_leaf), __float_as_int(largest));  // >= 0: int order is float order
-        }
+        // >= 0: the int order of the bits is the float order
+        if (lane == 0) atomicMax(reinterpret_cast<int*>(max_leaf), __float_as_int(largest));
     }
 }

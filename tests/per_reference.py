@@ -74,3 +74,26 @@ def tree_inconsistency(nodes: np.ndarray, leaves: np.ndarray, levels) -> float:
             return float("inf")
         children = stored
     return worst
+
+
+def fixed_order_sum32(children: np.ndarray) -> np.ndarray:
+    """Sums of rows of 32 float64 values in the device's fixed order (sumtree.cuh's
+    dt_warp_sum, lane 0's result): v[i] += v[i + d] for i < d, d = 16, 8, 4, 2, 1."""
+    v = np.array(children, np.float64).reshape(-1, 32)
+    for d in (16, 8, 4, 2, 1):
+        v[:, :d] = v[:, :d] + v[:, d: 2 * d]
+    return v[:, 0].copy()
+
+
+def fixed_order_nodes(leaves: np.ndarray, levels, internal: int) -> np.ndarray:
+    """The whole ``nodes`` array (padding included, 0) that a tree over ``leaves`` holds
+    when every node is the fixed-order sum of its children (:func:`fixed_order_sum32`).
+    ``levels`` is ``SumTree.levels``, root first."""
+    nodes = np.zeros(internal, np.float64)
+    children = np.asarray(leaves, np.float32).astype(np.float64)
+    for offset, real, _ in reversed(levels):
+        padded = np.zeros(real * 32)
+        padded[: min(len(children), real * 32)] = children[: real * 32]
+        nodes[offset: offset + real] = fixed_order_sum32(padded)
+        children = nodes[offset: offset + real]
+    return nodes

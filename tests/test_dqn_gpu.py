@@ -13,7 +13,7 @@ from child import run_python
 from dqn_reference import dqn_loss, dqn_step, dueling_q
 from late_writer import LATE_NS, late_copy, skip_unless_a_read_can_race, words
 from nn_reference import mlp_backward, mlp_forward, rel
-from per_reference import tree_inconsistency
+from per_reference import fixed_order_nodes, tree_inconsistency
 
 pytestmark = pytest.mark.gpu
 
@@ -236,7 +236,9 @@ def test_terminal_transitions_and_duplicate_indices(device, rng):
     idx = step.last.batch.indices.to_numpy()
     assert len(np.unique(idx)) < len(idx)
     tree = step.replay.tree
-    assert tree_inconsistency(tree.nodes_numpy(), tree.leaves.to_numpy(), tree.levels) <= 1e-12
+    nodes = tree.nodes_numpy()
+    assert nodes.tobytes() == fixed_order_nodes(tree.leaves.to_numpy(), tree.levels, tree.internal).tobytes()
+    assert tree_inconsistency(nodes, tree.leaves.to_numpy(), tree.levels) <= 1e-12
     leaves = tree.leaves_numpy()
     written = step.last.priorities.to_numpy().astype(np.float64) ** cfg.alpha
     for i in np.unique(idx):  # a duplicated leaf ends as one of the values written to it
@@ -351,7 +353,11 @@ def run_losses(cfg, data, steps, *, graph, arena_active):
     stream.synchronize()
     losses.extend(m.loss for m in step.metrics.poll())
     assert step.metrics.missed == 0 and len(losses) == steps
-    return np.array(losses, np.float32), step.state_numpy()
+    tree = step.replay.tree
+    state = dict(step.state_numpy(), nodes=tree.nodes_numpy(), leaves=tree.leaves.to_numpy())
+    # The sums above the updated leaves are recomputed in a fixed order: the nodes are a function of the leaves.
+    assert state["nodes"].tobytes() == fixed_order_nodes(state["leaves"], tree.levels, tree.internal).tobytes()
+    return np.array(losses, np.float32), state
 
 
 def test_eager_graph_and_inactive_arena_are_bitwise_identical(device, rng):
@@ -369,7 +375,7 @@ def test_eager_graph_and_inactive_arena_are_bitwise_identical(device, rng):
     tail, s5 = run_losses(dataclasses.replace(cfg, fused_tail=True), data, 200, graph=True, arena_active=True)
     assert np.all(np.isfinite(eager))
     assert eager.tobytes() == replay.tobytes() == inactive.tobytes() == ordinary.tobytes() == tail.tobytes()
-    for key in ("params", "target", "m", "v", "u"):
+    for key in ("params", "target", "m", "v", "u", "nodes", "leaves"):
         assert s1[key].tobytes() == s2[key].tobytes() == s3[key].tobytes() == s4[key].tobytes() \
             == s5[key].tobytes(), key
 

@@ -6,8 +6,8 @@ import pytest
 
 from drvtrain.rl.sumtree import tree_levels
 
-from per_reference import (importance_weights, philox4x32_10, philox_uniforms, prefix_search,
-                           stratified_masses, tree_inconsistency)
+from per_reference import (fixed_order_nodes, fixed_order_sum32, importance_weights, philox4x32_10,
+                           philox_uniforms, prefix_search, stratified_masses, tree_inconsistency)
 
 
 @pytest.mark.parametrize("counter, key, expected", [
@@ -114,3 +114,42 @@ def test_tree_inconsistency_sees_a_wrong_node(rng):
     padded = nodes.copy()
     padded[levels[1][0] + levels[1][1]] = 1.0  # a padding node must stay 0
     assert tree_inconsistency(padded, leaves, levels) == float("inf")
+
+
+def butterfly_lanes(values: np.ndarray) -> np.ndarray:
+    """The 32 lanes of dt_warp_sum emulated literally: v += shfl_xor(v, d), d = 16 .. 1."""
+    v = np.array(values, np.float64)
+    lanes = np.arange(32)
+    for d in (16, 8, 4, 2, 1):
+        v = v + v[lanes ^ d]
+    return v
+
+
+def test_fixed_order_sum_is_the_butterfly_in_every_lane(rng):
+    """The reference's pairwise order is the warp's: every lane of the literal butterfly
+    ends with its bits; a sequential sum, in another order, differs somewhere."""
+    rows = rng.standard_normal((2000, 32)) * np.exp2(rng.integers(-40, 40, (2000, 32)))
+    want = fixed_order_sum32(rows)
+    differs = 0
+    for row, w in zip(rows, want):
+        lanes = butterfly_lanes(row)
+        assert lanes.tobytes() == np.full(32, w).tobytes()
+        s = 0.0
+        for x in row:
+            s += x
+        differs += s != w
+    assert differs > 100, "the rows are too tame to tell one order from another"
+
+
+@pytest.mark.parametrize("capacity", [1, 33, 5000, 1 << 17])
+def test_fixed_order_nodes_follow_the_layout(rng, capacity):
+    levels = tree_levels(capacity)
+    internal = sum(size for _, _, size in levels)
+    leaves = np.zeros((capacity + 31) // 32 * 32, np.float32)
+    leaves[:capacity] = rng.uniform(0.1, 1.1, capacity)
+    nodes = fixed_order_nodes(leaves, levels, internal)
+    assert tree_inconsistency(nodes, leaves, levels) < 1e-15  # sums of their children, padding 0
+    assert math.isclose(nodes[0], math.fsum(leaves.astype(np.float64)), rel_tol=1e-14)
+    offset1, real1, _ = levels[-1]
+    group = int(rng.integers(real1))
+    assert nodes[offset1 + group] == fixed_order_sum32(leaves[32 * group: 32 * group + 32].astype(np.float64))[0]

@@ -6,8 +6,8 @@ import pytest
 
 from drvtrain import DeviceBuffer, capture
 from drvtrain.rl import ReplayError, SumTree
-from per_reference import (importance_weights, philox_uniforms, prefix_search, stratified_masses,
-                           tree_inconsistency)
+from per_reference import (fixed_order_nodes, importance_weights, philox_uniforms, prefix_search,
+                           stratified_masses, tree_inconsistency)
 
 pytestmark = pytest.mark.gpu
 
@@ -173,11 +173,44 @@ def test_drift_after_a_million_updates(device, stream, rng):
     root_drift = abs(tree.read_total() - exact) / exact
     node_drift = inconsistency(tree)
     print(f"after 1e6 updates at C=2^20: root drift {root_drift:.3e}, worst node drift {node_drift:.3e}")
-    assert root_drift < 1e-6
-    assert node_drift < 1e-9
+    assert root_drift < 1e-13
+    assert node_drift < 1e-13
+    nodes = tree.nodes_numpy()
+    assert nodes.tobytes() == fixed_order_nodes(leaves, tree.levels, tree.internal).tobytes()
     tree.rebuild(stream=stream)
-    assert inconsistency(tree) < 1e-13
-    assert math.isclose(tree.read_total(), exact, rel_tol=1e-13)
+    assert tree.nodes_numpy().tobytes() == nodes.tobytes()
+
+
+@pytest.mark.parametrize("capacity, n, span", [
+    (1, 5, 1), (3, 7, 3), (33, 64, 33), (1000, 512, 200), (1 << 17, 256, 1 << 17), (1 << 17, 513, 2000),
+    (1 << 17, 5000, 1 << 17), ((1 << 20) + 33, 512, 3000),
+])
+def test_updates_leave_every_node_the_fixed_order_sum_of_its_children(device, stream, rng, capacity, n, span):
+    """Rounds of updates, duplicates among them with values of their own (indices drawn from
+    `span` leaves): every node that holds a changed leaf below it is recomputed, in the
+    fixed order (per_reference), so the whole array of nodes is a function of the leaves.
+    Two blocks (n <= 512) and more; trees of one to five levels, the widest with a first
+    level of 32769 nodes, recomputed once an index rather than once a node. Before each
+    round, the ancestors of the leaves it writes are poisoned."""
+    tree = SumTree(capacity, alpha=0.6, seed=int(rng.integers(2**63)))
+    tree.set_priorities(rng.uniform(0.1, 1.1, capacity).astype(np.float32))
+    first = int(rng.integers(0, capacity - span + 1))
+    for _ in range(3):
+        idx = (first + rng.integers(0, span, n)).astype(np.int32)
+        pri = rng.uniform(0.05, 5.0, n).astype(np.float32)
+        nodes = tree.nodes_numpy()
+        for h, (offset, _, _) in enumerate(reversed(tree.levels), start=1):
+            nodes[offset + np.unique(idx >> (5 * h))] = np.nan
+        tree.nodes.copy_from_numpy(nodes)
+        tree.update(DeviceBuffer.from_numpy(idx), DeviceBuffer.from_numpy(pri), stream=stream)
+        leaves = tree.leaves.to_numpy()
+        want = fixed_order_nodes(leaves, tree.levels, tree.internal)
+        assert tree.nodes_numpy().tobytes() == want.tobytes()
+        written = pri.astype(np.float64) ** 0.6
+        for i in np.unique(idx)[:50]:  # a duplicated leaf ends as one of the values written to it
+            assert np.min(np.abs(written[idx == i] - leaves[i]) / written[idx == i]) < 1e-6
+    assert math.isclose(tree.read_total(), math.fsum(leaves.astype(np.float64)), rel_tol=1e-13)
+    tree.check_errors()
 
 
 @pytest.mark.parametrize("capacity", [1, 3, 1000, 1 << 17])
@@ -282,22 +315,29 @@ def test_error_flags_name_every_new_error_and_lose_none(device, stream, rng):
     tree.check_errors()
 
 
-def test_sampler_never_returns_a_zero_leaf_despite_fp64_residue(device, stream, rng):
+def test_sampler_never_returns_a_zero_leaf_despite_sums_that_disagree(device, stream, rng):
+    """A tree whose level-1 sums hold residue where their leaves are all 0 (as a tree
+    written by another program, or loaded from an older file, can): the walk follows the
+    sums into dead groups, and must still return only live leaves."""
     groups = 1024
     c = 32 * groups
     b, batches = 1024, 32
     tree = SumTree(c, alpha=1.0, seed=int(rng.integers(2**63)), max_batch=b)
-    # Half the groups get a mix of large (1e5..1e6) and tiny leaves, then all of
-    # them go back to 0: the ancestors keep the rounding of the tiny values
-    # added next to the large ones. Group 0 stays dead, so leaf 0 is 0.
+    # Half the groups hold residue of about 1e-10, of either sign, in their level-1 sums;
+    # the sums above them add it up. Group 0 stays dead, so leaf 0 is 0.
     churn = rng.choice(np.arange(1, groups), groups // 2, replace=False)
-    idx = (churn[:, None] * 32 + np.arange(32)).ravel()
-    large = rng.random(idx.size) < 0.5
-    pri = np.where(large, rng.uniform(1e5, 1e6, idx.size), rng.uniform(1e-7, 1e-5, idx.size)).astype(np.float32)
-    order = rng.permutation(idx.size)
-    for part in np.array_split(order, 2):
-        tree.update(idx[part], pri[part], stream=stream)
-    tree.update(idx[rng.permutation(idx.size)], np.zeros(idx.size, np.float32), stream=stream)
+    offset1, real1, _ = tree.levels[-1]
+    level1 = np.zeros(real1)
+    level1[churn] = rng.uniform(0.5e-10, 2e-10, churn.size) * rng.choice([-1.0, 1.0], churn.size)
+    level1[churn[0]] = 3e-10  # at least one positive residue
+    nodes = tree.nodes_numpy()
+    children = level1
+    for offset, real, _ in reversed(tree.levels):
+        padded = np.zeros(real * 32)
+        padded[: min(children.size, real * 32)] = children[: real * 32]
+        nodes[offset: offset + real] = padded.reshape(real, 32).sum(axis=1) if offset != offset1 else level1
+        children = nodes[offset: offset + real]
+    tree.nodes.copy_from_numpy(nodes)
     assert not (tree.leaves_numpy() > 0).any()
 
     # Every leaf is 0 though the sums are not: the sampler says the tree is empty.
@@ -306,6 +346,8 @@ def test_sampler_never_returns_a_zero_leaf_despite_fp64_residue(device, stream, 
     with pytest.raises(ReplayError, match="empty tree"):
         tree.check_errors()
 
+    # Four live leaves in groups without residue: their ancestors are recomputed from
+    # their children, which keep the residue of the dead groups beside them.
     quiet = np.setdiff1d(np.arange(1, groups), churn)
     live = rng.choice(quiet, 4, replace=False) * 32 + rng.integers(0, 32, 4)
     tree.update(live, rng.uniform(1e-6, 2e-6, 4).astype(np.float32), stream=stream)
@@ -313,7 +355,6 @@ def test_sampler_never_returns_a_zero_leaf_despite_fp64_residue(device, stream, 
     assert np.array_equal(np.flatnonzero(leaves), np.sort(live))
     nodes = tree.nodes_numpy()
     total = nodes[0]
-    offset1, real1, _ = tree.levels[-1]
     dead = ~(leaves.reshape(groups, 32) > 0).any(axis=1)
     assert total <= 0 or np.any(nodes[offset1: offset1 + real1][dead] > total * 2.0**-40), \
         "no residue above the sampler's threshold: the case under test was not built"
@@ -481,8 +522,10 @@ def test_update_sample_rebuild_capture_into_one_graph(device, stream, rng):
         tree.rebuild(stream=stream)
     assert graph.node_counts() == {"kernel": 3}
     shapes = {k.function: (k.grid[0], k.block[0]) for k in graph.kernel_nodes()}
-    # sample: one warp per sample, 4 warps; rebuild: one warp per level-1 node, 32 warps.
-    assert shapes == {"sumtree_sample": (b // 4, 128), "sumtree_update": (b // 64, 64),
+    # sample: one warp per sample, 4 warps; update: two blocks of a thread an index, each
+    # writing half the leaves, the last refreshing the sums; rebuild: one warp per level-1
+    # node, 32 warps.
+    assert shapes == {"sumtree_sample": (b // 4, 128), "sumtree_update": (2, b),
                       "sumtree_rebuild": (c // 32 // 32, 1024)}
     exe = graph.instantiate()
     for _ in range(50):

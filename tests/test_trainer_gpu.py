@@ -6,6 +6,7 @@ import pytest
 
 from drvtrain.rl.env import register_env
 from drvtrain.rl.trainer import TrainConfig, Trainer
+from per_reference import fixed_order_nodes
 
 pytestmark = pytest.mark.gpu
 CHAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "envs", "chain.cu")
@@ -38,6 +39,26 @@ def test_schedule_counters_and_replay_follow_the_device(device, rng):
     replay = trainer.learner.replay
     assert replay.stored() == 4000 and replay.cursor() == 4000
     assert trainer.episodes == int(loop[2]) and trainer.episodes > 20
+    trainer.learner.check_errors()
+    trainer.close()
+
+
+def test_the_tree_after_wrapping_inserts_and_updates_is_the_fixed_order_sum_of_its_leaves(device, rng):
+    """1001 slots filled four envs at a time: the inserts wrap past the end mid-iteration, the
+    learner's priority updates land between them. Every internal node is, bit for bit, the
+    fixed-order sum of its children (per_reference), as a rebuild from the leaves gives."""
+    cfg = small_config(total_steps=3000, seed=int(rng.integers(1 << 30)),
+                       dqn=dict(SMALL_LEARNER, capacity=1001))
+    trainer = Trainer(cfg)
+    trainer.run()
+    tree = trainer.learner.replay.tree
+    assert trainer.learner.replay.cursor() == 3000 and trainer.learner.steps_done() > 500
+    leaves, nodes = tree.leaves.to_numpy(), tree.nodes_numpy()
+    assert len(np.unique(leaves[:1001])) > 100  # priorities written by the updates, not only the inserts'
+    assert nodes.tobytes() == fixed_order_nodes(leaves, tree.levels, tree.internal).tobytes()
+    tree.rebuild(stream=trainer.stream)
+    trainer.stream.synchronize()
+    assert tree.nodes_numpy().tobytes() == nodes.tobytes()
     trainer.learner.check_errors()
     trainer.close()
 
@@ -119,7 +140,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(device, tmp_path, r
     straight = _params_after(cfg)
     again = _params_after(cfg)
     resumed = _params_after(cfg, stop=2006, path=tmp_path / "ckpt")  # inside a launch: 502 iterations
-    for key in ("learner.params", "learner.target", "learner.m", "learner.v", "tree.leaves", "replay.obs",
+    for key in ("learner.params", "learner.target", "learner.m", "learner.v", "tree.leaves", "tree.nodes", "replay.obs",
                 "env.states", "loop", "eval.rng_counters", "eval.states", "final_eval_return"):
         assert straight[key].tobytes() == again[key].tobytes(), f"same seed, {key} differs"
         assert straight[key].tobytes() == resumed[key].tobytes(), f"resumed, {key} differs"

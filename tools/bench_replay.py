@@ -5,7 +5,8 @@ For C = 2^17 (obs_dim 4) and C = 2^20 (obs_dim 128), B = 256 and 512, each as
 a replayed graph: the priority update, the stratified sample with IS weights
 and gather, and sample-then-update. PyTorch does the same work with cumsum +
 searchsorted + index_put, eager and as a torch CUDA graph. Prints a table and
-the drift of the fp64 tree after the benchmark's updates.
+how far the fp64 tree's fixed-order sums lie from exact sums (math.fsum) after the
+benchmark's updates.
 Goal: sample + gather + update <= 10 us at C = 2^20, B = 512, >= 5x PyTorch.
 """
 import math
@@ -122,7 +123,8 @@ def torch_times(torch, data, c, b, stream_unused, replays, repeats):
 
 
 def measure_drift(stream, capacity=1 << 20, updates=10**6, per_launch=10_000):
-    """Drift of the fp64 sums after many atomic updates with a wide range of priorities."""
+    """How far the fp64 sums lie from exact ones after many updates with a wide range of
+    priorities: the rounding of each node's fixed-order sum, which no update accumulates."""
     rng = np.random.default_rng()
     tree = SumTree(capacity, alpha=ALPHA, seed=1)
     tree.set_priorities(np.exp(rng.normal(0, 4, capacity)).astype(np.float32))
@@ -179,9 +181,9 @@ def main(argv=None) -> int:
     for r in rows:
         print(" | ".join(str(v).ljust(w) for v, w in zip(r, widths)))
     if drift is not None:
-        print(f"\nfp64 tree drift at C=2^20 after the benchmark's updates: root vs fsum(leaves) {drift:.2e}")
+        print(f"\nfp64 tree at C=2^20 after the benchmark's updates: root vs fsum(leaves) {drift:.2e}")
     root, node = measure_drift(stream)
-    print(f"fp64 tree drift at C=2^20 after 10^6 updates of log-normal priorities (7 decades): "
+    print(f"fp64 tree at C=2^20 after 10^6 updates of log-normal priorities (7 decades), against exact sums: "
           f"root {root:.2e}, worst node {node:.2e} (relative)")
     print("goal: sample+gather+update <= 10 us at C=2^20, B=512, and >= 5x PyTorch")
     return 0

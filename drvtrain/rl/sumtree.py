@@ -25,6 +25,9 @@ from ..stream import Stream, fork
 
 __all__ = ["SumTree", "ReplayError", "beta_schedule", "tree_levels"]
 
+# sumtree_update's largest block (kernels/sumtree.cu).
+UPDATE_THREADS = 512
+
 # In the order of DT_ERR_INDEX, DT_ERR_PRIORITY, DT_ERR_EMPTY (kernels/sumtree.cuh).
 _FLAGS = ("index out of range", "negative, NaN or infinite priority", "sampled an empty tree")
 
@@ -103,7 +106,13 @@ def beta_schedule(beta) -> tuple[float, float, int]:
 
 
 class SumTree(Closable):
-    """A sum tree over ``capacity`` leaves holding ``priority ** alpha``."""
+    """A sum tree over ``capacity`` leaves holding ``priority ** alpha``.
+
+    Every launch that writes leaves (``update``, ``rebuild``, a replay's insert, the
+    trainer's acting kernel) ends by writing the sums above them, recomputed from
+    their children: two such launches must not run at the same time (queue them on
+    one stream, or join the streams between them), or one may write sums of leaves
+    the other has since changed. A draw may run beside none of them either."""
 
     @closes_on_failure
     def __init__(self, capacity: int, *, alpha: float = 0.6, seed: int | None = None,
@@ -141,9 +150,11 @@ class SumTree(Closable):
         self._drawn = DeviceBuffer(self.max_batch, np.float32)
         self.flags = ErrorFlags(_FLAGS)
         mod = builtin_module("sumtree.cu")
-        # update runs on any block that is a multiple of 32; rebuild and sample
-        # are written for one block size each, read from the CUBIN.
-        self._update = mod.kernel("sumtree_update", "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr ptr ptr")
+        # update runs on any block that is a multiple of 32 up to UPDATE_THREADS; rebuild
+        # and sample are written for one block size each, read from the CUBIN.
+        self._update = mod.kernel("sumtree_update", "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr ptr ptr ptr")
+        # The update's last-block counter, apart from the draw's and the rebuild's.
+        self._update_counter = DeviceBuffer.from_numpy(np.zeros(1, np.uint32))
         self._rebuild = mod.kernel("sumtree_rebuild", "ptr ptr i32 i32 i32 ptr", fixed_block=True)
         self._sample = mod.kernel("sumtree_sample",
                                   "ptr ptr i32 i32 i32 u64 ptr ptr f32 f32 u64 ptr ptr ptr ptr ptr ptr "
@@ -162,7 +173,10 @@ class SumTree(Closable):
     # -------------------------------------------------------------- operations
     def update(self, indices, priorities, *, stream, n: int | None = None,
                skip: DeviceBuffer | None = None) -> None:
-        """Set ``leaf[indices[t]] = priorities[t] ** alpha`` for ``t < n``; duplicates are legal.
+        """Set ``leaf[indices[t]] = priorities[t] ** alpha`` for ``t < n``; duplicates are legal
+        (the leaf ends as one of the values written to it). Every sum above a written leaf
+        is then recomputed from its children in the fixed order ``rebuild`` uses, by the
+        launch's last block to finish its share of the leaves.
 
         Device buffers (int32 and float32) queue one launch. Two numpy arrays
         are validated first (nothing changes on bad input), uploaded, and the
@@ -196,12 +210,15 @@ class SumTree(Closable):
         _device_array(priorities, np.float32, "priorities", n, priorities_ok)
         if n == 0:
             return
-        # Small blocks, so even a batch of 128 spreads over several SMs.
-        grid = min(-(-n // 64), 4096)
-        self._update.launch(grid, 64, self.nodes, self.leaves, self._max_leaf, indices, priorities,
+        # Blocks of about n threads (the last one refreshes the sums a thread a node), at
+        # least two, each writing its share of the leaves: no step runs a one-block kernel
+        # (the step's audit).
+        block = min(UPDATE_THREADS, _round32(n))
+        grid = max(2, min(-(-n // block), 4096))
+        self._update.launch(grid, block, self.nodes, self.leaves, self._max_leaf, indices, priorities,
                             self.alpha, n, self.capacity, self.height, self.internal,
                             skip if skip is not None else 0, self.flags.counts, self.flags.published,
-                            stream=stream)
+                            self._update_counter, stream=stream)
 
     def update_operands(self, indices: DeviceBuffer, priorities: DeviceBuffer) -> tuple:
         """The arguments of an update of every element of ``indices`` (int32) and
@@ -358,4 +375,4 @@ class SumTree(Closable):
         return float(self.total().to_numpy()[0])
 
     def close(self) -> None:
-        close_attributes(self, "nodes", "leaves", "_state", "_drawn", "flags")
+        close_attributes(self, "nodes", "leaves", "_state", "_update_counter", "_drawn", "flags")

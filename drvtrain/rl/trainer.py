@@ -448,6 +448,11 @@ class Trainer(Closable):
                          (actor.env.rng_counters, "env.rng_counters"), (actor.ep_return, "env.ep_return"),
                          (actor.loop, "loop"), (self.gate, "gate")):
             buf.copy_from_numpy(np.ascontiguousarray(arrays[key]))
+        # The sums from the leaves, in the fixed order every refresh uses: the bits a
+        # checkpoint of this version holds, and exact sums for one written by an earlier
+        # version, whose sums were added up by atomics.
+        tree.rebuild(stream=self.stream)
+        self.stream.synchronize()
         # A checkpoint written before the evaluation envs were saved: they start as a new run's.
         evaluation = self.eval_actor.env
         for buf, key in ((evaluation.rng_counters, "eval.rng_counters"), (evaluation.states, "eval.states")):
