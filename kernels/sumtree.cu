@@ -9,15 +9,15 @@
 // last block to finish its leaves (dt_last_block on `counter`): the nodes are
 // the fixed-order sums of the new leaves, the bits rebuild() gives. Block b
 // writes the leaves of its own contiguous share of the indices, ceil(n / grid)
-// of them, a thread an index; the last block then takes every index, a thread
-// a node of a level at a time, so a block of about n threads refreshes in one
-// round of loads a level. Duplicate indices are legal: the leaf ends as one of
-// the values written to it. An index outside [0, capacity) or a negative, NaN
-// or infinite priority is skipped and raises its flag (dt_raise into
-// err_counts / err_published). When `skip` is not null and *skip != 0, nothing
-// changes: a training step that found a NaN skips its update without the host
-// deciding. max_leaf tracks the largest leaf value ever written (new
-// transitions enter with it).
+// of them, a thread an index (or several, past blockDim); the last block then
+// takes every index, a thread a node of a level at a time, so a block of about
+// n threads refreshes in one round of loads a level. Duplicate indices are
+// legal: the leaf ends as one of the values written to it. An index outside
+// [0, capacity) or a negative, NaN or infinite priority is skipped and raises
+// its flag (dt_raise into err_counts / err_published). When `skip` is not null
+// and *skip != 0, nothing changes: a training step that found a NaN skips its
+// update without the host deciding. max_leaf tracks the largest leaf value
+// ever written (new transitions enter with it).
 // Launch: block a multiple of 32, at most UPDATE_THREADS; any grid.
 constexpr int UPDATE_THREADS = 512;
 

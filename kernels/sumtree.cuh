@@ -18,7 +18,7 @@
 // dt_warp_sum, which sumtree_rebuild uses too. So every internal node is, bit
 // for bit, the fixed-order sum of its children, and the whole tree is a
 // function of its leaves: the same leaves give the same nodes in every run,
-// eager or captured, and after rebuild(). No float atomics anywhere.
+// eager or captured, and after rebuild(). No float is added by an atomic.
 //
 // Why fp64 internal sums: the walk subtracts child sums from a prefix mass at
 // every level. A sum in fp64 rounds at 2^-53 of itself, so a leaf of 1e-12 of
@@ -267,8 +267,9 @@ __device__ __forceinline__ double dt_tree_first_level(const double* nodes, const
 }
 
 // The leaves of the priority update of sumtree.cu's sumtree_update over
-// indices t = first, first + stride, ... below n (rounded up to a warp): both
-// a multiple of 32, so every lane of a warp runs the same iterations. The
+// indices t = first, first + stride, ... below n (rounded up to a warp): the
+// lanes of a warp start in one aligned group of 32 and stride is a multiple
+// of 32, so every lane of a warp runs the same iterations. The
 // caller then refreshes their ancestors (dt_tree_refresh) in one block. Also
 // a phase of dqn_step.cu's cooperative tail. Duplicate indices are legal: the
 // leaf ends as one of the values written to it.

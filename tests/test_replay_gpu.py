@@ -147,8 +147,8 @@ def run_steps(rb, stream, arena, new_p, inserts, steps, graph=False):
         return batch.indices.to_numpy()
     with capture(stream) as g:
         batch = step()
-    # One warp per sample and per inserted transition, four warps per block; the update a
-    # warp per subtree of 1024 leaves, two blocks at least.
+    # One warp per sample and per inserted transition, four warps per block; the update two
+    # blocks of a thread an index, each writing half the leaves, the last refreshing the sums.
     shapes = {k.function: (k.grid[0], k.block[0]) for k in g.kernel_nodes()}
     assert shapes == {"sumtree_sample": (64 // 4, 128), "sumtree_update": (2, 64),
                       "replay_insert": (-(-inserts[1].size // 4), 128)}

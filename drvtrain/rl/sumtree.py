@@ -108,11 +108,12 @@ def beta_schedule(beta) -> tuple[float, float, int]:
 class SumTree(Closable):
     """A sum tree over ``capacity`` leaves holding ``priority ** alpha``.
 
-    Every launch that writes leaves (``update``, ``rebuild``, a replay's insert, the
-    trainer's acting kernel) ends by writing the sums above them, recomputed from
-    their children: two such launches must not run at the same time (queue them on
-    one stream, or join the streams between them), or one may write sums of leaves
-    the other has since changed. A draw may run beside none of them either."""
+    Every launch that writes leaves (``update``, a replay's insert, the trainer's
+    acting kernel) ends by writing the sums above them, recomputed from their
+    children, and ``rebuild`` writes every sum: two such launches must not run at
+    the same time (queue them on one stream, or join the streams between them), or
+    one may write sums of leaves the other has since changed. A draw may run beside
+    none of them either."""
 
     @closes_on_failure
     def __init__(self, capacity: int, *, alpha: float = 0.6, seed: int | None = None,
@@ -223,7 +224,10 @@ class SumTree(Closable):
     def update_operands(self, indices: DeviceBuffer, priorities: DeviceBuffer) -> tuple:
         """The arguments of an update of every element of ``indices`` (int32) and
         ``priorities`` (float32), device buffers of one size, for kernels that run
-        the update as a phase of their own (``dt_tree_update`` in sumtree.cuh):
+        the update as a phase of their own: ``dt_tree_update`` (sumtree.cuh) writes the
+        leaves, then, once every block's leaves are visible (a grid barrier), one block
+        must call ``dt_tree_refresh`` over the same indices, or the sums keep the old
+        leaves' values (``dqn_step.cu``'s cooperative tail does both). The tuple:
         (nodes, leaves, max_leaf, indices, priorities, alpha, n, capacity, height,
         internal, error counts, error published)."""
         what = "a DeviceBuffer"
