@@ -110,23 +110,32 @@ __device__ __forceinline__ void dt_tree_recompute(double* nodes, const float* le
 // index, duplicates included (the same bits, written twice).
 constexpr int DT_TREE_CLAIM_NODES = 32768;
 
-// Every ancestor of the leaves indices[0 .. n) that lie in [0, capacity)
-// (others are skipped), recomputed from its children level by level up to the
-// root, from level `first` up (the levels below it already hold their sums),
-// by the calling block: every thread of the block calls it, with any block
-// size that is a multiple of 32. Before the call the block must see every
-// write below level `first` (a barrier after its own, dt_last_block or a grid
-// barrier after the grid's); the call ends with a block barrier.
-__device__ __forceinline__ void dt_tree_refresh(double* nodes, const float* leaves, int capacity, int height,
-                                                int internal, const int* indices, int n, int first = 1) {
-    __shared__ unsigned int claims[DT_TREE_CLAIM_NODES / 32];
+// The walk both refreshes share: level by level from 1 up to the root, the
+// calling block runs `level(h, offset, below)` (level h at `offset`, its
+// children's level at `below`), which recomputes the nodes of level h it
+// picks, then a block barrier, so that level h + 1 reads them.
+template <class Level>
+__device__ __forceinline__ void dt_tree_levels(int capacity, int height, int internal, Level level) {
     int below = internal, offset = internal;  // levels h-1 and h
     for (int h = 1; h <= height; ++h) {
         offset -= dt_level_size(capacity, h);
-        if (h < first) {  // the same h in every thread: no barrier is skipped by some only
-            below = offset;
-            continue;
-        }
+        level(h, offset, below);
+        __threadfence_block();
+        __syncthreads();
+        below = offset;
+    }
+}
+
+// Every ancestor of the leaves indices[0 .. n) that lie in [0, capacity)
+// (others are skipped), recomputed from its children level by level up to the
+// root, by the calling block: every thread of the block calls it, with any
+// block size that is a multiple of 32. Before the call the block must see
+// every leaf write (a barrier after its own, dt_last_block or a grid barrier
+// after the grid's); the call ends with a block barrier.
+__device__ __forceinline__ void dt_tree_refresh(double* nodes, const float* leaves, int capacity, int height,
+                                                int internal, const int* indices, int n) {
+    __shared__ unsigned int claims[DT_TREE_CLAIM_NODES / 32];
+    dt_tree_levels(capacity, height, internal, [&](int h, int offset, int below) {
         const int real = dt_level_real(capacity, h);
         const bool claim = real <= DT_TREE_CLAIM_NODES;
         if (claim) {
@@ -143,10 +152,7 @@ __device__ __forceinline__ void dt_tree_refresh(double* nodes, const float* leav
             }
             dt_tree_recompute(nodes, leaves, h, offset, below, node);
         }
-        __threadfence_block();
-        __syncthreads();
-        below = offset;
-    }
+    });
 }
 
 // Every ancestor of the leaves first, first + 1, ..., first + count - 1, taken
@@ -154,12 +160,10 @@ __device__ __forceinline__ void dt_tree_refresh(double* nodes, const float* leav
 // dt_tree_refresh: the nodes of each level form one range, or two where the
 // slots wrap past the end.
 __device__ __forceinline__ void dt_tree_refresh_range(double* nodes, const float* leaves, int capacity, int height,
-                                                   int internal, long long first, int count) {
+                                                      int internal, long long first, int count) {
     const int a = (int)(first % capacity);
     const long long end = (long long)a + count - 1;  // past capacity - 1: the slots wrap to 0
-    int below = internal, offset = internal;
-    for (int h = 1; h <= height; ++h) {
-        offset -= dt_level_size(capacity, h);
+    dt_tree_levels(capacity, height, internal, [&](int h, int offset, int below) {
         const int lo = (int)((long long)a >> (5 * h));
         int hi, wrapped = -1;  // nodes lo .. hi, then 0 .. wrapped
         if (end < capacity) {
@@ -172,10 +176,7 @@ __device__ __forceinline__ void dt_tree_refresh_range(double* nodes, const float
         const int first_range = hi - lo + 1, total = first_range + wrapped + 1;
         for (int t = threadIdx.x; t < total; t += blockDim.x)
             dt_tree_recompute(nodes, leaves, h, offset, below, t < first_range ? lo + t : t - first_range);
-        __threadfence_block();
-        __syncthreads();
-        below = offset;
-    }
+    });
 }
 
 // The nearest non-zero leaf to the group of 32 leaves `group` (level-1 node

@@ -97,3 +97,13 @@ def fixed_order_nodes(leaves: np.ndarray, levels, internal: int) -> np.ndarray:
         nodes[offset: offset + real] = fixed_order_sum32(padded)
         children = nodes[offset: offset + real]
     return nodes
+
+
+def poison_ancestors(nodes: np.ndarray, levels, leaf_indices) -> np.ndarray:
+    """A copy of ``nodes`` with every ancestor of ``leaf_indices``, up to the root, set
+    to NaN: a refresh that leaves one of them out shows. ``levels`` is ``SumTree.levels``."""
+    nodes = np.array(nodes, np.float64)
+    leaf_indices = np.asarray(leaf_indices, np.int64)
+    for h, (offset, _, _) in enumerate(reversed(levels), start=1):
+        nodes[offset + np.unique(leaf_indices >> (5 * h))] = np.nan
+    return nodes

@@ -7,7 +7,8 @@ import pytest
 from drvtrain.rl.sumtree import tree_levels
 
 from per_reference import (fixed_order_nodes, fixed_order_sum32, importance_weights, philox4x32_10,
-                           philox_uniforms, prefix_search, stratified_masses, tree_inconsistency)
+                           philox_uniforms, poison_ancestors, prefix_search, stratified_masses,
+                           tree_inconsistency)
 
 
 @pytest.mark.parametrize("counter, key, expected", [
@@ -153,3 +154,19 @@ def test_fixed_order_nodes_follow_the_layout(rng, capacity):
     offset1, real1, _ = levels[-1]
     group = int(rng.integers(real1))
     assert nodes[offset1 + group] == fixed_order_sum32(leaves[32 * group: 32 * group + 32].astype(np.float64))[0]
+
+
+def test_poison_marks_exactly_the_ancestors(rng):
+    """Poisoned nodes are the ancestors of the given leaves on every level, the root
+    included, and nothing else; the array it was given is not changed."""
+    capacity = 5000
+    levels = tree_levels(capacity)
+    internal = sum(size for _, _, size in levels)
+    nodes = rng.uniform(1.0, 2.0, internal)
+    leaves = rng.choice(capacity, 7, replace=False)
+    poisoned = poison_ancestors(nodes, levels, leaves)
+    assert not np.isnan(nodes).any()
+    want = set()
+    for h, (offset, _, _) in enumerate(reversed(levels), start=1):
+        want |= {offset + int(i) // 32 ** h for i in leaves}
+    assert set(np.flatnonzero(np.isnan(poisoned)).tolist()) == want and 0 in want

@@ -4,7 +4,7 @@ import pytest
 
 from drvtrain import Arena, DeviceBuffer, capture
 from drvtrain.rl import ReplayBuffer
-from per_reference import fixed_order_nodes, importance_weights
+from per_reference import fixed_order_nodes, importance_weights, poison_ancestors
 
 pytestmark = pytest.mark.gpu
 
@@ -225,11 +225,8 @@ def test_inserts_that_wrap_leave_the_fixed_order_sums(device, stream, rng, capac
     inserted = 0
     for n in (1, capacity, capacity - 7, 31, capacity // 2 + 3, capacity):
         # Poison the sums above the slots the insert takes: they must all be recomputed.
-        nodes = tree.nodes_numpy()
         slots = (inserted + np.arange(n)) % capacity
-        for h, (offset, _, _) in enumerate(reversed(tree.levels), start=1):
-            nodes[offset + np.unique(slots >> (5 * h))] = np.nan
-        tree.nodes.copy_from_numpy(nodes)
+        tree.nodes.copy_from_numpy(poison_ancestors(tree.nodes_numpy(), tree.levels, slots))
         rb.insert(*transitions(rng, n, d), stream=stream)
         inserted += n
         assert rb.cursor() == inserted

@@ -6,8 +6,8 @@ import pytest
 
 from drvtrain import DeviceBuffer, capture
 from drvtrain.rl import ReplayError, SumTree
-from per_reference import (fixed_order_nodes, importance_weights, philox_uniforms, prefix_search,
-                           stratified_masses, tree_inconsistency)
+from per_reference import (fixed_order_nodes, importance_weights, philox_uniforms, poison_ancestors,
+                           prefix_search, stratified_masses, tree_inconsistency)
 
 pytestmark = pytest.mark.gpu
 
@@ -198,10 +198,7 @@ def test_updates_leave_every_node_the_fixed_order_sum_of_its_children(device, st
     for _ in range(3):
         idx = (first + rng.integers(0, span, n)).astype(np.int32)
         pri = rng.uniform(0.05, 5.0, n).astype(np.float32)
-        nodes = tree.nodes_numpy()
-        for h, (offset, _, _) in enumerate(reversed(tree.levels), start=1):
-            nodes[offset + np.unique(idx >> (5 * h))] = np.nan
-        tree.nodes.copy_from_numpy(nodes)
+        tree.nodes.copy_from_numpy(poison_ancestors(tree.nodes_numpy(), tree.levels, idx))
         tree.update(DeviceBuffer.from_numpy(idx), DeviceBuffer.from_numpy(pri), stream=stream)
         leaves = tree.leaves.to_numpy()
         want = fixed_order_nodes(leaves, tree.levels, tree.internal)
