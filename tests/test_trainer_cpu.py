@@ -160,6 +160,8 @@ BROKEN_TRAINER_STATE = {
     "leaf past the stored count": (_set("tree.leaves", 900, 0.5), "past the 720 stored"),
     "leaf just past the stored count": (_set("tree.leaves", 720, 0.5), "past the 720 stored"),
     "largest leaf seen below a leaf": (_set("tree.state", 4, np.float32(1.5).view(np.uint32)), "largest leaf"),
+    "draw's last-block counter not 0": (_set("tree.state", 2, 1), "last-block counters [1, 0]"),
+    "rebuild's last-block counter not 0": (_set("tree.state", 3, 7), "last-block counters [0, 7]"),
     "largest leaf seen inf": (_set("tree.state", 4, np.float32(np.inf).view(np.uint32)), "largest leaf"),
     "tree root off by twice the tolerance": (_root_gap(2.0), "not the sum of its leaves"),
     "tree sums of other leaves": (_node_nudge, "not the sum of its leaves"),

@@ -491,8 +491,8 @@ def check_trainer_state(arrays: dict, *, capacity: int, levels, n_actions: int, 
     wrong. The learner's arrays as ``check_learner_state``; the replay's transitions
     (actions in [0, n_actions), done 0 or 1, everything else finite) and its counters
     (stored = min(inserted, capacity), one transition inserted per env step); the sum
-    tree's leaves (finite, at least 0, 0 past the stored count), its largest leaf seen (at
-    least every leaf), and its internal sums (finite, 0 in the padding, each within
+    tree's leaves (finite, at least 0, 0 past the stored count), its draw's and rebuild's
+    last-block counters (0), its largest leaf seen (at least every leaf), and its internal sums (finite, 0 in the padding, each within
     1e-9 capacity times the largest leaf of the sum of its children: far looser than the
     rounding of a float64 sum, far tighter than a tree of other leaves; the load then
     rebuilds them from the leaves); the
@@ -544,7 +544,11 @@ def check_trainer_state(arrays: dict, *, capacity: int, levels, n_actions: int, 
         raise ValueError("tree.leaves holds negative priorities")
     if leaves[stored:].any():
         raise ValueError(f"tree.leaves holds priorities past the {stored} stored transitions")
-    max_leaf = float(values("tree.state").astype(np.uint32)[4:5].view(np.float32)[0])
+    tree_state = values("tree.state").astype(np.uint32)
+    if tree_state[2:4].any():  # the draw's and the rebuild's last-block counters, 0 between launches
+        raise ValueError(f"tree.state's last-block counters {tree_state[2:4].tolist()} must be 0: a launch "
+                         f"was cut short when they were saved")
+    max_leaf = float(tree_state[4:5].view(np.float32)[0])
     if not (np.isfinite(max_leaf) and max_leaf >= leaves.max(initial=0.0)):
         raise ValueError(f"tree.state's largest leaf seen ({max_leaf}) is below a leaf, or not finite")
     nodes = finite("tree.nodes")
