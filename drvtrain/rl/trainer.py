@@ -492,10 +492,10 @@ def check_trainer_state(arrays: dict, *, capacity: int, levels, n_actions: int, 
     (actions in [0, n_actions), done 0 or 1, everything else finite) and its counters
     (stored = min(inserted, capacity), one transition inserted per env step); the sum
     tree's leaves (finite, at least 0, 0 past the stored count), its draw's and rebuild's
-    last-block counters (0), its largest leaf seen (at least every leaf), and its internal sums (finite, 0 in the padding, each within
-    1e-9 capacity times the largest leaf of the sum of its children: far looser than the
-    rounding of a float64 sum, far tighter than a tree of other leaves; the load then
-    rebuilds them from the leaves); the
+    last-block counters (0), its largest leaf seen (at least every leaf), and its internal
+    sums (finite, 0 in the padding, each within 1e-9 capacity times the largest leaf of the
+    sum of its children: far looser than the rounding of a float64 sum, far tighter than a
+    tree of other leaves; the load then rebuilds them from the leaves); the
     environments' observations (finite: the network reads them) and episode steps (in
     [0, max_steps - 1] where there is a limit, as ``DeviceEnv.load_state`` takes them);
     the episodes' returns (finite); the loop's counters (env steps = iterations x n_envs, as the host counts
