@@ -438,7 +438,7 @@ def test_consecutive_steps_in_one_graph_are_the_single_steps_bit_for_bit(device,
     kernels = graph.kernel_nodes()
     assert len(graph.nodes()) == len(kernels)  # so a node's dependencies are kernels
     named = lambda name: [k.node for k in kernels if k.function == name]
-    draws, updates, weights = named("sumtree_sample"), named("sumtree_update"), named("sumtree_weights")
+    draws, updates, weights = named("sumtree_sample"), named("dqn_priority_update"), named("sumtree_weights")
     finishes = named("dqn_finish") or named("dqn_tail")
     assert len(draws) == len(finishes) == 4
     for before, after in zip(range(3), range(1, 4)):
@@ -842,6 +842,77 @@ def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, h
     stream.close()
 
 
+F32_MAX_SQUARED = 2.0 ** 256  # about the smallest sum of squares whose float norm is infinite
+
+
+@pytest.mark.parametrize("capacity, n", [(1000, 100), (1 << 17, 256), ((1 << 20) + 33, 512)])
+def test_priority_update_takes_the_nan_guards_verdict_from_the_norms_partials(device, rng, capacity, n):
+    """dqn_priority_update decides AdamW's NaN guard itself, from the norm's partials, the
+    loss and the gate: it updates when the norm (the float square root of the partials' sum)
+    and the loss are finite and the gate is 0, and changes nothing otherwise, the tree's
+    leaves, sums and maximum bit for bit. An update's leaves are checked against float64
+    ``p ** alpha``, its sums against the fixed-order sums of the new leaves (the ancestors
+    of its indices poisoned before every launch, so a skipped launch keeps the poison); its
+    maximum moves (each launch's priorities exceed every leaf before it)."""
+    from drvtrain import builtin_module
+    from drvtrain.rl import SumTree
+    from drvtrain.rl.dqn import PRIORITY_UPDATE_SIGNATURE, priority_update_shape
+    from per_reference import poison_ancestors
+    stream = Stream()
+    kernel = builtin_module("dqn_step.cu").kernel("dqn_priority_update", PRIORITY_UPDATE_SIGNATURE)
+    counter = DeviceBuffer.zeros(1, np.uint32)
+    tree = SumTree(capacity, alpha=0.6, seed=int(rng.integers(2**63)))
+    tree.set_priorities(rng.uniform(0.1, 1.1, capacity).astype(np.float32))
+    blocks = int(rng.integers(2, 700))  # the step's norm grids have up to 2 x the SMs
+    finite = lambda: rng.uniform(0.5, 2.0, blocks)
+    with_one = lambda value: np.concatenate([finite()[:-1], [value]])[rng.permutation(blocks)]
+    cases = [  # (what, partials, loss (None: no loss), gate, updates)
+        ("finite", finite(), 0.7, 0, True),
+        ("no loss", finite(), None, 0, True),
+        ("a norm just under the float range", with_one(F32_MAX_SQUARED / 4), 0.7, 0, True),
+        ("an infinite partial", with_one(np.inf), 0.7, 0, False),
+        ("a NaN partial", with_one(np.nan), 0.7, 0, False),
+        ("a finite sum whose norm overflows a float", with_one(F32_MAX_SQUARED * 1.001), 0.7, 0, False),
+        ("a NaN loss", finite(), np.nan, 0, False),
+        ("an infinite loss", finite(), -np.inf, 0, False),
+        ("gated", finite(), 0.7, int(rng.integers(1, 2**31)), False),
+    ]
+    updated = 0
+    for k, (what, partials, loss, gate, updates) in enumerate(cases):
+        idx = rng.integers(0, capacity, n).astype(np.int32)
+        pri = (rng.uniform(2.0, 20.0, n) * 100.0 ** k).astype(np.float32)  # above every leaf so far
+        clean = tree.nodes_numpy()
+        nodes = poison_ancestors(clean, tree.levels, idx)
+        tree.nodes.copy_from_numpy(nodes)
+        leaves, top = tree.leaves_numpy(), tree.max_priority().to_numpy()
+        d_partials = DeviceBuffer.from_numpy(np.asarray(partials, np.float64))
+        d_loss = DeviceBuffer.from_numpy(np.array([0.0 if loss is None else loss], np.float32))
+        d_gate = DeviceBuffer.from_numpy(np.array([gate], np.int32))
+        operands = list(tree.update_operands(DeviceBuffer.from_numpy(idx), DeviceBuffer.from_numpy(pri)))
+        grid, block = priority_update_shape(n)
+        kernel.launch(grid, block, *operands[:10], d_partials, blocks, 0 if loss is None else d_loss, d_gate,
+                      *operands[10:], counter, stream=stream)
+        stream.synchronize()
+        if updates:
+            got, written = tree.leaves_numpy(), pri.astype(np.float64) ** 0.6
+            kept = np.setdiff1d(np.arange(capacity), idx)
+            assert got[kept].tobytes() == leaves[kept].tobytes(), what
+            for i in np.unique(idx):  # a duplicated index: the leaf ends as one of the values written to it
+                assert np.min(np.abs(written[idx == i] - got[i]) / written[idx == i]) < 1e-6, what
+            assert tree.nodes_numpy().tobytes() == fixed_order_nodes(got, tree.levels, tree.internal).tobytes(), what
+            assert top[0] < written.max() and tree.max_priority().to_numpy()[0] == pytest.approx(
+                written.max(), rel=1e-6), what
+            updated += 1
+        else:
+            assert tree.leaves_numpy().tobytes() == leaves.tobytes(), what
+            assert tree.nodes_numpy().tobytes() == nodes.tobytes(), what
+            assert tree.max_priority().to_numpy().tobytes() == top.tobytes(), what
+            tree.nodes.copy_from_numpy(clean)
+        assert int(counter.to_numpy()[0]) == 0, what
+    assert updated == 3
+    tree.check_errors()
+
+
 @pytest.mark.parametrize("shape", [ODD, dict(ODD, obs_dim=4, hidden=(64, 48))], ids=["odd-widths", "float4-widths"])
 def test_nan_reward_skips_the_step_and_is_reported(device, rng, shape):
     """A NaN loss: nothing of the state changes, the skip is reported once, and the next
@@ -990,7 +1061,7 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
     folded = step.online_mlp.first_dw_folded(cfg.batch)
     assert folded == (config == "small" and tuple(device.compute_capability) >= (9, 0))
     norm = "grad_norm_partials_first_dw" if folded else "grad_norm_partials"
-    separate = {norm, "adamw_clip_step", "sumtree_update", "dqn_finish"}
+    separate = {norm, "adamw_clip_step", "dqn_priority_update", "dqn_finish"}
     assert not {"grad_norm_partials", "grad_norm_partials_first_dw"} - {norm} & names
     # The small net's 3 x 256 output layer runs in one dqn_head node (forwards, loss, dX); the
     # large net's 19 x 1024 one as separate products and dqn_loss (DQNConfig.fused_head=None).

@@ -184,7 +184,7 @@ class AdamW(Closable):
                            self.lr, b1, b2, self.eps, self.weight_decay, self.clip, self.t,
                            self.skip if self.skip is not None else 0, stream=stream)
 
-    def step(self, *, stream, gate=None, first_dw=None) -> None:
+    def step(self, *, stream, gate=None, first_dw=None, after_norm=None) -> None:
         """Clip and update: the results of ``clip_grad_norm`` then ``apply``, bit for
         bit, with the clip decided in every block of the update (class docstring).
         ``gate`` as ``clip_grad_norm``.
@@ -194,7 +194,13 @@ class AdamW(Closable):
         (None: nothing to sum). The norm kernel sums the first layer's dW and db
         from them into the gradient buffer before it squares them, so the
         gradients, the norm and the update are the bits they would be had the
-        backward summed them itself."""
+        backward summed them itself.
+
+        ``after_norm``: called with no arguments once the norm kernel is queued on
+        ``stream`` and before AdamW is. Work it forks from ``stream`` waits for the
+        norm's partials (``norm_partials``, ``norm_grid`` of them) and not for AdamW,
+        which stays the norm kernel's dependent launch: drvtrain.rl.dqn starts its
+        priority update there, deciding the NaN guard from the partials itself."""
         if gate is not None and self.skip is None:
             raise ValueError("a gated step needs AdamW(..., nan_guard=True)")
         if first_dw is not None:
@@ -222,6 +228,8 @@ class AdamW(Closable):
         norm, fold = (self._partials, ()) if first_dw is None else (self._partials_first_dw, first_dw.kernel_args())
         norm.launch(self.norm_grid, norm.block, self.grads, self.n, self.norm_partials, self.t, self._t_next, gate,
                     *fold, stream=stream)
+        if after_norm is not None:
+            after_norm()
         ring, slots = self._ring()
         b1, b2 = self.betas
         self._adamw_clip.launch(self._adam_grid, self._adamw_clip.block, self.params, self.grads, self.m, self.v,

@@ -7,8 +7,9 @@ stream) while the online forward on ``s'`` and the target forward on ``s'``
 run on two streams forked from it, all joined before the loss; the fused loss
 (dueling combine, Double-DQN argmax and target, IS-weighted Huber, the output
 gradient, new priorities, metrics sums); the backward; the gradient-norm
-clip, which is also the NaN guard; AdamW; the spectral power iteration (two
-launches) and beside it, on a second stream, the priority update; and one last
+clip, which is also the NaN guard; AdamW, and beside it, on a second stream
+forked after the norm, the priority update (which decides the NaN guard from the
+norm's partials itself); the spectral power iteration (two launches); and one last
 pass that applies the spectral scales, updates the target network, counts the
 step and writes the metrics slot. No host branch anywhere: a captured step
 replays unchanged.
@@ -35,6 +36,7 @@ from ..nn.narrow import NarrowMLP
 from ..nn.optim import AdamW, check_settings
 from ..stream import Stream, fork, join
 from .replay import ReplayBuffer
+from .sumtree import UPDATE_THREADS
 
 __all__ = ["DQNConfig", "DQNStep", "TrainingError", "METRIC_FIELDS", "audit_step", "check_learner_state",
            "lint_step_graph"]
@@ -53,6 +55,17 @@ _HEAD_ROWS = 4  # DQN_HEAD_ROWS in kernels/dqn.cu: batch rows per dqn_head block
 # DQNConfig(fused_head=None) fuses output layers of this many weights (measured, docs/perf-notes.md).
 HEAD_AUTO_WEIGHTS = (512, 3072)
 LOSS_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr"
+# kernels/dqn_step.cu's dqn_priority_update: SumTree.update_operands' first ten, the norm's
+# partials and their count, the loss, the gate, the tree's error flags, a last-block counter.
+PRIORITY_UPDATE_SIGNATURE = "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr i32 ptr ptr ptr ptr ptr"
+_GUARD_SHARES = 256  # GUARD_SHARES in kernels/dqn_step.cu: the guard's sum takes 256 threads
+
+
+def priority_update_shape(n: int) -> tuple[int, int]:
+    """(grid, block) of dqn_priority_update for ``n`` indices: sumtree_update's shape (a
+    thread an index, at least two blocks) with blocks of at least the guard's 256 threads."""
+    block = max(_GUARD_SHARES, min(UPDATE_THREADS, -(-n // 32) * 32))
+    return max(2, min(-(-n // block), 4096)), block
 MEANS_SIGNATURE = "ptr i32 i32 ptr ptr"
 HEAD_SIGNATURE = "ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr"
 # gemm.cu's dqn_loss_dwl kernels: a grad-input product's arguments (dout as A), the output
@@ -414,6 +427,10 @@ class DQNStep(Closable):
             "dqn_finish", "ptr ptr i64 ptr i32 ptr ptr f32 ptr ptr f32 i32 ptr ptr ptr ptr ptr ptr ptr i32 ptr ptr ptr",
             fixed_block=True)
         self._finish_grid = max(2, min(4 * device.sm_count, -(-self.layout.size // (4 * self._finish.block))))
+        # The priority update with its own NaN guard, so that it can start once the norm's
+        # partials are written (dqn_priority_update), and its last-block counter.
+        self._priority = builtin_module("dqn_step.cu").kernel("dqn_priority_update", PRIORITY_UPDATE_SIGNATURE)
+        self._priority_counter = DeviceBuffer.zeros(1, np.uint32)
         self._tail = None
         if cfg.fused_tail:
             self._tail = builtin_module("dqn_step.cu").kernel(
@@ -716,23 +733,37 @@ class DQNStep(Closable):
                                     weight_splits=weight_splits, defer_first_dw=self._tail is None)
         if means_stream is not stream:  # the optimizer reads the loss for its NaN guard
             join(stream, means_stream)
-        # The priority update needs the loss's priorities and the norm's NaN guard; on
-        # a second stream, forked once the norm and AdamW are queued, it runs beside
-        # the spectral launches and the finish pass, off the chain.
+        # The priority update needs the loss's priorities and the norm's NaN guard, which
+        # it decides from the norm's partials itself: on a second stream, forked once the
+        # norm is queued, it runs beside AdamW, the spectral launches and the finish pass,
+        # off the chain. On one stream it follows AdamW, as the NaN guard's other readers do.
         if self._tail is not None:
             self._enqueue_tail(batch, priorities, stream, gate)
         else:
-            self.optimizer.step(stream=stream, gate=gate, first_dw=first_dw)
             update_stream = self.streams[1] if self.streams else stream
-            if update_stream is not stream:
-                fork(stream, update_stream)
-            self.replay.update_priorities(batch.indices, priorities, stream=update_stream, skip=self.optimizer.skip)
+            update = lambda: self._enqueue_priority_update(batch, priorities, stream, update_stream, gate)
+            self.optimizer.step(stream=stream, gate=gate, first_dw=first_dw,
+                                after_norm=update if update_stream is not stream else None)
+            if update_stream is stream:
+                update()
             self._enqueue_spectral_and_finish(stream)
             if update_stream is not stream:
                 join(stream, update_stream)
         self.last = _Captured(batch, f_online.output, f_next.output, f_target.output, dout, priorities,
                               {"target_forward_nodes": target_leaves, "online_forward_nodes": online_leaves,
                                "a_star": a_star, "online_forward": f_online})
+
+    def _enqueue_priority_update(self, batch, priorities, stream, update_stream, gate) -> None:
+        """dqn_priority_update on ``update_stream`` (forked from ``stream`` when it is another)."""
+        if update_stream is not stream:
+            fork(stream, update_stream)
+        opt = self.optimizer
+        grid, block = priority_update_shape(batch.indices.size)
+        nodes, leaves, max_leaf, indices, priorities, alpha, n, capacity, height, internal, counts, published = \
+            self.replay.tree.update_operands(batch.indices, priorities)
+        self._priority.launch(grid, block, nodes, leaves, max_leaf, indices, priorities, alpha, n, capacity, height,
+                              internal, opt.norm_partials, opt.norm_grid, self.loss, gate if gate is not None else 0,
+                              counts, published, self._priority_counter, stream=update_stream)
 
     def _enqueue_tail(self, batch, priorities, stream, gate) -> None:
         cfg, opt = self.config, self.optimizer
@@ -875,7 +906,7 @@ class DQNStep(Closable):
         close_attributes(self, "_means_stream", "replay", "arena", "metrics", "optimizer", "skips", "_skipped_step",
                          "params", "target", "grads", "_scalars", "_loss_partials", "_step_counter",
                          "_spectral_mats", "u", "_v", "_spectral_partials", "_sigma_scale", "_head_partials",
-                         "_tail_barrier")
+                         "_tail_barrier", "_priority_counter")
 
 
 def lint_step_graph(step: DQNStep) -> list[Criterion]:
@@ -934,7 +965,8 @@ def lint_step_graph(step: DQNStep) -> list[Criterion]:
         tails = [k for k in kernels if k.function == "dqn_tail"]
         replaced = [k for k in kernels if k.function in ("grad_norm_partials", "grad_norm_partials_first_dw",
                                                          "adamw_clip_step", "grad_norm_clip",
-                                                         "adamw_step", "sumtree_update", "dqn_finish")
+                                                         "adamw_step", "sumtree_update", "dqn_priority_update",
+                                                         "dqn_finish")
                     or k.function.startswith("spectral_")]
         rows.append(Criterion("norm, priority update, AdamW, projection, finish: one node", "1", str(len(tails)),
                               len(tails) == 1 and not replaced))
