@@ -295,9 +295,9 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
                 skip_published, skipped_step);
 }
 
-// dqn_priority_update: the step's priority update (sumtree.cu's sumtree_update:
-// the leaves, then their ancestors by the last block, the same bits) with the
-// NaN guard decided here instead of read from the *skip that adamw_clip_step
+// dqn_priority_update: the step's priority update (the leaves and sums of
+// sumtree.cu's sumtree_update, the same bits, with the refresh split between the
+// blocks: dt_tree_update_partitioned) with the NaN guard decided here instead of read from the *skip that adamw_clip_step
 // writes, so that the update can start once the norm's partials are written and
 // run beside AdamW. Every block adds the partials in adamw_clip_step's order
 // (dt_partials_share over GUARD_SHARES threads, then dt_block_sum's tree, which
@@ -306,7 +306,7 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
 // *skip = 1) or the gate is set (*skip = 2), the launches that sumtree_update
 // skips behind that *skip, decided from the same bits.
 // Launch: block a multiple of 32 from GUARD_SHARES to PRIORITY_THREADS, any
-// grid; norm_partials and norm_blocks as adamw_clip_step takes them; loss and
+// grid (every block reads all n indices); norm_partials and norm_blocks as adamw_clip_step takes them; loss and
 // gate may be null (no loss; never gated).
 constexpr int PRIORITY_THREADS = 512;
 constexpr int GUARD_SHARES = 256;  // adamw_clip_step's block (ADAM_THREADS): the order of its sum
@@ -326,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(PRIORITY_THREADS) dqn_priority_upda
     const double total = dt_block_sum_warp0<GUARD_SHARES>(shares);
     // The same verdict in every thread (the same bits), so the update's barriers are met by all or none.
     if (gated || dt_clip_decide_value(total, 1.0f, loss != nullptr, loss_value, true).bad) return;
-    dt_tree_update_and_refresh(nodes, leaves, max_leaf, indices, priorities, alpha, n, capacity, height, internal,
+    dt_tree_update_partitioned(nodes, leaves, max_leaf, indices, priorities, alpha, n, capacity, height, internal,
                                err_counts, err_published, counter);
 }
 

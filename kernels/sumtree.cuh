@@ -110,18 +110,22 @@ __device__ __forceinline__ void dt_tree_recompute(double* nodes, const float* le
 // index, duplicates included (the same bits, written twice).
 constexpr int DT_TREE_CLAIM_NODES = 32768;
 
-// The walk both refreshes share: level by level from 1 up to the root, the
-// calling block runs `level(h, offset, below)` (level h at `offset`, its
-// children's level at `below`), which recomputes the nodes of level h it
-// picks, then a block barrier, so that level h + 1 reads them.
+// The walk both refreshes share: level by level from `first` (1: the leaves'
+// parents) up to `last` (the root: height), the calling block runs
+// `level(h, offset, below)` (level h at `offset`, its children's level at
+// `below`), which recomputes the nodes of level h it picks, then a block
+// barrier, so that level h + 1 reads them.
 template <class Level>
-__device__ __forceinline__ void dt_tree_levels(int capacity, int height, int internal, Level level) {
+__device__ __forceinline__ void dt_tree_levels(int capacity, int height, int internal, Level level, int first = 1,
+                                               int last = 1 << 30) {
     int below = internal, offset = internal;  // levels h-1 and h
-    for (int h = 1; h <= height; ++h) {
+    for (int h = 1; h <= min(height, last); ++h) {
         offset -= dt_level_size(capacity, h);
-        level(h, offset, below);
-        __threadfence_block();
-        __syncthreads();
+        if (h >= first) {
+            level(h, offset, below);
+            __threadfence_block();
+            __syncthreads();
+        }
         below = offset;
     }
 }
@@ -132,9 +136,20 @@ __device__ __forceinline__ void dt_tree_levels(int capacity, int height, int int
 // block size that is a multiple of 32. Before the call the block must see
 // every leaf write (a barrier after its own, dt_last_block or a grid barrier
 // after the grid's); the call ends with a block barrier.
-__device__ __forceinline__ void dt_tree_refresh(double* nodes, const float* leaves, int capacity, int height,
-                                                int internal, const int* indices, int n) {
+// The claim bits of one level, a bit a node: one array for every refresh of a
+// kernel (a function's shared variable, not a template's).
+__device__ __forceinline__ unsigned int* dt_tree_claims() {
     __shared__ unsigned int claims[DT_TREE_CLAIM_NODES / 32];
+    return claims;
+}
+
+// dt_tree_refresh_levels: levels first .. last only, and only the ancestors of
+// the indices that `keep(i)` holds for; dt_tree_refresh: all of them.
+template <class Keep>
+__device__ __forceinline__ void dt_tree_refresh_levels(double* nodes, const float* leaves, int capacity, int height,
+                                                       int internal, const int* indices, int n, int first, int last,
+                                                       Keep keep) {
+    unsigned int* claims = dt_tree_claims();
     dt_tree_levels(capacity, height, internal, [&](int h, int offset, int below) {
         const int real = dt_level_real(capacity, h);
         const bool claim = real <= DT_TREE_CLAIM_NODES;
@@ -144,7 +159,7 @@ __device__ __forceinline__ void dt_tree_refresh(double* nodes, const float* leav
         }
         for (int t = threadIdx.x; t < n; t += blockDim.x) {
             const int i = __ldg(indices + t);
-            if (i < 0 || i >= capacity) continue;
+            if (i < 0 || i >= capacity || !keep(i)) continue;
             const int node = (int)((long long)i >> (5 * h));
             if (claim) {
                 const unsigned int bit = 1u << (node & 31);
@@ -152,7 +167,12 @@ __device__ __forceinline__ void dt_tree_refresh(double* nodes, const float* leav
             }
             dt_tree_recompute(nodes, leaves, h, offset, below, node);
         }
-    });
+    }, first, last);
+}
+
+__device__ __forceinline__ void dt_tree_refresh(double* nodes, const float* leaves, int capacity, int height,
+                                                int internal, const int* indices, int n) {
+    dt_tree_refresh_levels(nodes, leaves, capacity, height, internal, indices, n, 1, height, [](int) { return true; });
 }
 
 // Every ancestor of the leaves first, first + 1, ..., first + count - 1, taken
@@ -274,10 +294,14 @@ __device__ __forceinline__ double dt_tree_first_level(const double* nodes, const
 // caller then refreshes their ancestors (dt_tree_refresh) in one block. Also
 // a phase of dqn_step.cu's cooperative tail. Duplicate indices are legal: the
 // leaf ends as one of the values written to it.
-__device__ __forceinline__ void dt_tree_update(long long first, long long stride, float* leaves, float* max_leaf,
-                                               const int* indices, const float* priorities, float alpha, int n,
-                                               int capacity, unsigned int* err_counts,
-                                               unsigned int* err_published) {
+// dt_tree_write_leaves writes only the leaves i that `own(i)` holds for (a
+// bad priority raises its flag only there), and raises the flag of an index
+// outside [0, capacity) only when report_bad_index is set.
+template <class Own>
+__device__ __forceinline__ void dt_tree_write_leaves(long long first, long long stride, float* leaves,
+                                                     float* max_leaf, const int* indices, const float* priorities,
+                                                     float alpha, int n, int capacity, unsigned int* err_counts,
+                                                     unsigned int* err_published, bool report_bad_index, Own own) {
     // The running maximum takes one atomic a warp: it is where all updates
     // collide. An integer maximum: its result does not depend on the order.
     const int lane = threadIdx.x & 31;
@@ -288,7 +312,8 @@ __device__ __forceinline__ void dt_tree_update(long long first, long long stride
             const int i = indices[t];
             const float pr = priorities[t];
             if (i < 0 || i >= capacity) {
-                dt_raise(err_counts, err_published, DT_ERR_INDEX);
+                if (report_bad_index) dt_raise(err_counts, err_published, DT_ERR_INDEX);
+            } else if (!own(i)) {
             } else if (!(pr >= 0.0f) || isinf(pr)) {
                 dt_raise(err_counts, err_published, DT_ERR_PRIORITY);
             } else {
@@ -302,6 +327,14 @@ __device__ __forceinline__ void dt_tree_update(long long first, long long stride
         // >= 0: the int order of the bits is the float order
         if (lane == 0) atomicMax(reinterpret_cast<int*>(max_leaf), __float_as_int(largest));
     }
+}
+
+__device__ __forceinline__ void dt_tree_update(long long first, long long stride, float* leaves, float* max_leaf,
+                                               const int* indices, const float* priorities, float alpha, int n,
+                                               int capacity, unsigned int* err_counts,
+                                               unsigned int* err_published) {
+    dt_tree_write_leaves(first, stride, leaves, max_leaf, indices, priorities, alpha, n, capacity, err_counts,
+                         err_published, true, [](int) { return true; });
 }
 
 // A whole priority update by the grid (sumtree.cu's sumtree_update, dqn_step.cu's
@@ -320,4 +353,30 @@ __device__ __forceinline__ void dt_tree_update_and_refresh(double* nodes, float*
                    capacity, err_counts, err_published);
     if (!dt_last_block(counter, gridDim.x)) return;
     dt_tree_refresh(nodes, leaves, capacity, height, internal, indices, n);
+}
+
+// The same update (the same leaves, sums and flags) with the refresh spread
+// over the grid: block b owns the subtrees of the level-(height - 1) nodes j
+// with j mod grid == b. It writes their leaves among indices[0 .. n) (every
+// block reads every index: for n up to a few thousand) and refreshes their
+// levels 1 .. height - 1, which no other block writes or reads, with no
+// hand-over; the last block to finish (dt_last_block on `counter`) then
+// recomputes the root. An index outside [0, capacity) raises its flag in block
+// 0 only, a bad priority in the block owning its leaf: once each, as above.
+__device__ __forceinline__ void dt_tree_update_partitioned(double* nodes, float* leaves, float* max_leaf,
+                                                           const int* indices, const float* priorities, float alpha,
+                                                           int n, int capacity, int height, int internal,
+                                                           unsigned int* err_counts, unsigned int* err_published,
+                                                           unsigned int* counter) {
+    const int split = height - 1;
+    const unsigned int blocks = gridDim.x, mine = blockIdx.x;
+    const auto own = [&](int i) { return (unsigned int)(((long long)i >> (5 * split)) % blocks) == mine; };
+    dt_tree_write_leaves(threadIdx.x, blockDim.x, leaves, max_leaf, indices, priorities, alpha, n, capacity,
+                         err_counts, err_published, mine == 0, own);
+    __threadfence_block();
+    __syncthreads();
+    dt_tree_refresh_levels(nodes, leaves, capacity, height, internal, indices, n, 1, split, own);
+    if (!dt_last_block(counter, gridDim.x)) return;
+    dt_tree_refresh_levels(nodes, leaves, capacity, height, internal, indices, n, height, height,
+                           [](int) { return true; });
 }

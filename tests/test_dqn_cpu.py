@@ -216,7 +216,8 @@ def test_spectral_block_shapes_match_the_kernels():
 
 def test_priority_update_shape_matches_the_kernels():
     """dqn_priority_update's blocks hold the guard's 256 shares (the order of AdamW's sum of
-    the norm's partials) and at most its launch bound; a thread an index, two blocks at least."""
+    the norm's partials) and at most its launch bound; a thread an index up to that bound, in
+    each of the blocks that split the tree."""
     from drvtrain.rl import dqn
     kernels = Path(__file__).parents[1] / "kernels"
     step, optim, tree = ((kernels / name).read_text() for name in ("dqn_step.cu", "optim.cu", "sumtree.cu"))
@@ -224,9 +225,8 @@ def test_priority_update_shape_matches_the_kernels():
     assert f"constexpr int ADAM_THREADS = {dqn._GUARD_SHARES};" in optim
     assert f"constexpr int PRIORITY_THREADS = {dqn.UPDATE_THREADS};" in step
     assert f"constexpr int UPDATE_THREADS = {dqn.UPDATE_THREADS};" in tree
-    assert [dqn.priority_update_shape(n) for n in (1, 100, 256, 257, 512, 513, 1024, 5000)] == \
-        [(2, 256), (2, 256), (2, 256), (2, 288), (2, 512), (2, 512), (2, 512), (10, 512)]
-    assert dqn.priority_update_shape(10**7) == (4096, 512)
+    assert [dqn.priority_update_shape(n) for n in (1, 100, 256, 257, 512, 513, 5000)] == \
+        [(4, 256), (4, 256), (4, 256), (4, 288), (4, 512), (4, 512), (4, 512)]
 
 
 def test_fused_head_takes_none_true_or_false():

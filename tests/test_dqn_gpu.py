@@ -845,7 +845,25 @@ def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, h
 F32_MAX_SQUARED = 2.0 ** 256  # about the smallest sum of squares whose float norm is infinite
 
 
-@pytest.mark.parametrize("capacity, n", [(1000, 100), (1 << 17, 256), ((1 << 20) + 33, 512)])
+PRIORITY_TREES = [(20, 8), (1000, 100), (1 << 17, 256), ((1 << 20) + 33, 512)]  # one to five levels
+
+
+def launch_priority_update(tree, idx, pri, partials, loss, gate, stream, counter):
+    """dqn_priority_update as the step launches it, on host arrays; waits for it."""
+    from drvtrain import builtin_module
+    from drvtrain.rl.dqn import PRIORITY_UPDATE_SIGNATURE, priority_update_shape
+    kernel = builtin_module("dqn_step.cu").kernel("dqn_priority_update", PRIORITY_UPDATE_SIGNATURE)
+    d_partials = DeviceBuffer.from_numpy(np.asarray(partials, np.float64))
+    d_loss = DeviceBuffer.from_numpy(np.array([0.0 if loss is None else loss], np.float32))
+    d_gate = DeviceBuffer.from_numpy(np.array([gate], np.int32))
+    operands = list(tree.update_operands(DeviceBuffer.from_numpy(idx), DeviceBuffer.from_numpy(pri)))
+    grid, block = priority_update_shape(len(idx))
+    kernel.launch(grid, block, *operands[:10], d_partials, len(partials), 0 if loss is None else d_loss, d_gate,
+                  *operands[10:], counter, stream=stream)
+    stream.synchronize()
+
+
+@pytest.mark.parametrize("capacity, n", PRIORITY_TREES)
 def test_priority_update_takes_the_nan_guards_verdict_from_the_norms_partials(device, rng, capacity, n):
     """dqn_priority_update decides AdamW's NaN guard itself, from the norm's partials, the
     loss and the gate: it updates when the norm (the float square root of the partials' sum)
@@ -854,12 +872,9 @@ def test_priority_update_takes_the_nan_guards_verdict_from_the_norms_partials(de
     ``p ** alpha``, its sums against the fixed-order sums of the new leaves (the ancestors
     of its indices poisoned before every launch, so a skipped launch keeps the poison); its
     maximum moves (each launch's priorities exceed every leaf before it)."""
-    from drvtrain import builtin_module
     from drvtrain.rl import SumTree
-    from drvtrain.rl.dqn import PRIORITY_UPDATE_SIGNATURE, priority_update_shape
     from per_reference import poison_ancestors
     stream = Stream()
-    kernel = builtin_module("dqn_step.cu").kernel("dqn_priority_update", PRIORITY_UPDATE_SIGNATURE)
     counter = DeviceBuffer.zeros(1, np.uint32)
     tree = SumTree(capacity, alpha=0.6, seed=int(rng.integers(2**63)))
     tree.set_priorities(rng.uniform(0.1, 1.1, capacity).astype(np.float32))
@@ -885,14 +900,7 @@ def test_priority_update_takes_the_nan_guards_verdict_from_the_norms_partials(de
         nodes = poison_ancestors(clean, tree.levels, idx)
         tree.nodes.copy_from_numpy(nodes)
         leaves, top = tree.leaves_numpy(), tree.max_priority().to_numpy()
-        d_partials = DeviceBuffer.from_numpy(np.asarray(partials, np.float64))
-        d_loss = DeviceBuffer.from_numpy(np.array([0.0 if loss is None else loss], np.float32))
-        d_gate = DeviceBuffer.from_numpy(np.array([gate], np.int32))
-        operands = list(tree.update_operands(DeviceBuffer.from_numpy(idx), DeviceBuffer.from_numpy(pri)))
-        grid, block = priority_update_shape(n)
-        kernel.launch(grid, block, *operands[:10], d_partials, blocks, 0 if loss is None else d_loss, d_gate,
-                      *operands[10:], counter, stream=stream)
-        stream.synchronize()
+        launch_priority_update(tree, idx, pri, partials, loss, gate, stream, counter)
         if updates:
             got, written = tree.leaves_numpy(), pri.astype(np.float64) ** 0.6
             kept = np.setdiff1d(np.arange(capacity), idx)
@@ -911,6 +919,37 @@ def test_priority_update_takes_the_nan_guards_verdict_from_the_norms_partials(de
         assert int(counter.to_numpy()[0]) == 0, what
     assert updated == 3
     tree.check_errors()
+
+
+@pytest.mark.parametrize("capacity, n", PRIORITY_TREES)
+def test_priority_update_raises_each_bad_entry_once_and_writes_the_rest(device, rng, capacity, n):
+    """The blocks of dqn_priority_update split the tree between them and each reads every
+    index: an index outside the tree still raises its flag once, a bad priority once (by
+    the block whose leaf it is), and every other leaf is written and summed."""
+    from drvtrain.rl import SumTree
+    stream = Stream()
+    counter = DeviceBuffer.zeros(1, np.uint32)
+    tree = SumTree(capacity, alpha=0.6, seed=int(rng.integers(2**63)))
+    tree.set_priorities(rng.uniform(0.1, 1.1, capacity).astype(np.float32))
+    leaves = tree.leaves_numpy()
+    idx = rng.integers(0, capacity, n).astype(np.int32)
+    pri = rng.uniform(0.05, 5.0, n).astype(np.float32)
+    bad_index, bad_priority = np.split(rng.permutation(n)[:max(2, n // 8)], 2)
+    idx[bad_index] = rng.choice([-1, capacity, capacity + 31, -(2**31)], bad_index.size)
+    pri[bad_priority] = rng.choice([np.nan, -1.0, np.inf], bad_priority.size)
+    launch_priority_update(tree, idx, pri, rng.uniform(0.5, 2.0, 67), 0.7, 0, stream, counter)
+    counts = tree.flags.counts.to_numpy()
+    assert (counts[0], counts[1]) == (bad_index.size, bad_priority.size)
+    good = np.setdiff1d(np.arange(n), np.concatenate([bad_index, bad_priority]))
+    got, written = tree.leaves_numpy(), np.zeros(n)
+    written[good] = pri[good].astype(np.float64) ** 0.6
+    kept = np.setdiff1d(np.arange(capacity), idx[good])
+    assert got[kept].tobytes() == leaves[kept].tobytes()
+    for i in np.unique(idx[good]):
+        mine = good[idx[good] == i]
+        assert np.min(np.abs(written[mine] - got[i]) / written[mine]) < 1e-6
+    assert tree.nodes_numpy().tobytes() == fixed_order_nodes(got, tree.levels, tree.internal).tobytes()
+    assert int(counter.to_numpy()[0]) == 0
 
 
 @pytest.mark.parametrize("shape", [ODD, dict(ODD, obs_dim=4, hidden=(64, 48))], ids=["odd-widths", "float4-widths"])

@@ -59,13 +59,14 @@ LOSS_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr pt
 # partials and their count, the loss, the gate, the tree's error flags, a last-block counter.
 PRIORITY_UPDATE_SIGNATURE = "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr i32 ptr ptr ptr ptr ptr"
 _GUARD_SHARES = 256  # GUARD_SHARES in kernels/dqn_step.cu: the guard's sum takes 256 threads
+_PRIORITY_BLOCKS = 4  # the blocks that share the update's refresh (docs/perf-notes.md, fifty-sixth pass)
 
 
 def priority_update_shape(n: int) -> tuple[int, int]:
-    """(grid, block) of dqn_priority_update for ``n`` indices: sumtree_update's shape (a
-    thread an index, at least two blocks) with blocks of at least the guard's 256 threads."""
-    block = max(_GUARD_SHARES, min(UPDATE_THREADS, -(-n // 32) * 32))
-    return max(2, min(-(-n // block), 4096)), block
+    """(grid, block) of dqn_priority_update for ``n`` indices: blocks that split the tree
+    between them, each reading every index, a thread an index up to UPDATE_THREADS, and at
+    least the guard's 256 threads."""
+    return _PRIORITY_BLOCKS, max(_GUARD_SHARES, min(UPDATE_THREADS, -(-n // 32) * 32))
 MEANS_SIGNATURE = "ptr i32 i32 ptr ptr"
 HEAD_SIGNATURE = "ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr"
 # gemm.cu's dqn_loss_dwl kernels: a grad-input product's arguments (dout as A), the output
