@@ -296,18 +296,19 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
 }
 
 // dqn_priority_update: the step's priority update (the leaves and sums of
-// sumtree.cu's sumtree_update, the same bits, with the refresh split between the
-// blocks: dt_tree_update_partitioned) with the NaN guard decided here instead of read from the *skip that adamw_clip_step
-// writes, so that the update can start once the norm's partials are written and
-// run beside AdamW. Every block adds the partials in adamw_clip_step's order
-// (dt_partials_share over GUARD_SHARES threads, then dt_block_sum's tree, which
-// dt_block_sum_warp0 gives in every warp) and takes dt_clip_decide_value's
-// verdict: it changes nothing when the norm or *loss is not finite (AdamW's
-// *skip = 1) or the gate is set (*skip = 2), the launches that sumtree_update
-// skips behind that *skip, decided from the same bits.
+// sumtree.cu's sumtree_update, the same bits, with the refresh split between
+// the blocks: dt_tree_update_partitioned) with the NaN guard decided here
+// instead of read from the *skip that adamw_clip_step writes, so that the
+// update can start once the norm's partials are written and run beside AdamW.
+// Every block adds the partials in adamw_clip_step's order (dt_partials_share
+// over GUARD_SHARES threads, then dt_block_sum's tree, which dt_block_sum_warp0
+// gives in every warp) and takes dt_clip_decide_value's verdict: it changes
+// nothing when the norm or *loss is not finite (AdamW's *skip = 1) or the gate
+// is set (*skip = 2), the launches that sumtree_update skips behind that
+// *skip, decided from the same bits.
 // Launch: block a multiple of 32 from GUARD_SHARES to PRIORITY_THREADS, any
-// grid (every block reads all n indices); norm_partials and norm_blocks as adamw_clip_step takes them; loss and
-// gate may be null (no loss; never gated).
+// grid (every block reads all n indices); norm_partials and norm_blocks as
+// adamw_clip_step takes them; loss and gate may be null (no loss; never gated).
 constexpr int PRIORITY_THREADS = 512;
 constexpr int GUARD_SHARES = 256;  // adamw_clip_step's block (ADAM_THREADS): the order of its sum
 

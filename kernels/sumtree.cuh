@@ -12,9 +12,10 @@
 //
 // Why the internal sums are never updated by adding differences: additions
 // in an order the hardware picks (atomics from many warps) round differently
-// from run to run. Instead, whatever writes leaves has one block recompute
-// every ancestor of the leaves it wrote from that node's 32 children, level by
-// level (dt_tree_refresh, dt_tree_refresh_range), in the fixed order of
+// from run to run. Instead, whatever writes leaves recomputes every ancestor
+// of the leaves it wrote from that node's 32 children, level by level, each
+// node in one block (dt_tree_refresh and dt_tree_refresh_range in one block;
+// dt_tree_update_partitioned's blocks each their own subtrees), in the fixed order of
 // dt_warp_sum, which sumtree_rebuild uses too. So every internal node is, bit
 // for bit, the fixed-order sum of its children, and the whole tree is a
 // function of its leaves: the same leaves give the same nodes in every run,
@@ -130,12 +131,6 @@ __device__ __forceinline__ void dt_tree_levels(int capacity, int height, int int
     }
 }
 
-// Every ancestor of the leaves indices[0 .. n) that lie in [0, capacity)
-// (others are skipped), recomputed from its children level by level up to the
-// root, by the calling block: every thread of the block calls it, with any
-// block size that is a multiple of 32. Before the call the block must see
-// every leaf write (a barrier after its own, dt_last_block or a grid barrier
-// after the grid's); the call ends with a block barrier.
 // The claim bits of one level, a bit a node: one array for every refresh of a
 // kernel (a function's shared variable, not a template's).
 __device__ __forceinline__ unsigned int* dt_tree_claims() {
@@ -143,6 +138,12 @@ __device__ __forceinline__ unsigned int* dt_tree_claims() {
     return claims;
 }
 
+// Every ancestor of the leaves indices[0 .. n) that lie in [0, capacity)
+// (others are skipped), recomputed from its children level by level up to the
+// root, by the calling block: every thread of the block calls it, with any
+// block size that is a multiple of 32. Before the call the block must see
+// every leaf write (a barrier after its own, dt_last_block or a grid barrier
+// after the grid's); the call ends with a block barrier.
 // dt_tree_refresh_levels: levels first .. last only, and only the ancestors of
 // the indices that `keep(i)` holds for; dt_tree_refresh: all of them.
 template <class Keep>

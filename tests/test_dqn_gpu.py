@@ -884,7 +884,7 @@ def test_priority_update_takes_the_nan_guards_verdict_from_the_norms_partials(de
     cases = [  # (what, partials, loss (None: no loss), gate, updates)
         ("finite", finite(), 0.7, 0, True),
         ("no loss", finite(), None, 0, True),
-        ("a norm just under the float range", with_one(F32_MAX_SQUARED / 4), 0.7, 0, True),
+        ("a norm of 2^127, inside the float range", with_one(F32_MAX_SQUARED / 4), 0.7, 0, True),
         ("an infinite partial", with_one(np.inf), 0.7, 0, False),
         ("a NaN partial", with_one(np.nan), 0.7, 0, False),
         ("a finite sum whose norm overflows a float", with_one(F32_MAX_SQUARED * 1.001), 0.7, 0, False),

@@ -603,8 +603,8 @@ class DQNStep(Closable):
         Consecutive steps: with side streams (``dual_stream``) and the separate
         tail kernels (not ``fused_tail``), the defaults, each step after the first
         draws its batch on the update stream right after the step before has
-        written its priorities, beside that step's spectral phases and finish
-        pass, so its forward finds the batch ready when the parameters are;
+        written its priorities, beside that step's AdamW, spectral phases and
+        finish pass, so its forward finds the batch ready when the parameters are;
         otherwise the steps follow one another as single steps do. The results
         are those of ``steps`` single steps, bit for bit (docs/perf-notes.md,
         twenty-seventh pass). A host that polls ``metrics`` records ``steps``
