@@ -338,11 +338,11 @@ __device__ __forceinline__ void dt_tree_update(long long first, long long stride
                          err_published, true, [](int) { return true; });
 }
 
-// A whole priority update by the grid (sumtree.cu's sumtree_update, dqn_step.cu's
-// dqn_priority_update): block b writes the leaves of its contiguous share of the
-// indices, ceil(n / grid) of them (dt_tree_update, a thread an index), and the last
-// block to finish its share (dt_last_block on `counter`) refreshes every ancestor
-// (dt_tree_refresh). Every thread of every block calls it.
+// A whole priority update by the grid (sumtree.cu's sumtree_update): block b
+// writes the leaves of its contiguous share of the indices, ceil(n / grid) of
+// them (dt_tree_update, a thread an index), and the last block to finish its
+// share (dt_last_block on `counter`) refreshes every ancestor (dt_tree_refresh).
+// Every thread of every block calls it.
 __device__ __forceinline__ void dt_tree_update_and_refresh(double* nodes, float* leaves, float* max_leaf,
                                                            const int* indices, const float* priorities, float alpha,
                                                            int n, int capacity, int height, int internal,
