@@ -30,8 +30,12 @@ extern "C" __global__ void __launch_bounds__(UPDATE_THREADS) sumtree_update(
     // Nothing writes *skip here, so every thread sees the same value and the
     // warp-wide shuffles of the update are never split.
     if (skip != nullptr && *skip != 0) return;
-    dt_tree_update_and_refresh(nodes, leaves, max_leaf, indices, priorities, alpha, n, capacity, height, internal,
-                               err_counts, err_published, counter);
+    const long long share = ((long long)n + gridDim.x - 1) / gridDim.x, first = blockIdx.x * share;
+    const int count = (int)max(0ll, min((long long)n, first + share) - first);
+    dt_tree_update(threadIdx.x, blockDim.x, leaves, max_leaf, indices + first, priorities + first, alpha, count,
+                   capacity, err_counts, err_published);
+    if (!dt_last_block(counter, gridDim.x)) return;
+    dt_tree_refresh(nodes, leaves, capacity, height, internal, indices, n);
 }
 
 // sumtree_rebuild: recompute every internal node from the leaves with fixed-order

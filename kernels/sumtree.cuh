@@ -338,26 +338,8 @@ __device__ __forceinline__ void dt_tree_update(long long first, long long stride
                          err_published, true, [](int) { return true; });
 }
 
-// A whole priority update by the grid (sumtree.cu's sumtree_update): block b
-// writes the leaves of its contiguous share of the indices, ceil(n / grid) of
-// them (dt_tree_update, a thread an index), and the last block to finish its
-// share (dt_last_block on `counter`) refreshes every ancestor (dt_tree_refresh).
-// Every thread of every block calls it.
-__device__ __forceinline__ void dt_tree_update_and_refresh(double* nodes, float* leaves, float* max_leaf,
-                                                           const int* indices, const float* priorities, float alpha,
-                                                           int n, int capacity, int height, int internal,
-                                                           unsigned int* err_counts, unsigned int* err_published,
-                                                           unsigned int* counter) {
-    const long long share = ((long long)n + gridDim.x - 1) / gridDim.x, first = blockIdx.x * share;
-    const int count = (int)max(0ll, min((long long)n, first + share) - first);
-    dt_tree_update(threadIdx.x, blockDim.x, leaves, max_leaf, indices + first, priorities + first, alpha, count,
-                   capacity, err_counts, err_published);
-    if (!dt_last_block(counter, gridDim.x)) return;
-    dt_tree_refresh(nodes, leaves, capacity, height, internal, indices, n);
-}
-
-// The same update (the same leaves, sums and flags) with the refresh spread
-// over the grid: block b owns the subtrees of the level-(height - 1) nodes j
+// sumtree.cu's sumtree_update (the same leaves, sums and flags) with the
+// refresh spread over the grid: block b owns the subtrees of the level-(height - 1) nodes j
 // with j mod grid == b. It writes their leaves among indices[0 .. n) (every
 // block reads every index: for n up to a few thousand) and refreshes their
 // levels 1 .. height - 1, which no other block writes or reads, with no

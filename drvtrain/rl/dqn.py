@@ -60,13 +60,6 @@ LOSS_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr pt
 PRIORITY_UPDATE_SIGNATURE = "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr i32 ptr ptr ptr ptr ptr"
 _GUARD_SHARES = 256  # GUARD_SHARES in kernels/dqn_step.cu: the guard's sum takes 256 threads
 _PRIORITY_BLOCKS = 4  # the blocks that share the update's refresh (docs/perf-notes.md, fifty-sixth pass)
-
-
-def priority_update_shape(n: int) -> tuple[int, int]:
-    """(grid, block) of dqn_priority_update for ``n`` indices: blocks that split the tree
-    between them, each reading every index, a thread an index up to UPDATE_THREADS, and at
-    least the guard's 256 threads."""
-    return _PRIORITY_BLOCKS, max(_GUARD_SHARES, min(UPDATE_THREADS, -(-n // 32) * 32))
 MEANS_SIGNATURE = "ptr i32 i32 ptr ptr"
 HEAD_SIGNATURE = "ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr"
 # gemm.cu's dqn_loss_dwl kernels: a grad-input product's arguments (dout as A), the output
@@ -74,6 +67,13 @@ HEAD_SIGNATURE = "ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f3
 # priorities, partials, their 32-row block count, a*).
 LOSS_DWL_SIGNATURE = ("ptr i32 ptr i32 ptr i32 i32 i32 i32 ptr ptr i32 ptr ptr ptr ptr ptr i32 ptr "
                       "ptr ptr ptr ptr ptr ptr ptr f32 f32 ptr ptr i32 ptr")
+
+
+def priority_update_shape(n: int) -> tuple[int, int]:
+    """(grid, block) of dqn_priority_update for ``n`` indices: blocks that split the tree
+    between them, each reading every index, a thread an index up to UPDATE_THREADS, and at
+    least the guard's 256 threads."""
+    return _PRIORITY_BLOCKS, max(_GUARD_SHARES, min(UPDATE_THREADS, -(-n // 32) * 32))
 
 
 def head_kernel_name(n_actions: int) -> str:
@@ -758,13 +758,13 @@ class DQNStep(Closable):
         """dqn_priority_update on ``update_stream`` (forked from ``stream`` when it is another)."""
         if update_stream is not stream:
             fork(stream, update_stream)
-        opt = self.optimizer
+        opt, tree = self.optimizer, self.replay.tree.update_operands(batch.indices, priorities)
         grid, block = priority_update_shape(batch.indices.size)
-        nodes, leaves, max_leaf, indices, priorities, alpha, n, capacity, height, internal, counts, published = \
-            self.replay.tree.update_operands(batch.indices, priorities)
-        self._priority.launch(grid, block, nodes, leaves, max_leaf, indices, priorities, alpha, n, capacity, height,
-                              internal, opt.norm_partials, opt.norm_grid, self.loss, gate if gate is not None else 0,
-                              counts, published, self._priority_counter, stream=update_stream)
+        # The tree's operands, with the guard's (partials, their count, the loss, the gate)
+        # before its error flags.
+        self._priority.launch(grid, block, *tree[:10], opt.norm_partials, opt.norm_grid, self.loss,
+                              gate if gate is not None else 0, *tree[10:], self._priority_counter,
+                              stream=update_stream)
 
     def _enqueue_tail(self, batch, priorities, stream, gate) -> None:
         cfg, opt = self.config, self.optimizer
