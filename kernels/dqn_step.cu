@@ -310,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) dqn_finish(
 // grid (every block reads all n indices); norm_partials and norm_blocks as
 // adamw_clip_step takes them; loss and gate may be null (no loss; never gated).
 constexpr int PRIORITY_THREADS = 512;
-constexpr int GUARD_SHARES = 256;  // adamw_clip_step's block (ADAM_THREADS): the order of its sum
+constexpr int GUARD_SHARES = ADAM_THREADS;  // adamw_clip_step's block (optim.cuh): the order of its sum
 
 extern "C" __global__ void __launch_bounds__(PRIORITY_THREADS) dqn_priority_update(
         double* nodes, float* leaves, float* max_leaf, const int* indices, const float* priorities, float alpha,

@@ -47,7 +47,6 @@
 #include "optim.cuh"
 
 constexpr int NORM_THREADS = 256;
-constexpr int ADAM_THREADS = 256;
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) grad_norm_clip(
         const float* grads, long long n, double* partials, unsigned int* counter, float max_norm,

@@ -4,6 +4,10 @@
 // The first layer's dW sums (DtFirstDw) are grad_norm_partials_first_dw's only.
 #pragma once
 
+// adamw_clip_step's block (optim.cu). Its sum of the norm's partials runs over
+// this many shares, an order dqn_step.cu's priority update repeats.
+constexpr int ADAM_THREADS = 256;
+
 // sum g^2 of one float4, in double: every sum of squares below adds these.
 __device__ __forceinline__ double dt_squares(float4 g) {
     return (double)g.x * g.x + (double)g.y * g.y + (double)g.z * g.z + (double)g.w * g.w;

@@ -338,21 +338,31 @@ __device__ __forceinline__ void dt_tree_update(long long first, long long stride
                          err_published, true, [](int) { return true; });
 }
 
+// The level dt_tree_update_partitioned splits at: the highest level below the
+// root with at least `blocks` nodes, so that every block owns some of its
+// nodes; 0 (the leaves) when even level 1 has fewer.
+__device__ __forceinline__ int dt_tree_split_level(int capacity, int height, unsigned int blocks) {
+    for (int h = height - 1; h >= 1; --h)
+        if ((unsigned int)dt_level_real(capacity, h) >= blocks) return h;
+    return 0;
+}
+
 // sumtree.cu's sumtree_update (the same leaves, sums and flags) with the
-// refresh spread over the grid: block b owns the subtrees of the level-(height - 1) nodes j
-// with j mod grid == b. It writes their leaves among indices[0 .. n) (every
-// block reads every index: for n up to a few thousand) and refreshes their
-// levels 1 .. height - 1, which no other block writes or reads, with no
-// hand-over; the last block to finish (dt_last_block on `counter`) then
-// recomputes the root. An index outside [0, capacity) raises its flag in block
-// 0 only, a bad priority in the block owning its leaf: once each, as above.
+// refresh spread over the grid: block b owns the subtrees of the nodes j of
+// the split level s (dt_tree_split_level) with j mod grid == b. It writes
+// their leaves among indices[0 .. n) (every block reads every index: for n up
+// to a few thousand) and refreshes their levels 1 .. s, which no other block
+// writes or reads, with no hand-over; the last block to finish (dt_last_block
+// on `counter`) then recomputes levels s + 1 .. height (the root alone where
+// s is height - 1). An index outside [0, capacity) raises its flag in block 0
+// only, a bad priority in the block owning its leaf: once each, as above.
 __device__ __forceinline__ void dt_tree_update_partitioned(double* nodes, float* leaves, float* max_leaf,
                                                            const int* indices, const float* priorities, float alpha,
                                                            int n, int capacity, int height, int internal,
                                                            unsigned int* err_counts, unsigned int* err_published,
                                                            unsigned int* counter) {
-    const int split = height - 1;
     const unsigned int blocks = gridDim.x, mine = blockIdx.x;
+    const int split = dt_tree_split_level(capacity, height, blocks);
     const auto own = [&](int i) { return (unsigned int)(((long long)i >> (5 * split)) % blocks) == mine; };
     dt_tree_write_leaves(threadIdx.x, blockDim.x, leaves, max_leaf, indices, priorities, alpha, n, capacity,
                          err_counts, err_published, mine == 0, own);
@@ -360,6 +370,6 @@ __device__ __forceinline__ void dt_tree_update_partitioned(double* nodes, float*
     __syncthreads();
     dt_tree_refresh_levels(nodes, leaves, capacity, height, internal, indices, n, 1, split, own);
     if (!dt_last_block(counter, gridDim.x)) return;
-    dt_tree_refresh_levels(nodes, leaves, capacity, height, internal, indices, n, height, height,
+    dt_tree_refresh_levels(nodes, leaves, capacity, height, internal, indices, n, split + 1, height,
                            [](int) { return true; });
 }

@@ -220,8 +220,8 @@ def test_priority_update_shape_matches_the_kernels():
     each of the blocks that split the tree."""
     from drvtrain.rl import dqn
     kernels = Path(__file__).parents[1] / "kernels"
-    step, optim, tree = ((kernels / name).read_text() for name in ("dqn_step.cu", "optim.cu", "sumtree.cu"))
-    assert f"constexpr int GUARD_SHARES = {dqn._GUARD_SHARES};" in step
+    step, optim, tree = ((kernels / name).read_text() for name in ("dqn_step.cu", "optim.cuh", "sumtree.cu"))
+    assert "constexpr int GUARD_SHARES = ADAM_THREADS;" in step
     assert f"constexpr int ADAM_THREADS = {dqn._GUARD_SHARES};" in optim
     assert f"constexpr int PRIORITY_THREADS = {dqn.UPDATE_THREADS};" in step
     assert f"constexpr int UPDATE_THREADS = {dqn.UPDATE_THREADS};" in tree

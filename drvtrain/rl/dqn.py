@@ -58,7 +58,7 @@ LOSS_SIGNATURE = "ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr pt
 # kernels/dqn_step.cu's dqn_priority_update: SumTree.update_operands' first ten, the norm's
 # partials and their count, the loss, the gate, the tree's error flags, a last-block counter.
 PRIORITY_UPDATE_SIGNATURE = "ptr ptr ptr ptr ptr f32 i32 i32 i32 i32 ptr i32 ptr ptr ptr ptr ptr"
-_GUARD_SHARES = 256  # GUARD_SHARES in kernels/dqn_step.cu: the guard's sum takes 256 threads
+_GUARD_SHARES = 256  # ADAM_THREADS in kernels/optim.cuh (dqn_step.cu's GUARD_SHARES): the guard's sum's threads
 _PRIORITY_BLOCKS = 4  # the blocks that share the update's refresh (docs/perf-notes.md, fifty-sixth pass)
 MEANS_SIGNATURE = "ptr i32 i32 ptr ptr"
 HEAD_SIGNATURE = "ptr ptr ptr i32 ptr ptr ptr ptr ptr ptr ptr ptr i32 i32 f32 f32 ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr ptr"
