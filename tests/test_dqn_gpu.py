@@ -598,6 +598,19 @@ def _block_sum_bits(shares: np.ndarray) -> float:
     return float(x[0])
 
 
+def _partials_sum_bits(partials) -> float:
+    """dt_partials_sum<256> (kernels/common.cuh) in float64 numpy: thread t's share adds
+    partials t, t + 256, ... to 0 in turn, then the block tree (_block_sum_bits). The order
+    in which adamw_clip_step and dqn_priority_update's guard add the norm's partials."""
+    shares = np.zeros(256)
+    for t in range(256):
+        acc = 0.0
+        for b in range(t, len(partials), 256):
+            acc += float(partials[b])
+        shares[t] = acc
+    return _block_sum_bits(shares)
+
+
 def _columns_phase_bits(W: np.ndarray, u: np.ndarray):
     """spectral_columns (kernels/spectral.cuh) in float64 numpy, in the kernel's order, so
     the bits match: per 16-column block, thread t takes column quad t % 4 and rows t // 4,
@@ -807,13 +820,7 @@ def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, h
 
     def partials_sum(part):  # dt_partials_sum: each thread's share in order, then the block tree
         assert np.all(np.isfinite(part)) and np.all(part > 0)
-        shares = np.zeros(256)
-        for t in range(256):
-            acc = 0.0
-            for b in range(t, len(part), 256):
-                acc += float(part[b])
-            shares[t] = acc
-        return _block_sum_bits(shares)
+        return _partials_sum_bits(part)
 
     projected = 0
     for m, row in enumerate(step.spectral_table):
@@ -843,9 +850,58 @@ def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, h
 
 
 F32_MAX_SQUARED = 2.0 ** 256  # about the smallest sum of squares whose float norm is infinite
+# Exactly the smallest: dt_clip_decide_value (kernels/optim.cuh) takes the norm as (float)sqrt(total),
+# and the square root of this double is the midpoint between FLT_MAX and 2^128, which rounds (to even)
+# to infinity; the double below it gives FLT_MAX.
+F32_NORM_LIMIT = (2.0 ** 128 - 2.0 ** 103) ** 2
 
 
-PRIORITY_TREES = [(20, 8), (1000, 100), (1 << 17, 256), ((1 << 20) + 33, 512)]  # one to five levels
+def float_norm(total: float) -> np.float32:
+    """dt_clip_decide_value's norm: the double square root of the sum, rounded to float
+    (infinite from F32_NORM_LIMIT on)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.float32(np.sqrt(np.float64(total)))
+
+
+def left_to_right_sum(partials) -> float:
+    """The partials added in turn from the first: the order the guard must not take."""
+    acc = 0.0
+    for p in partials:
+        acc += float(p)
+    return acc
+
+
+def order_sensitive_partials(count: int, kernel_overflows: bool) -> np.ndarray:
+    """``count`` norm partials whose float norm is finite in one order of addition and
+    infinite in the other (count >= 3 but 4, where two of them reach the large one as
+    exactly u / 2, a tie, and both orders overflow). One is the largest sum whose float
+    norm is finite (F32_NORM_LIMIT less its ulp u); every other one is below u / 2, so
+    that one alone added to it rounds away.
+    kernel_overflows: the large one is partial 1, the others 5u/16 each. Left to right it
+    takes them one at a time and stays; in dt_partials_sum's order at least two of them
+    meet first (partials 0 and 2 of three; shares of the tree's first level of more),
+    5u/8 > u / 2, and the sum rounds up to the limit.
+    Otherwise the large one is the last partial and the others add to 3u/4. Left to right
+    they are summed first and carry it up to the limit; in dt_partials_sum's order it
+    meets them in parts, the largest about half of them (the tree's last level), each
+    below u / 2, and stays."""
+    large = np.nextafter(F32_NORM_LIMIT, 0.0)
+    u = F32_NORM_LIMIT - large
+    if kernel_overflows:
+        partials = np.full(count, 5 * u / 16)
+        partials[1] = large
+    else:
+        partials = np.full(count, 3 * u / (4 * (count - 1)))
+        partials[-1] = large
+    return partials
+
+
+# One to five levels. The update's four blocks split each tree at the highest level below the
+# root with at least four nodes (dt_tree_split_level), and the last block refreshes the levels
+# above it: at the leaves for 70 (level 1 has 3 nodes), at level 1 of the three-level tree
+# (63, 2 and 1 nodes), at level 3 of 2^20 + 33 (33 nodes, then 2 and 1). The three-level
+# tree's 290 indices take 320 threads, 256 of them the guard's sum.
+PRIORITY_TREES = [(20, 8), (70, 16), (1000, 100), (2000, 290), (1 << 17, 256), ((1 << 20) + 33, 512)]
 
 
 def launch_priority_update(tree, idx, pri, partials, loss, gate, stream, counter):
@@ -950,6 +1006,66 @@ def test_priority_update_raises_each_bad_entry_once_and_writes_the_rest(device, 
         assert np.min(np.abs(written[mine] - got[i]) / written[mine]) < 1e-6
     assert tree.nodes_numpy().tobytes() == fixed_order_nodes(got, tree.levels, tree.internal).tobytes()
     assert int(counter.to_numpy()[0]) == 0
+
+
+@pytest.mark.parametrize("count", [3, 255, 256, 257, 513])
+def test_priority_update_and_adamw_agree_where_the_order_of_the_norms_sum_decides(device, rng, count):
+    """dqn_priority_update decides AdamW's NaN guard itself, and must take adamw_clip_step's
+    verdict: both add the norm's partials in dt_partials_sum's order (thread t of 256 adds
+    partials t, t + 256, ... in turn, then the block tree). Here the order decides it: at
+    the edge of the float range, partials whose float norm is finite in that order and
+    infinite left to right, then the other way round (order_sensitive_partials, both sums
+    checked in float64 first); counts below, at and above 256 and past the 512 partials
+    AdamW loads before its loop. The update writes its leaves and sums exactly when the
+    norm is finite in the kernels' order, AdamW's *skip is 0 exactly then (else 1) and its
+    published norm is that order's (FLT_MAX or infinity): a kernel that added left to
+    right, or in any order that gives the other verdict, fails."""
+    from drvtrain.nn import AdamW, FlatBuffer, ParamLayout
+    from drvtrain.rl import SumTree
+    stream = Stream()
+    counter = DeviceBuffer.zeros(1, np.uint32)
+    capacity, n = 2000, 290
+    tree = SumTree(capacity, alpha=0.6, seed=int(rng.integers(2**63)))
+    tree.set_priorities(rng.uniform(0.1, 1.1, capacity).astype(np.float32))
+    layout = ParamLayout([(16, 8)])
+    loss = DeviceBuffer.from_numpy(np.array([0.7], np.float32))
+    opt = AdamW(FlatBuffer(layout), FlatBuffer(layout), loss=loss, nan_guard=True)
+    opt._t_next.copy_from_numpy(np.array([1], np.int32))  # as the norm kernel leaves it before step 1
+    adamw = opt._adamw_clip
+    assert not np.isfinite(float_norm(F32_NORM_LIMIT))
+    assert float_norm(np.nextafter(F32_NORM_LIMIT, 0.0)) == np.finfo(np.float32).max
+    for k, kernel_overflows in enumerate((False, True)):
+        what = f"{count} partials, infinite in the kernels' order: {kernel_overflows}"
+        partials = order_sensitive_partials(count, kernel_overflows)
+        norm = float_norm(_partials_sum_bits(partials))
+        assert np.isfinite(norm) == (not kernel_overflows), what
+        assert np.isfinite(float_norm(left_to_right_sum(partials))) == kernel_overflows, what
+        idx = rng.integers(0, capacity, n).astype(np.int32)
+        pri = (rng.uniform(2.0, 20.0, n) * 100.0 ** k).astype(np.float32)  # above every leaf so far
+        leaves, nodes = tree.leaves_numpy(), tree.nodes_numpy()
+        launch_priority_update(tree, idx, pri, partials, 0.7, 0, stream, counter)
+        got = tree.leaves_numpy()
+        kept = np.setdiff1d(np.arange(capacity), idx)
+        updated = bool(np.all(got[idx] > leaves[idx]))
+        assert got[kept].tobytes() == leaves[kept].tobytes(), what
+        if updated:
+            assert tree.nodes_numpy().tobytes() == fixed_order_nodes(got, tree.levels, tree.internal).tobytes(), what
+        else:
+            assert got.tobytes() == leaves.tobytes() and tree.nodes_numpy().tobytes() == nodes.tobytes(), what
+        d_partials = DeviceBuffer.from_numpy(partials)
+        opt.skip.copy_from_numpy(np.array([-1], np.int32))
+        opt.clip.copy_from_numpy(np.full(2, np.nan, np.float32))
+        adamw.launch(opt._adam_grid, adamw.block, opt.params, opt.grads, opt.m, opt.v, opt.n, opt.lr, *opt.betas,
+                     opt.eps, opt.weight_decay, d_partials, count, opt.max_norm, loss, opt._t_next, opt.clip, opt.t,
+                     0, 1, opt.skip, 0, stream=stream)
+        stream.synchronize()
+        skip = int(opt.skip.to_numpy()[0])
+        assert opt.clip.to_numpy()[:1].tobytes() == norm.tobytes(), what
+        assert skip == (1 if kernel_overflows else 0), what
+        assert updated == (skip == 0) == np.isfinite(norm), what
+        assert int(counter.to_numpy()[0]) == 0, what
+    tree.check_errors()
+    opt.close()
 
 
 @pytest.mark.parametrize("shape", [ODD, dict(ODD, obs_dim=4, hidden=(64, 48))], ids=["odd-widths", "float4-widths"])
@@ -1185,6 +1301,25 @@ def test_audit_of_the_captured_step_passes(device, rng, config, dual_stream, fus
             assert len(after) == len(before) == 1, (reader, writer)
             assert graph.dependencies(after[0].node) == [before[0].node], reader
             assert (before[0].node.index, after[0].node.index) in graph.programmatic_edges(), reader
+        # The priority update decides the NaN guard from the norm's partials itself: with side
+        # streams it is forked once the norm kernel is queued and runs beside AdamW; on one
+        # stream it follows AdamW. Its side stream ran the target forward and backward products
+        # earlier in the capture, and a capture's wait adds the forking stream's nodes to the
+        # waiting stream's own: any dependency besides the norm kernel's node comes before it.
+        update, adamw, norm_node = ([k.node for k in kernels if k.function == f]
+                                    for f in ("dqn_priority_update", "adamw_clip_step", norm))
+        assert len(update) == len(adamw) == len(norm_node) == 1
+        update, adamw, norm_node = update[0], adamw[0], norm_node[0]
+        into = {d.index for d in graph.dependencies(update)}
+        if dual_stream:
+            edges, above, frontier = graph.edges(), set(), {norm_node.index}
+            while frontier:  # the norm kernel's ancestors
+                frontier = {a for a, b in edges if b in frontier} - above
+                above |= frontier
+            assert norm_node.index in into and into - {norm_node.index} <= above, into
+            assert graph.can_run_concurrently(update, adamw)
+        else:
+            assert into == {adamw.index}, into
 
 
 PRESPLIT_KERNELS = {"tf32_split", "linear_grad_input_wgmma_presplit_3xtf32",
