@@ -15,8 +15,8 @@
 // from run to run. Instead, whatever writes leaves recomputes every ancestor
 // of the leaves it wrote from that node's 32 children, level by level, each
 // node in one block (dt_tree_refresh and dt_tree_refresh_range in one block;
-// dt_tree_update_partitioned's blocks each their own subtrees), in the fixed order of
-// dt_warp_sum, which sumtree_rebuild uses too. So every internal node is, bit
+// dt_tree_update_partitioned's blocks each their own subtrees, and its last
+// block the levels above them), in the fixed order of dt_warp_sum, which sumtree_rebuild uses too. So every internal node is, bit
 // for bit, the fixed-order sum of its children, and the whole tree is a
 // function of its leaves: the same leaves give the same nodes in every run,
 // eager or captured, and after rebuild(). No float is added by an atomic.
@@ -352,7 +352,7 @@ __device__ __forceinline__ int dt_tree_split_level(int capacity, int height, uns
 // the split level s (dt_tree_split_level) with j mod grid == b. It writes
 // their leaves among indices[0 .. n) (every block reads every index: for n up
 // to a few thousand) and refreshes their levels 1 .. s, which no other block
-// writes or reads, with no hand-over; the last block to finish (dt_last_block
+// writes or reads, with no hand-over below level s; the last block to finish (dt_last_block
 // on `counter`) then recomputes levels s + 1 .. height (the root alone where
 // s is height - 1). An index outside [0, capacity) raises its flag in block 0
 // only, a bad priority in the block owning its leaf: once each, as above.
