@@ -10,16 +10,17 @@
 //           multiple of 32; node n of level h sums children 32n .. 32n+31 of
 //           level h-1 (level 0 = the leaves). The root is nodes[0], the total.
 //
-// Why the internal sums are never updated by adding differences: additions
-// in an order the hardware picks (atomics from many warps) round differently
-// from run to run. Instead, whatever writes leaves recomputes every ancestor
-// of the leaves it wrote from that node's 32 children, level by level, each
-// node in one block (dt_tree_refresh and dt_tree_refresh_range in one block;
+// Why the internal sums are never updated by adding differences: additions in
+// an order the hardware picks (atomics from many warps) round differently from
+// run to run. Instead, whatever writes leaves recomputes every ancestor of the
+// leaves it wrote from that node's 32 children, level by level, each node in
+// one block (dt_tree_refresh and dt_tree_refresh_range in one block;
 // dt_tree_update_partitioned's blocks each their own subtrees, and its last
-// block the levels above them), in the fixed order of dt_warp_sum, which sumtree_rebuild uses too. So every internal node is, bit
-// for bit, the fixed-order sum of its children, and the whole tree is a
-// function of its leaves: the same leaves give the same nodes in every run,
-// eager or captured, and after rebuild(). No float is added by an atomic.
+// block the levels above them), in the fixed order of dt_warp_sum, which
+// sumtree_rebuild uses too. So every internal node is, bit for bit, the fixed-
+// order sum of its children, and the whole tree is a function of its leaves:
+// the same leaves give the same nodes in every run, eager or captured, and
+// after rebuild(). No float is added by an atomic.
 //
 // Why fp64 internal sums: the walk subtracts child sums from a prefix mass at
 // every level. A sum in fp64 rounds at 2^-53 of itself, so a leaf of 1e-12 of
