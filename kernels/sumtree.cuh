@@ -17,10 +17,10 @@
 // one block (dt_tree_refresh and dt_tree_refresh_range in one block;
 // dt_tree_update_partitioned's blocks each their own subtrees, and its last
 // block the levels above them), in the fixed order of dt_warp_sum, which
-// sumtree_rebuild uses too. So every internal node is, bit for bit, the fixed-
-// order sum of its children, and the whole tree is a function of its leaves:
-// the same leaves give the same nodes in every run, eager or captured, and
-// after rebuild(). No float is added by an atomic.
+// sumtree_rebuild uses too. So every internal node is, bit for bit, the
+// fixed-order sum of its children, and the whole tree is a function of its
+// leaves: the same leaves give the same nodes in every run, eager or captured,
+// and after rebuild(). No float is added by an atomic.
 //
 // Why fp64 internal sums: the walk subtracts child sums from a prefix mass at
 // every level. A sum in fp64 rounds at 2^-53 of itself, so a leaf of 1e-12 of
