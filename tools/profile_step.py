@@ -25,6 +25,14 @@ the L2 left as the kernels before it left it (no cache flush, application replay
 ``--hbm``). Kernels that run side by side in the step share the L2: their rates add up
 while they overlap.
 
+``--tensor``: instead, how busy each kernel keeps the tensor cores: the tensor pipe's
+active cycles as a share of its peak over the cycles the SMs ran the kernel
+(``sm__pipe_tensor_cycles_active``, ``pct_of_peak_sustained_active``), and over the
+kernel's whole time on every SM (``pct_of_peak_sustained_elapsed``, which counts the SMs
+it left idle), with the warp-group (``wgmma``) and warp (``mma.sync``) MMA instructions it
+issued. A product's first share says how well its blocks feed their tensor cores, the
+second how much of the GPU's it gets.
+
 Every table is taken at the clocks ncu fixes (the base clocks), so its times are
 longer than the step's.
 
@@ -64,6 +72,15 @@ L2_METRICS = {
     "lts__t_bytes.sum": "l2",
     "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2_peak",
     "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy",
+    "launch__grid_size": "grid",
+    "launch__block_size": "block",
+}
+TENSOR_METRICS = {
+    "gpu__time_duration.sum": "time",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor_active",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed": "tensor_elapsed",
+    "sm__inst_executed_pipe_tensor_op_gmma.sum": "wgmma",
+    "sm__inst_executed_pipe_tensor_op_hmma.sum": "mma",
     "launch__grid_size": "grid",
     "launch__block_size": "block",
 }
@@ -114,7 +131,7 @@ def _number(text: str) -> float:
 
 def table(csv_text: str, metrics: dict = METRICS) -> list[dict]:
     """ncu's ``--page raw --csv`` output as rows of the fields in ``metrics`` (METRICS,
-    HBM_METRICS or L2_METRICS: bytes in MB, 10^6 bytes), times in us."""
+    HBM_METRICS, L2_METRICS or TENSOR_METRICS: bytes in MB, 10^6 bytes), times in us."""
     lines = [line for line in csv_text.splitlines() if line.startswith('"')]
     reader = list(csv.reader(io.StringIO("\n".join(lines))))
     if len(reader) < 3:
@@ -175,8 +192,19 @@ def print_l2_table(what: str, rows: list[dict]) -> None:
               f"{rate:.2f} | {r['l2_peak']:.1f} | {r['occupancy']:.1f} |")
 
 
+def print_tensor_table(what: str, rows: list[dict]) -> None:
+    print(f"\n{what}: {len(rows)} kernels, {sum(r['time'] for r in rows):.1f} us of kernel time; the tensor pipe's "
+          f"busy share of its peak over the SMs' active cycles and over the kernel's time on every SM\n")
+    print("| # | kernel | us | grid x block | tensor % (active) | tensor % (all SMs) | wgmma inst | mma.sync inst |")
+    print("|---|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rows):
+        print(f"| {i} | {r['kernel']} | {r['time']:.2f} | {r['grid']} x {r['block']} | {r['tensor_active']:.1f} | "
+              f"{r['tensor_elapsed']:.1f} | {r['wgmma']:.0f} | {r['mma']:.0f} |")
+
+
 # Each table: its metrics and its printer.
-MODES = {"default": (METRICS, print_table), "hbm": (HBM_METRICS, print_hbm_table), "l2": (L2_METRICS, print_l2_table)}
+MODES = {"default": (METRICS, print_table), "hbm": (HBM_METRICS, print_hbm_table), "l2": (L2_METRICS, print_l2_table),
+         "tensor": (TENSOR_METRICS, print_tensor_table)}
 
 
 def ncu_command(ncu: str, what: str, warmup: int, mode: str = "default") -> list[str]:
@@ -205,6 +233,10 @@ def main(argv=None) -> int:
                             help="the bytes each kernel moves through the L2, their rate (TB/s) and the L2's "
                                  "throughput as a share of its peak, each kernel alone, with the L2 left as the step "
                                  "leaves it (no cache flush, application replay), instead of the default table")
+    table_kind.add_argument("--tensor", action="store_true",
+                            help="the tensor pipe's busy share of its peak per kernel (over the SMs' active cycles, "
+                                 "and over its time on every SM) and the MMA instructions it issued, instead of the "
+                                 "default table")
     parser.add_argument("--child", action="store_true", help=argparse_hidden())
     args = parser.parse_args(argv)
     args.what = args.what or list(WHAT)
@@ -216,7 +248,7 @@ def main(argv=None) -> int:
     get_device()  # no GPU: one line and exit 2, before starting the profiler
     if not os.path.exists(args.ncu):
         parser.error(f"--ncu {args.ncu}: no such file")
-    mode = "hbm" if args.hbm else "l2" if args.l2 else "default"
+    mode = "hbm" if args.hbm else "l2" if args.l2 else "tensor" if args.tensor else "default"
     metrics, printer = MODES[mode]
     status = 0
     for what in args.what:
