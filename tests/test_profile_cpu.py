@@ -219,24 +219,25 @@ TENSOR_HEADER = ('"ID","Process ID","Kernel Name","gpu__time_duration.sum","laun
 
 def test_tensor_rows_keep_both_shares_and_the_instruction_counts(profile, capsys):
     """``--tensor``: the tensor pipe's share over the active cycles and over all SMs, read
-    apart (the columns in ncu's order, not the table's), the instruction counts without
-    their thousands separators; its command asks for exactly those metrics, as the
+    apart (the columns in ncu's order, not the table's), the instruction counts (wgmma, and
+    every tensor instruction, which counts the wgmma ones too) without their thousands
+    separators; its command asks for exactly those metrics, as the
     default table (no cache or replay options)."""
     text = "\n".join([
         "==PROF== Connected to process 77", TENSOR_HEADER, '"","","","usecond","","","inst","inst","%","%"',
-        '"0","1","linear_forward_relu_head_wgmma_tf32","21.41","256","32","1,048,576","0","61.25","14.85"',
+        '"0","1","linear_forward_relu_head_wgmma_tf32","21.41","256","32","1,048,576","1,048,576","61.25","14.85"',
         '"1","1","adamw_clip_step(float *)","14.27","256","528","0","0","0","0"',
         '"2","1","linear_grad_weight_32x32_cp4_cluster_3xtf32","6.91","128","32","0","98,304","3.5","0.8"'])
     rows = profile.table(text, profile.TENSOR_METRICS)
     assert [r["kernel"] for r in rows] == ["linear_forward_relu_head_wgmma_tf32", "adamw_clip_step",
                                            "linear_grad_weight_32x32_cp4_cluster_3xtf32"]
     assert [(r["tensor_active"], r["tensor_elapsed"]) for r in rows] == [(61.25, 14.85), (0, 0), (3.5, 0.8)]
-    assert [(r["wgmma"], r["mma"]) for r in rows] == [(1048576, 0), (0, 0), (0, 98304)]
+    assert [(r["wgmma"], r["tensor_inst"]) for r in rows] == [(1048576, 1048576), (0, 0), (0, 98304)]
     assert [r["time"] for r in rows] == pytest.approx([21.41, 14.27, 6.91]) and "limit" not in rows[0]
     cmd = profile.ncu_command("ncu", "dqn-large", 3, "tensor")
     assert cmd[cmd.index("--metrics") + 1].split(",") == list(profile.TENSOR_METRICS)
     assert "--cache-control" not in cmd and "--replay-mode" not in cmd
     profile.print_tensor_table("dqn-large", rows)
     out = capsys.readouterr().out
-    assert "| 0 | linear_forward_relu_head_wgmma_tf32 | 21.41 | 32 x 256 | 61.2 | 14.8 | 1048576 | 0 |" in out
+    assert "| 0 | linear_forward_relu_head_wgmma_tf32 | 21.41 | 32 x 256 | 61.2 | 14.8 | 1048576 | 1048576 |" in out
     assert "| 2 | linear_grad_weight_32x32_cp4_cluster_3xtf32 | 6.91 | 32 x 128 | 3.5 | 0.8 | 0 | 98304 |" in out

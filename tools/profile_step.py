@@ -29,9 +29,11 @@ while they overlap.
 active cycles as a share of its peak over the cycles the SMs ran the kernel
 (``sm__pipe_tensor_cycles_active``, ``pct_of_peak_sustained_active``), and over the
 kernel's whole time on every SM (``pct_of_peak_sustained_elapsed``, which counts the SMs
-it left idle), with the warp-group (``wgmma``) and warp (``mma.sync``) MMA instructions it
-issued. A product's first share says how well its blocks feed their tensor cores, the
-second how much of the GPU's it gets.
+it left idle), with the tensor instructions it issued: the warp-group MMAs (``wgmma``) and
+all of them (``sm__inst_executed_pipe_tensor_op_hmma``, which on sm_90 counts the
+``wgmma`` ones as well as ``mma.sync``: the two counts are equal in a kernel that issues
+only ``wgmma``). A product's first share says how well its blocks feed their tensor
+cores, the second how much of the GPU's it gets.
 
 Every table is taken at the clocks ncu fixes (the base clocks), so its times are
 longer than the step's.
@@ -80,7 +82,7 @@ TENSOR_METRICS = {
     "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor_active",
     "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed": "tensor_elapsed",
     "sm__inst_executed_pipe_tensor_op_gmma.sum": "wgmma",
-    "sm__inst_executed_pipe_tensor_op_hmma.sum": "mma",
+    "sm__inst_executed_pipe_tensor_op_hmma.sum": "tensor_inst",
     "launch__grid_size": "grid",
     "launch__block_size": "block",
 }
@@ -195,11 +197,11 @@ def print_l2_table(what: str, rows: list[dict]) -> None:
 def print_tensor_table(what: str, rows: list[dict]) -> None:
     print(f"\n{what}: {len(rows)} kernels, {sum(r['time'] for r in rows):.1f} us of kernel time; the tensor pipe's "
           f"busy share of its peak over the SMs' active cycles and over the kernel's time on every SM\n")
-    print("| # | kernel | us | grid x block | tensor % (active) | tensor % (all SMs) | wgmma inst | mma.sync inst |")
+    print("| # | kernel | us | grid x block | tensor % (active) | tensor % (all SMs) | wgmma inst | tensor inst |")
     print("|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
         print(f"| {i} | {r['kernel']} | {r['time']:.2f} | {r['grid']} x {r['block']} | {r['tensor_active']:.1f} | "
-              f"{r['tensor_elapsed']:.1f} | {r['wgmma']:.0f} | {r['mma']:.0f} |")
+              f"{r['tensor_elapsed']:.1f} | {r['wgmma']:.0f} | {r['tensor_inst']:.0f} |")
 
 
 # Each table: its metrics and its printer.
@@ -235,8 +237,8 @@ def main(argv=None) -> int:
                                  "leaves it (no cache flush, application replay), instead of the default table")
     table_kind.add_argument("--tensor", action="store_true",
                             help="the tensor pipe's busy share of its peak per kernel (over the SMs' active cycles, "
-                                 "and over its time on every SM) and the MMA instructions it issued, instead of the "
-                                 "default table")
+                                 "and over its time on every SM) and the tensor instructions it issued (wgmma, and "
+                                 "all), instead of the default table")
     parser.add_argument("--child", action="store_true", help=argparse_hidden())
     args = parser.parse_args(argv)
     args.what = args.what or list(WHAT)
