@@ -42,6 +42,11 @@
 // names in drvtrain/rl/sumtree.py.
 enum { DT_ERR_INDEX = 0, DT_ERR_PRIORITY = 1, DT_ERR_EMPTY = 2, DT_ERR_COUNT = 3 };
 
+// The filter (`keep`, `own` below) that holds for every index: the whole tree.
+struct DtEveryIndex {
+    __device__ bool operator()(int) const { return true; }
+};
+
 // Nodes at level h >= 1 that cover real leaves: ceil(capacity / 32^h).
 __device__ __forceinline__ int dt_level_real(int capacity, int h) {
     long long span = 1ll << (5 * h);
@@ -174,7 +179,7 @@ __device__ __forceinline__ void dt_tree_refresh_levels(double* nodes, const floa
 
 __device__ __forceinline__ void dt_tree_refresh(double* nodes, const float* leaves, int capacity, int height,
                                                 int internal, const int* indices, int n) {
-    dt_tree_refresh_levels(nodes, leaves, capacity, height, internal, indices, n, 1, height, [](int) { return true; });
+    dt_tree_refresh_levels(nodes, leaves, capacity, height, internal, indices, n, 1, height, DtEveryIndex());
 }
 
 // Every ancestor of the leaves first, first + 1, ..., first + count - 1, taken
@@ -336,7 +341,7 @@ __device__ __forceinline__ void dt_tree_update(long long first, long long stride
                                                int capacity, unsigned int* err_counts,
                                                unsigned int* err_published) {
     dt_tree_write_leaves(first, stride, leaves, max_leaf, indices, priorities, alpha, n, capacity, err_counts,
-                         err_published, true, [](int) { return true; });
+                         err_published, true, DtEveryIndex());
 }
 
 // The level dt_tree_update_partitioned splits at: the highest level below the
@@ -353,10 +358,11 @@ __device__ __forceinline__ int dt_tree_split_level(int capacity, int height, uns
 // the split level s (dt_tree_split_level) with j mod grid == b. It writes
 // their leaves among indices[0 .. n) (every block reads every index: for n up
 // to a few thousand) and refreshes their levels 1 .. s, which no other block
-// writes or reads, with no hand-over below level s; the last block to finish (dt_last_block
-// on `counter`) then recomputes levels s + 1 .. height (the root alone where
-// s is height - 1). An index outside [0, capacity) raises its flag in block 0
-// only, a bad priority in the block owning its leaf: once each, as above.
+// writes or reads, with no hand-over below level s; the last block to finish
+// (dt_last_block on `counter`) then recomputes levels s + 1 .. height (the
+// root alone where s is height - 1). An index outside [0, capacity) raises its
+// flag in block 0 only, a bad priority in the block owning its leaf: once
+// each, as above.
 __device__ __forceinline__ void dt_tree_update_partitioned(double* nodes, float* leaves, float* max_leaf,
                                                            const int* indices, const float* priorities, float alpha,
                                                            int n, int capacity, int height, int internal,
@@ -371,6 +377,5 @@ __device__ __forceinline__ void dt_tree_update_partitioned(double* nodes, float*
     __syncthreads();
     dt_tree_refresh_levels(nodes, leaves, capacity, height, internal, indices, n, 1, split, own);
     if (!dt_last_block(counter, gridDim.x)) return;
-    dt_tree_refresh_levels(nodes, leaves, capacity, height, internal, indices, n, split + 1, height,
-                           [](int) { return true; });
+    dt_tree_refresh_levels(nodes, leaves, capacity, height, internal, indices, n, split + 1, height, DtEveryIndex());
 }

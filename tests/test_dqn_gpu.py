@@ -849,10 +849,9 @@ def test_finish_pass_spectral_results_are_the_formula_bit_for_bit(device, rng, h
     stream.close()
 
 
-F32_MAX_SQUARED = 2.0 ** 256  # about the smallest sum of squares whose float norm is infinite
-# Exactly the smallest: dt_clip_decide_value (kernels/optim.cuh) takes the norm as (float)sqrt(total),
-# and the square root of this double is the midpoint between FLT_MAX and 2^128, which rounds (to even)
-# to infinity; the double below it gives FLT_MAX.
+# The smallest sum of squares whose float norm is infinite: dt_clip_decide_value (kernels/optim.cuh)
+# takes the norm as (float)sqrt(total), and the square root of this double is the midpoint between
+# FLT_MAX and 2^128, which rounds (to even) to infinity; the double below it gives FLT_MAX.
 F32_NORM_LIMIT = (2.0 ** 128 - 2.0 ** 103) ** 2
 
 
@@ -940,10 +939,10 @@ def test_priority_update_takes_the_nan_guards_verdict_from_the_norms_partials(de
     cases = [  # (what, partials, loss (None: no loss), gate, updates)
         ("finite", finite(), 0.7, 0, True),
         ("no loss", finite(), None, 0, True),
-        ("a norm of 2^127, inside the float range", with_one(F32_MAX_SQUARED / 4), 0.7, 0, True),
+        ("a norm of 2^127, inside the float range", with_one(2.0 ** 254), 0.7, 0, True),
         ("an infinite partial", with_one(np.inf), 0.7, 0, False),
         ("a NaN partial", with_one(np.nan), 0.7, 0, False),
-        ("a finite sum whose norm overflows a float", with_one(F32_MAX_SQUARED * 1.001), 0.7, 0, False),
+        ("a finite sum whose norm overflows a float", with_one(F32_NORM_LIMIT * 1.001), 0.7, 0, False),
         ("a NaN loss", finite(), np.nan, 0, False),
         ("an infinite loss", finite(), -np.inf, 0, False),
         ("gated", finite(), 0.7, int(rng.integers(1, 2**31)), False),
@@ -1031,7 +1030,6 @@ def test_priority_update_and_adamw_agree_where_the_order_of_the_norms_sum_decide
     loss = DeviceBuffer.from_numpy(np.array([0.7], np.float32))
     opt = AdamW(FlatBuffer(layout), FlatBuffer(layout), loss=loss, nan_guard=True)
     opt._t_next.copy_from_numpy(np.array([1], np.int32))  # as the norm kernel leaves it before step 1
-    adamw = opt._adamw_clip
     assert not np.isfinite(float_norm(F32_NORM_LIMIT))
     assert float_norm(np.nextafter(F32_NORM_LIMIT, 0.0)) == np.finfo(np.float32).max
     for k, kernel_overflows in enumerate((False, True)):
@@ -1055,9 +1053,7 @@ def test_priority_update_and_adamw_agree_where_the_order_of_the_norms_sum_decide
         d_partials = DeviceBuffer.from_numpy(partials)
         opt.skip.copy_from_numpy(np.array([-1], np.int32))
         opt.clip.copy_from_numpy(np.full(2, np.nan, np.float32))
-        adamw.launch(opt._adam_grid, adamw.block, opt.params, opt.grads, opt.m, opt.v, opt.n, opt.lr, *opt.betas,
-                     opt.eps, opt.weight_decay, d_partials, count, opt.max_norm, loss, opt._t_next, opt.clip, opt.t,
-                     0, 1, opt.skip, 0, stream=stream)
+        opt._launch_clip_update(stream=stream, partials=d_partials, partials_count=count)
         stream.synchronize()
         skip = int(opt.skip.to_numpy()[0])
         assert opt.clip.to_numpy()[:1].tobytes() == norm.tobytes(), what

@@ -469,13 +469,10 @@ def test_adamw_update_reads_only_params_and_moments_before_its_wait(device, stre
                        stream=stream)
     saved = DeviceBuffer.from_numpy(steps[2])
     b.grads.buffer.poison(stream=stream)
-    ring, slots = b._ring()
     writer = late_copy()
     with dependent_launches(True):
         writer.launch(1, 128, b.grads.buffer, saved, words(saved), 0, 0, 0, LATE_NS, stream=stream)
-        b._adamw_clip.launch(b._adam_grid, b._adamw_clip.block, b.params, b.grads, b.m, b.v, b.n, b.lr, *b.betas,
-                             b.eps, b.weight_decay, b.norm_partials, b.norm_grid, b.max_norm, 0, b._t_next, b.clip,
-                             b.t, ring, slots, b.skip if b.skip is not None else 0, 0, stream=stream)
+        b._launch_clip_update(stream=stream)
     got = b.params.buffer.to_numpy()
     assert np.isfinite(got).all() and b.read_state()[2] == 3
     for want, have in ((a.params, b.params), (a.m, b.m), (a.v, b.v)):
@@ -529,9 +526,7 @@ def test_adamw_takes_t_from_the_norm_kernel_when_its_guess_is_wrong(device, stre
     stream.synchronize()
     assert int(opt._t_next.to_numpy()[0]) == 3
     opt.t.copy_from_numpy(np.array([40], np.int32))  # the guess: t = 41
-    k = opt._adamw_clip
-    k.launch(opt._adam_grid, k.block, params, grads, opt.m, opt.v, opt.n, lr, b1, b2, eps, wd, opt.norm_partials,
-             opt.norm_grid, max_norm, 0, opt._t_next, opt.clip, opt.t, 0, 1, 0, 0, stream=stream)
+    opt._launch_clip_update(stream=stream)
     stream.synchronize()
     _, scale = clip_scale(g, max_norm)
     want, want_m, want_v = adamw(theta, m.astype(np.float64), v.astype(np.float64), g.astype(np.float64) * scale,

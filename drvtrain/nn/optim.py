@@ -230,14 +230,24 @@ class AdamW(Closable):
                     *fold, stream=stream)
         if after_norm is not None:
             after_norm()
+        self._launch_clip_update(stream=stream, gate=gate)
+        self._norm_queued = True
+
+    def _launch_clip_update(self, *, stream, gate=0, partials=None, partials_count=None) -> None:
+        """Launch ``step``'s second kernel, adamw_clip_step, on ``stream``. It adds
+        ``partials_count`` norm partials from ``partials`` (both None: ``norm_partials``,
+        ``norm_grid`` of them); ``gate`` is an int32 device word, or 0 for none."""
+        if (partials is None) != (partials_count is None):
+            raise ValueError("partials and partials_count go together")
+        if partials is None:
+            partials, partials_count = self.norm_partials, self.norm_grid
         ring, slots = self._ring()
         b1, b2 = self.betas
         self._adamw_clip.launch(self._adam_grid, self._adamw_clip.block, self.params, self.grads, self.m, self.v,
-                                self.n, self.lr, b1, b2, self.eps, self.weight_decay, self.norm_partials,
-                                self.norm_grid, self.max_norm, self.loss if self.loss is not None else 0,
+                                self.n, self.lr, b1, b2, self.eps, self.weight_decay, partials, partials_count,
+                                self.max_norm, self.loss if self.loss is not None else 0,
                                 self._t_next, self.clip, self.t, ring, slots,
                                 self.skip if self.skip is not None else 0, gate, stream=stream)
-        self._norm_queued = True
 
     def read_state(self) -> tuple[float, float, int]:
         """(norm, scale, t), read synchronously: tests and setup only."""
