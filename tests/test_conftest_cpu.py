@@ -7,12 +7,16 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+ROOT = str(TESTS.parent)
 # A test of the float64 references that takes ``rng`` and needs no GPU.
 ONE_TEST = "test_per_reference.py::test_stratified_masses_fall_in_their_strata"
 
 
 def run_pytest(seed):
+    # The child runs in tests/ (its conftest is the one under test) and imports this
+    # checkout's drvtrain, installed or not, as the other tests' children do.
     env = {k: v for k, v in os.environ.items() if k != "DRVTRAIN_TEST_SEED"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
     if seed is not None:
         env["DRVTRAIN_TEST_SEED"] = seed
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", ONE_TEST],
