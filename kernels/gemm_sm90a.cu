@@ -685,47 +685,15 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
 // forward's) each copy their own 64 rows of A with cp.async (three tiles ahead,
 // four stages), read their MMA fragments from those raw tiles, split them in
 // registers, and issue the MMAs with A from registers. The producer (threads
-// 256-383) copies B as it lies into raw stages (two tiles ahead, three stages) and
-// converts it into big and small parts in the swizzled K-major layout the MMAs read
-// (above), transposing it. A's parts never touch shared memory. That matters because
-// shared memory bounds the loop: with A split in shared memory too, a k tile moved
-// 272 KB through it and took 1.59 us (dX on the H200, about 90 bytes a clock),
-// against 0.85 us for the MMAs alone; A from registers leaves 192 KB
-// and took 1.30 (docs/perf-notes.md, twelfth pass). At 168 registers at entry
-// (all 384 threads run the epilogue at that budget) ptxas 13.0 spills 16 bytes of
-// dW's values set before the roles split (dX's none); dW's loops reload two of them
-// each k tile (L1 hits).
-//
-// Raw stage of B (B(k, j) = B[j + k ld]): 32 lines of 128 columns (512 bytes) per
-// depth, the 16-byte chunk c of line d at 512 d + 16 (c ^ 2 (d / 4 % 4)), so that
-// the conversion's reads below are free of bank conflicts. The producer thread p
-// copies and converts as the two threads t = p and t = p + 128 of a 256-thread
-// layout: piece q = t + 256 i (i < 4) of a tile is line q / 32 = t / 32 + 8 i,
-// chunk c = t % 32 (columns 4 c .. 4 c + 3).
-struct RawB {
-    const float* src;   // piece 0 in the split's first k tile; piece i is 8 i lines on
-    const float* base;  // a valid address for the zero-filling copies
-    int ld, line, chunk, valid;  // valid: bytes of a piece inside the matrix's columns
-
-    __device__ __forceinline__ RawB(const float* B, int ldb, int col0, int cols, int k_begin, int t)
-        : base(B), ld(ldb) {
-        line = t / 32;
-        chunk = t % 32;
-        valid = 4 * max(0, min(4, cols - (col0 + 4 * chunk)));
-        src = B + (long long)(k_begin + line) * ldb + (valid ? col0 + 4 * chunk : 0);
-    }
-
-    // Queue the copies of the k tile at depth k into the raw tile at shared byte
-    // address `tile`; depths at or past k_end are zero-filled.
-    __device__ __forceinline__ void load(unsigned int tile, int k, int k_begin, int k_end) const {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int d = line + 8 * i, bytes = k + d < k_end ? valid : 0;
-            dt_cp_async16(tile + 512u * d + 16u * (chunk ^ (2 * (d / 4 % 4))),
-                          bytes ? src + (long long)(k - k_begin + 8 * i) * ld : base, bytes);
-        }
-    }
-};
+// 256-383) loads B as it lies from L2 into registers (two tiles ahead) and stores it
+// split into big and small parts in the swizzled K-major layout the MMAs read
+// (above), transposing it. Neither A's parts nor B's raw tiles touch shared memory.
+// That matters because shared memory bounds the loop: with A split in shared memory
+// too, a k tile moved 272 KB through it and took 1.59 us (dX on the H200, about 90
+// bytes a clock), against 0.85 us for the MMAs alone; A from registers left 192 KB
+// and took 1.30 (docs/perf-notes.md, twelfth pass), B's raw tiles through registers
+// 160 KB (fifty-eighth pass). At 168 registers at entry (all 384 threads run the
+// epilogue at that budget) ptxas 13.0 spills nothing.
 
 __device__ __forceinline__ float4 lds4(unsigned int addr) {
     float4 v;
@@ -747,39 +715,71 @@ __device__ __forceinline__ void store_split(unsigned int big, unsigned int small
                  : "memory");
 }
 
-// Thread t's share (t < 256) of converting B's raw tile at `raw` into its big and
-// small MMA tiles: a 4 x 4 block, columns 4 rg .. 4 rg + 3 at depths 4 kg .. 4 kg +
-// 3, read as four 16-byte chunks and written transposed as one chunk per column,
-// with rg = 8 (warp % 4) + lane / 4 and kg = 4 (warp / 4) + lane % 4 (warp = t / 32,
-// lane = t % 32): every 8 consecutive lanes (one wavefront of a 16-byte access)
-// touch 8 different chunk positions, in the raw reads and in the swizzled stores.
-__device__ __forceinline__ void convert_b(unsigned int raw, unsigned int big, unsigned int small, int t) {
-    const int warp = t / 32, lane = t % 32;
-    const int rg = 8 * (warp % 4) + lane / 4, kg = 4 * (warp / 4) + lane % 4;
-    float4 x[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) x[e] = lds4(raw + 512u * (4 * kg + e) + 16u * (rg ^ (2 * (kg % 4))));
-#pragma unroll
-    for (int h = 0; h < 4; ++h) {
-        const int r = 4 * rg + h;
-        const unsigned int at = 128u * r + 16u * (kg ^ (r & 7));
-        if (h == 0) store_split(big, small, at, x[0].x, x[1].x, x[2].x, x[3].x);
-        if (h == 1) store_split(big, small, at, x[0].y, x[1].y, x[2].y, x[3].y);
-        if (h == 2) store_split(big, small, at, x[0].z, x[1].z, x[2].z, x[3].z);
-        if (h == 3) store_split(big, small, at, x[0].w, x[1].w, x[2].w, x[3].w);
+// The producer's share of B (B(k, j) = B[j + k ld]): thread t of a 256-thread layout
+// (the producer thread p runs t = p and t = p + 128) takes a 4 x 4 block of each k
+// tile, columns 4 rg .. 4 rg + 3 at depths 4 kg .. 4 kg + 3 with rg = 8 (warp % 4) +
+// lane / 4 and kg = 4 (warp / 4) + lane % 4 (warp = t / 32, lane = t % 32). It loads
+// the block from L2 straight into registers (four 16-byte loads, ld.global.cg: a warp's
+// load covers four whole 128-byte lines), then splits it and stores it transposed, one
+// 16-byte chunk a column, into the big and small MMA tiles (every 8 consecutive lanes,
+// one wavefront of a 16-byte store, touch 8 different chunk positions of the swizzle).
+// Through registers, B's raw tile never touches shared memory: a copy into it and the
+// conversion's reads from it were 32 KB of a k tile's shared-memory traffic.
+struct ProducerB {
+    const float* src;  // depth 4 kg, column 4 rg of the split's first k tile
+    int ld, cols;      // cols: the matrix's columns from 4 rg on, unclamped (<= 0: none of the 4, >= 4: all)
+    int rg, kg;
+
+    __device__ __forceinline__ ProducerB(const float* B, int ldb, int col0, int n, int k_begin, int t) : ld(ldb) {
+        const int warp = t / 32, lane = t % 32;
+        rg = 8 * (warp % 4) + lane / 4;
+        kg = 4 * (warp / 4) + lane % 4;
+        cols = n - (col0 + 4 * rg);
+        src = B + (long long)(k_begin + 4 * kg) * ldb + (cols > 0 ? col0 + 4 * rg : 0);
     }
-}
+
+    // The block of the k tile at depth k; zeros at depths at or past k_end and at
+    // columns past the matrix. (cols stays unclamped: from max(0, min(4, ...)) and a
+    // test for 4, ptxas 13.0 made one predicate that sent whole blocks down the partial
+    // path, which loads no w; the first tile's depth 4 kg lost its fourth column.)
+    __device__ __forceinline__ void load(float4 (&x)[4], int k, int k_begin, int k_end) const {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float* p = src + (long long)(k - k_begin + e) * ld;
+            x[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (k + 4 * kg + e >= k_end || cols <= 0) continue;
+            if (cols >= 4) {
+                x[e] = __ldcg(reinterpret_cast<const float4*>(p));
+            } else {
+                x[e].x = __ldcg(p);
+                if (cols > 1) x[e].y = __ldcg(p + 1);
+                if (cols > 2) x[e].z = __ldcg(p + 2);
+            }
+        }
+    }
+
+    // The block split into the big and small MMA tiles at shared byte addresses big, small.
+    __device__ __forceinline__ void store(unsigned int big, unsigned int small, const float4 (&x)[4]) const {
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const int r = 4 * rg + h;
+            const unsigned int at = 128u * r + 16u * (kg ^ (r & 7));
+            if (h == 0) store_split(big, small, at, x[0].x, x[1].x, x[2].x, x[3].x);
+            if (h == 1) store_split(big, small, at, x[0].y, x[1].y, x[2].y, x[3].y);
+            if (h == 2) store_split(big, small, at, x[0].z, x[1].z, x[2].z, x[3].z);
+            if (h == 3) store_split(big, small, at, x[0].w, x[1].w, x[2].w, x[3].w);
+        }
+    }
+};
 
 // Shared memory of the backward: two sets of B's MMA tiles (big, small; 32 KB a
-// set), three raw stages of B (16 KB each), and each consumer's four raw stages of
-// its 64 rows of A (8 KB each): 177 KB.
+// set) and each consumer's four raw stages of its 64 rows of A (8 KB each): 129 KB.
 constexpr unsigned int TILE_BYTES = TILE_FLOATS * 4;
-constexpr int RAW_STAGES = 3;
 constexpr int A_STAGES = 4, A_LEAD = 3;  // a consumer's A copies: tile kt + 3 goes where tile kt - 1 was
 constexpr unsigned int A_STAGE_BYTES = 64 * BK * 4;
 constexpr unsigned int SET_BYTES = 2 * TILE_BYTES;
 constexpr unsigned int BACKWARD_SHARED_BYTES =
-    2 * SET_BYTES + RAW_STAGES * TILE_BYTES + 2 * A_STAGES * A_STAGE_BYTES + 1024;
+    2 * SET_BYTES + 2 * A_STAGES * A_STAGE_BYTES + 1024;
 constexpr int BACKWARD_THREADS = THREADS + 128;
 static_assert(BACKWARD_THREADS == DT_BACKWARD_THREADS, "the kernels' launch bounds");
 // Registers: 384 threads start with 168 each (the epilogue's budget, which every
@@ -788,10 +788,10 @@ static_assert(BACKWARD_THREADS == DT_BACKWARD_THREADS, "the kernels' launch boun
 constexpr int START_REGISTERS = 168, CONSUMER_REGISTERS = 200, PRODUCER_REGISTERS = 104;
 static_assert(2 * 128 * CONSUMER_REGISTERS + 128 * PRODUCER_REGISTERS <= BACKWARD_THREADS * START_REGISTERS,
               "the register file");
-// Named barriers (0 is __syncthreads): the producer's own, each consumer's own, set s
-// read (BAR_EMPTY + s), set s converted for consumer warpgroup wg (BAR_FULL + 2 s + wg),
-// and the consumers' turns at issuing a tile's MMAs (BAR_TURN + wg: wg's turn).
-constexpr int BAR_PRODUCER = 1, BAR_CONSUMER = 2, BAR_EMPTY = 4, BAR_FULL = 6, BAR_TURN = 10;
+// Named barriers (0 is __syncthreads): each consumer's own, set s read (BAR_EMPTY + s),
+// set s converted for consumer warpgroup wg (BAR_FULL + 2 s + wg), and the consumers'
+// turns at issuing a tile's MMAs (BAR_TURN + wg: wg's turn).
+constexpr int BAR_CONSUMER = 2, BAR_EMPTY = 4, BAR_FULL = 6, BAR_TURN = 10;
 
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
@@ -929,8 +929,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
                                          float* workspace, unsigned int* counters) {
     extern __shared__ __align__(128) char smem_raw[];
     const Setup su(smem_raw, BACKWARD_SHARED_BYTES, K);
-    const unsigned int smem0 = su.smem0, b_raw0 = smem0 + 2 * SET_BYTES;
-    const unsigned int a_raw0 = b_raw0 + RAW_STAGES * TILE_BYTES;
+    const unsigned int smem0 = su.smem0, a_raw0 = smem0 + 2 * SET_BYTES;
     const int kb = su.kb, ke = su.ke, tiles = su.tiles;
     const int tid = threadIdx.x, wg = tid / 128;
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
@@ -995,36 +994,36 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         }
         dt_cp_async_wait<0>();  // the empty groups
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(START_REGISTERS));
-    } else {  // the producer warpgroup: B, as threads t and t + 128 of the copy and conversion layouts
+    } else {  // the producer warpgroup: B, as threads t and t + 128 of ProducerB's layout
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGISTERS));
-        const int t0 = tid - 2 * 128, t1 = t0 + 128;
-        const RawB cb0(B, ldb, j0, N, kb, t0), cb1(B, ldb, j0, N, kb, t1);
-        const auto copy = [&](int kt) {  // tile kt into its raw stage; one commit group either way
-            if (kt < tiles) {
-                const unsigned int raw = b_raw0 + (kt % RAW_STAGES) * TILE_BYTES;
-                cb0.load(raw, kb + kt * BK, kb, ke);
-                cb1.load(raw, kb + kt * BK, kb, ke);
-            }
-            dt_cp_async_commit();
+        const int t0 = tid - 2 * 128;
+        const ProducerB pb0(B, ldb, j0, N, kb, t0), pb1(B, ldb, j0, N, kb, t0 + 128);
+        // Tiles kt and kt + 1 in registers, x[kt % 2]: each tile's loads are issued two
+        // tiles ahead of its conversion, as the copies into shared memory were, so that
+        // they land while the producer waits for the consumers.
+        float4 x[2][2][4];
+        const auto load = [&](float4 (&y)[2][4], int kt) {
+            if (kt < tiles) pb0.load(y[0], kb + kt * BK, kb, ke), pb1.load(y[1], kb + kt * BK, kb, ke);
         };
-        copy(0);
-        copy(1);
-        for (int kt = 0; kt < tiles; ++kt) {
-            dt_cp_async_wait<1>();  // this thread's copies of tile kt
-            // Every producer thread's copies of tile kt have landed, and every one
-            // has converted tile kt - 1, so its raw stage is free for tile kt + 2.
-            named_sync(BAR_PRODUCER, 128);
-            copy(kt + 2);
+        const auto convert = [&](const float4 (&y)[2][4], int kt) {
             if (kt >= 2) named_sync(BAR_EMPTY + (kt & 1), BACKWARD_THREADS);  // the consumers finished tile kt - 2
-            const unsigned int raw = b_raw0 + (kt % RAW_STAGES) * TILE_BYTES;
             const unsigned int big = smem0 + (kt & 1) * SET_BYTES, small = big + TILE_BYTES;
-            convert_b(raw, big, small, t0);
-            convert_b(raw, big, small, t1);
+            pb0.store(big, small, y[0]);
+            pb1.store(big, small, y[1]);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before the MMAs' reads
             named_arrive(BAR_FULL + 2 * (kt & 1), 256);  // for each consumer warpgroup
             named_arrive(BAR_FULL + 2 * (kt & 1) + 1, 256);
+        };
+        load(x[0], 0);
+        load(x[1], 1);
+        for (int kt = 0; kt < tiles; kt += 2) {  // two tiles a pass: the registers are named at compile time
+            convert(x[0], kt);
+            load(x[0], kt + 2);
+            if (kt + 1 < tiles) {
+                convert(x[1], kt + 1);
+                load(x[1], kt + 3);
+            }
         }
-        dt_cp_async_wait<0>();  // the empty groups
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(START_REGISTERS));
     }
     dt_allow_dependents();
@@ -1117,7 +1116,7 @@ extern "C" __global__ void __launch_bounds__(256) linear_forward_relu_head_wgmma
 // with db = sum_m dY into col_sum (grid column 0), A = dY row-fast, B = X row-fast.
 // Split as the forward; a launch without clusters needs gridDim.y * S * 128 more
 // workspace floats for the row sums. Block: DT_BACKWARD_THREADS (384). Dynamic
-// shared memory: BACKWARD_SHARED_BYTES (177 KB).
+// shared memory: BACKWARD_SHARED_BYTES (129 KB).
 #define DT_WGMMA_BACKWARD(NAME, A_KFAST, B_KFAST, EPI, BLOCK)                                                \
     extern "C" __global__ void __launch_bounds__(BLOCK, 1) NAME(                                             \
             const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \

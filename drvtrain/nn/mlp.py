@@ -77,7 +77,7 @@ WGMMA_SHARED_BYTES = 5 * 2 * 128 * 32 * 4 + 1024
 HEAD_MAX_OUT = 24
 WGMMA_HEAD_SHARED_BYTES = WGMMA_SHARED_BYTES + HEAD_MAX_OUT * 128 * 4 + 128 * 4 + 128 * HEAD_MAX_OUT * 4
 WGMMA_OPERAND_BOX = (128, 32)  # the forward's tensor maps: 128 rows x 32 floats, 128-byte swizzle
-WGMMA_BACKWARD_SHARED_BYTES = (2 * 2 + 3) * 128 * 32 * 4 + 2 * 4 * 64 * 32 * 4 + 1024
+WGMMA_BACKWARD_SHARED_BYTES = (2 * 2) * 128 * 32 * 4 + 2 * 4 * 64 * 32 * 4 + 1024
 # The pre-split backward: 3 stages of four 128 x 32 float tiles (A and B, big and small).
 WGMMA_PRESPLIT_SHARED_BYTES = 3 * 4 * 128 * 32 * 4 + 1024
 PRESPLIT_MAX_TILES = 16  # k tiles a split of the pre-split backward may have (gemm_sm90a.cu)
