@@ -67,9 +67,9 @@ FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
 # 3xTF32), compute capability 9.0 only, 16-byte copies only; one block per SM.
 WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1, cluster_splits=PORTABLE_CLUSTER_SIZE)
 # Dynamic shared memory: the forward's 5 stages of two 128 x 32 float tiles; the
-# backward's 2 sets of B's two parts and 3 raw stages of B (128 x 32 floats each),
-# and 4 raw stages of A's 64 x 32 floats for each of its 2 consumer warpgroups; 1 KB
-# to align them.
+# backward's 2 sets of B's two parts (128 x 32 floats each; B reaches them through
+# the producer's registers) and 4 raw stages of A's 64 x 32 floats for each of its 2
+# consumer warpgroups; 1 KB to align them.
 WGMMA_SHARED_BYTES = 5 * 2 * 128 * 32 * 4 + 1024
 # The forward with the output layer in its epilogue: W2's slice (24 rows x 128 deep),
 # b's 128 columns and the block's share of the output (128 rows x 24) after the 5
