@@ -691,8 +691,8 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
 // That matters because shared memory bounds the loop: with A split in shared memory
 // too, a k tile moved 272 KB through it and took 1.59 us (dX on the H200, about 90
 // bytes a clock), against 0.85 us for the MMAs alone; A from registers left 192 KB
-// and took 1.30 (docs/perf-notes.md, twelfth pass), B's raw tiles through registers
-// 160 KB (fifty-eighth pass). At 168 registers at entry (all 384 threads run the
+// and took 1.30 (docs/perf-notes.md, twelfth pass); B through registers leaves about
+// 160 KB (fifty-ninth pass). At 168 registers at entry (all 384 threads run the
 // epilogue at that budget) ptxas 13.0 spills nothing.
 
 __device__ __forceinline__ float4 lds4(unsigned int addr) {
@@ -719,12 +719,13 @@ __device__ __forceinline__ void store_split(unsigned int big, unsigned int small
 // (the producer thread p runs t = p and t = p + 128) takes a 4 x 4 block of each k
 // tile, columns 4 rg .. 4 rg + 3 at depths 4 kg .. 4 kg + 3 with rg = 8 (warp % 4) +
 // lane / 4 and kg = 4 (warp / 4) + lane % 4 (warp = t / 32, lane = t % 32). It loads
-// the block from L2 straight into registers (four 16-byte loads, ld.global.cg: a warp's
-// load covers four whole 128-byte lines), then splits it and stores it transposed, one
-// 16-byte chunk a column, into the big and small MMA tiles (every 8 consecutive lanes,
-// one wavefront of a 16-byte store, touch 8 different chunk positions of the swizzle).
-// Through registers, B's raw tile never touches shared memory: a copy into it and the
-// conversion's reads from it were 32 KB of a k tile's shared-memory traffic.
+// the block from L2 straight into registers (four 16-byte loads, ld.global.cg: a
+// warp's load takes 128 contiguous bytes of each of four depths), then splits it and
+// stores it transposed, one 16-byte chunk a column, into the big and small MMA tiles
+// (every 8 consecutive lanes, one wavefront of a 16-byte store, touch 8 different
+// chunk positions of the swizzle). Through registers, B's raw tile never touches
+// shared memory: a copy into it and the conversion's reads from it were 32 KB of a k
+// tile's shared-memory traffic.
 struct ProducerB {
     const float* src;  // depth 4 kg, column 4 rg of the split's first k tile
     int ld, cols;      // cols: the matrix's columns from 4 rg on, unclamped (<= 0: none of the 4, >= 4: all)
@@ -1030,7 +1031,9 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
 
     // db: the four threads of a row (t = 0..3) add their sums by a butterfly, and
     // t = 0 stages row 64 wg + r's for thread 64 wg + r of finish_tile. The stage
-    // overlaps the sets: the first barrier waits for every warpgroup's last MMAs.
+    // overlaps the sets and (its last 4.5 KB) consumer 0's first A stage: the first
+    // barrier waits for every warpgroup's last MMAs, and each consumer thread has
+    // waited for its own copies (dt_cp_async_wait<0> above) before it.
     float row_sum = 0.0f;
     if (!A_KFAST && sums) {
         float* red = su.stage();
