@@ -1178,8 +1178,14 @@ def test_spectral_projection_of_a_vanishing_u_takes_the_floored_branches(device,
 
 
 def test_spectral_projection_bounds_sigma(device, rng):
-    """With c below the layers' norms, every projected layer ends with spectral norm ~c."""
-    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), spectral_c=0.3, **ODD)
+    """With c below the layers' norms, the projection holds every projected layer's
+    spectral norm near c. One power iteration a step tracks the largest singular value
+    of a moving W only as fast as the gaps below it let it, so after 60 training steps
+    the norms are checked loosely (one seed, 2922353956014068357, ended 2.9 % above c
+    there); then the spectral phase alone, which only rescales each W, runs until u has
+    converged, and the norms must be c to 2 % (float64 SVD)."""
+    c = 0.3
+    cfg = DQNConfig(seed=int(rng.integers(1 << 30)), spectral_c=c, **ODD)
     stream = Stream()
     step = DQNStep(cfg)
     fill(step, rng, stream)
@@ -1188,9 +1194,15 @@ def test_spectral_projection_bounds_sigma(device, rng):
         exe.launch(stream)
     stream.synchronize()
     named = step.params.to_numpy()
-    for k in cfg.projected_layers:
-        assert np.linalg.norm(named[f"layer{k}.weight"].astype(np.float64), 2) < 0.3 * 1.02
+    norms = [np.linalg.norm(named[f"layer{k}.weight"].astype(np.float64), 2) for k in cfg.projected_layers]
+    assert all(0.9 * c < norm < 1.15 * c for norm in norms), norms
     assert np.all(step.sigma.to_numpy() > 0)
+    for _ in range(600):
+        step._enqueue_spectral_and_finish(stream)
+    stream.synchronize()
+    named = step.params.to_numpy()
+    norms = [np.linalg.norm(named[f"layer{k}.weight"].astype(np.float64), 2) for k in cfg.projected_layers]
+    assert all(abs(norm / c - 1.0) < 0.02 for norm in norms), norms
 
 
 @pytest.mark.parametrize("fused_tail", [False, True], ids=["six-tail-kernels", "cooperative-tail"])
