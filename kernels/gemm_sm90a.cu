@@ -688,11 +688,12 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
 // 256-383) loads B as it lies from L2 into registers (two tiles ahead) and stores it
 // split into big and small parts in the swizzled K-major layout the MMAs read
 // (above), transposing it. Neither A's parts nor B's raw tiles touch shared memory.
-// That matters because shared memory bounds the loop: with A split in shared memory
-// too, a k tile moved 272 KB through it and took 1.59 us (dX on the H200, about 90
-// bytes a clock), against 0.85 us for the MMAs alone; A from registers left 192 KB
-// and took 1.30 (docs/perf-notes.md, twelfth pass); B through registers leaves about
-// 160 KB (fifty-ninth pass). At 168 registers at entry (all 384 threads run the
+// That matters because shared memory's traffic holds much of the loop: with A split in
+// shared memory too, a k tile moved 272 KB through it and took 1.59 us (dX on the
+// H200, about 90 bytes a clock), against 0.85 us for the MMAs alone; A from registers
+// left 192 KB and took 1.30 (docs/perf-notes.md, twelfth pass). B through registers
+// leaves about 160 KB and took 4 to 8 % off the k loops (fifty-ninth pass): the bytes
+// are not the loop's only bound. At 168 registers at entry (all 384 threads run the
 // epilogue at that budget) ptxas 13.0 spills nothing.
 
 __device__ __forceinline__ float4 lds4(unsigned int addr) {
