@@ -86,30 +86,59 @@ def device_relu_masks(step, params, obs):
     return masks
 
 
-def assert_state_close(step, want, bound, params_bound=None):
+def assert_state_close(step, want, bound, params_bound=None, reference_u=True):
     """m and v carry the gradient itself: held to ``bound``. AdamW's update is
     sign-like early on (m / sqrt(v) is about +-1 at t = 1), so a gradient
     component that cancels down to float32 rounding noise can flip its update:
-    params and target get ``params_bound``."""
+    params and target get ``params_bound``. u is held to ``bound`` unless
+    ``reference_u`` is False: one such flip moves W, and u with it, by far more
+    than rounding (assert_spectral_from_device_weights checks u from the device's
+    own W instead)."""
     got = ref_state(step)
     for key in ("m", "v"):
         assert rel(got[key], want[key]) < bound, key
     for key in ("params", "target"):
         assert rel(got[key], want[key]) < (params_bound or bound), key
     assert got["t"] == want["t"]
-    for k, u in want["u"].items():
-        assert rel(got["u"][k], u) < bound, f"u of layer {k}"
+    if reference_u:
+        for k, u in want["u"].items():
+            assert rel(got["u"][k], u) < bound, f"u of layer {k}"
 
 
-def assert_adamw_and_projection_exact(step, before, cfg):
-    """The parameters are AdamW of the device's own m and v, then the spectral scale:
-    the update arithmetic itself, to float32 rounding."""
+def adamw_of_device_moments(step, before, cfg):
+    """The state after the step, and the parameters AdamW makes of ``before`` with the
+    device's own new m and v, in float64: the weights the spectral projection starts from."""
     after = ref_state(step)
     b1, b2 = cfg.betas
     t = after["t"]
     theta = before["params"].astype(np.float64) * (1 - cfg.lr * cfg.weight_decay)
     m_hat, v_hat = after["m"] / (1 - b1 ** t), after["v"] / (1 - b2 ** t)
     theta -= cfg.lr * m_hat / (np.sqrt(v_hat) + cfg.eps)
+    return after, theta
+
+
+def assert_spectral_from_device_weights(step, before, cfg, bound=1e-5):
+    """Each projected layer's u, sigma and scale are spectral_project, in float64, of the
+    weights the device's AdamW left (made from its own m and v) and the u it held before
+    the step, to ``bound``. From the reference step's weights they would not hold so
+    tightly: a gradient component that float32 and float64 round to opposite signs moves
+    its weight by about 2 lr under AdamW's sign-like update, and u and sigma with it."""
+    from dqn_reference import spectral_project
+    after, theta = adamw_of_device_moments(step, before, cfg)
+    sigma, scale = step.sigma.to_numpy(), step.spectral_scale.to_numpy()
+    c = float(np.float32(cfg.spectral_c or 1.0))
+    for m, (row, k) in enumerate(zip(step.spectral_table, cfg.projected_layers)):
+        rows, cols, wo = (int(row[key]) for key in ("rows", "cols", "w_offset"))
+        _, u_want, sigma_want = spectral_project(theta[wo: wo + rows * cols].reshape(rows, cols), before["u"][k], c)
+        assert rel(after["u"][k], u_want) < bound, f"u of layer {k}"
+        assert abs(sigma[m] - sigma_want) <= bound * sigma_want, (f"sigma of layer {k}", sigma[m], sigma_want)
+        assert abs(scale[m] - min(1.0, c / sigma_want)) <= bound, (f"scale of layer {k}", scale[m], sigma_want)
+
+
+def assert_adamw_and_projection_exact(step, before, cfg):
+    """The parameters are AdamW of the device's own m and v, then the spectral scale:
+    the update arithmetic itself, to float32 rounding."""
+    after, theta = adamw_of_device_moments(step, before, cfg)
     scales = step.spectral_scale.to_numpy()
     for row, s in zip(step.spectral_table, scales[: step.n_spectral]):
         w = slice(row["w_offset"], row["w_offset"] + row["rows"] * row["cols"])
@@ -131,8 +160,12 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     q_next = dueling_q(mlp_forward(step.layout.unflatten(before["params"]), batch["next_obs"],
                                    len(step.layout.layers))[-1])
     top = np.sort(q_next, axis=1)
-    clear = (top[:, -1] - top[:, -2] > 1e-4 * (1 + np.abs(top[:, -1]))) if cfg.n_actions > 1 else np.ones(len(idx), bool)
-    assert clear.mean() > 0.8
+    clear = ((top[:, -1] - top[:, -2] > 1e-4 * (1 + np.abs(top[:, -1]))) if cfg.n_actions > 1
+             else np.ones(len(idx), bool))
+    # A near tie belongs to a transition, and prioritized sampling can draw one transition many
+    # times (a heavy leaf can take nearly a third of the batch): each sampled transition counts once.
+    _, first = np.unique(idx, return_index=True)
+    assert clear[first].mean() > 0.8
     np.testing.assert_array_equal(batch["a_star"][clear], np.argmax(q_next, axis=1)[clear])
     want = dqn_step(step.layout, before, batch, ref_config(cfg))
     assert not want["skipped"]
@@ -304,7 +337,8 @@ def test_fifty_fp32_steps_each_match_float64_from_the_device_state(device, rng):
     moments and the priorities that steer the next step's sample all carry over. The
     reference restarts from the device's state every step, since two float32 runs of
     fifty AdamW steps drift apart by more than their rounding once an update component
-    that cancels to noise flips sign."""
+    that cancels to noise flips sign. For the same reason, at this lr even within one
+    step, u, sigma and the scale are checked from the device's own AdamW weights."""
     cfg = DQNConfig(seed=int(rng.integers(1 << 30)), tf32=False, lr=3e-3, beta=(0.4, 1.0, 30), **ODD)
     stream = Stream()
     step = DQNStep(cfg)
@@ -319,7 +353,10 @@ def test_fifty_fp32_steps_each_match_float64_from_the_device_state(device, rng):
         batch["masks"] = device_relu_masks(step, before["params"], batch["obs"])
         want = dqn_step(step.layout, before, batch, rcfg)
         assert not want["skipped"]
-        assert_state_close(step, want, 1e-5, params_bound=1e-4)
+        # u from the device's own W: see assert_state_close.
+        assert_state_close(step, want, 1e-5, params_bound=1e-4, reference_u=False)
+        assert_spectral_from_device_weights(step, before, cfg)
+        assert_adamw_and_projection_exact(step, before, cfg)
         assert rel(step.last.priorities.to_numpy(), want["priorities"]) < 1e-5
         leaves = step.replay.tree.leaves_numpy()
         once = np.flatnonzero(np.bincount(idx, minlength=cfg.capacity)[idx] == 1)
@@ -1183,27 +1220,32 @@ def test_spectral_projection_bounds_sigma(device, rng):
     of a moving W only as fast as the gaps below it let it, so after 60 training steps
     the norms are checked loosely (with the rng seed 2922353956014068357 a layer ended
     2.9 % above c there); then the spectral phase alone, which only rescales each W,
-    runs 600 times, far more than u needs to converge, and the norms must be c to 2 %
-    (float64 SVD)."""
+    runs 600 times, far more than u needs to converge, and no norm may exceed c by 2 %
+    (float64 SVD). The projection only ever shrinks W, so a layer that training left
+    below c stays there: from below, each norm must be within 2 % of the smaller of c
+    and its norm after training."""
     c = 0.3
     cfg = DQNConfig(seed=int(rng.integers(1 << 30)), spectral_c=c, **ODD)
     stream = Stream()
     step = DQNStep(cfg)
     fill(step, rng, stream)
     exe = step.capture(stream=stream)
+
+    def spectral_norms():
+        named = step.params.to_numpy()
+        return [np.linalg.norm(named[f"layer{k}.weight"].astype(np.float64), 2) for k in cfg.projected_layers]
+
     for _ in range(60):  # the persistent u converges over steps
         exe.launch(stream)
     stream.synchronize()
-    named = step.params.to_numpy()
-    norms = [np.linalg.norm(named[f"layer{k}.weight"].astype(np.float64), 2) for k in cfg.projected_layers]
-    assert all(0.9 * c < norm < 1.15 * c for norm in norms), norms
+    trained = spectral_norms()
+    assert all(0.9 * c < norm < 1.15 * c for norm in trained), trained
     assert np.all(step.sigma.to_numpy() > 0)
     for _ in range(600):
         step._enqueue_spectral_and_finish(stream)
     stream.synchronize()
-    named = step.params.to_numpy()
-    norms = [np.linalg.norm(named[f"layer{k}.weight"].astype(np.float64), 2) for k in cfg.projected_layers]
-    assert all(abs(norm / c - 1.0) < 0.02 for norm in norms), norms
+    norms = spectral_norms()
+    assert all(0.98 * min(before, c) <= norm < 1.02 * c for norm, before in zip(norms, trained)), (norms, trained)
 
 
 @pytest.mark.parametrize("fused_tail", [False, True], ids=["six-tail-kernels", "cooperative-tail"])
@@ -1750,7 +1792,12 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
     res = dqn_loss(*clean_qs, clean_action, reward, done, weights, gamma, delta)
     assert rel(got["dout"][clean], res["dout"][clean]) < 1e-5
     assert rel(got["priorities"][clean], res["priorities"][clean]) < 1e-5
-    np.testing.assert_array_equal(got["a_star"][clean], res["a_star"][clean])
+    # a* wherever the top two Q(s') are not a near tie, which float32 and float64 may break
+    # either way (as in test_head_kernel_matches_float64); nearly every row is clear of one.
+    top = np.sort(dueling_q(clean_qs[1]), axis=1)
+    sure = clean & ((top[:, -1] - top[:, -2] > 1e-4) if n_actions > 1 else True)
+    assert sure.sum() >= 0.95 * clean.sum()
+    np.testing.assert_array_equal(got["a_star"][sure], res["a_star"][sure])
     want_dx = (res["dout"] @ w_h.astype(np.float64)) * (h_h > 0)
     assert rel(got["dx"][clean], want_dx[clean]) < 1e-5
     if broken:

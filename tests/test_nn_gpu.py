@@ -899,7 +899,15 @@ def test_two_forwards_on_two_streams_do_not_interfere(device, rng, graph):
         ref_target = mlp_forward(target.to_numpy(), n_obs, n_layers)
         assert rel(outs["online"].output.to_numpy(), ref_online[-1]) < 1e-5
         assert rel(outs["target"].output.to_numpy(), ref_target[-1]) < 1e-5
-        want = mlp_backward(online.to_numpy(), ref_online, dout)
+        # The backward from the device's own activations, as in check_gradients: a ReLU mask
+        # decided in float64 could differ where a pre-activation rounds to zero, and move a whole
+        # row of the gradient. They must still be the online forward's as float64 computes them:
+        # read after the backward, this shows that nothing (the target's forward, say) wrote over
+        # them before it ran.
+        acts = [s_obs.astype(np.float64)] + [a.to_numpy().astype(np.float64) for a in outs["online"].activations[1:]]
+        for k in range(1, n_layers):
+            assert rel(acts[k], ref_online[k]) < 1e-5, f"activation {k}"
+        want = mlp_backward(online.to_numpy(), acts, dout)
         got = grads.to_numpy()
         for name, w in want.items():
             assert rel(got[name], w) < 1e-5, name
