@@ -309,8 +309,8 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
     }
 }
 
-// The end of every kernel here: the S = gridDim.z splits of the tile summed in z
-// order, then the epilogue into C, and with `sums` (thread tid < 128 holding row
+// The end of every kernel here (the backward's clustered splits: push_splits, below):
+// the S = gridDim.z splits of the tile summed in z order, then the epilogue into C, and with `sums` (thread tid < 128 holding row
 // tid's sum) the row sums into col_sum. `stage` at shared::cta address
 // `stage_addr` holds the 128 x STAGE_LD staged tile and then 128 row sums.
 //  - Launched in clusters of the S blocks of a tile ((1, 1, S): what the host
@@ -775,13 +775,25 @@ struct ProducerB {
 };
 
 // Shared memory of the backward: two sets of B's MMA tiles (big, small; 32 KB a
-// set) and each consumer's four raw stages of its 64 rows of A (8 KB each): 129 KB.
+// set), each consumer's four raw stages of its 64 rows of A (8 KB each), and the
+// receive buffer of the clustered splits' sum (push_splits): 200 KB.
 constexpr unsigned int TILE_BYTES = TILE_FLOATS * 4;
 constexpr int A_STAGES = 4, A_LEAD = 3;  // a consumer's A copies: tile kt + 3 goes where tile kt - 1 was
 constexpr unsigned int A_STAGE_BYTES = 64 * BK * 4;
 constexpr unsigned int SET_BYTES = 2 * TILE_BYTES;
-constexpr unsigned int BACKWARD_SHARED_BYTES =
-    2 * SET_BYTES + 2 * A_STAGES * A_STAGE_BYTES + 1024;
+constexpr unsigned int RECV_OFFSET = 2 * SET_BYTES + 2 * A_STAGES * A_STAGE_BYTES;
+// The receive buffer: every split's R = ceil(128 / S) rows of the block's share
+// (STAGE_LD floats a row, split s's at row s R), then their row sums in one more row;
+// S R is at most 133 over the cluster sizes the kernels take (S = 7).
+__host__ __device__ constexpr int recv_rows() {
+    int most = 0;
+    for (int s = 1; s <= DT_PORTABLE_CLUSTER; ++s) most = s * ((BM + s - 1) / s) > most ? s * ((BM + s - 1) / s) : most;
+    return most;
+}
+constexpr int RECV_ROWS = recv_rows();
+static_assert(RECV_ROWS == 133 && RECV_ROWS <= STAGE_LD, "the row sums fit in one more row");
+constexpr unsigned int RECV_BYTES = (RECV_ROWS + 1) * STAGE_LD * 4;
+constexpr unsigned int BACKWARD_SHARED_BYTES = RECV_OFFSET + RECV_BYTES + 1024;
 constexpr int BACKWARD_THREADS = THREADS + 128;
 static_assert(BACKWARD_THREADS == DT_BACKWARD_THREADS, "the kernels' launch bounds");
 // Registers: 384 threads start with 168 each (the epilogue's budget, which every
@@ -800,6 +812,74 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 }
 __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// The end of the backward launched in clusters of a tile's S splits (finish_tile's
+// other path, pushed rather than pulled): block o sums rows o R .. o R + R - 1 of the
+// tile (R = ceil(128 / S)), as there. Each consumer thread stores its two rows of
+// partial sums straight from its accumulators into the receive buffer of the block
+// that sums them (split z's rows at row z R of it; with `sums`, db's row sums after a
+// butterfly), then one cluster barrier, and each block adds its rows of the S
+// partials from its own shared memory in z order, as finish_tile does: the same bits.
+// The stores need no earlier barrier: the buffer is used by nothing else, so they go
+// out while the other blocks may still be in their k loops (the arrival at the
+// kernel's entry, waited for here, says only that every block has started), and each
+// block then reads nothing remote and has no barrier to wait for before it exits.
+// finish_tile's pull, by comparison, stages the tile, waits for every block, reads
+// the other splits' rows over the cluster a round at a time, and waits again.
+// `recv`: the receive buffer (RECV_OFFSET), generic and shared::cta.
+template <int EPI>
+__device__ __forceinline__ void push_splits(const float (&acc)[ACC], const float (&rs)[2], bool sums, float* recv,
+                                            unsigned int recv_addr, float* C, int ldc, int M, int N,
+                                            const float* mask, int ldm, float* col_sum) {
+    const int tid = threadIdx.x, splits = gridDim.z, z = blockIdx.z, i0 = blockIdx.y * BM;
+    if (splits > DT_PORTABLE_CLUSTER) __trap();  // the receive buffer holds that many
+    const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows), row_end = min(BM, row_begin + rows);
+    const bool active = tid < THREADS;  // the consumers: the producer only meets the barriers
+    const unsigned int sums_at = 4u * (RECV_ROWS * STAGE_LD);  // the row sums' row
+    float4 ahead[2];  // the first group's mask, in flight across the stores and the barrier
+    if (EPI == EPI_MASK) mask_group<EPI, 2>(mask, ldm, row_begin, active ? row_end : row_begin, 0, M, N, ahead);
+    dt_cluster_wait();  // every block has started: its shared memory may be written
+    if (active) {
+        const int wg = tid / 128, lane = tid % 32, warp = (tid % 128) / 32;
+        float db[2] = {rs[0], rs[1]};
+        if (sums)  // the four threads of a row: a fixed butterfly
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                db[h] += __shfl_xor_sync(0xffffffffu, db[h], 1);
+                db[h] += __shfl_xor_sync(0xffffffffu, db[h], 2);
+            }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // accumulator q = 4 j + 2 h + e: row 64 wg + 16 warp + g + 8 h, column 8 j + 2 t + e
+            const int row = 64 * wg + 16 * warp + lane / 4 + 8 * h, owner = row / rows;
+            const int at_row = z * rows + row - owner * rows;
+            const unsigned int base = dt_cluster_address(recv_addr, (unsigned int)owner);
+            const unsigned int at = base + 4u * (at_row * STAGE_LD + 2 * (lane % 4));
+#pragma unroll
+            for (int j = 0; j < ACC / 4; ++j) dt_cluster_store2(at + 32u * j, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            if (sums && lane % 4 == 0) dt_cluster_store(base + sums_at + 4u * at_row, __float_as_uint(db[h]));
+        }
+    }
+    dt_cluster_barrier();  // every split's rows have landed
+    const auto sum = [&](int row, int c4) {
+        float4 p[DT_PORTABLE_CLUSTER];
+#pragma unroll
+        for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
+            if (s < splits)
+                p[s] = *reinterpret_cast<const float4*>(recv + (s * rows + row - row_begin) * STAGE_LD + 4 * c4);
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
+            if (s < splits) v.x += p[s].x, v.y += p[s].y, v.z += p[s].z, v.w += p[s].w;
+        return v;
+    };
+    if (active) store_rows<EPI, 2>(row_begin, row_end, sum, C, ldc, M, N, make_float4(0.0f, 0.0f, 0.0f, 0.0f), mask,
+                                   ldm, ahead);
+    if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
+        float v = 0.0f;
+        for (int s = 0; s < splits; ++s) v += recv[RECV_ROWS * STAGE_LD + s * rows + tid - row_begin];
+        col_sum[i0 + tid] = v;
+    }
 }
 
 // d (+)= A B for one 64 x 128 x 8 step with A from registers: this thread's
@@ -937,9 +1017,11 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const bool sums = EPI == EPI_NONE && col_sum != nullptr && blockIdx.x == 0;
     float rs[2] = {0.0f, 0.0f};  // a consumer's row sums (db) of rows r and r + 8
-    // The consumers' accumulators; the producer never sets them (finish_tile
-    // reads only the consumers'), so they take none of its registers.
+    // The consumers' accumulators; the producer never sets them (the epilogues
+    // read only the consumers'), so they take none of its registers.
     float acc[ACC];
+    const bool clustered = gridDim.z > 1 && dt_cluster_blocks() == gridDim.z;
+    if (clustered) dt_cluster_arrive_relaxed();  // waited for before push_splits' first remote store
 
     if (wg < 2) {  // a consumer warpgroup: its 64 rows of the tile
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGISTERS));
@@ -1029,7 +1111,13 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(START_REGISTERS));
     }
     dt_allow_dependents();
+    if (clustered) {
+        push_splits<EPI>(acc, rs, !A_KFAST && sums, su.stage() + RECV_OFFSET / 4, smem0 + RECV_OFFSET, C, ldc, M, N,
+                         mask, ldm, col_sum);
+        return;
+    }
 
+    // Unclustered (one split, or S splits through the workspace): finish_tile.
     // db: the four threads of a row (t = 0..3) add their sums by a butterfly, and
     // t = 0 stages row 64 wg + r's for thread 64 wg + r of finish_tile. The stage
     // overlaps the sets and (its last 4.5 KB) consumer 0's first A stage: the first
@@ -1120,7 +1208,7 @@ extern "C" __global__ void __launch_bounds__(256) linear_forward_relu_head_wgmma
 // with db = sum_m dY into col_sum (grid column 0), A = dY row-fast, B = X row-fast.
 // Split as the forward; a launch without clusters needs gridDim.y * S * 128 more
 // workspace floats for the row sums. Block: DT_BACKWARD_THREADS (384). Dynamic
-// shared memory: BACKWARD_SHARED_BYTES (129 KB).
+// shared memory: BACKWARD_SHARED_BYTES (200 KB).
 #define DT_WGMMA_BACKWARD(NAME, A_KFAST, B_KFAST, EPI, BLOCK)                                                \
     extern "C" __global__ void __launch_bounds__(BLOCK, 1) NAME(                                             \
             const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \
