@@ -14,7 +14,8 @@
 // the same contract as gemm.cu's kernels of those roles with 16-byte copies (its
 // header: operand layouts, split-k workspace and counters, the gate, dependent
 // launch), with a 128x128 block tile, and one more way to split k: a launch in
-// clusters of a tile's splits needs no workspace (finish_tile). The backward takes
+// clusters of a tile's splits needs no workspace (finish_tile, and the backward's
+// push_splits). The backward takes
 // gemm.cu's arguments; the forward takes its operands as tensor maps instead of
 // pointers (at its kernels below).
 // drvtrain.nn.mlp chooses them for the wide products on compute capability 9.0
