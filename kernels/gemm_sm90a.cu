@@ -14,8 +14,7 @@
 // the same contract as gemm.cu's kernels of those roles with 16-byte copies (its
 // header: operand layouts, split-k workspace and counters, the gate, dependent
 // launch), with a 128x128 block tile, and one more way to split k: a launch in
-// clusters of a tile's splits needs no workspace (finish_tile, and the backward's
-// push_splits). The backward takes
+// clusters of a tile's splits needs no workspace (finish_tile). The backward takes
 // gemm.cu's arguments; the forward takes its operands as tensor maps instead of
 // pointers (at its kernels below).
 // drvtrain.nn.mlp chooses them for the wide products on compute capability 9.0
@@ -215,30 +214,32 @@ __device__ __forceinline__ float4 epilogue_bias(const float* bias, int N) {
     return make_float4(bv[0], bv[1], bv[2], bv[3]);
 }
 
-// The rounds store_rows takes for rows [row_begin, row_end) of the tile.
+// The rounds store_rows takes for rows [row_begin, row_end) of the tile, NT threads a round.
+template <int NT = THREADS>
 __device__ __forceinline__ int row_rounds(int row_begin, int row_end) {
-    return ((row_end - row_begin) * PER_ROW + THREADS - 1) / THREADS;
+    return ((row_end - row_begin) * PER_ROW + NT - 1) / NT;
 }
 
 // The tile row this thread takes in round `it` of store_rows over rows from row_begin on
-// (PER_ROW threads a row, THREADS a round); mask_group loads the mask of the same rows.
+// (PER_ROW threads a row, NT a round); mask_group loads the mask of the same rows.
+template <int NT = THREADS>
 __device__ __forceinline__ int round_row(int row_begin, int it) {
-    return row_begin + ((int)threadIdx.x + THREADS * it) / PER_ROW;
+    return row_begin + ((int)threadIdx.x + NT * it) / PER_ROW;
 }
 
 // The ReLU mask of rounds g .. g + GROUP - 1 of store_rows over rows [row_begin,
 // row_end) (the range store_rows then takes; an empty one loads nothing): this
 // thread's 4 columns, zeros past the rounds, the rows or the columns. 16-byte loads
 // where the mask's alignment allows them, whatever C's.
-template <int EPI, int GROUP>
+template <int EPI, int GROUP, int NT = THREADS>
 __device__ __forceinline__ void mask_group(const float* mask, int ldm, int row_begin, int row_end, int g, int M,
                                            int N, float4 (&mv)[GROUP]) {
     const int tid = threadIdx.x, i0 = blockIdx.y * BM, c = blockIdx.x * BN + 4 * (tid % PER_ROW);
-    const int rounds = row_rounds(row_begin, row_end);
+    const int rounds = row_rounds<NT>(row_begin, row_end);
     const bool vec = aligned16(mask, ldm) && c + 3 < N;
 #pragma unroll
     for (int u = 0; u < GROUP; ++u) {
-        const int row = round_row(row_begin, g + u), r = i0 + row;
+        const int row = round_row<NT>(row_begin, g + u), r = i0 + row;
         float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (EPI == EPI_MASK && g + u < rounds && row < row_end && r < M && c < N) {
             if (vec) *reinterpret_cast<float4*>(m) = *reinterpret_cast<const float4*>(mask + (size_t)r * ldm + c);
@@ -265,13 +266,13 @@ __device__ __forceinline__ void mask_group(const float* mask, int ldm, int row_b
 // each, vector and scalar stores) it was half of the grad-input kernel's 100 KB of
 // code and took 11.5 us of the wide dX in the large step, against 5.3 rolled; the
 // step gained 4 us (docs/perf-notes.md, thirteenth pass).
-template <int EPI, int GROUP, class Value>
+template <int EPI, int GROUP, class Value, int NT = THREADS>
 __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Value& value, float* C, int ldc, int M,
                                            int N, float4 bias4, const float* mask, int ldm, float4 (&ahead)[GROUP]) {
     const int tid = threadIdx.x, i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const bool vec = aligned16(C, ldc);
     const int c4 = tid % PER_ROW, c = j0 + 4 * c4;  // the same columns in every round
-    const int rounds = row_rounds(row_begin, row_end);
+    const int rounds = row_rounds<NT>(row_begin, row_end);
     const float bv[4] = {bias4.x, bias4.y, bias4.z, bias4.w};
     static_assert(MAX_ROUNDS % GROUP == 0, "whole groups of rounds");
 #pragma unroll 1
@@ -279,16 +280,16 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
         float4 mv[GROUP], v[GROUP];
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) mv[u] = EPI == EPI_MASK ? ahead[u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (EPI == EPI_MASK) mask_group<EPI, GROUP>(mask, ldm, row_begin, row_end, g + GROUP, M, N, ahead);
+        if (EPI == EPI_MASK) mask_group<EPI, GROUP, NT>(mask, ldm, row_begin, row_end, g + GROUP, M, N, ahead);
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) {
-            const int row = round_row(row_begin, g + u);
+            const int row = round_row<NT>(row_begin, g + u);
             v[u] = g + u < rounds && row < row_end && i0 + row < M && c < N ? value(row, c4)
                                                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) {
-            const int it = g + u, row = round_row(row_begin, it), r = i0 + row;
+            const int it = g + u, row = round_row<NT>(row_begin, it), r = i0 + row;
             if (it >= rounds || row >= row_end || r >= M || c >= N) continue;
             float y[4], m[4];
             *reinterpret_cast<float4*>(y) = v[u];
@@ -310,8 +311,8 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
     }
 }
 
-// The end of every kernel here (the backward's clustered splits: push_splits, below):
-// the S = gridDim.z splits of the tile summed in z order, then the epilogue into C, and with `sums` (thread tid < 128 holding row
+// The end of every kernel here: the S = gridDim.z splits of the tile summed in z
+// order, then the epilogue into C, and with `sums` (thread tid < 128 holding row
 // tid's sum) the row sums into col_sum. `stage` at shared::cta address
 // `stage_addr` holds the 128 x STAGE_LD staged tile and then 128 row sums.
 //  - Launched in clusters of the S blocks of a tile ((1, 1, S): what the host
@@ -324,7 +325,10 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
 //    `counters` (reduce_splits), the last block to arrive storing the tile.
 // Both add the same values in the same order: the same bits.
 // A block of BLOCK > THREADS threads calls it with all of them: the first THREADS
-// hold the accumulators and do the work, the others only meet the barriers.
+// hold the accumulators and stage them; in a cluster all BLOCK threads then take the
+// rounds of the sum (fewer rounds a thread: the rounds, not the remote loads' round
+// trips, are most of this epilogue, docs/perf-notes.md, sixtieth pass); through the
+// workspace the others only meet the barriers.
 template <int EPI, int BLOCK = THREADS>
 __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bool sums, float* stage,
                                             unsigned int stage_addr, float* C, int ldc, int M, int N,
@@ -340,7 +344,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
         // This block's rows of the sum: rows row_begin .. row_end - 1 of the tile.
         const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows), row_end = min(BM, row_begin + rows);
         float4 ahead[2];
-        if (EPI == EPI_MASK) mask_group<EPI, 2>(mask, ldm, row_begin, active ? row_end : row_begin, 0, M, N, ahead);
+        if (EPI == EPI_MASK) mask_group<EPI, 2, BLOCK>(mask, ldm, row_begin, row_end, 0, M, N, ahead);
         __syncthreads();  // the other warpgroup's MMAs and any earlier use of the stage are over
         if (active) stage_tile(acc, stage);
         if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
@@ -360,7 +364,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
                 if (s < splits) v.x += p[s].x, v.y += p[s].y, v.z += p[s].z, v.w += p[s].w;
             return v;
         };
-        if (active) store_rows<EPI, 2>(row_begin, row_end, sum, C, ldc, M, N, bias4, mask, ldm, ahead);
+        store_rows<EPI, 2, decltype(sum), BLOCK>(row_begin, row_end, sum, C, ldc, M, N, bias4, mask, ldm, ahead);
         if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
             float v = 0.0f;
 #pragma unroll
@@ -776,25 +780,13 @@ struct ProducerB {
 };
 
 // Shared memory of the backward: two sets of B's MMA tiles (big, small; 32 KB a
-// set), each consumer's four raw stages of its 64 rows of A (8 KB each), and the
-// receive buffer of the clustered splits' sum (push_splits): 200 KB.
+// set) and each consumer's four raw stages of its 64 rows of A (8 KB each): 129 KB.
 constexpr unsigned int TILE_BYTES = TILE_FLOATS * 4;
 constexpr int A_STAGES = 4, A_LEAD = 3;  // a consumer's A copies: tile kt + 3 goes where tile kt - 1 was
 constexpr unsigned int A_STAGE_BYTES = 64 * BK * 4;
 constexpr unsigned int SET_BYTES = 2 * TILE_BYTES;
-constexpr unsigned int RECV_OFFSET = 2 * SET_BYTES + 2 * A_STAGES * A_STAGE_BYTES;
-// The receive buffer: every split's R = ceil(128 / S) rows of the block's share
-// (STAGE_LD floats a row, split s's at row s R), then their row sums in one more row;
-// S R is at most 133 over the cluster sizes the kernels take (S = 7).
-__host__ __device__ constexpr int recv_rows() {
-    int most = 0;
-    for (int s = 1; s <= DT_PORTABLE_CLUSTER; ++s) most = s * ((BM + s - 1) / s) > most ? s * ((BM + s - 1) / s) : most;
-    return most;
-}
-constexpr int RECV_ROWS = recv_rows();
-static_assert(RECV_ROWS == 133 && RECV_ROWS <= STAGE_LD, "the row sums fit in one more row");
-constexpr unsigned int RECV_BYTES = (RECV_ROWS + 1) * STAGE_LD * 4;
-constexpr unsigned int BACKWARD_SHARED_BYTES = RECV_OFFSET + RECV_BYTES + 1024;
+constexpr unsigned int BACKWARD_SHARED_BYTES =
+    2 * SET_BYTES + 2 * A_STAGES * A_STAGE_BYTES + 1024;
 constexpr int BACKWARD_THREADS = THREADS + 128;
 static_assert(BACKWARD_THREADS == DT_BACKWARD_THREADS, "the kernels' launch bounds");
 // Registers: 384 threads start with 168 each (the epilogue's budget, which every
@@ -813,74 +805,6 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 }
 __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
-// The end of the backward launched in clusters of a tile's S splits (finish_tile's
-// other path, pushed rather than pulled): block o sums rows o R .. o R + R - 1 of the
-// tile (R = ceil(128 / S)), as there. Each consumer thread stores its two rows of
-// partial sums straight from its accumulators into the receive buffer of the block
-// that sums them (split z's rows at row z R of it; with `sums`, db's row sums after a
-// butterfly), then one cluster barrier, and each block adds its rows of the S
-// partials from its own shared memory in z order, as finish_tile does: the same bits.
-// The stores need no earlier barrier: the buffer is used by nothing else, so they go
-// out while the other blocks may still be in their k loops (the arrival at the
-// kernel's entry, waited for here, says only that every block has started), and each
-// block then reads nothing remote and has no barrier to wait for before it exits.
-// finish_tile's pull, by comparison, stages the tile, waits for every block, reads
-// the other splits' rows over the cluster a round at a time, and waits again.
-// `recv`: the receive buffer (RECV_OFFSET), generic and shared::cta.
-template <int EPI>
-__device__ __forceinline__ void push_splits(const float (&acc)[ACC], const float (&rs)[2], bool sums, float* recv,
-                                            unsigned int recv_addr, float* C, int ldc, int M, int N,
-                                            const float* mask, int ldm, float* col_sum) {
-    const int tid = threadIdx.x, splits = gridDim.z, z = blockIdx.z, i0 = blockIdx.y * BM;
-    if (splits > DT_PORTABLE_CLUSTER) __trap();  // the receive buffer holds that many
-    const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows), row_end = min(BM, row_begin + rows);
-    const bool active = tid < THREADS;  // the consumers: the producer only meets the barriers
-    const unsigned int sums_at = 4u * (RECV_ROWS * STAGE_LD);  // the row sums' row
-    float4 ahead[2];  // the first group's mask, in flight across the stores and the barrier
-    if (EPI == EPI_MASK) mask_group<EPI, 2>(mask, ldm, row_begin, active ? row_end : row_begin, 0, M, N, ahead);
-    dt_cluster_wait();  // every block has started: its shared memory may be written
-    if (active) {
-        const int wg = tid / 128, lane = tid % 32, warp = (tid % 128) / 32;
-        float db[2] = {rs[0], rs[1]};
-        if (sums)  // the four threads of a row: a fixed butterfly
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                db[h] += __shfl_xor_sync(0xffffffffu, db[h], 1);
-                db[h] += __shfl_xor_sync(0xffffffffu, db[h], 2);
-            }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // accumulator q = 4 j + 2 h + e: row 64 wg + 16 warp + g + 8 h, column 8 j + 2 t + e
-            const int row = 64 * wg + 16 * warp + lane / 4 + 8 * h, owner = row / rows;
-            const int at_row = z * rows + row - owner * rows;
-            const unsigned int base = dt_cluster_address(recv_addr, (unsigned int)owner);
-            const unsigned int at = base + 4u * (at_row * STAGE_LD + 2 * (lane % 4));
-#pragma unroll
-            for (int j = 0; j < ACC / 4; ++j) dt_cluster_store2(at + 32u * j, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            if (sums && lane % 4 == 0) dt_cluster_store(base + sums_at + 4u * at_row, __float_as_uint(db[h]));
-        }
-    }
-    dt_cluster_barrier();  // every split's rows have landed
-    const auto sum = [&](int row, int c4) {
-        float4 p[DT_PORTABLE_CLUSTER];
-#pragma unroll
-        for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
-            if (s < splits)
-                p[s] = *reinterpret_cast<const float4*>(recv + (s * rows + row - row_begin) * STAGE_LD + 4 * c4);
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
-            if (s < splits) v.x += p[s].x, v.y += p[s].y, v.z += p[s].z, v.w += p[s].w;
-        return v;
-    };
-    if (active) store_rows<EPI, 2>(row_begin, row_end, sum, C, ldc, M, N, make_float4(0.0f, 0.0f, 0.0f, 0.0f), mask,
-                                   ldm, ahead);
-    if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
-        float v = 0.0f;
-        for (int s = 0; s < splits; ++s) v += recv[RECV_ROWS * STAGE_LD + s * rows + tid - row_begin];
-        col_sum[i0 + tid] = v;
-    }
 }
 
 // d (+)= A B for one 64 x 128 x 8 step with A from registers: this thread's
@@ -1018,11 +942,9 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const bool sums = EPI == EPI_NONE && col_sum != nullptr && blockIdx.x == 0;
     float rs[2] = {0.0f, 0.0f};  // a consumer's row sums (db) of rows r and r + 8
-    // The consumers' accumulators; the producer never sets them (the epilogues
-    // read only the consumers'), so they take none of its registers.
+    // The consumers' accumulators; the producer never sets them (finish_tile
+    // reads only the consumers'), so they take none of its registers.
     float acc[ACC];
-    const bool clustered = gridDim.z > 1 && dt_cluster_blocks() == gridDim.z;
-    if (clustered) dt_cluster_arrive_relaxed();  // waited for before push_splits' first remote store
 
     if (wg < 2) {  // a consumer warpgroup: its 64 rows of the tile
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGISTERS));
@@ -1112,13 +1034,7 @@ __device__ __forceinline__ void backward(const float* A, int lda, const float* B
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(START_REGISTERS));
     }
     dt_allow_dependents();
-    if (clustered) {
-        push_splits<EPI>(acc, rs, !A_KFAST && sums, su.stage() + RECV_OFFSET / 4, smem0 + RECV_OFFSET, C, ldc, M, N,
-                         mask, ldm, col_sum);
-        return;
-    }
 
-    // Unclustered (one split, or S splits through the workspace): finish_tile.
     // db: the four threads of a row (t = 0..3) add their sums by a butterfly, and
     // t = 0 stages row 64 wg + r's for thread 64 wg + r of finish_tile. The stage
     // overlaps the sets and (its last 4.5 KB) consumer 0's first A stage: the first
@@ -1209,7 +1125,7 @@ extern "C" __global__ void __launch_bounds__(256) linear_forward_relu_head_wgmma
 // with db = sum_m dY into col_sum (grid column 0), A = dY row-fast, B = X row-fast.
 // Split as the forward; a launch without clusters needs gridDim.y * S * 128 more
 // workspace floats for the row sums. Block: DT_BACKWARD_THREADS (384). Dynamic
-// shared memory: BACKWARD_SHARED_BYTES (200 KB).
+// shared memory: BACKWARD_SHARED_BYTES (129 KB).
 #define DT_WGMMA_BACKWARD(NAME, A_KFAST, B_KFAST, EPI, BLOCK)                                                \
     extern "C" __global__ void __launch_bounds__(BLOCK, 1) NAME(                                             \
             const float* A, int lda, const float* B, int ldb, float* C, int ldc, int M, int N, int K,        \

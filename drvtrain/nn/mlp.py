@@ -68,10 +68,8 @@ FFMA_TILE = Tile("f32", 64, 64, 64, 4, 1, 2)
 WGMMA_TILE = Tile("wgmma", 128, 128, 32, 8, 4, 1, per_sm=1, cluster_splits=PORTABLE_CLUSTER_SIZE)
 # Dynamic shared memory: the forward's 5 stages of two 128 x 32 float tiles; the
 # backward's 2 sets of B's two parts (128 x 32 floats each; B reaches them through
-# the producer's registers), 4 raw stages of A's 64 x 32 floats for each of its 2
-# consumer warpgroups, and the buffer its clustered splits push their partial rows
-# into (133 rows of 136 floats, the most any cluster of up to 8 splits sends one
-# block, and one row of their row sums); 1 KB to align them.
+# the producer's registers) and 4 raw stages of A's 64 x 32 floats for each of its 2
+# consumer warpgroups; 1 KB to align them.
 WGMMA_SHARED_BYTES = 5 * 2 * 128 * 32 * 4 + 1024
 # The forward with the output layer in its epilogue: W2's slice (24 rows x 128 deep),
 # b's 128 columns and the block's share of the output (128 rows x 24) after the 5
@@ -79,7 +77,7 @@ WGMMA_SHARED_BYTES = 5 * 2 * 128 * 32 * 4 + 1024
 HEAD_MAX_OUT = 24
 WGMMA_HEAD_SHARED_BYTES = WGMMA_SHARED_BYTES + HEAD_MAX_OUT * 128 * 4 + 128 * 4 + 128 * HEAD_MAX_OUT * 4
 WGMMA_OPERAND_BOX = (128, 32)  # the forward's tensor maps: 128 rows x 32 floats, 128-byte swizzle
-WGMMA_BACKWARD_SHARED_BYTES = (2 * 2) * 128 * 32 * 4 + 2 * 4 * 64 * 32 * 4 + (133 + 1) * 136 * 4 + 1024
+WGMMA_BACKWARD_SHARED_BYTES = (2 * 2) * 128 * 32 * 4 + 2 * 4 * 64 * 32 * 4 + 1024
 # The pre-split backward: 3 stages of four 128 x 32 float tiles (A and B, big and small).
 WGMMA_PRESPLIT_SHARED_BYTES = 3 * 4 * 128 * 32 * 4 + 1024
 PRESPLIT_MAX_TILES = 16  # k tiles a split of the pre-split backward may have (gemm_sm90a.cu)
