@@ -325,10 +325,10 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
 //    `counters` (reduce_splits), the last block to arrive storing the tile.
 // Both add the same values in the same order: the same bits.
 // A block of BLOCK > THREADS threads calls it with all of them: the first THREADS
-// hold the accumulators and stage them; in a cluster all BLOCK threads then take the
-// rounds of the sum (fewer rounds a thread: the rounds, not the remote loads' round
-// trips, are most of this epilogue, docs/perf-notes.md, sixtieth pass); through the
-// workspace the others only meet the barriers.
+// hold the accumulators and stage them; in a cluster, without a mask, all BLOCK threads
+// then take the rounds of the sum (fewer rounds a thread: the rounds, not the remote
+// loads' round trips, are most of this epilogue, docs/perf-notes.md, sixtieth pass);
+// otherwise the others only meet the barriers.
 template <int EPI, int BLOCK = THREADS>
 __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bool sums, float* stage,
                                             unsigned int stage_addr, float* C, int ldc, int M, int N,
@@ -344,7 +344,12 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
         // This block's rows of the sum: rows row_begin .. row_end - 1 of the tile.
         const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows), row_end = min(BM, row_begin + rows);
         float4 ahead[2];
-        if (EPI == EPI_MASK) mask_group<EPI, 2, BLOCK>(mask, ldm, row_begin, row_end, 0, M, N, ahead);
+        // The threads that take the rounds of the sum: all of the block's without a mask
+        // (dW: 6 rounds a thread instead of 8), only the first THREADS with one (dX, 3
+        // splits: all 384 made its rounds slower; docs/perf-notes.md, sixtieth pass).
+        constexpr int RT = EPI == EPI_MASK ? THREADS : BLOCK;
+        const bool rounds = RT == BLOCK || active;
+        if (EPI == EPI_MASK) mask_group<EPI, 2, RT>(mask, ldm, row_begin, rounds ? row_end : row_begin, 0, M, N, ahead);
         __syncthreads();  // the other warpgroup's MMAs and any earlier use of the stage are over
         if (active) stage_tile(acc, stage);
         if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
@@ -364,7 +369,8 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
                 if (s < splits) v.x += p[s].x, v.y += p[s].y, v.z += p[s].z, v.w += p[s].w;
             return v;
         };
-        store_rows<EPI, 2, decltype(sum), BLOCK>(row_begin, row_end, sum, C, ldc, M, N, bias4, mask, ldm, ahead);
+        if (rounds)
+            store_rows<EPI, 2, decltype(sum), RT>(row_begin, row_end, sum, C, ldc, M, N, bias4, mask, ldm, ahead);
         if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
             float v = 0.0f;
 #pragma unroll
