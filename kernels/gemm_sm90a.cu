@@ -345,11 +345,12 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
         const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows), row_end = min(BM, row_begin + rows);
         float4 ahead[2];
         // The threads that take the rounds of the sum: all of the block's without a mask
-        // (dW: 6 rounds a thread instead of 8), only the first THREADS with one (dX, 3
-        // splits: all 384 made its rounds slower; docs/perf-notes.md, sixtieth pass).
+        // (dW in 2 splits: 6 rounds a thread instead of 8), only the first THREADS with one
+        // (dX in 3 splits: all 384 made its rounds slower; docs/perf-notes.md, sixtieth pass).
         constexpr int RT = EPI == EPI_MASK ? THREADS : BLOCK;
-        const bool rounds = RT == BLOCK || active;
-        if (EPI == EPI_MASK) mask_group<EPI, 2, RT>(mask, ldm, row_begin, rounds ? row_end : row_begin, 0, M, N, ahead);
+        const bool in_rounds = RT == BLOCK || active;
+        if (EPI == EPI_MASK)
+            mask_group<EPI, 2, RT>(mask, ldm, row_begin, in_rounds ? row_end : row_begin, 0, M, N, ahead);
         __syncthreads();  // the other warpgroup's MMAs and any earlier use of the stage are over
         if (active) stage_tile(acc, stage);
         if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
@@ -369,7 +370,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
                 if (s < splits) v.x += p[s].x, v.y += p[s].y, v.z += p[s].z, v.w += p[s].w;
             return v;
         };
-        if (rounds)
+        if (in_rounds)
             store_rows<EPI, 2, decltype(sum), RT>(row_begin, row_end, sum, C, ldc, M, N, bias4, mask, ldm, ahead);
         if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
             float v = 0.0f;
