@@ -10,7 +10,7 @@ from drvtrain.rl import DQNConfig, DQNStep, TrainingError
 from drvtrain.nn.mlp import WGMMA_TILE, wgmma_available
 from drvtrain.rl.dqn import audit_step, head_kernel_name, loss_dwl_kernel_name
 from child import run_python
-from dqn_reference import dqn_loss, dqn_step, dueling_q
+from dqn_reference import dqn_loss, dqn_step, dueling_q, spectral_project
 from late_writer import LATE_NS, late_copy, skip_unless_a_read_can_race, words
 from nn_reference import mlp_backward, mlp_forward, rel
 from per_reference import fixed_order_nodes, tree_inconsistency
@@ -123,7 +123,6 @@ def assert_spectral_from_device_weights(step, before, cfg, bound=1e-5):
     the step, to ``bound``. From the reference step's weights they would not hold so
     tightly: a gradient component that float32 and float64 round to opposite signs moves
     its weight by about 2 lr under AdamW's sign-like update, and u and sigma with it."""
-    from dqn_reference import spectral_project
     after, theta = adamw_of_device_moments(step, before, cfg)
     sigma, scale = step.sigma.to_numpy(), step.spectral_scale.to_numpy()
     c = float(np.float32(cfg.spectral_c or 1.0))
@@ -1185,7 +1184,6 @@ def test_spectral_projection_of_a_vanishing_u_takes_the_floored_branches(device,
     1e-12 floors; at 1e-18, ||W^T u|| alone (||W v|| is about 1e-5, so u_new is a unit
     vector). sigma and u_new match the float64 formula (dqn_reference.spectral_project),
     and W is left as it was: sigma is far below c."""
-    from dqn_reference import spectral_project
     stream = Stream()
     step = trained_step(rng, stream, obs_dim=3, hidden=(40, 24))
     u0 = (u_scale * rng.standard_normal(step.u.to_numpy().size)).astype(np.float32)
