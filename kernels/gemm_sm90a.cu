@@ -312,25 +312,25 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
 // [row_begin, row_end) of the tile, NT threads a round (NT / PER_ROW rows), each value
 // the splits' staged partials added in rank order from 0, through the epilogue into C
 // (store_rows' mapping of rows to threads and its maths: the same bits), and with
-// `sums` the row sums of the same rows into col_sum. S is the split count at compile
-// time (EXACT) or its bound: a thread issues every load of its rounds, the mask's and
-// the partials', before its first add, and its rounds past row_end read its last row
-// again rather than branch. With the split count known only at run time, the rounds
-// took about 130 instructions each, most of them predicates and predicated adds of the
-// 8 partials a round might have, and the epilogue's time went to issuing them
-// (docs/perf-notes.md, sixty-first pass).
-template <int EPI, int S, bool EXACT, int NT>
-__device__ __forceinline__ void cluster_rounds(int splits, int row_begin, int row_end, unsigned int stage_addr,
+// `sums` the row sums of the same rows into col_sum. S, the split count, is a template
+// argument (finish_tile instantiates 2 to 8): a thread issues every load of its rounds,
+// the mask's and the partials', before its first add, and its rounds past row_end read
+// its last row again rather than branch. With the split count known only at run time,
+// the rounds took about 130 instructions each, most of them predicates and predicated
+// adds of the 8 partials a round might have, and the epilogue's time went to issuing
+// them (docs/perf-notes.md, sixty-first pass).
+template <int EPI, int S, int NT>
+__device__ __forceinline__ void cluster_rounds(int row_begin, int row_end, unsigned int stage_addr,
                                                float* C, int ldc, int M, int N, float4 bias4, const float* mask,
                                                int ldm, bool sums, float* col_sum) {
     constexpr int RPR = NT / PER_ROW;                          // rows a round
-    constexpr int ROUNDS = ((BM + S - 1) / S + RPR - 1) / RPR;  // a share of ceil(BM / S) rows at most
+    constexpr int ROUNDS = ((BM + S - 1) / S + RPR - 1) / RPR;  // a share is ceil(BM / S) rows at most
     static_assert(NT % PER_ROW == 0, "whole rows a round");
     const int tid = threadIdx.x, i0 = blockIdx.y * BM, c4 = tid % PER_ROW, c = blockIdx.x * BN + 4 * c4;
     const int first = row_begin + tid / PER_ROW;  // this thread's row in round 0
     unsigned int base[S];                         // every split's stage, as this block addresses it
 #pragma unroll
-    for (int s = 0; s < S; ++s) base[s] = EXACT || s < splits ? dt_cluster_address(stage_addr, s) : 0u;
+    for (int s = 0; s < S; ++s) base[s] = dt_cluster_address(stage_addr, s);
     float4 mv[ROUNDS];
 #pragma unroll
     for (int it = 0; it < ROUNDS; ++it) {
@@ -350,8 +350,7 @@ __device__ __forceinline__ void cluster_rounds(int splits, int row_begin, int ro
     for (int it = 0; it < ROUNDS; ++it) {
         const unsigned int at = 4u * (min(first + it * RPR, row_end - 1) * STAGE_LD + 4 * c4);
 #pragma unroll
-        for (int s = 0; s < S; ++s)
-            if (EXACT || s < splits) p[it][s] = dt_cluster_load4(base[s] + at);
+        for (int s = 0; s < S; ++s) p[it][s] = dt_cluster_load4(base[s] + at);
     }
     const bool vec = aligned16(C, ldc) && c + 3 < N;
     const float bv[4] = {bias4.x, bias4.y, bias4.z, bias4.w};
@@ -360,8 +359,7 @@ __device__ __forceinline__ void cluster_rounds(int splits, int row_begin, int ro
         const int row = first + it * RPR, r = i0 + row;
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-        for (int s = 0; s < S; ++s)
-            if (EXACT || s < splits) v.x += p[it][s].x, v.y += p[it][s].y, v.z += p[it][s].z, v.w += p[it][s].w;
+        for (int s = 0; s < S; ++s) v.x += p[it][s].x, v.y += p[it][s].y, v.z += p[it][s].z, v.w += p[it][s].w;
         if (row >= row_end || r >= M || c >= N) continue;
         float y[4], m[4];
         *reinterpret_cast<float4*>(y) = v;
@@ -383,8 +381,7 @@ __device__ __forceinline__ void cluster_rounds(int splits, int row_begin, int ro
     if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
         float v = 0.0f;
 #pragma unroll
-        for (int s = 0; s < S; ++s)
-            if (EXACT || s < splits) v += dt_cluster_load(base[s] + 4u * (BM * STAGE_LD + tid));
+        for (int s = 0; s < S; ++s) v += dt_cluster_load(base[s] + 4u * (BM * STAGE_LD + tid));
         col_sum[i0 + tid] = v;
     }
 }
@@ -426,19 +423,19 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
         if (active) stage_tile(acc, stage);
         if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
         dt_cluster_barrier();  // every block's partial is staged
-        if (in_rounds) {  // the split count at compile time where the products launch it (2 or 3), or 4
-            if (splits == 2)
-                cluster_rounds<EPI, 2, true, RT>(splits, row_begin, row_end, stage_addr, C, ldc, M, N, bias4, mask,
-                                                 ldm, sums, col_sum);
-            else if (splits == 3)
-                cluster_rounds<EPI, 3, true, RT>(splits, row_begin, row_end, stage_addr, C, ldc, M, N, bias4, mask,
-                                                 ldm, sums, col_sum);
-            else if (splits == 4)
-                cluster_rounds<EPI, 4, true, RT>(splits, row_begin, row_end, stage_addr, C, ldc, M, N, bias4, mask,
-                                                 ldm, sums, col_sum);
-            else
-                cluster_rounds<EPI, DT_PORTABLE_CLUSTER, false, RT>(splits, row_begin, row_end, stage_addr, C, ldc,
-                                                                    M, N, bias4, mask, ldm, sums, col_sum);
+        if (in_rounds) {
+#define DT_CLUSTER_ROUNDS(S) \
+    cluster_rounds<EPI, S, RT>(row_begin, row_end, stage_addr, C, ldc, M, N, bias4, mask, ldm, sums, col_sum)
+            switch (splits) {  // the split count at compile time
+                case 2: DT_CLUSTER_ROUNDS(2); break;
+                case 3: DT_CLUSTER_ROUNDS(3); break;
+                case 4: DT_CLUSTER_ROUNDS(4); break;
+                case 5: DT_CLUSTER_ROUNDS(5); break;
+                case 6: DT_CLUSTER_ROUNDS(6); break;
+                case 7: DT_CLUSTER_ROUNDS(7); break;
+                default: DT_CLUSTER_ROUNDS(8); break;  // 8: more trapped above
+            }
+#undef DT_CLUSTER_ROUNDS
         }
         dt_cluster_barrier();  // no block leaves while another still reads its shared memory
         return;
