@@ -214,30 +214,32 @@ __device__ __forceinline__ float4 epilogue_bias(const float* bias, int N) {
     return make_float4(bv[0], bv[1], bv[2], bv[3]);
 }
 
-// The rounds store_rows takes for rows [row_begin, row_end) of the tile.
+// The rounds store_rows takes for rows [row_begin, row_end) of the tile, NT threads a round.
+template <int NT = THREADS>
 __device__ __forceinline__ int row_rounds(int row_begin, int row_end) {
-    return ((row_end - row_begin) * PER_ROW + THREADS - 1) / THREADS;
+    return ((row_end - row_begin) * PER_ROW + NT - 1) / NT;
 }
 
 // The tile row this thread takes in round `it` of store_rows over rows from row_begin on
-// (PER_ROW threads a row, THREADS a round); mask_group loads the mask of the same rows.
+// (PER_ROW threads a row, NT a round); mask_group loads the mask of the same rows.
+template <int NT = THREADS>
 __device__ __forceinline__ int round_row(int row_begin, int it) {
-    return row_begin + ((int)threadIdx.x + THREADS * it) / PER_ROW;
+    return row_begin + ((int)threadIdx.x + NT * it) / PER_ROW;
 }
 
 // The ReLU mask of rounds g .. g + GROUP - 1 of store_rows over rows [row_begin,
 // row_end) (the range store_rows then takes; an empty one loads nothing): this
 // thread's 4 columns, zeros past the rounds, the rows or the columns. 16-byte loads
 // where the mask's alignment allows them, whatever C's.
-template <int EPI, int GROUP>
+template <int EPI, int GROUP, int NT = THREADS>
 __device__ __forceinline__ void mask_group(const float* mask, int ldm, int row_begin, int row_end, int g, int M,
                                            int N, float4 (&mv)[GROUP]) {
     const int tid = threadIdx.x, i0 = blockIdx.y * BM, c = blockIdx.x * BN + 4 * (tid % PER_ROW);
-    const int rounds = row_rounds(row_begin, row_end);
+    const int rounds = row_rounds<NT>(row_begin, row_end);
     const bool vec = aligned16(mask, ldm) && c + 3 < N;
 #pragma unroll
     for (int u = 0; u < GROUP; ++u) {
-        const int row = round_row(row_begin, g + u), r = i0 + row;
+        const int row = round_row<NT>(row_begin, g + u), r = i0 + row;
         float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (EPI == EPI_MASK && g + u < rounds && row < row_end && r < M && c < N) {
             if (vec) *reinterpret_cast<float4*>(m) = *reinterpret_cast<const float4*>(mask + (size_t)r * ldm + c);
@@ -254,22 +256,23 @@ __device__ __forceinline__ void mask_group(const float* mask, int ldm, int row_b
 // those columns (epilogue_bias), and `ahead` the mask of the first group of rounds
 // (mask_group, loaded by the caller before its barriers; store_rows then loads each
 // next group's into it).
-// The rounds go in groups of GROUP (4, one shared load a round; a cluster's sum takes
-// cluster_rounds): the group's values are loaded first, then stored, so a warp waits
-// for its loads once a group rather than once a round. The mask comes from global
-// memory, one group ahead of the values, so that its loads overlap the group before.
-// The loop over the groups stays rolled. A block runs this code once, after its k loop, so every
+// The rounds go in groups of GROUP: the group's values are loaded first, then
+// stored, so a warp waits for its loads once a group rather than once a round (4 for
+// a staged tile, one shared load a round; 2 where each value sums the partials of a
+// cluster, up to 8 loads a round). The mask comes from global memory, one group
+// ahead of the values, so that its loads overlap the group before. The loop over the
+// groups stays rolled. A block runs this code once, after its k loop, so every
 // instruction is fetched cold. Fully unrolled (16 rounds, up to 8 summed partials
 // each, vector and scalar stores) it was half of the grad-input kernel's 100 KB of
 // code and took 11.5 us of the wide dX in the large step, against 5.3 rolled; the
 // step gained 4 us (docs/perf-notes.md, thirteenth pass).
-template <int EPI, int GROUP, class Value>
+template <int EPI, int GROUP, class Value, int NT = THREADS>
 __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Value& value, float* C, int ldc, int M,
                                            int N, float4 bias4, const float* mask, int ldm, float4 (&ahead)[GROUP]) {
     const int tid = threadIdx.x, i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const bool vec = aligned16(C, ldc);
     const int c4 = tid % PER_ROW, c = j0 + 4 * c4;  // the same columns in every round
-    const int rounds = row_rounds(row_begin, row_end);
+    const int rounds = row_rounds<NT>(row_begin, row_end);
     const float bv[4] = {bias4.x, bias4.y, bias4.z, bias4.w};
     static_assert(MAX_ROUNDS % GROUP == 0, "whole groups of rounds");
 #pragma unroll 1
@@ -277,16 +280,16 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
         float4 mv[GROUP], v[GROUP];
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) mv[u] = EPI == EPI_MASK ? ahead[u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (EPI == EPI_MASK) mask_group<EPI, GROUP>(mask, ldm, row_begin, row_end, g + GROUP, M, N, ahead);
+        if (EPI == EPI_MASK) mask_group<EPI, GROUP, NT>(mask, ldm, row_begin, row_end, g + GROUP, M, N, ahead);
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) {
-            const int row = round_row(row_begin, g + u);
+            const int row = round_row<NT>(row_begin, g + u);
             v[u] = g + u < rounds && row < row_end && i0 + row < M && c < N ? value(row, c4)
                                                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) {
-            const int it = g + u, row = round_row(row_begin, it), r = i0 + row;
+            const int it = g + u, row = round_row<NT>(row_begin, it), r = i0 + row;
             if (it >= rounds || row >= row_end || r >= M || c >= N) continue;
             float y[4], m[4];
             *reinterpret_cast<float4*>(y) = v[u];
@@ -308,84 +311,6 @@ __device__ __forceinline__ void store_rows(int row_begin, int row_end, const Val
     }
 }
 
-// finish_tile's rounds in a cluster of `splits` blocks (at most the portable 8): rows
-// [row_begin, row_end) of the tile, NT threads a round (NT / PER_ROW rows), each value
-// the splits' staged partials added in rank order from 0, through the epilogue into C
-// (store_rows' mapping of rows to threads and its maths: the same bits), and with
-// `sums` the row sums of the same rows into col_sum. S, the split count, is a template
-// argument (finish_tile instantiates 2 to 8): a thread issues every load of its rounds,
-// the mask's and the partials', before its first add, and its rounds past row_end read
-// its last row again rather than branch. With the split count known only at run time,
-// the rounds took about 130 instructions each, most of them predicates and predicated
-// adds of the 8 partials a round might have, and the epilogue's time went to issuing
-// them (docs/perf-notes.md, sixty-first pass).
-template <int EPI, int S, int NT>
-__device__ __forceinline__ void cluster_rounds(int row_begin, int row_end, unsigned int stage_addr,
-                                               float* C, int ldc, int M, int N, float4 bias4, const float* mask,
-                                               int ldm, bool sums, float* col_sum) {
-    constexpr int RPR = NT / PER_ROW;                          // rows a round
-    constexpr int ROUNDS = ((BM + S - 1) / S + RPR - 1) / RPR;  // a share is ceil(BM / S) rows at most
-    static_assert(NT % PER_ROW == 0, "whole rows a round");
-    const int tid = threadIdx.x, i0 = blockIdx.y * BM, c4 = tid % PER_ROW, c = blockIdx.x * BN + 4 * c4;
-    const int first = row_begin + tid / PER_ROW;  // this thread's row in round 0
-    unsigned int base[S];                         // every split's stage, as this block addresses it
-#pragma unroll
-    for (int s = 0; s < S; ++s) base[s] = dt_cluster_address(stage_addr, s);
-    float4 mv[ROUNDS];
-#pragma unroll
-    for (int it = 0; it < ROUNDS; ++it) {
-        const int row = first + it * RPR, r = i0 + row;
-        float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (EPI == EPI_MASK && row < row_end && r < M && c < N) {
-            if (aligned16(mask, ldm) && c + 3 < N)
-                *reinterpret_cast<float4*>(m) = *reinterpret_cast<const float4*>(mask + (size_t)r * ldm + c);
-            else
-#pragma unroll
-                for (int e = 0; e < 4; ++e) m[e] = c + e < N ? mask[(size_t)r * ldm + c + e] : 0.0f;
-        }
-        mv[it] = *reinterpret_cast<const float4*>(m);
-    }
-    float4 p[ROUNDS][S];
-#pragma unroll
-    for (int it = 0; it < ROUNDS; ++it) {
-        const unsigned int at = 4u * (min(first + it * RPR, row_end - 1) * STAGE_LD + 4 * c4);
-#pragma unroll
-        for (int s = 0; s < S; ++s) p[it][s] = dt_cluster_load4(base[s] + at);
-    }
-    const bool vec = aligned16(C, ldc) && c + 3 < N;
-    const float bv[4] = {bias4.x, bias4.y, bias4.z, bias4.w};
-#pragma unroll
-    for (int it = 0; it < ROUNDS; ++it) {
-        const int row = first + it * RPR, r = i0 + row;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int s = 0; s < S; ++s) v.x += p[it][s].x, v.y += p[it][s].y, v.z += p[it][s].z, v.w += p[it][s].w;
-        if (row >= row_end || r >= M || c >= N) continue;
-        float y[4], m[4];
-        *reinterpret_cast<float4*>(y) = v;
-        *reinterpret_cast<float4*>(m) = mv[it];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {  // store_rows' maths
-            if (EPI == EPI_BIAS || EPI == EPI_BIAS_RELU) y[e] += bv[e];
-            if (EPI == EPI_BIAS_RELU) y[e] = y[e] < 0.0f ? 0.0f : y[e] + 0.0f;
-            if (EPI == EPI_MASK && !(m[e] > 0.0f)) y[e] = 0.0f;
-        }
-        if (vec) {
-            *reinterpret_cast<float4*>(C + (size_t)r * ldc + c) = *reinterpret_cast<const float4*>(y);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (c + e < N) C[(size_t)r * ldc + c + e] = y[e];
-        }
-    }
-    if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
-        float v = 0.0f;
-#pragma unroll
-        for (int s = 0; s < S; ++s) v += dt_cluster_load(base[s] + 4u * (BM * STAGE_LD + tid));
-        col_sum[i0 + tid] = v;
-    }
-}
-
 // The end of every kernel here: the S = gridDim.z splits of the tile summed in z
 // order, then the epilogue into C, and with `sums` (thread tid < 128 holding row
 // tid's sum) the row sums into col_sum. `stage` at shared::cta address
@@ -401,8 +326,9 @@ __device__ __forceinline__ void cluster_rounds(int row_begin, int row_end, unsig
 // Both add the same values in the same order: the same bits.
 // A block of BLOCK > THREADS threads calls it with all of them: the first THREADS
 // hold the accumulators and stage them; in a cluster, without a mask, all BLOCK threads
-// then take the rounds of the sum (fewer rounds a thread, docs/perf-notes.md, sixtieth
-// pass); otherwise the others only meet the barriers.
+// then take the rounds of the sum (fewer rounds a thread: the rounds, not the remote
+// loads' round trips, are most of this epilogue, docs/perf-notes.md, sixtieth pass);
+// otherwise the others only meet the barriers.
 template <int EPI, int BLOCK = THREADS>
 __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bool sums, float* stage,
                                             unsigned int stage_addr, float* C, int ldc, int M, int N,
@@ -411,31 +337,47 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
     const int tid = threadIdx.x, splits = gridDim.z, z = blockIdx.z, i0 = blockIdx.y * BM;
     const bool active = BLOCK == THREADS || tid < THREADS;
     if (splits > 1 && dt_cluster_blocks() == (unsigned int)splits) {
-        if (splits > DT_PORTABLE_CLUSTER) __trap();  // cluster_rounds takes that many at most
+        if (splits > DT_PORTABLE_CLUSTER) __trap();  // base[] below holds that many
+        // The first group's mask, in flight across the staging. (The cluster barrier's
+        // release is a memory barrier in the machine code, which may wait for it.)
+        // Threads that store nothing take an empty range.
         // This block's rows of the sum: rows row_begin .. row_end - 1 of the tile.
         const int rows = (BM + splits - 1) / splits, row_begin = min(BM, z * rows), row_end = min(BM, row_begin + rows);
+        float4 ahead[2];
         // The threads that take the rounds of the sum: all of the block's without a mask
         // (dW in 2 splits: 6 rounds a thread instead of 8), only the first THREADS with one
         // (dX in 3 splits: all 384 made its rounds slower; docs/perf-notes.md, sixtieth pass).
         constexpr int RT = EPI == EPI_MASK ? THREADS : BLOCK;
         const bool in_rounds = RT == BLOCK || active;
+        if (EPI == EPI_MASK)
+            mask_group<EPI, 2, RT>(mask, ldm, row_begin, in_rounds ? row_end : row_begin, 0, M, N, ahead);
         __syncthreads();  // the other warpgroup's MMAs and any earlier use of the stage are over
         if (active) stage_tile(acc, stage);
         if (sums && tid < BM) stage[BM * STAGE_LD + tid] = row_sum;
         dt_cluster_barrier();  // every block's partial is staged
-        if (in_rounds) {
-#define DT_CLUSTER_ROUNDS(S) \
-    cluster_rounds<EPI, S, RT>(row_begin, row_end, stage_addr, C, ldc, M, N, bias4, mask, ldm, sums, col_sum)
-            switch (splits) {  // the split count at compile time
-                case 2: DT_CLUSTER_ROUNDS(2); break;
-                case 3: DT_CLUSTER_ROUNDS(3); break;
-                case 4: DT_CLUSTER_ROUNDS(4); break;
-                case 5: DT_CLUSTER_ROUNDS(5); break;
-                case 6: DT_CLUSTER_ROUNDS(6); break;
-                case 7: DT_CLUSTER_ROUNDS(7); break;
-                default: DT_CLUSTER_ROUNDS(8); break;  // 8: more trapped above
-            }
-#undef DT_CLUSTER_ROUNDS
+        unsigned int base[DT_PORTABLE_CLUSTER];  // every split's stage, as this block addresses it
+#pragma unroll
+        for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s) base[s] = s < splits ? dt_cluster_address(stage_addr, s) : 0u;
+        const auto sum = [&](int row, int c4) {
+            float4 p[DT_PORTABLE_CLUSTER];
+            const unsigned int at = 4u * (row * STAGE_LD + 4 * c4);
+#pragma unroll
+            for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
+                if (s < splits) p[s] = dt_cluster_load4(base[s] + at);
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
+                if (s < splits) v.x += p[s].x, v.y += p[s].y, v.z += p[s].z, v.w += p[s].w;
+            return v;
+        };
+        if (in_rounds)
+            store_rows<EPI, 2, decltype(sum), RT>(row_begin, row_end, sum, C, ldc, M, N, bias4, mask, ldm, ahead);
+        if (sums && tid >= row_begin && tid < row_end && i0 + tid < M) {
+            float v = 0.0f;
+#pragma unroll
+            for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
+                if (s < splits) v += dt_cluster_load(base[s] + 4u * (BM * STAGE_LD + tid));
+            col_sum[i0 + tid] = v;
         }
         dt_cluster_barrier();  // no block leaves while another still reads its shared memory
         return;
