@@ -338,9 +338,8 @@ def test_wgmma_splits_summed_in_a_cluster_or_through_global_memory_give_the_same
     distributed shared memory (the default, no workspace); launched without a
     cluster they take gemm.cu's workspace and counters instead. Both add the same
     partials in the same z order: the same bits, and float64 agrees. Every split
-    count a cluster takes (each its own instantiation of the kernel's rounds): with 3
-    splits the cluster's blocks store 43, 43 and 42 rows of each tile, with 6 five of
-    22 and one of 18."""
+    count a cluster takes, 2 to 8: with 3 splits the cluster's blocks store 43, 43
+    and 42 rows of each tile, with 6 five of 22 and one of 18."""
     skip_unless_compiled(device, WGMMA_TILE)
     m, n, k = 300, 260, 1024
     kernels = kernels_for(role, device)
