@@ -7,9 +7,17 @@ instead, so a GPU run can never pass by skipping.
 Every test that takes ``rng`` draws a fresh seed and prints it (pytest shows it
 when the test fails); ``DRVTRAIN_TEST_SEED=<seed>`` gives every such test that
 seed, to run a failure again.
+
+A test that runs past ``DRVTRAIN_TEST_TIMEOUT`` seconds (default 1800; 0 for no
+limit), fixtures included, ends the whole run: every thread's stack goes to stderr
+(the test's frame among them) and pytest exits with status 1. A kernel that never
+ends would otherwise hold the run, and the GPU runner, until something outside
+killed it, with nothing said about which test it was.
 """
+import faulthandler
 import os
 import secrets
+import sys
 
 import numpy as np
 import pytest
@@ -61,8 +69,52 @@ def fixed_seed():
     return seed
 
 
+DEFAULT_TIME_LIMIT_S = 1800.0
+
+
+def time_limit():
+    """DRVTRAIN_TEST_TIMEOUT in seconds (DEFAULT_TIME_LIMIT_S when it is not set; 0: none)."""
+    text = os.environ.get("DRVTRAIN_TEST_TIMEOUT")
+    if text is None:
+        return DEFAULT_TIME_LIMIT_S
+    try:
+        limit = float(text)
+    except ValueError:
+        limit = -1.0
+    if not 0 <= limit < float("inf"):
+        raise pytest.UsageError(f"DRVTRAIN_TEST_TIMEOUT must be a number of seconds >= 0 (0: no limit), got {text!r}")
+    return limit
+
+
+_stderr_copy = None  # the run's own stderr, for the time limit's report (pytest captures fd 2 in tests)
+
+
 def pytest_configure(config):
+    global _stderr_copy
     fixed_seed()  # a bad DRVTRAIN_TEST_SEED stops the run before any test
+    if time_limit() > 0:  # and so does a bad DRVTRAIN_TEST_TIMEOUT
+        # Here, between collection's capture and the tests', fd 2 is the terminal's.
+        _stderr_copy = os.dup((sys.__stderr__ or sys.stderr).fileno())
+
+
+def pytest_unconfigure(config):
+    global _stderr_copy
+    if _stderr_copy is not None:
+        os.close(_stderr_copy)
+        _stderr_copy = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The time limit over each test's setup, call and teardown. faulthandler's own
+    thread keeps the time, so it fires even while the test waits inside a driver call."""
+    if _stderr_copy is not None:
+        faulthandler.dump_traceback_later(time_limit(), exit=True, file=_stderr_copy)
+    try:
+        yield
+    finally:
+        if _stderr_copy is not None:
+            faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
-"""The test configuration itself: DRVTRAIN_TEST_SEED gives the ``rng`` fixture its seed."""
+"""The test configuration itself: DRVTRAIN_TEST_SEED gives the ``rng`` fixture its seed, and
+DRVTRAIN_TEST_TIMEOUT ends a run whose test outlives it."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +48,35 @@ def test_a_bad_seed_stops_the_run_before_any_test(text):
     assert out.returncode == pytest.ExitCode.USAGE_ERROR
     assert "DRVTRAIN_TEST_SEED must be a non-negative integer (decimal, or hex with 0x)" in out.stderr
     assert "rng seed" not in out.stdout
+
+
+def run_timed(tmp_path, limit):
+    """pytest -v over a copy of this conftest and three tests: two of 2 s, then one
+    that would sleep for 120, with DRVTRAIN_TEST_TIMEOUT = limit."""
+    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_timed.py").write_text(
+        "import time\n\n\ndef test_first():\n    time.sleep(2)\n\n\ndef test_second():\n    time.sleep(2)\n\n\n"
+        "def test_stuck():\n    time.sleep(120)\n")
+    env = dict(os.environ, DRVTRAIN_TEST_TIMEOUT=limit)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "test_timed.py"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=100)
+
+
+def test_a_test_past_the_time_limit_ends_the_run_and_names_itself(tmp_path):
+    out = run_timed(tmp_path, "3")
+    # Each test has the limit to itself: the second ends 4 s into the run, past a
+    # limit that was not set again for it.
+    assert "test_timed.py::test_first PASSED" in out.stdout, out.stdout + out.stderr
+    assert "test_timed.py::test_second PASSED" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Timeout (0:00:03)!" in out.stderr
+    assert 'test_timed.py", line 13 in test_stuck' in out.stderr
+
+
+@pytest.mark.parametrize("text", ["abc", "-1", "", "inf", "nan"])
+def test_a_bad_time_limit_stops_the_run_before_any_test(tmp_path, text):
+    out = run_timed(tmp_path, text)
+    assert out.returncode == pytest.ExitCode.USAGE_ERROR
+    assert "DRVTRAIN_TEST_TIMEOUT must be a number of seconds >= 0 (0: no limit)" in out.stderr
+    assert "PASSED" not in out.stdout

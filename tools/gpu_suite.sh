@@ -47,6 +47,9 @@ if [ "${SANITIZE:-1}" = 1 ] && { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",saniti
              test_hardening_gpu test_dqn_gpu test_envs_gpu test_gemm_gpu test_narrow_gpu
              test_launch_options_gpu test_tma_gpu test_reductions_gpu"
   mkdir -p "$logs/sanitizer"
+  # A test runs tens of times slower under the sanitizer: its own time limit a test
+  # (tests/conftest.py's DRVTRAIN_TEST_TIMEOUT), 4 hours unless SANITIZER_TEST_TIMEOUT says.
+  export DRVTRAIN_TEST_TIMEOUT=${SANITIZER_TEST_TIMEOUT:-14400}
   pids=()
   for f in $san_files; do
     "$sanitizer" --tool memcheck --error-exitcode 1 --print-limit 20 \
