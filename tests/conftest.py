@@ -8,11 +8,13 @@ Every test that takes ``rng`` draws a fresh seed and prints it (pytest shows it
 when the test fails); ``DRVTRAIN_TEST_SEED=<seed>`` gives every such test that
 seed, to run a failure again.
 
-A test that runs past ``DRVTRAIN_TEST_TIMEOUT`` seconds (default 1800; 0 for no
-limit), fixtures included, ends the whole run: every thread's stack goes to stderr
-(the test's frame among them) and pytest exits with status 1. A kernel that never
-ends would otherwise hold the run, and the GPU runner, until something outside
-killed it, with nothing said about which test it was.
+A test whose setup, call or teardown runs past ``DRVTRAIN_TEST_TIMEOUT`` seconds
+(default 1800 each; 0 for no limit) ends the whole run: every thread's stack goes
+to stderr (the test's frame among them) and pytest exits with status 1; the test's
+captured output is lost (run with ``-s`` to see it). A kernel that never ends would
+otherwise hold the run, and the machine's GPU, until something outside killed it,
+with nothing said about which test it was. While set, it replaces pytest's own
+``faulthandler_timeout`` (one such timer exists in a process).
 """
 import faulthandler
 import os
@@ -93,7 +95,7 @@ def pytest_configure(config):
     global _stderr_copy
     fixed_seed()  # a bad DRVTRAIN_TEST_SEED stops the run before any test
     if time_limit() > 0:  # and so does a bad DRVTRAIN_TEST_TIMEOUT
-        # Here, between collection's capture and the tests', fd 2 is the terminal's.
+        # Here, after the capture of the conftests' import and before the tests', fd 2 is the run's own.
         _stderr_copy = os.dup((sys.__stderr__ or sys.stderr).fileno())
 
 
@@ -104,10 +106,12 @@ def pytest_unconfigure(config):
         _stderr_copy = None
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """The time limit over each test's setup, call and teardown. faulthandler's own
-    thread keeps the time, so it fires even while the test waits inside a driver call."""
+def _time_limited():
+    """The time limit over one phase of a test (a hook wrapper's body). Each phase arms it
+    again: pytest's faulthandler plugin cancels the process's one timer when a test
+    fails (before its teardown) and arms its own around the whole test where
+    faulthandler_timeout is set. faulthandler's own thread keeps the time, so it fires
+    even while the test waits inside a driver call."""
     if _stderr_copy is not None:
         faulthandler.dump_traceback_later(time_limit(), exit=True, file=_stderr_copy)
     try:
@@ -115,6 +119,21 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         if _stderr_copy is not None:
             faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _time_limited()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _time_limited()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield from _time_limited()
 
 
 @pytest.fixture

@@ -50,16 +50,46 @@ def test_a_bad_seed_stops_the_run_before_any_test(text):
     assert "rng seed" not in out.stdout
 
 
-def run_timed(tmp_path, limit):
-    """pytest -v over a copy of this conftest and three tests: two of 2 s, then one
-    that would sleep for 120, with DRVTRAIN_TEST_TIMEOUT = limit."""
+TIMED = """import time
+
+
+def test_first():
+    time.sleep(2)
+
+
+def test_second():
+    time.sleep(2)
+
+
+def test_stuck():
+    time.sleep(120)
+"""
+
+FAILS_THEN_HANGS = """import time
+
+import pytest
+
+
+@pytest.fixture
+def stuck_teardown():
+    yield
+    time.sleep(120)
+
+
+def test_fails(stuck_teardown):
+    assert False
+"""
+
+
+def run_timed(tmp_path, limit, source=TIMED, *options):
+    """pytest -v over a copy of this conftest and `source` (by default two tests of 2 s,
+    then one that would sleep for 120), with DRVTRAIN_TEST_TIMEOUT = limit."""
     shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test_timed.py").write_text(
-        "import time\n\n\ndef test_first():\n    time.sleep(2)\n\n\ndef test_second():\n    time.sleep(2)\n\n\n"
-        "def test_stuck():\n    time.sleep(120)\n")
+    (tmp_path / "test_timed.py").write_text(source)
     env = dict(os.environ, DRVTRAIN_TEST_TIMEOUT=limit)
+    env.pop("PYTEST_ADDOPTS", None)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "test_timed.py"],
+    return subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *options, "test_timed.py"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=100)
 
 
@@ -72,6 +102,16 @@ def test_a_test_past_the_time_limit_ends_the_run_and_names_itself(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Timeout (0:00:03)!" in out.stderr
     assert 'test_timed.py", line 13 in test_stuck' in out.stderr
+
+
+@pytest.mark.parametrize("options", [(), ("-o", "faulthandler_timeout=60")], ids=["plain", "faulthandler_timeout-set"])
+def test_a_failed_test_stuck_in_its_teardown_ends_the_run(tmp_path, options):
+    """pytest cancels the process's timer when a test fails, and its own
+    faulthandler_timeout arms another: the teardown is still limited."""
+    out = run_timed(tmp_path, "3", FAILS_THEN_HANGS, *options)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Timeout (0:00:03)!" in out.stderr
+    assert 'test_timed.py", line 9 in stuck_teardown' in out.stderr
 
 
 @pytest.mark.parametrize("text", ["abc", "-1", "", "inf", "nan"])
