@@ -14,11 +14,17 @@ ROOT = str(TESTS.parent)
 ONE_TEST = "test_per_reference.py::test_stratified_masses_fall_in_their_strata"
 
 
-def run_pytest(seed):
-    # The child runs in tests/ (its conftest is the one under test) and imports this
-    # checkout's drvtrain, installed or not, as the other tests' children do.
-    env = {k: v for k, v in os.environ.items() if k != "DRVTRAIN_TEST_SEED"}
+def child_env(*drop, **values):
+    """This environment for a child pytest, less `drop`, with `values`; the child imports
+    this checkout's drvtrain, installed or not, as the other tests' children do."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    return env | values
+
+
+def run_pytest(seed):
+    # The child runs in tests/: its conftest is the one under test.
+    env = child_env("DRVTRAIN_TEST_SEED")
     if seed is not None:
         env["DRVTRAIN_TEST_SEED"] = seed
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", ONE_TEST],
@@ -86,9 +92,7 @@ def run_timed(tmp_path, limit, source=TIMED, *options):
     then one that would sleep for 120), with DRVTRAIN_TEST_TIMEOUT = limit."""
     shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_timed.py").write_text(source)
-    env = dict(os.environ, DRVTRAIN_TEST_TIMEOUT=limit)
-    env.pop("PYTEST_ADDOPTS", None)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    env = child_env("PYTEST_ADDOPTS", DRVTRAIN_TEST_TIMEOUT=limit)
     return subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *options, "test_timed.py"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=100)
 
