@@ -376,8 +376,11 @@ __device__ __forceinline__ void dt_cluster_arrive() {
     DT_CLUSTER_ONLY(asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"));
 }
 
-// The barrier in two halves: arrive early (ordering nothing), wait later;
-// the pair only says every block of the cluster has started.
+// The barrier in two halves, the arrival ordering nothing. Arriving early, the pair
+// only says every block of the cluster has started. Arriving after the thread has
+// consumed (stored, say) every value it loaded from other blocks, it also says this
+// thread's reads of their shared memory are over, as the release would, without
+// waiting for its own global stores to drain as the release does.
 __device__ __forceinline__ void dt_cluster_arrive_relaxed() {
     DT_CLUSTER_ONLY(asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"));
 }

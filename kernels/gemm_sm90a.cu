@@ -379,7 +379,13 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
                 if (s < splits) v += dt_cluster_load(base[s] + 4u * (BM * STAGE_LD + tid));
             col_sum[i0 + tid] = v;
         }
-        dt_cluster_barrier();  // no block leaves while another still reads its shared memory
+        // No block leaves while another still reads its shared memory. The arrival is
+        // relaxed: every value this thread loaded from the cluster is stored before it in
+        // program order, so its reads are over; a release would also wait for its stores
+        // into C to drain (MEMBAR.ALL.GPU, 630 to 710 clocks a block; docs/perf-notes.md,
+        // sixty-second pass).
+        dt_cluster_arrive_relaxed();
+        dt_cluster_wait();
         return;
     }
     float r = row_sum;
@@ -681,7 +687,8 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
         if (clustered) {
             dt_cluster_wait();  // every block's share is staged
             head_cluster_finish(head, M, smem0 + HEAD_SHARE_AT);
-            dt_cluster_barrier();  // no block leaves while another still reads its share
+            dt_cluster_arrive_relaxed();  // no block leaves while another still reads its share: the
+            dt_cluster_wait();            // loads' values are stored before it (as in finish_tile)
         } else if (dt_last_block(head.counters + blockIdx.y, gridDim.x)) {
             head_finish(head, M);
         }
