@@ -147,6 +147,112 @@ extern "C" __global__ void __launch_bounds__(256) sync_handover(unsigned int* er
     dt_cluster_barrier();  // no block leaves while a copy may still read or write its shared memory
 }
 
+// sync_partials: the sum at the end of a product split over a cluster (gemm_sm90a.cu's
+// finish_tile), alone: its bytes over the cluster's network, with no k loop, mask or
+// stores into global memory. Each block of a cluster of S <= 8 (384 threads) holds a
+// 128 x 128 float partial (64 KB, dynamic shared memory; partial z's element (r, c) is
+// (z + 1) x ((128 r + c) mod 251), so every sum is exact), and in each of `rounds`
+// rounds sums rows z R .. z R + R - 1 (R = ceil(128 / S)) of the S partials in z order:
+//   mode 0: 16-byte loads through the cluster window, the block's own partial too, two
+//           pieces' loads in flight before their adds (finish_tile's way);
+//   mode 1: each block pushes the rows of every other block's share to it with one bulk
+//           copy (into a receive buffer after the partial: (S - 1) x R x 512 bytes),
+//           which completes on the receiver's mbarrier; then plain shared loads;
+//   mode 2: plain shared loads of the block's own partial S times (no network: the floor).
+// A cluster barrier starts each round (the receive buffer is free again) and stays out of
+// the count: clocks[block] is the sum over the rounds of thread 0's clock64 from that
+// barrier's end to the end of the round's sums (a block barrier). *errors counts the sums
+// that are not the expected value (in mode 2, S times the block's own partial).
+constexpr int SP_THREADS = 384, SP_ROWS = 128;
+
+__device__ __forceinline__ float4 sp_lds4(unsigned int addr) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(SP_THREADS) sync_partials(unsigned int* errors, long long* clocks,
+                                                                       int rounds, int mode) {
+    extern __shared__ __align__(128) float partial[];  // [128][128], then the receive buffer
+    __shared__ __align__(8) unsigned long long landed;  // mode 1's mbarrier
+    dt_wait_prior_grid();
+    dt_allow_dependents();
+    const unsigned int z = dt_cluster_rank(), S = dt_cluster_blocks(), t = threadIdx.x;
+    if (S > DT_PORTABLE_CLUSTER || mode < 0 || mode > 2 || blockDim.x != SP_THREADS) __trap();
+    const int R = (SP_ROWS + (int)S - 1) / (int)S, row0 = min(SP_ROWS, (int)z * R);
+    const int rows = min(SP_ROWS, row0 + R) - row0;  // this block's share of the tile's rows
+    for (int i = t; i < SP_ROWS * 128; i += SP_THREADS) partial[i] = (float)((z + 1) * (unsigned int)(i % 251));
+    const unsigned int base = (unsigned int)__cvta_generic_to_shared(partial);
+    const unsigned int recv = base + 4u * SP_ROWS * 128, bar = (unsigned int)__cvta_generic_to_shared(&landed);
+    if (t == 0) {
+        dt_mbar_init(bar, 1);
+        dt_mbar_init_fence();
+    }
+    dt_fence_proxy_async();  // the partial, visible to the bulk copies
+    unsigned int from[DT_PORTABLE_CLUSTER];  // where split s's rows of this block's share are read
+#pragma unroll
+    for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s) {
+        const unsigned int rows_at = 4u * row0 * 128;
+        if (s >= (int)S) from[s] = 0u;
+        else if (mode == 0) from[s] = dt_cluster_address(base, s) + rows_at;
+        else if (mode == 2 || s == (int)z) from[s] = base + rows_at;
+        else from[s] = recv + 512u * R * (s < (int)z ? s : s - 1);
+    }
+    const float expect_scale = (float)(mode == 2 ? S * (z + 1) : S * (S + 1) / 2);
+    unsigned int bad = 0;
+    long long spent = 0;
+    for (int r = 0; r < rounds; ++r) {
+        dt_cluster_barrier();  // every block has read last round's receive buffer; round r's may be written
+        long long begin = clock64();
+        if (mode == 1) {
+            if (t == 0) {
+                dt_mbar_arrive_expect(bar, (S - 1) * 512u * rows);
+                for (unsigned int q = 0; q < S; ++q) {
+                    const int q0 = min(SP_ROWS, (int)q * R), qrows = min(SP_ROWS, q0 + R) - q0;
+                    if (q == z || qrows == 0) continue;
+                    const unsigned int slot = 512u * R * (z < q ? z : z - 1);
+                    dt_bulk_push(dt_cluster_address(recv + slot, q), base + 4u * q0 * 128, 512u * qrows,
+                                 dt_cluster_address(bar, q));
+                }
+            }
+            dt_mbar_wait(bar, r & 1);
+        }
+        for (int i = t; i < rows * 32; i += 2 * SP_THREADS) {
+            float4 p[2][DT_PORTABLE_CLUSTER];
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const unsigned int at = 16u * (i + u * SP_THREADS);
+                const bool in = i + u * SP_THREADS < rows * 32;
+#pragma unroll
+                for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
+                    if (s < (int)S && in) p[u][s] = mode == 0 ? dt_cluster_load4(from[s] + at) : sp_lds4(from[s] + at);
+            }
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int piece = i + u * SP_THREADS;
+                if (piece >= rows * 32) continue;
+                float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
+                    if (s < (int)S) v.x += p[u][s].x, v.y += p[u][s].y, v.z += p[u][s].z, v.w += p[u][s].w;
+                const int e = row0 * 128 + 4 * piece;
+                const float w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    if (w[c] != expect_scale * (float)((unsigned int)(e + c) % 251)) ++bad;
+            }
+        }
+        __syncthreads();  // every thread's sums of the round are done
+        spent += clock64() - begin;
+    }
+    if (bad) atomicAdd(errors, bad);
+    if (t == 0) clocks[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = spent;
+    // Every value loaded from another block is consumed above (the checks), and every copy
+    // into this block has landed (its mbarrier wait): no block leaves while another still reads it.
+    dt_cluster_arrive_relaxed();
+    dt_cluster_wait();
+}
+
 // block_sums_32, _128, _256: the block sums of common.cuh, for tests. Block b
 // sums in[(i * gridDim.x + b) * THREADS + t] over its threads t for i = 0, 1, 2
 // in one pass (dt_block_sums), then sums 0 and 1 again alone, back to back

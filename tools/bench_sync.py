@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What one synchronisation costs on the device: a kernel boundary, a grid barrier, a cluster barrier, a hand-over.
+"""What one synchronisation costs on the device: a kernel boundary, a barrier, a hand-over, a cluster sum.
 
 Each is timed in a captured graph and divided by its count:
 - a kernel boundary: a chain of 200 launches of `sync_chain` (kernels/probe.cu), each
@@ -14,8 +14,14 @@ Each is timed in a captured graph and divided by its count:
   of which every block hands a 4 KB slice to every block of its cluster (32 KB arrive in
   each), by 8-byte or 16-byte remote stores and a cluster barrier, or by one bulk copy
   per receiving block completing on its mbarrier; one cluster, and 24 side by side (the
-  small DQN step's cluster forward).
-Every hand-over is checked; a stale read fails the run (exit 1).
+  small DQN step's cluster forward);
+- the sum of a split tile's partials in a cluster (the split products' epilogue, alone):
+  `sync_partials`, clusters of 2 and 3 blocks of 384 threads, each holding a 64 KB
+  partial and summing its share of the rows over all of them, through the cluster
+  window (the products' way), by one bulk copy a pair of blocks, and from its own
+  partial alone (no network); one cluster, and as many as the products launch. Clocks
+  a block a round (thread 0) and the bytes a clock an SM that cross the network.
+Every hand-over and every sum is checked; a stale read or a wrong sum fails the run (exit 1).
 """
 import sys
 
@@ -28,6 +34,9 @@ from drvtrain.timing import time_graph
 NODES, ROUNDS = 200, 1000
 HANDOVER_MODES = ((0, "8-byte remote stores, cluster barrier"), (1, "16-byte remote stores, cluster barrier"),
                   (2, "a bulk copy a block, mbarrier"))
+PARTIAL_MODES = ((0, "16-byte loads through the cluster window"), (1, "a bulk copy a pair of blocks, then local loads"),
+                 (2, "local loads of the block's own partial (no network)"))
+PARTIAL_ROUNDS = 200
 
 
 def timed(stream, enqueue, replays: int, repeats: int) -> float:
@@ -38,6 +47,33 @@ def timed(stream, enqueue, replays: int, repeats: int) -> float:
     exe.close()
     graph.close()
     return us
+
+
+def partials(mod, stream, errors, sm_count: int) -> list[tuple[str, ...]]:
+    """`sync_partials` in clusters of 2 and 3: one cluster, then as many as fill the SMs in whole
+    tiles (the wide products' 64 and 32); a row of the table for each way."""
+    kernel = mod.kernel("sync_partials", "ptr ptr i32 i32")
+    rows = []
+    for size, many in ((2, 64), (3, 32)):
+        share = -(-128 // size)
+        network = (size - 1) * share * 512
+        shared = 128 * 128 * 4 + network
+        for clusters in (1, min(many, sm_count // size)):
+            clocks = DeviceBuffer.zeros(size * clusters, np.int64)
+            for mode, way in PARTIAL_MODES:
+                per_round = []
+                for _ in range(5):
+                    kernel.launch(size * clusters, 384, errors, clocks, PARTIAL_ROUNDS, mode, stream=stream,
+                                  cluster=(size, 1, 1), shared_mem=shared)
+                    stream.synchronize()
+                    per_round.append(clocks.to_numpy() / PARTIAL_ROUNDS)
+                c = np.concatenate(per_round)
+                med, p10, p90 = (float(np.percentile(c, q)) for q in (50, 10, 90))
+                rate = f"{network / med:.1f}" if mode < 2 else "(none crosses)"
+                rows.append((str(size), str(clusters), way, f"{med:.0f} [{p10:.0f}, {p90:.0f}]",
+                             f"{network / 1024:.1f}", rate))
+            clocks.close()
+    return rows
 
 
 def main(argv=None) -> int:
@@ -87,6 +123,8 @@ def main(argv=None) -> int:
                                                            shared_mem=2 * 8 * 4096), 5, args.repeats) / ROUNDS
                 rows.append((f"hand-over of a 4 KB slice to each of 8 blocks, {clusters} cluster(s): {way}", us))
         print("  hand-overs timed", flush=True)
+        partial_rows = partials(mod, stream, errors, dev.sm_count)
+        print("  cluster sums timed", flush=True)
     stream.synchronize()
     stale = int(errors.to_numpy()[0])
     if hopper and int(checked.to_numpy()[0]) == 0:
@@ -99,9 +137,17 @@ def main(argv=None) -> int:
     for name, us in rows:
         print(f"| {name} | {us:.3f} |")
     if stale:
-        print(f"\n{stale} stale hand-over read(s): an ordering is broken", file=sys.stderr)
+        print(f"\n{stale} stale hand-over read(s) or wrong cluster sum(s): an ordering is broken", file=sys.stderr)
         return 1
-    print("\nevery hand-over read what the writer wrote")
+    if hopper:
+        print(f"\nThe sum of a split tile's partials in a cluster ({PARTIAL_ROUNDS} rounds a launch; clocks a "
+              "round, thread 0 of each block, median [p10, p90] over the blocks of 5 launches; network bytes: what "
+              "a block reads of the other blocks' partials):\n")
+        print("| cluster | clusters | way | clocks a round | network KB a block | bytes a clock an SM |")
+        print("|---|---|---|---|---|---|")
+        for row in partial_rows:
+            print("| " + " | ".join(row) + " |")
+    print("\nevery hand-over read what the writer wrote, every cluster sum was exact")
     return 0
 
 
