@@ -149,20 +149,23 @@ extern "C" __global__ void __launch_bounds__(256) sync_handover(unsigned int* er
 
 // sync_partials: the sum at the end of a product split over a cluster (gemm_sm90a.cu's
 // finish_tile), alone: its bytes over the cluster's network, with no k loop, mask or
-// stores into global memory. Each block of a cluster of S <= 8 (384 threads) holds a
-// 128 x 128 float partial (64 KB, dynamic shared memory; partial z's element (r, c) is
-// (z + 1) x ((128 r + c) mod 251), so every sum is exact), and in each of `rounds`
-// rounds sums rows z R .. z R + R - 1 (R = ceil(128 / S)) of the S partials in z order:
+// global memory. Each block of a cluster of S <= 8 (384 threads) holds a 128 x 128 float
+// partial (64 KB of dynamic shared memory), and in each of `rounds` rounds sums rows
+// z R .. z R + R - 1 (R = ceil(128 / S)) of the S partials in z order into a result
+// buffer in its own shared memory:
 //   mode 0: 16-byte loads through the cluster window, the block's own partial too, two
 //           pieces' loads in flight before their adds (finish_tile's way);
 //   mode 1: each block pushes the rows of every other block's share to it with one bulk
-//           copy (into a receive buffer after the partial: (S - 1) x R x 512 bytes),
-//           which completes on the receiver's mbarrier; then plain shared loads;
+//           copy (into a receive buffer: (S - 1) x R x 512 bytes after the partial), which
+//           completes on the receiver's mbarrier; then plain shared loads;
 //   mode 2: plain shared loads of the block's own partial S times (no network: the floor).
-// A cluster barrier starts each round (the receive buffer is free again) and stays out of
-// the count: clocks[block] is the sum over the rounds of thread 0's clock64 from that
-// barrier's end to the end of the round's sums (a block barrier). *errors counts the sums
-// that are not the expected value (in mode 2, S times the block's own partial).
+// Dynamic shared memory: 64 KB + S x R x 512 bytes (the receive and result buffers).
+// Round r's partial z holds (z + 1) x ((i + r) mod 256) at element i, so every sum is
+// exact and a stale read shows. Each round: write the partial, a cluster barrier, the
+// timed part (thread 0's clock64 from there to a block barrier after the sums), the
+// check of every sum, a cluster barrier (no block rewrites its partial while another
+// reads it). clocks[block] is the timed parts' sum; *errors counts the wrong sums (in
+// mode 2, S times the block's own partial is right).
 constexpr int SP_THREADS = 384, SP_ROWS = 128;
 
 __device__ __forceinline__ float4 sp_lds4(unsigned int addr) {
@@ -173,7 +176,7 @@ __device__ __forceinline__ float4 sp_lds4(unsigned int addr) {
 
 extern "C" __global__ void __launch_bounds__(SP_THREADS) sync_partials(unsigned int* errors, long long* clocks,
                                                                        int rounds, int mode) {
-    extern __shared__ __align__(128) float partial[];  // [128][128], then the receive buffer
+    extern __shared__ __align__(128) float partial[];  // [128][128], the receive buffer, the results
     __shared__ __align__(8) unsigned long long landed;  // mode 1's mbarrier
     dt_wait_prior_grid();
     dt_allow_dependents();
@@ -181,14 +184,13 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) sync_partials(unsigned 
     if (S > DT_PORTABLE_CLUSTER || mode < 0 || mode > 2 || blockDim.x != SP_THREADS) __trap();
     const int R = (SP_ROWS + (int)S - 1) / (int)S, row0 = min(SP_ROWS, (int)z * R);
     const int rows = min(SP_ROWS, row0 + R) - row0;  // this block's share of the tile's rows
-    for (int i = t; i < SP_ROWS * 128; i += SP_THREADS) partial[i] = (float)((z + 1) * (unsigned int)(i % 251));
     const unsigned int base = (unsigned int)__cvta_generic_to_shared(partial);
     const unsigned int recv = base + 4u * SP_ROWS * 128, bar = (unsigned int)__cvta_generic_to_shared(&landed);
+    float4* result = reinterpret_cast<float4*>(partial + SP_ROWS * 128 + (S - 1) * R * 128);
     if (t == 0) {
         dt_mbar_init(bar, 1);
         dt_mbar_init_fence();
     }
-    dt_fence_proxy_async();  // the partial, visible to the bulk copies
     unsigned int from[DT_PORTABLE_CLUSTER];  // where split s's rows of this block's share are read
 #pragma unroll
     for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s) {
@@ -198,12 +200,15 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) sync_partials(unsigned 
         else if (mode == 2 || s == (int)z) from[s] = base + rows_at;
         else from[s] = recv + 512u * R * (s < (int)z ? s : s - 1);
     }
-    const float expect_scale = (float)(mode == 2 ? S * (z + 1) : S * (S + 1) / 2);
+    const unsigned int scale = mode == 2 ? S * (z + 1) : S * (S + 1) / 2;
     unsigned int bad = 0;
     long long spent = 0;
     for (int r = 0; r < rounds; ++r) {
-        dt_cluster_barrier();  // every block has read last round's receive buffer; round r's may be written
-        long long begin = clock64();
+        for (int i = t; i < SP_ROWS * 128; i += SP_THREADS)
+            partial[i] = (float)((z + 1) * ((unsigned int)(i + r) & 255u));
+        dt_fence_proxy_async();  // the partial, visible to the bulk copies
+        dt_cluster_barrier();    // every partial written; last round's receive buffers read
+        const long long begin = clock64();
         if (mode == 1) {
             if (t == 0) {
                 dt_mbar_arrive_expect(bar, (S - 1) * 512u * rows);
@@ -229,28 +234,31 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) sync_partials(unsigned 
             }
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
-                const int piece = i + u * SP_THREADS;
-                if (piece >= rows * 32) continue;
+                if (i + u * SP_THREADS >= rows * 32) continue;
                 float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
                 for (int s = 0; s < DT_PORTABLE_CLUSTER; ++s)
                     if (s < (int)S) v.x += p[u][s].x, v.y += p[u][s].y, v.z += p[u][s].z, v.w += p[u][s].w;
-                const int e = row0 * 128 + 4 * piece;
-                const float w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    if (w[c] != expect_scale * (float)((unsigned int)(e + c) % 251)) ++bad;
+                result[i + u * SP_THREADS] = v;
             }
         }
         __syncthreads();  // every thread's sums of the round are done
         spent += clock64() - begin;
+        for (int i = t; i < rows * 32; i += SP_THREADS) {
+            const float4 v = result[i];
+            const float w[4] = {v.x, v.y, v.z, v.w};
+            const unsigned int e = row0 * 128 + 4 * i + r;
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (w[c] != (float)(scale * ((e + c) & 255u))) ++bad;
+        }
+        // No block writes its partial again while another still reads it (every value
+        // loaded from another block is stored above, so the arrival may be relaxed).
+        dt_cluster_arrive_relaxed();
+        dt_cluster_wait();
     }
     if (bad) atomicAdd(errors, bad);
     if (t == 0) clocks[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = spent;
-    // Every value loaded from another block is consumed above (the checks), and every copy
-    // into this block has landed (its mbarrier wait): no block leaves while another still reads it.
-    dt_cluster_arrive_relaxed();
-    dt_cluster_wait();
 }
 
 // block_sums_32, _128, _256: the block sums of common.cuh, for tests. Block b
