@@ -376,11 +376,17 @@ __device__ __forceinline__ void dt_cluster_arrive() {
     DT_CLUSTER_ONLY(asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"));
 }
 
-// The barrier in two halves, the arrival ordering nothing. Arriving early, the pair
-// only says every block of the cluster has started. Arriving after the thread has
-// consumed (stored, say) every value it loaded from other blocks, it also says this
-// thread's reads of their shared memory are over, as the release would, without
-// waiting for its own global stores to drain as the release does.
+// The barrier in two halves, the arrival ordering no memory access for the memory model
+// (the "memory" clobber keeps the compiler's order). Arriving early, the pair only says
+// every block of the cluster has started. Arriving after the thread has consumed (stored,
+// say) every value it loaded from other blocks with ld.shared::cluster, it also says
+// those reads are over, without waiting for its own global stores to drain as the
+// release does: a property of the machine, not of the PTX model. The consumers issue
+// before the arrival, in order, and wait for the loads' registers, so the loads have
+// returned. It covers consumed remote loads only, not remote stores, atomics or bulk
+// copies. A premature arrival fails the tests (a block's exit while another reads it is
+// a launch failure on the H200), not compute-sanitizer's racecheck (docs/perf-notes.md,
+// sixty-second pass).
 __device__ __forceinline__ void dt_cluster_arrive_relaxed() {
     DT_CLUSTER_ONLY(asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"));
 }

@@ -380,7 +380,8 @@ __device__ __forceinline__ void finish_tile(float (&acc)[ACC], float row_sum, bo
             col_sum[i0 + tid] = v;
         }
         // No block leaves while another still reads its shared memory. The arrival is
-        // relaxed: every value this thread loaded from the cluster is stored before it in
+        // relaxed (dt_cluster_arrive_relaxed says when that is safe): every 16-byte value
+        // this thread loaded from the cluster is stored, at least in part, before it in
         // program order, so its reads are over; a release would also wait for its stores
         // into C to drain (MEMBAR.ALL.GPU, 630 to 710 clocks a block; docs/perf-notes.md,
         // sixty-second pass).

@@ -252,8 +252,9 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) sync_partials(unsigned 
             for (int c = 0; c < 4; ++c)
                 if (w[c] != (float)(scale * ((e + c) & 255u))) ++bad;
         }
-        // No block writes its partial again while another still reads it (every value
-        // loaded from another block is stored above, so the arrival may be relaxed).
+        // No block writes its partial again while another still reads it: in mode 0 every
+        // value loaded from another block is stored above, so the arrival may be relaxed;
+        // in mode 1 each receiver waited for its copies (its mbarrier) before arriving.
         dt_cluster_arrive_relaxed();
         dt_cluster_wait();
     }
