@@ -498,20 +498,23 @@ __device__ __forceinline__ void dt_fence_proxy_async() {
 // grown by exactly 2^31, so its top bit flips once per barrier and the low bits
 // return to what they were. A block waits for the flip of the value it saw when
 // it arrived, so consecutive barriers, launches and graph replays need no reset.
-// Memory ordering as in dt_last_block: each thread fences its own writes before
-// the block barrier, thread 0 arrives with a device-scope atomic and spins
-// with acquire loads, and every thread fences again before going on.
+// Memory ordering: the block barrier orders every thread's accesses before the
+// first thread's arrival, an add with release semantics at device scope (release is
+// cumulative: it covers what that thread has seen, the block's writes included). The
+// block that completes the barrier sees the flip in the add's own result and polls
+// nothing; the others poll with relaxed loads, so no load in the loop fences. Once the
+// flip is seen, one acquire fence, and the second block barrier passes it on to the
+// block's threads. Only the first thread of a block fences.
 __device__ __forceinline__ void dt_grid_barrier(unsigned int* word) {
-    __threadfence();
     __syncthreads();
     if (dt_first_thread()) {
         const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
-        const unsigned int seen = atomicAdd(word, add);
-        unsigned int now;
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(word) : "memory");
-        } while (((now ^ seen) & 0x80000000u) == 0u);
+        unsigned int seen, now;
+        asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(seen) : "l"(word), "r"(add) : "memory");
+        now = seen + add;
+        while (((now ^ seen) & 0x80000000u) == 0u)
+            asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(word) : "memory");
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
     }
     __syncthreads();
-    __threadfence();
 }

@@ -31,15 +31,61 @@ extern "C" __global__ void sync_chain(unsigned int* data, unsigned int* errors, 
     }
 }
 
-// sync_grid: `rounds` grid barriers (dt_grid_barrier; a cooperative launch), each
-// after a write that the next block reads after it. `data`: 2 x grid words.
-extern "C" __global__ void sync_grid(unsigned int* word, unsigned int* data, unsigned int* errors, int rounds) {
+// Two other grid barriers, as ways to compare dt_grid_barrier with (same word, same
+// flip of its top bit; common.cuh says how the word counts):
+// - probe_grid_barrier_fenced: every thread fences (fence.sc) before the block
+//   barrier and after the wait, and the first thread polls with acquire loads;
+// - probe_grid_barrier_red: the first thread reads the word before the block barrier
+//   (the bit it holds cannot flip before this block arrives), arrives with a reduction
+//   that returns nothing, and polls relaxed from then on.
+__device__ __forceinline__ void probe_grid_barrier_fenced(unsigned int* word) {
+    __threadfence();
+    __syncthreads();
+    if (dt_first_thread()) {
+        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
+        const unsigned int seen = atomicAdd(word, add);
+        unsigned int now;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(word) : "memory");
+        } while (((now ^ seen) & 0x80000000u) == 0u);
+    }
+    __syncthreads();
+    __threadfence();
+}
+
+__device__ __forceinline__ void probe_grid_barrier_red(unsigned int* word) {
+    unsigned int before = 0;
+    if (dt_first_thread()) asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(before) : "l"(word) : "memory");
+    __syncthreads();
+    if (dt_first_thread()) {
+        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
+        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(word), "r"(add) : "memory");
+        unsigned int now;
+        do {
+            asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(word) : "memory");
+        } while (((now ^ before) & 0x80000000u) == 0u);
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
+    __syncthreads();
+}
+
+// sync_grid: `rounds` grid barriers (a cooperative launch), each after a write by the
+// block's last thread that thread 0 of the block before reads after it, so the barrier
+// must carry the writes of a thread other than the one that arrives. `data`: 2 x grid
+// words. mode 0: dt_grid_barrier; 1: probe_grid_barrier_fenced; 2: probe_grid_barrier_red.
+extern "C" __global__ void sync_grid(unsigned int* word, unsigned int* data, unsigned int* errors, int rounds,
+                                     int mode) {
     dt_wait_prior_grid();
     dt_allow_dependents();
     for (int r = 0; r < rounds; ++r) {
         unsigned int* slot = data + (r & 1) * gridDim.x;
-        if (threadIdx.x == 0) slot[blockIdx.x] = (unsigned int)r;
-        dt_grid_barrier(word);
+        if (threadIdx.x == blockDim.x - 1) slot[blockIdx.x] = (unsigned int)r;
+        if (mode == 1)
+            probe_grid_barrier_fenced(word);
+        else if (mode == 2)
+            probe_grid_barrier_red(word);
+        else
+            dt_grid_barrier(word);
         if (threadIdx.x == 0 && __ldcg(&slot[(blockIdx.x + 1) % gridDim.x]) != (unsigned int)r)
             atomicAdd(errors, 1u);
     }

@@ -168,7 +168,10 @@ def one_step(cfg, rng, bound=1e-5, done_fraction=0.05, priorities=None):
     np.testing.assert_array_equal(batch["a_star"][clear], np.argmax(q_next, axis=1)[clear])
     want = dqn_step(step.layout, before, batch, ref_config(cfg))
     assert not want["skipped"]
-    assert_state_close(step, want, bound, params_bound=1e-4)
+    # u from the device's own weights: from the reference step's, one AdamW sign flip at t = 1
+    # moves u by more than rounding (assert_state_close says why).
+    assert_state_close(step, want, bound, params_bound=1e-4, reference_u=False)
+    assert_spectral_from_device_weights(step, before, cfg, bound)
     assert_adamw_and_projection_exact(step, before, cfg)
     assert rel(step.last.priorities.to_numpy(), want["priorities"]) < bound
     leaves = step.replay.tree.leaves_numpy()

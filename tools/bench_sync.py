@@ -5,8 +5,11 @@ Each is timed in a captured graph and divided by its count:
 - a kernel boundary: a chain of 200 launches of `sync_chain` (kernels/probe.cu), each
   reading what the launch before wrote for the next block, ordinary and as dependent
   launches, over 1 to 528 blocks of 256 threads;
-- a grid barrier: one cooperative launch of `sync_grid` with 1000 `dt_grid_barrier`s,
-  each after a write the next block reads, over 1 to 264 blocks;
+- a grid barrier: one cooperative launch of `sync_grid` with 1000 barriers, each after
+  a write by one thread that another thread of the next block reads, over 1 to 264
+  blocks: `dt_grid_barrier` (kernels/common.cuh), and two others to compare it with
+  (every thread fencing, as before the sixty-third pass; a reduction arrival after an
+  early read of the word);
 - a cluster barrier: one launch of `sync_cluster` with 1000 cluster barriers, each
   after a write into the next block's shared memory, for clusters of 1 to 8 blocks, one
   cluster and 16 side by side (compute capability 9.0+);
@@ -23,6 +26,7 @@ Each is timed in a captured graph and divided by its count:
   launch. Clocks a block a round (thread 0), those above the floor, and the network's
   bytes a clock above it.
 Every hand-over and every sum is checked; a stale read or a wrong sum fails the run (exit 1).
+--only picks some of these (default all).
 """
 import sys
 
@@ -38,6 +42,9 @@ HANDOVER_MODES = ((0, "8-byte remote stores, cluster barrier"), (1, "16-byte rem
 PARTIAL_MODES = ((0, "16-byte loads through the cluster window"), (1, "a bulk copy a pair of blocks, then local loads"),
                  (2, "local loads of the block's own partial (no network)"))
 PARTIAL_ROUNDS = 200
+GRID_MODES = ((0, "dt_grid_barrier"), (1, "every thread fences (fence.sc) before and after"),
+              (2, "a reduction arrival after an early read of the word"))
+SECTIONS = ("boundary", "grid", "cluster", "handover", "partials")
 
 
 def timed(stream, enqueue, replays: int, repeats: int) -> float:
@@ -86,18 +93,23 @@ def partials(mod, stream, errors, sm_count: int) -> list[tuple[str, ...]]:
 def main(argv=None) -> int:
     parser = _common.tool_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=7, help="repeats; the median is reported (default 7)")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
+                        help=f"which measurements, of {', '.join(SECTIONS)} (default all)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    only = set(args.only)
     dev = get_device()
     mod = builtin_module("probe.cu")
     chain = mod.kernel("sync_chain", "ptr ptr i32")
-    grid = mod.kernel("sync_grid", "ptr ptr ptr i32")
+    grid = mod.kernel("sync_grid", "ptr ptr ptr i32 i32")
     stream = Stream()
     errors = DeviceBuffer.zeros(1, np.uint32)
     word = DeviceBuffer.zeros(1, np.uint32)
     data = DeviceBuffer.zeros(2 * 528, np.uint32)
     hopper = tuple(dev.compute_capability) >= (9, 0)
     rows = []
-    for blocks in (1, 8, 16, 66, 132, 264, 528):
+    for blocks in (1, 8, 16, 66, 132, 264, 528) if "boundary" in only else ():
         for dependent in (False, True) if hopper else (False,):
             def enqueue():
                 for r in range(NODES):
@@ -106,14 +118,17 @@ def main(argv=None) -> int:
             rows.append((f"kernel boundary, {blocks} blocks, {'dependent' if dependent else 'ordinary'} launch", us))
         print(f"  kernel boundaries over {blocks} blocks timed", flush=True)
     resident = grid.max_resident_blocks(256)
-    for blocks in (1, 8, 16, 66, 132, 264):
-        if blocks > resident:
-            continue
-        us = timed(stream, lambda: grid.launch(blocks, 256, word, data, errors, ROUNDS, stream=stream,
-                                               cooperative=True), 5, args.repeats) / ROUNDS
-        rows.append((f"grid barrier, {blocks} blocks", us))
-    print("  grid barriers timed", flush=True)
-    if hopper:
+    for mode, way in GRID_MODES if "grid" in only else ():
+        for blocks in (1, 8, 16, 66, 132, 264):
+            if blocks > resident:
+                continue
+            us = timed(stream, lambda: grid.launch(blocks, 256, word, data, errors, ROUNDS, mode, stream=stream,
+                                                   cooperative=True), 5, args.repeats) / ROUNDS
+            rows.append((f"grid barrier, {blocks} blocks: {way}", us))
+        print(f"  grid barriers timed: {way}", flush=True)
+    checked = None
+    partial_rows = []
+    if hopper and "cluster" in only:
         clus = mod.kernel("sync_cluster", "ptr i32")
         for size in (1, 2, 4, 8):
             for clusters in (1, 16):
@@ -121,6 +136,7 @@ def main(argv=None) -> int:
                                                        cluster=(size, 1, 1)), 5, args.repeats) / ROUNDS
                 rows.append((f"cluster barrier, {clusters} cluster(s) of {size}", us))
         print("  cluster barriers timed", flush=True)
+    if hopper and "handover" in only:
         handover = mod.kernel("sync_handover", "ptr ptr i32 i32")
         checked = DeviceBuffer.zeros(1, np.uint64)
         for mode, way in HANDOVER_MODES:
@@ -130,11 +146,12 @@ def main(argv=None) -> int:
                                                            shared_mem=2 * 8 * 4096), 5, args.repeats) / ROUNDS
                 rows.append((f"hand-over of a 4 KB slice to each of 8 blocks, {clusters} cluster(s): {way}", us))
         print("  hand-overs timed", flush=True)
+    if hopper and "partials" in only:
         partial_rows = partials(mod, stream, errors, dev.sm_count)
         print("  cluster sums timed", flush=True)
     stream.synchronize()
     stale = int(errors.to_numpy()[0])
-    if hopper and int(checked.to_numpy()[0]) == 0:
+    if checked is not None and int(checked.to_numpy()[0]) == 0:
         print("the hand-overs checked nothing", file=sys.stderr)
         return 1
     print(f"\n{dev.name} ({dev.arch}, {dev.sm_count} SMs), 256 threads a block; us per synchronisation, "
@@ -146,7 +163,7 @@ def main(argv=None) -> int:
     if stale:
         print(f"\n{stale} stale hand-over read(s) or wrong cluster sum(s): an ordering is broken", file=sys.stderr)
         return 1
-    if hopper:
+    if partial_rows:
         print(f"\nThe sum of a split tile's partials in a cluster ({PARTIAL_ROUNDS} rounds a launch; clocks a "
               "round, thread 0 of each block, median [p10, p90] over the blocks of 5 launches; network bytes: what "
               "a block reads of the other blocks' partials; the floor: the local loads' row):\n")
