@@ -69,24 +69,80 @@ __device__ __forceinline__ void probe_grid_barrier_red(unsigned int* word) {
     __syncthreads();
 }
 
-// sync_grid: `rounds` grid barriers (a cooperative launch), each after a write by the
-// block's last thread that thread 0 of the block before reads after it, so the barrier
-// must carry the writes of a thread other than the one that arrives. `data`: 2 x grid
-// words. mode 0: dt_grid_barrier; 1: probe_grid_barrier_fenced; 2: probe_grid_barrier_red.
+// sync_grid: `rounds` grid-wide joins (a cooperative launch). Modes 0 to 2: a grid
+// barrier after a write by the block's last thread, which thread 0 of the block before
+// reads after it, so the barrier must carry another thread's write. `data`: 2 x grid
+// words; 0: dt_grid_barrier; 1: probe_grid_barrier_fenced; 2: probe_grid_barrier_red;
+// 3: dt_grid_barrier alone, nothing handed over.
+// Mode 4, a join with no barrier: the block's last thread stores one 8-byte word that
+// holds its value and the round's tag together (single-copy atomic, so a word with the
+// tag holds the value), and the first warp of every block polls every block's word of
+// the round until all carry the tag, checking each value. `data`: 2 x grid 8-byte
+// words (4 x grid uint32), a half a round, so a block writes round r + 1 into the other
+// half while a slower one still polls round r, and reaches round r + 2 only once every
+// block has written r + 1, that is, has finished polling r. Tags start at 1; the words
+// are zeroed after a last dt_grid_barrier, so the next launch sees no old tag. At most
+// 32 x POLL_WORDS blocks (mode 4 does nothing on a larger grid and counts it an error).
+#define POLL_WORDS 9
 extern "C" __global__ void sync_grid(unsigned int* word, unsigned int* data, unsigned int* errors, int rounds,
                                      int mode) {
     dt_wait_prior_grid();
     dt_allow_dependents();
+    const unsigned int blocks = gridDim.x;
+    if (mode == 4) {
+        if (blocks > 32u * POLL_WORDS) {
+            if (dt_first_thread() && blockIdx.x == 0) atomicAdd(errors, 1u);
+            return;
+        }
+        unsigned long long* words = reinterpret_cast<unsigned long long*>(data);
+        for (int r = 0; r < rounds; ++r) {
+            unsigned long long* half = words + (r & 1) * blocks;
+            const unsigned long long tag = (unsigned long long)(r + 1) << 32;
+            if (threadIdx.x == blockDim.x - 1) {
+                const unsigned long long mine = tag | (blockIdx.x ^ (unsigned int)r);
+                asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(half + blockIdx.x), "l"(mine) : "memory");
+            }
+            if (threadIdx.x < 32) {
+                // A lane's words are loaded together, then checked: each poll is one round trip.
+                bool all;
+                do {
+                    unsigned long long seen[POLL_WORDS];
+#pragma unroll
+                    for (int i = 0; i < POLL_WORDS; ++i) {
+                        const unsigned int b = threadIdx.x + 32u * i;
+                        seen[i] = tag;
+                        if (b < blocks)
+                            asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];"
+                                         : "=l"(seen[i]) : "l"(half + b) : "memory");
+                    }
+                    all = true;
+#pragma unroll
+                    for (int i = 0; i < POLL_WORDS; ++i) {
+                        const unsigned int b = threadIdx.x + 32u * i;
+                        if (b >= blocks) continue;
+                        if ((seen[i] >> 32) != (unsigned long long)(r + 1))
+                            all = false;
+                        else if ((unsigned int)seen[i] != (b ^ (unsigned int)r))
+                            atomicAdd(errors, 1u);
+                    }
+                } while (!__all_sync(0xffffffffu, all));
+            }
+            __syncthreads();
+        }
+        dt_grid_barrier(word);
+        if (threadIdx.x == 0) words[blockIdx.x] = words[blocks + blockIdx.x] = 0ull;
+        return;
+    }
     for (int r = 0; r < rounds; ++r) {
-        unsigned int* slot = data + (r & 1) * gridDim.x;
-        if (threadIdx.x == blockDim.x - 1) slot[blockIdx.x] = (unsigned int)r;
+        unsigned int* slot = data + (r & 1) * blocks;
+        if (mode != 3 && threadIdx.x == blockDim.x - 1) slot[blockIdx.x] = (unsigned int)r;
         if (mode == 1)
             probe_grid_barrier_fenced(word);
         else if (mode == 2)
             probe_grid_barrier_red(word);
         else
             dt_grid_barrier(word);
-        if (threadIdx.x == 0 && __ldcg(&slot[(blockIdx.x + 1) % gridDim.x]) != (unsigned int)r)
+        if (mode != 3 && threadIdx.x == 0 && __ldcg(&slot[(blockIdx.x + 1) % blocks]) != (unsigned int)r)
             atomicAdd(errors, 1u);
     }
 }

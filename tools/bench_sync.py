@@ -5,11 +5,13 @@ Each is timed in a captured graph and divided by its count:
 - a kernel boundary: a chain of 200 launches of `sync_chain` (kernels/probe.cu), each
   reading what the launch before wrote for the next block, ordinary and as dependent
   launches, over 1 to 528 blocks of 256 threads;
-- a grid barrier: one cooperative launch of `sync_grid` with 1000 barriers, each after
-  a write by one thread that another thread of the next block reads, over 1 to 264
-  blocks: `dt_grid_barrier` (kernels/common.cuh), and two others to compare it with
-  (every thread fencing, as before the sixty-third pass; a reduction arrival after an
-  early read of the word);
+- a grid-wide join: one cooperative launch of `sync_grid` with 1000 joins, over 1 to 264
+  blocks: a grid barrier after a write by one thread that another thread of the next
+  block reads, by `dt_grid_barrier` (kernels/common.cuh) and by two others to compare it
+  with (every thread fencing, as before the sixty-third pass; a reduction arrival after
+  an early read of the word); `dt_grid_barrier` handing nothing over; and a join with no
+  barrier, where each block stores its value and the round's tag as one 8-byte word and
+  every block polls all the words;
 - a cluster barrier: one launch of `sync_cluster` with 1000 cluster barriers, each
   after a write into the next block's shared memory, for clusters of 1 to 8 blocks, one
   cluster and 16 side by side (compute capability 9.0+);
@@ -43,7 +45,8 @@ PARTIAL_MODES = ((0, "16-byte loads through the cluster window"), (1, "a bulk co
                  (2, "local loads of the block's own partial (no network)"))
 PARTIAL_ROUNDS = 200
 GRID_MODES = ((0, "dt_grid_barrier"), (1, "every thread fences (fence.sc) before and after"),
-              (2, "a reduction arrival after an early read of the word"))
+              (2, "a reduction arrival after an early read of the word"), (3, "dt_grid_barrier, nothing handed over"),
+              (4, "no barrier: tagged 8-byte words, every block polls all"))
 SECTIONS = ("boundary", "grid", "cluster", "handover", "partials")
 
 
@@ -107,6 +110,7 @@ def main(argv=None) -> int:
     errors = DeviceBuffer.zeros(1, np.uint32)
     word = DeviceBuffer.zeros(1, np.uint32)
     data = DeviceBuffer.zeros(2 * 528, np.uint32)
+    tagged = DeviceBuffer.zeros(2 * 264 * 2, np.uint32)  # mode 4's words: no old value can carry a tag
     hopper = tuple(dev.compute_capability) >= (9, 0)
     rows = []
     for blocks in (1, 8, 16, 66, 132, 264, 528) if "boundary" in only else ():
@@ -122,8 +126,8 @@ def main(argv=None) -> int:
         for blocks in (1, 8, 16, 66, 132, 264):
             if blocks > resident:
                 continue
-            us = timed(stream, lambda: grid.launch(blocks, 256, word, data, errors, ROUNDS, mode, stream=stream,
-                                                   cooperative=True), 5, args.repeats) / ROUNDS
+            us = timed(stream, lambda: grid.launch(blocks, 256, word, tagged if mode == 4 else data, errors, ROUNDS,
+                                                   mode, stream=stream, cooperative=True), 5, args.repeats) / ROUNDS
             rows.append((f"grid barrier, {blocks} blocks: {way}", us))
         print(f"  grid barriers timed: {way}", flush=True)
     checked = None
