@@ -176,8 +176,9 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|---|---|")
         for row in partial_rows:
             print("| " + " | ".join(row) + " |")
-    print("\nevery hand-over read what the writer wrote, every cluster sum was exact" if hopper
-          else "\nno hand-over or cluster sum ran: they need compute capability 9.0")
+    print("\nof what ran, every synchronisation read what the writer wrote and every cluster sum was exact")
+    if not hopper:
+        print("no cluster barrier, hand-over or cluster sum ran: they need compute capability 9.0")
     return 0
 
 
