@@ -24,15 +24,16 @@ __device__ __forceinline__ bool dt_first_thread() {
 // reproducible for a fixed grid. Every use in drvtrain goes through this.
 //
 // Memory ordering, argued once:
-//  1. Each thread fences its own global writes (__threadfence) before the
-//     block barrier, so they are visible device-wide before thread 0 can
-//     announce the block (fencing in thread 0 alone does not order the stores
-//     of the other threads of the block).
-//  2. Thread 0 increments the counter with a device-scope atomic. Arrivals
-//     are totally ordered on the counter; the block that reads
-//     `arrivals - 1` comes after every other block's fence.
-//  3. The last block fences again before any of its threads reads, and reads
-//     partials with __ldcg (L2), never through a possibly stale L1 line.
+//  1. A block barrier orders every thread's writes of the block's partials
+//     before its first thread's arrival.
+//  2. That thread adds to the counter with acquire and release semantics at
+//     device scope. The release is cumulative: it covers the block's writes that
+//     the barrier ordered before it, so fencing in every thread is not needed.
+//     Arrivals are totally ordered on the counter; the block that reads
+//     `arrivals - 1` comes after every other block's release, and its acquire
+//     makes their partials visible to its first thread.
+//  3. A second block barrier passes that on to the last block's threads, which
+//     read the partials with __ldcg (L2), never through a possibly stale L1 line.
 //  4. The last block resets the counter to 0 at once: every other block has
 //     already incremented it, and the next launch on the stream sees the 0,
 //     so the kernel replays correctly inside a graph.
@@ -40,14 +41,14 @@ __device__ __forceinline__ bool dt_first_thread() {
 // barriers inside `if (dt_last_block(...))` are safe.
 __device__ __forceinline__ bool dt_last_block(unsigned int* counter, unsigned int arrivals) {
     __shared__ bool last;
-    __threadfence();
     __syncthreads();
     if (dt_first_thread()) {
-        last = atomicAdd(counter, 1u) == arrivals - 1;
+        unsigned int seen;
+        asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(seen) : "l"(counter) : "memory");
+        last = seen == arrivals - 1;
         if (last) *counter = 0u;
     }
     __syncthreads();
-    if (last) __threadfence();
     return last;
 }
 
