@@ -82,7 +82,8 @@ __device__ __forceinline__ void probe_grid_barrier_red(unsigned int* word) {
 // half while a slower one still polls round r, and reaches round r + 2 only once every
 // block has written r + 1, that is, has finished polling r. Tags start at 1; the words
 // are zeroed after a last dt_grid_barrier, so the next launch sees no old tag. At most
-// 32 x POLL_WORDS blocks (mode 4 does nothing on a larger grid and counts it an error).
+// 32 x POLL_WORDS blocks (mode 4 does nothing on a larger grid and counts it an error),
+// and blocks of whole warps (its first warp polls with __all_sync over all 32 lanes).
 #define POLL_WORDS 9
 extern "C" __global__ void sync_grid(unsigned int* word, unsigned int* data, unsigned int* errors, int rounds,
                                      int mode) {

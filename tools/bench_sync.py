@@ -6,8 +6,8 @@ Each is timed in a captured graph and divided by its count:
   reading what the launch before wrote for the next block, ordinary and as dependent
   launches, over 1 to 528 blocks of 256 threads;
 - a grid-wide join: one cooperative launch of `sync_grid` with 1000 joins, over 1 to 264
-  blocks: a grid barrier after a write by one thread that another thread of the next
-  block reads, by `dt_grid_barrier` (kernels/common.cuh) and by two others to compare it
+  blocks: a grid barrier after a write by a block's last thread that thread 0 of the
+  block before it reads, by `dt_grid_barrier` (kernels/common.cuh) and by two others to compare it
   with (every thread fencing, as before the sixty-third pass; a reduction arrival after
   an early read of the word); `dt_grid_barrier` handing nothing over; and a join with no
   barrier, where each block stores its value and the round's tag as one 8-byte word and
@@ -44,9 +44,10 @@ HANDOVER_MODES = ((0, "8-byte remote stores, cluster barrier"), (1, "16-byte rem
 PARTIAL_MODES = ((0, "16-byte loads through the cluster window"), (1, "a bulk copy a pair of blocks, then local loads"),
                  (2, "local loads of the block's own partial (no network)"))
 PARTIAL_ROUNDS = 200
-GRID_MODES = ((0, "dt_grid_barrier"), (1, "every thread fences (fence.sc) before and after"),
-              (2, "a reduction arrival after an early read of the word"), (3, "dt_grid_barrier, nothing handed over"),
-              (4, "no barrier: tagged 8-byte words, every block polls all"))
+GRID_MODES = ((0, "dt_grid_barrier"), (1, "a barrier where every thread fences (fence.sc) before and after"),
+              (2, "a barrier with a reduction arrival after an early read of the word"),
+              (3, "dt_grid_barrier, nothing handed over"),
+              (4, "tagged 8-byte words, every block polls all (no barrier)"))
 SECTIONS = ("boundary", "grid", "cluster", "handover", "partials")
 
 
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
                 continue
             us = timed(stream, lambda: grid.launch(blocks, 256, word, tagged if mode == 4 else data, errors, ROUNDS,
                                                    mode, stream=stream, cooperative=True), 5, args.repeats) / ROUNDS
-            rows.append((f"grid barrier, {blocks} blocks: {way}", us))
+            rows.append((f"grid-wide join, {blocks} blocks: {way}", us))
         print(f"  grid barriers timed: {way}", flush=True)
     checked = None
     partial_rows = []
@@ -165,7 +166,8 @@ def main(argv=None) -> int:
     for name, us in rows:
         print(f"| {name} | {us:.3f} |")
     if stale:
-        print(f"\n{stale} stale hand-over read(s) or wrong cluster sum(s): an ordering is broken", file=sys.stderr)
+        print(f"\n{stale} stale read(s) or wrong value(s) in a hand-over, a join or a cluster sum (a tagged join "
+              "counts a wrong value at each poll): an ordering is broken", file=sys.stderr)
         return 1
     if partial_rows:
         print(f"\nThe sum of a split tile's partials in a cluster ({PARTIAL_ROUNDS} rounds a launch; clocks a "
