@@ -289,6 +289,8 @@ def test_tool_parser_describes_the_tool_and_selects_the_device(common, monkeypat
     ("overfit.py", ["--print-every", "0"], "--print-every must be at least 1, got 0"),
     ("overfit.py", ["--lr", "nan"], "--lr must be a positive number, got nan"),
     ("bench_train.py", ["--seeds", "-1"], "--seeds at least 0"),
+    ("bench_sync.py", ["--repeats", "0"], "--repeats must be at least 1"),
+    ("bench_sync.py", ["--only", "grid", "barriers"], "invalid choice: 'barriers'"),
 ])
 def test_tool_arguments_out_of_range_exit_2_with_one_line(tool, args, message, tmp_path):
     """Checked before the device is looked for: the same line with or without a GPU."""
