@@ -506,10 +506,15 @@ __device__ __forceinline__ void dt_fence_proxy_async() {
 // nothing; the others poll with relaxed loads, so no load in the loop fences. Once the
 // flip is seen, one acquire fence, and the second block barrier passes it on to the
 // block's threads. Only the first thread of a block fences.
+// dt_grid_barrier_add: what this block adds to the word (the probe's other barriers too).
+__device__ __forceinline__ unsigned int dt_grid_barrier_add() {
+    return blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
+}
+
 __device__ __forceinline__ void dt_grid_barrier(unsigned int* word) {
     __syncthreads();
     if (dt_first_thread()) {
-        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
+        const unsigned int add = dt_grid_barrier_add();
         unsigned int seen, now;
         asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(seen) : "l"(word), "r"(add) : "memory");
         now = seen + add;

@@ -13,8 +13,8 @@
 // The results are bitwise reproducible run to run for a fixed grid and table.
 // Memory ordering: the only cross-block hand-over inside a kernel is the
 // last-block protocol of dt_last_block (common.cuh; one acquire-release add on
-// the counter, which the last block resets), and the last block reads what other blocks wrote with
-// __ldcg. Everything else crosses a kernel boundary: on the stream, or (the
+// the counter, which the last block resets), and the last block reads what
+// other blocks wrote with __ldcg. Everything else crosses a kernel boundary: on the stream, or (the
 // means' partials, read by dqn_means_* on another stream) across streams
 // through the caller's event fork and join, which order it the same way.
 #include "common.cuh"

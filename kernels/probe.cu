@@ -42,7 +42,7 @@ __device__ __forceinline__ void probe_grid_barrier_fenced(unsigned int* word) {
     __threadfence();
     __syncthreads();
     if (dt_first_thread()) {
-        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
+        const unsigned int add = dt_grid_barrier_add();
         const unsigned int seen = atomicAdd(word, add);
         unsigned int now;
         do {
@@ -58,7 +58,7 @@ __device__ __forceinline__ void probe_grid_barrier_red(unsigned int* word) {
     if (dt_first_thread()) asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(before) : "l"(word) : "memory");
     __syncthreads();
     if (dt_first_thread()) {
-        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
+        const unsigned int add = dt_grid_barrier_add();
         asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(word), "r"(add) : "memory");
         unsigned int now;
         do {

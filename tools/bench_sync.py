@@ -130,7 +130,7 @@ def main(argv=None) -> int:
             us = timed(stream, lambda: grid.launch(blocks, 256, word, tagged if mode == 4 else data, errors, ROUNDS,
                                                    mode, stream=stream, cooperative=True), 5, args.repeats) / ROUNDS
             rows.append((f"grid-wide join, {blocks} blocks: {way}", us))
-        print(f"  grid barriers timed: {way}", flush=True)
+        print(f"  grid-wide joins timed: {way}", flush=True)
     checked = None
     partial_rows = []
     if hopper and "cluster" in only:
