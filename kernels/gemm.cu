@@ -341,6 +341,32 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                 }
     };
     constexpr bool EARLY = MI * NI <= 2;
+    // DWL: H's BM x BN tile (the mask, and the dW share's B operand) copied straight
+    // into slot 1, rows DWL_HS floats apart, zero outside C: the values the registers
+    // held, so the same bits. Issued where slot 1 is free (the prologue; with LOSS,
+    // after the loss, which stages the Q rows there), left uncommitted, so that the
+    // k loop's first wait does not wait for them: its commit takes them, and the wait
+    // after the loop ends their round trip, which runs under the k loop's MMAs.
+    constexpr int DWL_HS = BN + 8;
+    auto copy_mask = [&]() {
+        const bool vec = VEC && (reinterpret_cast<unsigned long long>(mask) & 15ull) == 0 && (ldm & 3) == 0;
+        const unsigned int hs0 = smem0 + 4u * STAGE;
+        if (vec) {
+            for (int e = tid; e < BM * (BN / 4); e += THREADS) {
+                const int r = e / (BN / 4), c = (e - r * (BN / 4)) * 4;
+                const int n = i0 + r < M ? max(0, min(4, N - j0 - c)) : 0;
+                const float* src = n > 0 ? mask + (size_t)(i0 + r) * ldm + j0 + c : mask;
+                dt_cp_async16(hs0 + 4u * (r * DWL_HS + c), src, 4 * n);
+            }
+        } else {
+            for (int e = tid; e < BM * BN; e += THREADS) {
+                const int r = e / BN, c = e - r * BN;
+                const bool in = i0 + r < M && j0 + c < N;
+                const float* src = in ? mask + (size_t)(i0 + r) * ldm + j0 + c : mask;
+                dt_cp_async4(hs0 + 4u * (r * DWL_HS + c), src, in ? 4 : 0);
+            }
+        }
+    };
 
     // SETTLED (the `_settled_` kernels): the launcher's word that no kernel this one
     // directly depends on writes B (nor W0 and b0): a layer's weights, from the
@@ -491,6 +517,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             dt_cp_async4(smem0 + 4u * (STAGE + BM * K + e), dl.q_target + base + e, 4);
         }
     }
+    if constexpr (DWL && !LOSS) copy_mask();  // with tile 0's copies
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < tiles) {
@@ -559,6 +586,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                 dout[(size_t)(i0 + r) * lda + c] = smem[SA::at(r, c)];
             }
         }
+        copy_mask();  // slot 1's Q rows are done with (the barrier above)
     }
     if constexpr (X0) {
         // Every entry of W0^T and b0 the tiles read, zero past in0 and the split's k range.
@@ -594,6 +622,10 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // Called with a constant `whole_tiles`: inlined there, each call is its own loop, and
     // the whole one holds no bound. (A generic lambda, which would carry the constant in
     // its type, is a host function to NVRTC 13.0.)
+    // LOSS_K > 0: the k8 steps past K are left out. Their products are exact zeros
+    // (A's tile is zero past K and B's copies fill zeros past ke), which add nothing to
+    // a fragment that starts at +0: the same bits, a quarter fewer MMAs at K = 19.
+    constexpr int KK_END = LOSS_K > 0 ? (LOSS_K + 7) / 8 * 8 : BK;
     auto k_loop = [&](bool whole_tiles) {
         int read_slot = 0, write_slot = STAGES - 1;
         for (int kt = 0; kt < tiles; ++kt) {
@@ -634,7 +666,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                             for (int q = 0; q < 4; ++q) part[mi][ni][q] = 0.0f;
                 }
 #pragma unroll
-                for (int kk = 0; kk < BK; kk += 8) {
+                for (int kk = 0; kk < KK_END; kk += 8) {
                     unsigned int a[MI][4], as[MI][4], b[NI][2], bs[NI][2];
                     if constexpr (PREC == PREC_TF32) {
 #pragma unroll
@@ -930,8 +962,8 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     if constexpr (DWL) {
         // The output layer's dX, dW and db (LastDw). This block's share of dW is dY's 64
         // rows (the ring's slot 0, A's one k tile) against its 64 x 64 tile of H (the
-        // mask, loaded into registers and staged into slot 1, which one k tile leaves
-        // unused), on the tensor cores in 3xTF32 as the k loop computes: the m16n8k8
+        // mask, copied into slot 1 by copy_mask, which one k tile leaves unused), on the
+        // tensor cores in 3xTF32 as the k loop computes: the m16n8k8
         // product's m is dW's row (dY's column: two m16 tiles, zero past K, as the
         // copies fill them), n is H's column (16 a warp: two n8 tiles), and k is the
         // block's row (eight k8 steps). Each half of the rows is summed in fresh fragments
@@ -945,7 +977,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         // row-tile order over distributed shared memory, each block a slice of the K x 64
         // values (db: each row tile's quarters in order). A fixed order: bitwise
         // reproducible for a fixed launch.
-        constexpr int HS = BN + 8;  // H's staged rows, floats apart
+        constexpr int HS = DWL_HS;  // H's staged rows, floats apart
         constexpr int WARPS = THREADS / 32, QUARTER = BM / WARPS;
         static_assert(EPI == EPI_MASK && A_KFAST && !CLUSTER && !DW0 && !X0 && !EARLY && PREC == PREC_3XTF32 &&
                           BK == 32 && BM == 64 && BN == 16 * WARPS && STAGES >= 2 && BM * HS <= STAGE &&
@@ -957,15 +989,8 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         if (K > BK || splits != 1 || dt_cluster_blocks() != gridDim.y || gridDim.y > DT_PORTABLE_CLUSTER) __trap();
         float* const hs = smem + STAGE;
         float* const share = smem + SA::FLOATS;  // [K][BN], then db's quarters [WARPS][BK] at BK * BN
-        if (active) load_epilogue();  // mv: 0 outside C; a warp wholly outside it loads none
-        __syncthreads();  // every warp's MMAs are over: slot 0's B tile is free
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    hs[(frag_row(mi, q) - i0) * HS + frag_col(ni, q & 1) - j0] = active ? mv[mi][ni][q] : 0.0f;
+        // Every warp's MMAs are over (slot 0's B tile is free), and every thread's copies
+        // of H have landed (copy_mask; the wait after the k loop).
         __syncthreads();
         if (blockIdx.x == 0 && lane < K) {
             float v = 0.0f;
@@ -1026,16 +1051,27 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                 }
         dt_cluster_arrive();  // this block's share is staged (release)
         if (active) {
+            // A fragment's two columns are neighbours (c even): one 8-byte store where C
+            // allows it, in place of two.
+            const bool pairs = (reinterpret_cast<unsigned long long>(C) & 7ull) == 0 && (ldc & 1) == 0;
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
                 for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        const int r = frag_row(mi, q), c = frag_col(ni, q & 1);
-                        if (r < M && c < N)
-                            C[(size_t)r * ldc + c] =
-                                dt_epilogue<EPI>(acc[mi][ni][q], 0.0f, hs[(r - i0) * HS + c - j0]);
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = frag_row(mi, 2 * h), c = frag_col(ni, 0);
+                        if (r >= M) continue;
+                        const float* m = hs + (r - i0) * HS + c - j0;
+                        const float v0 = dt_epilogue<EPI>(acc[mi][ni][2 * h], 0.0f, m[0]);
+                        const float v1 = dt_epilogue<EPI>(acc[mi][ni][2 * h + 1], 0.0f, m[1]);
+                        float* out = C + (size_t)r * ldc + c;
+                        if (pairs && c + 1 < N) {
+                            *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
+                        } else {
+                            if (c < N) out[0] = v0;
+                            if (c + 1 < N) out[1] = v1;
+                        }
                     }
         }
         dt_cluster_wait();  // every row tile's share is staged (acquire)
