@@ -342,11 +342,11 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     };
     constexpr bool EARLY = MI * NI <= 2;
     // DWL: H's BM x BN tile (the mask, and the dW share's B operand) copied straight
-    // into slot 1, rows DWL_HS floats apart, zero outside C: the values the registers
-    // held, so the same bits. Issued where slot 1 is free (the prologue; with LOSS,
-    // after the loss, which stages the Q rows there), left uncommitted, so that the
-    // k loop's first wait does not wait for them: its commit takes them, and the wait
-    // after the loop ends their round trip, which runs under the k loop's MMAs.
+    // into slot 1, rows DWL_HS floats apart, zero outside C. Issued where slot 1 is free
+    // (the prologue; with LOSS, after the loss, which stages the Q rows there) and left
+    // uncommitted, so that the k loop's first wait does not wait for them: the loop's
+    // commit takes them, and the wait after the loop ends their round trip, which the
+    // k loop's MMAs overlap.
     constexpr int DWL_HS = BN + 8;
     auto copy_mask = [&]() {
         const bool vec = VEC && (reinterpret_cast<unsigned long long>(mask) & 15ull) == 0 && (ldm & 3) == 0;
@@ -1051,27 +1051,16 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                 }
         dt_cluster_arrive();  // this block's share is staged (release)
         if (active) {
-            // A fragment's two columns are neighbours (c even): one 8-byte store where C
-            // allows it, in place of two.
-            const bool pairs = (reinterpret_cast<unsigned long long>(C) & 7ull) == 0 && (ldc & 1) == 0;
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
                 for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int r = frag_row(mi, 2 * h), c = frag_col(ni, 0);
-                        if (r >= M) continue;
-                        const float* m = hs + (r - i0) * HS + c - j0;
-                        const float v0 = dt_epilogue<EPI>(acc[mi][ni][2 * h], 0.0f, m[0]);
-                        const float v1 = dt_epilogue<EPI>(acc[mi][ni][2 * h + 1], 0.0f, m[1]);
-                        float* out = C + (size_t)r * ldc + c;
-                        if (pairs && c + 1 < N) {
-                            *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
-                        } else {
-                            if (c < N) out[0] = v0;
-                            if (c + 1 < N) out[1] = v1;
-                        }
+                    for (int q = 0; q < 4; ++q) {
+                        const int r = frag_row(mi, q), c = frag_col(ni, q & 1);
+                        if (r < M && c < N)
+                            C[(size_t)r * ldc + c] =
+                                dt_epilogue<EPI>(acc[mi][ni][q], 0.0f, hs[(r - i0) * HS + c - j0]);
                     }
         }
         dt_cluster_wait();  // every row tile's share is staged (acquire)
