@@ -1051,6 +1051,17 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                 }
         dt_cluster_arrive();  // this block's share is staged (release)
         if (active) {
+            // Every value of H the stores take, loaded before the first store: hs and C
+            // are both plain pointers, so the compiler keeps a load after any store that
+            // precedes it, and each store would wait for the next load's round trip.
+            float hm[MI][NI][4];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q)
+                        hm[mi][ni][q] = hs[(frag_row(mi, q) - i0) * HS + frag_col(ni, q & 1) - j0];
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -1059,8 +1070,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                     for (int q = 0; q < 4; ++q) {
                         const int r = frag_row(mi, q), c = frag_col(ni, q & 1);
                         if (r < M && c < N)
-                            C[(size_t)r * ldc + c] =
-                                dt_epilogue<EPI>(acc[mi][ni][q], 0.0f, hs[(r - i0) * HS + c - j0]);
+                            C[(size_t)r * ldc + c] = dt_epilogue<EPI>(acc[mi][ni][q], 0.0f, hm[mi][ni][q]);
                     }
         }
         dt_cluster_wait();  // every row tile's share is staged (acquire)
