@@ -198,7 +198,7 @@ def test_output_layer_dw_in_its_dx_matches_float64(device, stream, rng, m, n, k)
     (``linear_grad_input_dwl_64x64_*_cluster_3xtf32``, the row tiles of a column as one
     cluster; 8, 8 ragged, 5, 3, 1 ragged and 8 ragged row tiles, columns off the tile's
     edge, 19, 32, 1, 5, 8 and 19 outputs, the fifth with 16-byte copies of a partial k
-    tile, the last with an odd width: H's tile in 4-byte copies):
+    tile, the last with an odd width: H's tile in 4-byte copies, dX in single stores):
     dX, dW and db within 1e-5 of float64 with every output poisoned first,
     dX bit for bit the plain grad-input kernel's; dW with rows wider apart than its
     width; the same bits over graph replays with the outputs poisoned between them;
