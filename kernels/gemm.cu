@@ -342,11 +342,13 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     };
     constexpr bool EARLY = MI * NI <= 2;
     // DWL: H's BM x BN tile (the mask, and the dW share's B operand) copied straight
-    // into slot 1, rows DWL_HS floats apart, zero outside C. Issued where slot 1 is free
-    // (the prologue; with LOSS, after the loss, which stages the Q rows there) and left
-    // uncommitted, so that the k loop's first wait does not wait for them: the loop's
-    // commit takes them, and the wait after the loop ends their round trip, which the
-    // k loop's MMAs overlap.
+    // into slot 1, rows DWL_HS floats apart, zero outside C. Issued where slot 1 is free.
+    // Without LOSS, in the prologue: the copies join tile 0's group, and the k loop's
+    // first wait waits for them. With LOSS, after the loss, which stages the Q rows
+    // there, left uncommitted, so that the k loop's first wait does not wait for them:
+    // the loop's commit takes them, and the wait after the loop ends their round trip,
+    // which the k loop's MMAs overlap. That needs the loop to run: one k tile and one
+    // split, the only launch the host makes of these kernels.
     constexpr int DWL_HS = BN + 8;
     auto copy_mask = [&]() {
         const bool vec = VEC && (reinterpret_cast<unsigned long long>(mask) & 15ull) == 0 && (ldm & 3) == 0;
