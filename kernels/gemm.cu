@@ -342,16 +342,15 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     };
     constexpr bool EARLY = MI * NI <= 2;
     // DWL: H's BM x BN tile (the mask, and the dW share's B operand) copied straight
-    // into slot 1, rows DWL_HS floats apart, zero outside C. Issued where slot 1 is free.
-    // Without LOSS, in the prologue: the copies join tile 0's group, and the k loop's
-    // first wait waits for them. With LOSS, after the loss, which stages the Q rows
-    // there, left uncommitted, so that the k loop's first wait does not wait for them:
-    // the loop's commit takes them, and the wait after the loop ends their round trip,
-    // which the k loop's MMAs overlap. That needs the loop to run: one k tile and one
-    // split, the only launch the host makes of these kernels.
+    // into slot 1, rows DWL_HS floats apart, zero outside C, 16 bytes a copy where H's
+    // rows allow it (in the kernels built for 4-byte copies too: their 4 bytes are
+    // for A and B). Issued where slot 1 is free: without LOSS after the prologue's
+    // groups, with LOSS after the loss, which stages the Q rows there. Either way left
+    // uncommitted, so that the k loop's first wait does not wait for them; the commit
+    // and wait after the loop end their round trip, which the k loop's MMAs overlap.
     constexpr int DWL_HS = BN + 8;
     auto copy_mask = [&]() {
-        const bool vec = VEC && (reinterpret_cast<unsigned long long>(mask) & 15ull) == 0 && (ldm & 3) == 0;
+        const bool vec = (reinterpret_cast<unsigned long long>(mask) & 15ull) == 0 && (ldm & 3) == 0;
         const unsigned int hs0 = smem0 + 4u * STAGE;
         if (vec) {
             for (int e = tid; e < BM * (BN / 4); e += THREADS) {
@@ -515,11 +514,28 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         for (int e = tid; e < count; e += THREADS) {
             const int r = e / K, c = e - r * K;
             dt_cp_async4(smem0 + 4u * SA::at(r, c), dl.q_s + base + e, 4);
-            dt_cp_async4(smem0 + 4u * (STAGE + e), dl.q_next + base + e, 4);
-            dt_cp_async4(smem0 + 4u * (STAGE + BM * K + e), dl.q_target + base + e, 4);
+        }
+        // The other two land as they lie, the block's rows one run of floats: 16 bytes a
+        // copy where both runs start 16-byte aligned (i0 K is a multiple of 4), the last
+        // copy's floats past the run zero (inside the run's BM K floats, a multiple of 4).
+        const float* const next = dl.q_next + base;
+        const float* const target = dl.q_target + base;
+        const unsigned int next_at = smem0 + 4u * STAGE, target_at = next_at + 4u * BM * K;
+        if (((reinterpret_cast<unsigned long long>(next) | reinterpret_cast<unsigned long long>(target)) & 15ull) == 0) {
+#pragma unroll 1
+            for (int e = 4 * tid; e < count; e += 4 * THREADS) {
+                const int bytes = 4 * min(4, count - e);
+                dt_cp_async16(next_at + 4u * e, next + e, bytes);
+                dt_cp_async16(target_at + 4u * e, target + e, bytes);
+            }
+        } else {
+#pragma unroll 1
+            for (int e = tid; e < count; e += THREADS) {
+                dt_cp_async4(next_at + 4u * e, next + e, 4);
+                dt_cp_async4(target_at + 4u * e, target + e, 4);
+            }
         }
     }
-    if constexpr (DWL && !LOSS) copy_mask();  // with tile 0's copies
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < tiles) {
@@ -528,9 +544,11 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         }
         dt_cp_async_commit();
     }
+    if constexpr (DWL && !LOSS) copy_mask();  // after tile 0's group: uncommitted, as with LOSS
     if constexpr (EARLY) load_epilogue();
     dt_issued(gated);
     if (gated) {  // grid-uniform: no block of a cluster meets a barrier
+        if constexpr (DWL && !LOSS) dt_cp_async_commit();  // copy_mask's copies with the rest
         dt_cp_async_wait<0>();
         return;
     }
@@ -727,6 +745,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         k_loop(true);
     else
         k_loop(false);
+    if constexpr (DWL) dt_cp_async_commit();  // copy_mask's copies, whatever the loop committed
     dt_cp_async_wait<0>();
     // The next kernel's blocks may be placed from here on: earlier, they would sit
     // on SMs this grid's later blocks still need (a dependent launch only).
