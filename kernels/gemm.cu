@@ -515,26 +515,15 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
             const int r = e / K, c = e - r * K;
             dt_cp_async4(smem0 + 4u * SA::at(r, c), dl.q_s + base + e, 4);
         }
-        // The other two land as they lie, the block's rows one run of floats: 16 bytes a
-        // copy where both runs start 16-byte aligned (i0 K is a multiple of 4), the last
-        // copy's floats past the run zero (inside the run's BM K floats, a multiple of 4).
+        // The other two land as they lie, the block's rows one run of floats each: 16
+        // bytes a copy where both arrays start 16-byte aligned (the rows start at i0 K
+        // floats, a multiple of 4, as does the second run in slot 1).
         const float* const next = dl.q_next + base;
         const float* const target = dl.q_target + base;
-        const unsigned int next_at = smem0 + 4u * STAGE, target_at = next_at + 4u * BM * K;
-        if (((reinterpret_cast<unsigned long long>(next) | reinterpret_cast<unsigned long long>(target)) & 15ull) == 0) {
-#pragma unroll 1
-            for (int e = 4 * tid; e < count; e += 4 * THREADS) {
-                const int bytes = 4 * min(4, count - e);
-                dt_cp_async16(next_at + 4u * e, next + e, bytes);
-                dt_cp_async16(target_at + 4u * e, target + e, bytes);
-            }
-        } else {
-#pragma unroll 1
-            for (int e = tid; e < count; e += THREADS) {
-                dt_cp_async4(next_at + 4u * e, next + e, 4);
-                dt_cp_async4(target_at + 4u * e, target + e, 4);
-            }
-        }
+        const bool vec = ((reinterpret_cast<unsigned long long>(next) | reinterpret_cast<unsigned long long>(target)) &
+                          15ull) == 0;
+        stage_floats<THREADS>(smem + STAGE, next, count, vec);
+        stage_floats<THREADS>(smem + STAGE + BM * K, target, count, vec);
     }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {

@@ -1692,13 +1692,16 @@ def test_fused_head_only_where_the_output_layers_fit(device):
             step.close()
 
 
-@pytest.mark.parametrize("batch, hidden, n_actions, w_offset, broken", [
-    (512, 1024, 18, 0, False), (450, 1000, 31, 4, False), (129, 4000, 4, 0, True), (60, 6400, 1, 4, False),
-    (450, 1000, 18, 4, False), (450, 1000, 18, 0, True)],
+@pytest.mark.parametrize("batch, hidden, n_actions, w_offset, q_offset, broken", [
+    (512, 1024, 18, 0, 0, False), (450, 1000, 31, 4, 0, False), (129, 4000, 4, 0, 0, True),
+    (60, 6400, 1, 4, 0, False), (450, 1000, 18, 4, 0, False), (450, 1000, 18, 0, 0, True),
+    (512, 1024, 18, 0, 4, False), (450, 1000, 31, 0, 12, True)],
     ids=["large", "ragged-32-outputs-4-byte-copies", "nan-and-bad-action", "one-ragged-row-tile-one-action",
-         "eighteen-actions-4-byte-copies", "eighteen-actions-nan-and-bad-action"])
+         "eighteen-actions-4-byte-copies", "eighteen-actions-nan-and-bad-action", "large-q-rows-4-byte-copies",
+         "ragged-32-outputs-q-rows-4-byte-copies-nan"])
 def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apart(device, rng, batch, hidden,
-                                                                                  n_actions, w_offset, broken):
+                                                                                  n_actions, w_offset, q_offset,
+                                                                                  broken):
     """gemm.cu's dqn_loss_dwl: the loss of each block's rows, then the output layer's dX,
     dW and db from them, in one launch (the row tiles of a column as one cluster), every
     output poisoned first. dout, the priorities, a* and the loss's partials (summed by
@@ -1709,7 +1712,8 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
     block's other warps): those rows' gradients and priorities are NaN, and so are dW, db
     and the means. Nothing is written while the gate is set. With 18 actions the step's
     build for them (``_a18``) runs, and the build for any count gives every output the
-    same bits."""
+    same bits. ``q_offset`` (bytes, not a multiple of 16) starts the three Q arrays off
+    16-byte alignment, where the kernel copies Q(s') and Q_target(s') 4 bytes at a time."""
     from drvtrain import builtin_module
     from drvtrain.nn.mlp import LinearKernels
     from drvtrain.rl.dqn import LOSS_DWL_SIGNATURE, LOSS_SIGNATURE, MEANS_SIGNATURE
@@ -1736,7 +1740,9 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
     w_all = DeviceBuffer.from_numpy(np.concatenate([rng.standard_normal(w_offset // 4).astype(np.float32),
                                                     w_h.ravel()]))
     w = w_all.view(np.float32, (k, hidden), w_offset)
-    q = [DeviceBuffer.from_numpy(x) for x in qs]
+    q_all = [DeviceBuffer.from_numpy(np.concatenate([rng.standard_normal(q_offset // 4).astype(np.float32),
+                                                     x.ravel()])) for x in qs]
+    q = [buf.view(np.float32, (batch, k), q_offset) for buf in q_all]
     per_sample = [DeviceBuffer.from_numpy(x) for x in (action, reward, done, weights)]
     h = DeviceBuffer.from_numpy(h_h)
     blocks = -(-batch // 32)
