@@ -432,8 +432,8 @@ struct Setup {
 // in `work`; the last block of the row tile to arrive (dt_last_block) adds the shares
 // in column-tile order, then b2, and stores Q's rows. Launched with the row tile's
 // column tiles as one cluster ((gridDim.x, 1, 1), at most 8), the shares meet in
-// distributed shared memory instead (head_cluster_finish), in the same order. H is stored as the plain kernel
-// stores it, unless C is null (the kernel's header). The depth order of the shares is the output layer's own forward's in 8
+// distributed shared memory instead (head_cluster_finish), in the same order. H holds the plain kernel's
+// values, stored from the head's fragments (head_store), unless C is null (the kernel's header). The depth order of the shares is the output layer's own forward's in 8
 // clustered splits of a 1024-wide H, so the sums keep that kernel's structure; within
 // 8 deep the MMA takes its products in another order (head_loads); on the H200 the
 // bits came out the same as that kernel's (the tests check it where the shares are
@@ -501,10 +501,11 @@ __device__ __forceinline__ void head_loads(const Head& h, unsigned int at, const
 // A's fragment of depth step j with depths 2 t and 2 t + 1 taken as t and t + 4, which
 // head_loads' order matches. The fragments are all computed before the first MMA
 // and kept live until the last is done (the MMAs read them asynchronously).
+// Those fragments are H's values (finish_tile's bias and ReLU, in the same order: the
+// same bits); they are left in `a` for head_store.
 __device__ __forceinline__ void head_partial(const float (&acc)[ACC], unsigned int at, const float* bias_s,
-                                             float (&d)[HEAD_ACC]) {
+                                             float (&d)[HEAD_ACC], unsigned int (&a)[BN / 8][4]) {
     const int t = threadIdx.x % 4;
-    unsigned int a[BN / 8][4];
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
         const float b0 = bias_s[8 * j + 2 * t], b1 = bias_s[8 * j + 2 * t + 1];
@@ -529,6 +530,33 @@ __device__ __forceinline__ void head_partial(const float (&acc)[ACC], unsigned i
         asm volatile("" : "+r"(a[j][0]), "+r"(a[j][1]), "+r"(a[j][2]), "+r"(a[j][3])::"memory");
 #pragma unroll
     for (int q = 0; q < HEAD_ACC; ++q) asm volatile("" : "+f"(d[q])::"memory");
+}
+
+// H's tile into C from head_partial's fragments: each thread its two neighbouring
+// columns of each row as one 8-byte store where C allows it, a warp's store 8 rows of
+// 32 bytes, whole sectors. No staging and no block barrier, where finish_tile took
+// 1.8 us of the large DQN step's forward that stores H (docs/perf-notes.md, sixty-fifth
+// pass).
+__device__ __forceinline__ void head_store(const unsigned int (&a)[BN / 8][4], float* C, int ldc, int M, int N) {
+    const int tid = threadIdx.x, t = tid % 4;
+    const int r = blockIdx.y * BM + 64 * (tid / 128) + 16 * ((tid % 128) / 32) + (tid % 32) / 4;
+    const int c0 = blockIdx.x * BN + 2 * t;
+    const bool pairs = (reinterpret_cast<unsigned long long>(C) & 7ull) == 0 && (ldc & 1) == 0;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {  // a[j][hh]: row r + 8 hh, column c; a[j][2 + hh]: column c + 1
+            const int row = r + 8 * hh, c = c0 + 8 * j;
+            if (row >= M || c >= N) continue;
+            float* out = C + (size_t)row * ldc + c;
+            const float v0 = __uint_as_float(a[j][hh]), v1 = __uint_as_float(a[j][2 + hh]);
+            if (pairs && c + 1 < N) {
+                *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
+            } else {
+                out[0] = v0;
+                if (c + 1 < N) out[1] = v1;
+            }
+        }
 }
 
 // The row tile's last block: Q's rows = the column tiles' shares added in order, + b2.
@@ -612,10 +640,8 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
         dt_mbar_init_fence();
     }
     __syncthreads();
-    if constexpr (HEAD) {
+    if constexpr (HEAD)
         if (gridDim.z != 1 || head.n < 1 || head.n > HEAD_N) __trap();  // whole columns of H, at most HEAD_N outputs
-        head_loads(head, smem0 + HEAD_AT, bias, N);
-    }
     // The row tile's column tiles as one cluster (the host's choice, LinearKernels.plan_head):
     // the shares meet in distributed shared memory instead of the workspace.
     const bool clustered = HEAD && gridDim.x > 1 && dt_cluster_blocks() == gridDim.x;
@@ -634,6 +660,10 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
     };
     if (tid == 0)
         for (int s = 0; s < LEAD && s < tiles; ++s) load(s);
+    // The head's operands after thread 0's copies: head_loads is about 450 instructions a
+    // thread, which before them held the k loop's first tile back (1.45 us from the wait
+    // to the copies' issue; docs/perf-notes.md, sixty-fifth pass).
+    if constexpr (HEAD) head_loads(head, smem0 + HEAD_AT, bias, N);
     float acc[ACC];
 #pragma unroll
     for (int q = 0; q < ACC; ++q) acc[q] = 0.0f;
@@ -664,7 +694,8 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
         dt_fence_proxy_async();  // cp.async wrote W2's slice through the generic proxy; the MMAs read the async one
         __syncthreads();
         float d[HEAD_ACC];
-        head_partial(acc, smem0 + HEAD_AT, su.stage() + HEAD_BIAS_AT / 4, d);
+        unsigned int hv[BN / 8][4];  // H's values, as head_partial's fragments hold them
+        head_partial(acc, smem0 + HEAD_AT, su.stage() + HEAD_BIAS_AT / 4, d, hv);
         if (clustered) {  // staged for the cluster, announced; H's stores run before the wait
             float* share = su.stage() + HEAD_SHARE_AT / 4;
             const int r = 64 * wg + 16 * ((tid % 128) / 32) + (tid % 32) / 4, t = tid % 4;
@@ -680,8 +711,9 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
             for (int c = 0; c < HEAD_ACC / 4; ++c)
                 mine[c] = make_float4(d[4 * c], d[4 * c + 1], d[4 * c + 2], d[4 * c + 3]);
         }
+        if (C != nullptr) head_store(hv, C, ldc, M, N);  // the head kernel with no C: its caller reads Q alone
     }
-    if (!HEAD || C != nullptr)  // the head kernel with no C: its caller reads Q alone
+    if constexpr (!HEAD)
         finish_tile<EPI>(acc, 0.0f, false, su.stage(), smem0, C, ldc, M, N, bias4,
                          nullptr, 0, nullptr, workspace, counters);
     if constexpr (HEAD) {

@@ -1813,7 +1813,11 @@ def test_loss_in_the_output_layers_backward_matches_float64_and_the_kernels_apar
         assert np.isnan(got["scalars"][:3]).all() and np.isnan(got["db"]).all() and np.isnan(got["dw"]).all()
     else:
         assert rel(got["dw"], res["dout"].T @ h_h.astype(np.float64)) < 1e-5
-        assert rel(got["db"], res["dout"].sum(axis=0)) < 1e-5
+        # db: a float32 sum of the batch's gradients, which can cancel to far below their
+        # sizes (one action: V's column of TD errors), errs by some ulp of the sum of the
+        # sizes, as loss_scales says of the means.
+        db_err = np.linalg.norm(got["db"].astype(np.float64) - res["dout"].sum(axis=0))
+        assert db_err <= 1e-5 * np.linalg.norm(np.abs(res["dout"]).sum(axis=0))
         wants = (res["loss"], res["mean_q"], res["mean_abs_td"])
         for value, want, scale in zip(got["scalars"][:3], wants, loss_scales(res)):
             assert abs(value - want) <= 1e-5 * scale

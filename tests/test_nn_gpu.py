@@ -88,14 +88,16 @@ def test_wide_forward_on_wgmma_and_on_the_forced_fallback_match_float64(device, 
 
 
 @pytest.mark.parametrize("batch, widths, share", [(512, [128, 1024, 1024, 19], 3), (450, [64, 1000, 1000, 24], 3),
-                                                  (450, [64, 900, 900, 1], 3), (300, [64, 700, 700, 5], 6)])
+                                                  (450, [64, 900, 900, 1], 3), (300, [64, 700, 700, 5], 6),
+                                                  (300, [64, 700, 701, 5], 6)])
 def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(device, stream, rng, batch, widths,
                                                                                 share):
     """The last hidden layer planned unsplit on the wgmma tile (for a third of the SMs,
     as each of the DQN step's forwards, or a sixth) computes the output layer in its
     epilogue (``linear_forward_relu_head_wgmma_tf32``; rows and columns off the tiles'
     edges in three shapes, 24, 5 and 1 outputs, 8 column tiles and 6, whose cluster
-    splits the 128 rows unevenly): every activation within TF32 accuracy of float64
+    splits the 128 rows unevenly; an odd width, whose rows of H the kernel stores 4 bytes
+    at a time): every activation within TF32 accuracy of float64
     (poisoned first), H bit for bit the unfolded forward's, and Q too where the
     unfolded output layer sums the same 128-deep shares (8 clustered splits on the
     wgmma tile: the large net; measured, not promised by the kernel); the same bits
