@@ -634,6 +634,18 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
     const int tid = threadIdx.x, wg = tid / 128;
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const float4 bias4 = epilogue_bias<EPI>(bias, N);  // its wait overlaps the k loop
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) dt_mbar_init(bars + 8u * s, 1);
+        dt_mbar_init_fence();
+    }
+    __syncthreads();
+    if constexpr (HEAD)
+        if (gridDim.z != 1 || head.n < 1 || head.n > HEAD_N) __trap();  // whole columns of H, at most HEAD_N outputs
+    // The row tile's column tiles as one cluster (the host's choice, LinearKernels.plan_head):
+    // the shares meet in distributed shared memory instead of the workspace.
+    const bool clustered = HEAD && gridDim.x > 1 && dt_cluster_blocks() == gridDim.x;
+    if (clustered && gridDim.x > DT_PORTABLE_CLUSTER) __trap();
     // The head kernel with no C serves a forward whose caller reads only Q: X (the hidden
     // output before) is read here for the last time, so its lines go first from L2.
     const bool x_last_read = HEAD && C == nullptr;
@@ -646,22 +658,8 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
         else dt_tma_load_2d(tile, ta, kb + kt * BK, i0, bar);
         dt_tma_load_2d(tile + TILE_FLOATS * 4, tb, kb + kt * BK, j0, bar);
     };
-    // Thread 0 initialises the stages' barriers and issues the first tiles' copies on
-    // them before the block barrier, which the other threads need only before they wait
-    // on a stage: the copies do not wait for every warp to reach it.
-    if (tid == 0) {
-#pragma unroll
-        for (int s = 0; s < STAGES; ++s) dt_mbar_init(bars + 8u * s, 1);
-        dt_mbar_init_fence();
+    if (tid == 0)
         for (int s = 0; s < LEAD && s < tiles; ++s) load(s);
-    }
-    __syncthreads();
-    if constexpr (HEAD)
-        if (gridDim.z != 1 || head.n < 1 || head.n > HEAD_N) __trap();  // whole columns of H, at most HEAD_N outputs
-    // The row tile's column tiles as one cluster (the host's choice, LinearKernels.plan_head):
-    // the shares meet in distributed shared memory instead of the workspace.
-    const bool clustered = HEAD && gridDim.x > 1 && dt_cluster_blocks() == gridDim.x;
-    if (clustered && gridDim.x > DT_PORTABLE_CLUSTER) __trap();
     // The head's operands after thread 0's copies: head_loads is about 450 instructions a
     // thread, which before them held the k loop's first tile back (1.45 us from the wait
     // to the copies' issue; docs/perf-notes.md, sixty-fifth pass).
