@@ -432,9 +432,10 @@ struct Setup {
 // in `work`; the last block of the row tile to arrive (dt_last_block) adds the shares
 // in column-tile order, then b2, and stores Q's rows. Launched with the row tile's
 // column tiles as one cluster ((gridDim.x, 1, 1), at most 8), the shares meet in
-// distributed shared memory instead (head_cluster_finish), in the same order. H holds the plain kernel's
-// values, stored from the head's fragments (head_store), unless C is null (the kernel's header). The depth order of the shares is the output layer's own forward's in 8
-// clustered splits of a 1024-wide H, so the sums keep that kernel's structure; within
+// distributed shared memory instead (head_cluster_finish), in the same order. H holds
+// the plain kernel's values, stored from the head's fragments (head_store), unless C is
+// null (the kernel's header). The depth order of the shares is the output layer's own
+// forward's in 8 clustered splits of a 1024-wide H, so the sums keep that kernel's structure; within
 // 8 deep the MMA takes its products in another order (head_loads); on the H200 the
 // bits came out the same as that kernel's (the tests check it where the shares are
 // the same), and they are the same from run to run.
@@ -534,8 +535,9 @@ __device__ __forceinline__ void head_partial(const float (&acc)[ACC], unsigned i
 
 // H's tile into C from head_partial's fragments: each thread its two neighbouring
 // columns of each row as one 8-byte store where C allows it, a warp's store 8 rows of
-// 32 bytes, whole sectors. No staging and no block barrier, where finish_tile took
-// 1.8 us of the large DQN step's forward that stores H (docs/perf-notes.md, sixty-fifth
+// 32 bytes, whole sectors. No staging and no block barrier: in the large DQN step's
+// forward that stores H, finish_tile's staging and stores took 1.8 us, these take 1.3,
+// the rate at which the block's 64 KB leave the SM (docs/perf-notes.md, sixty-fifth
 // pass).
 __device__ __forceinline__ void head_store(const unsigned int (&a)[BN / 8][4], float* C, int ldc, int M, int N) {
     const int tid = threadIdx.x, t = tid % 4;
@@ -661,8 +663,8 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
     if (tid == 0)
         for (int s = 0; s < LEAD && s < tiles; ++s) load(s);
     // The head's operands after thread 0's copies: head_loads is about 450 instructions a
-    // thread, which before them held the k loop's first tile back (1.45 us from the wait
-    // to the copies' issue; docs/perf-notes.md, sixty-fifth pass).
+    // thread, which before them held the first copies back by 0.65 us (docs/perf-notes.md,
+    // sixty-fifth pass).
     if constexpr (HEAD) head_loads(head, smem0 + HEAD_AT, bias, N);
     float acc[ACC];
 #pragma unroll
