@@ -32,7 +32,7 @@
 // The backward splits its operands as gemm.cu's 3xTF32 does: FP32 accuracy.
 // Non-finite operands stay non-finite.
 // Forward pipeline: 5 stages of 32-deep k tiles, each copied by two TMA copies
-// (one thread each, the stage's mbarrier counts their bytes) three tiles
+// (one thread issues them, the stage's mbarrier counts their bytes) three tiles
 // ahead, while one tile's MMAs are in flight and the next tile's are issued. The
 // backward's pipeline is described at backward() below.
 // Shared layout of one MMA operand tile, 128 rows x 32 deep: 128-byte rows, the
@@ -617,10 +617,10 @@ __device__ __forceinline__ void head_cluster_finish(const Head& h, int M, unsign
     }
 }
 
-// The operand tiles arrive by TMA: threads 0 and 128 issue tile kt's two copies (A's
-// 128 rows and B's, each 128 x 32 floats in the 128-byte swizzle, which is the MMA
-// layout above) on the stage's mbarrier, which completes when both have arrived and
-// their bytes have landed. Depths past K and rows past M or N arrive as zeros from the maps; a
+// The operand tiles arrive by TMA: thread 0 issues tile kt's two copies (A's 128
+// rows, then B's, each 128 x 32 floats in the 128-byte swizzle, which is the MMA
+// layout above) on the stage's mbarrier, which completes when their bytes have
+// landed. Depths past K and rows past M or N arrive as zeros from the maps; a
 // split's range is whole k tiles but for the last split's end, so no tile reads
 // another split's depths.
 // HEAD: the output layer after it (Head above), for an unsplit launch only.
@@ -636,14 +636,9 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
     const int tid = threadIdx.x, wg = tid / 128;
     const int i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
     const float4 bias4 = epilogue_bias<EPI>(bias, N);  // its wait overlaps the k loop
-    // A stage's two copies are issued by two threads, A's by thread 0 and B's by thread
-    // 128 (warpgroup 1's first), each arriving with its own bytes: one thread issuing
-    // both took about 0.16 us a copy, the first three tiles' six copies 0.7 us of the
-    // prologue (docs/perf-notes.md, sixty-fifth pass).
-    const bool issuer = tid == 0 || tid == 128, b_part = tid == 128;
     if (tid == 0) {
 #pragma unroll
-        for (int s = 0; s < STAGES; ++s) dt_mbar_init(bars + 8u * s, 2);
+        for (int s = 0; s < STAGES; ++s) dt_mbar_init(bars + 8u * s, 1);
         dt_mbar_init_fence();
     }
     __syncthreads();
@@ -657,17 +652,17 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
     // output before) is read here for the last time, so its lines go first from L2.
     const bool x_last_read = HEAD && C == nullptr;
     const unsigned long long x_policy = x_last_read && tid == 0 ? dt_l2_evict_first_policy() : 0ull;
-    const auto load = [&](int kt) {  // the issuers only
+    const auto load = [&](int kt) {  // thread 0 only
         const int slot = kt % STAGES;
         const unsigned int tile = smem0 + slot * STAGE_FLOATS * 4, bar = bars + 8u * slot;
-        dt_mbar_arrive_expect(bar, TILE_FLOATS * 4);
-        if (b_part) dt_tma_load_2d(tile + TILE_FLOATS * 4, tb, kb + kt * BK, j0, bar);
-        else if (x_last_read) dt_tma_load_2d_evict_first(tile, ta, kb + kt * BK, i0, bar, x_policy);
+        dt_mbar_arrive_expect(bar, STAGE_FLOATS * 4);
+        if (x_last_read) dt_tma_load_2d_evict_first(tile, ta, kb + kt * BK, i0, bar, x_policy);
         else dt_tma_load_2d(tile, ta, kb + kt * BK, i0, bar);
+        dt_tma_load_2d(tile + TILE_FLOATS * 4, tb, kb + kt * BK, j0, bar);
     };
-    if (issuer)
+    if (tid == 0)
         for (int s = 0; s < LEAD && s < tiles; ++s) load(s);
-    // The head's operands after the first copies: head_loads is about 450 instructions a
+    // The head's operands after thread 0's copies: head_loads is about 450 instructions a
     // thread, which before them held the first copies back by 0.65 us (docs/perf-notes.md,
     // sixty-fifth pass).
     if constexpr (HEAD) head_loads(head, smem0 + HEAD_AT, bias, N);
@@ -681,7 +676,7 @@ __device__ __forceinline__ void forward(const DtTensorMap* ta, const DtTensorMap
         // last iteration left only tile kt - 1's in flight), so the slot of tile
         // kt + LEAD (that of kt - 2) is free for its copies.
         __syncthreads();
-        if (issuer && kt + LEAD < tiles) load(kt + LEAD);
+        if (tid == 0 && kt + LEAD < tiles) load(kt + LEAD);
         const unsigned int a_tile = smem0 + slot * STAGE_FLOATS * 4 + wg * 64 * 128;  // this warpgroup's 64 rows
         const unsigned int b_tile = smem0 + (slot * STAGE_FLOATS + TILE_FLOATS) * 4;
         fence_accumulators(acc);
