@@ -501,7 +501,7 @@ __device__ __forceinline__ void head_loads(const Head& h, unsigned int at, const
 // Accumulators 4 j + e (row r, column 8 j + 2 t + e) and 4 j + 2 + e (row r + 8) are
 // A's fragment of depth step j with depths 2 t and 2 t + 1 taken as t and t + 4, which
 // head_loads' order matches. The fragments are all computed before the first MMA
-// and kept live until the last is done (the MMAs read them asynchronously).
+// and read again only after the wait for the last (the MMAs read them asynchronously).
 // Those fragments are H's values (finish_tile's bias and ReLU, in the same order: the
 // same bits); they are left in `a` for head_store.
 __device__ __forceinline__ void head_partial(const float (&acc)[ACC], unsigned int at, const float* bias_s,
