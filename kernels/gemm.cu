@@ -1063,7 +1063,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
         if (active) {
             // A fragment's two columns are neighbours (c even): one 8-byte store where C
             // allows it, in place of two.
-            const bool pairs = (reinterpret_cast<unsigned long long>(C) & 7ull) == 0 && (ldc & 1) == 0;
+            const bool pairs = dt_pairs_fit(C, ldc);
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -1075,13 +1075,7 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                         const float* m = hs + (r - i0) * HS + c - j0;
                         const float v0 = dt_epilogue<EPI>(acc[mi][ni][2 * h], 0.0f, m[0]);
                         const float v1 = dt_epilogue<EPI>(acc[mi][ni][2 * h + 1], 0.0f, m[1]);
-                        float* out = C + (size_t)r * ldc + c;
-                        if (pairs && c + 1 < N) {
-                            *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
-                        } else {
-                            if (c < N) out[0] = v0;
-                            if (c + 1 < N) out[1] = v1;
-                        }
+                        dt_store_pair(C + (size_t)r * ldc + c, v0, v1, c, N, pairs);
                     }
         }
         dt_cluster_wait();  // every row tile's share is staged (acquire)

@@ -543,21 +543,15 @@ __device__ __forceinline__ void head_store(const unsigned int (&a)[BN / 8][4], f
     const int tid = threadIdx.x, t = tid % 4;
     const int r = blockIdx.y * BM + 64 * (tid / 128) + 16 * ((tid % 128) / 32) + (tid % 32) / 4;
     const int c0 = blockIdx.x * BN + 2 * t;
-    const bool pairs = (reinterpret_cast<unsigned long long>(C) & 7ull) == 0 && (ldc & 1) == 0;
+    const bool pairs = dt_pairs_fit(C, ldc);
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {  // a[j][hh]: row r + 8 hh, column c; a[j][2 + hh]: column c + 1
             const int row = r + 8 * hh, c = c0 + 8 * j;
             if (row >= M || c >= N) continue;
-            float* out = C + (size_t)row * ldc + c;
-            const float v0 = __uint_as_float(a[j][hh]), v1 = __uint_as_float(a[j][2 + hh]);
-            if (pairs && c + 1 < N) {
-                *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
-            } else {
-                out[0] = v0;
-                if (c + 1 < N) out[1] = v1;
-            }
+            dt_store_pair(C + (size_t)row * ldc + c, __uint_as_float(a[j][hh]), __uint_as_float(a[j][2 + hh]), c, N,
+                          pairs);
         }
 }
 
