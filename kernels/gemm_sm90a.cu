@@ -533,15 +533,44 @@ __device__ __forceinline__ void head_partial(const float (&acc)[ACC], unsigned i
     for (int q = 0; q < HEAD_ACC; ++q) asm volatile("" : "+f"(d[q])::"memory");
 }
 
-// H's tile into C from head_partial's fragments: each thread its two neighbouring
-// columns of each row as one 8-byte store where C allows it, a warp's store 8 rows of
-// 32 bytes, whole sectors. No staging and no block barrier: in the large DQN step's
-// forward that stores H, finish_tile's staging and stores took 1.8 us, these take 1.3,
-// the rate at which the block's 64 KB leave the SM (docs/perf-notes.md, sixty-fifth
-// pass).
+// H's tile into C from head_partial's fragments, with no staging and no block barrier
+// (in the large DQN step's forward that stores H, finish_tile's staging and stores took
+// 1.8 us, 8-byte stores from the fragments 1.3: docs/perf-notes.md, sixty-fifth pass).
+// Where C's rows allow 16-byte stores (C 16-byte aligned, ldc a multiple of 4), the
+// threads t and t ^ 1 of a row (lane % 4 = t) swap one pair of columns of each two
+// neighbouring column groups j, j + 1 (8 columns each; thread t holds columns 2 t and
+// 2 t + 1 of each): an even t then holds columns 4 (t / 2) .. 4 (t / 2) + 3 of group j,
+// an odd t the same of group j + 1, and a warp's store covers 8 rows of 64 bytes. Else
+// each thread stores its two neighbouring columns as one 8-byte store where C allows it
+// (8 rows of 32 bytes a warp's store), else one at a time.
 __device__ __forceinline__ void head_store(const unsigned int (&a)[BN / 8][4], float* C, int ldc, int M, int N) {
     const int tid = threadIdx.x, t = tid % 4;
     const int r = blockIdx.y * BM + 64 * (tid / 128) + 16 * ((tid % 128) / 32) + (tid % 32) / 4;
+    if ((reinterpret_cast<unsigned long long>(C) & 15ull) == 0 && (ldc & 3) == 0) {  // grid-uniform
+        const bool odd = t & 1;
+        const int c0 = blockIdx.x * BN + 8 * (t & 1) + 4 * (t / 2);
+#pragma unroll
+        for (int j = 0; j < BN / 8; j += 2)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {  // a[j][hh]: row r + 8 hh, column 2 t; a[j][2 + hh]: column 2 t + 1
+                const unsigned int e0 = a[j][hh], e1 = a[j][2 + hh], o0 = a[j + 1][hh], o1 = a[j + 1][2 + hh];
+                const float k0 = __uint_as_float(odd ? o0 : e0), k1 = __uint_as_float(odd ? o1 : e1);
+                const float g0 = __shfl_xor_sync(0xffffffffu, __uint_as_float(odd ? e0 : o0), 1);
+                const float g1 = __shfl_xor_sync(0xffffffffu, __uint_as_float(odd ? e1 : o1), 1);
+                const float4 v = odd ? make_float4(g0, g1, k0, k1) : make_float4(k0, k1, g0, g1);
+                const int row = r + 8 * hh, c = c0 + 8 * j;
+                if (row >= M || c >= N) continue;
+                float* const out = C + (size_t)row * ldc + c;
+                if (c + 3 < N) {
+                    *reinterpret_cast<float4*>(out) = v;
+                } else {  // the row's last group, part filled
+                    out[0] = v.x;
+                    if (c + 1 < N) out[1] = v.y;
+                    if (c + 2 < N) out[2] = v.z;
+                }
+            }
+        return;
+    }
     const int c0 = blockIdx.x * BN + 2 * t;
     const bool pairs = dt_pairs_fit(C, ldc);
 #pragma unroll

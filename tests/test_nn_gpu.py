@@ -193,6 +193,46 @@ def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(d
     assert all(np.isnan(a.to_numpy()).all() for a in fwd.activations[1:] if a is not None)
 
 
+@pytest.mark.parametrize("batch, widths, ldh", [(300, [64, 700, 701, 5], 702), (300, [64, 700, 701, 5], 704),
+                                                (450, [64, 1000, 1000, 24], 1004), (450, [64, 1000, 1000, 24], 1002)])
+def test_head_kernel_stores_a_padded_hidden_output(device, stream, rng, batch, widths, ldh):
+    """The head kernel's H in rows of ``ldh`` floats, wider than the layer (a padded H):
+    an odd width in rows of an even stride (8-byte stores but for each row's last column)
+    and of a stride that is a multiple of 4 (16-byte stores but for the row's last, part
+    filled, group), an even width in rows of 4-float and 2-float multiples. With the
+    shares through the workspace and in a cluster: H and Q within TF32 accuracy of
+    float64 (poisoned first), the padding left unwritten."""
+    from drvtrain.nn.mlp import wgmma_available
+    if not wgmma_available(device):
+        pytest.skip(f"wgmma needs compute capability 9.0; this device is {device.arch}")
+    layout = make_layout(widths)
+    params = random_params(layout, rng)
+    sms = device.sm_count // 3
+    fk, last = MLP(layout).forward_kernels, len(layout.layers) - 1
+    hidden, n_out, k = widths[-2], widths[-1], widths[-3]
+    x = DeviceBuffer.from_numpy(rng.standard_normal((batch, k)).astype(np.float32))
+    named = params.to_numpy()
+    w1, b1 = (named[f"layer{last - 1}.{v}"].astype(np.float64) for v in ("weight", "bias"))
+    w2, b2 = (named[f"layer{last}.{v}"].astype(np.float64) for v in ("weight", "bias"))
+    ref_h = np.maximum(x.to_numpy().astype(np.float64) @ w1.T + b1, 0.0)
+    ref_q = ref_h @ w2.T + b2
+    for cluster in (False, True):
+        p = fk.plan_head(batch, hidden, k, n_out, sms=sms, cluster=cluster)
+        assert p.cluster == cluster
+        arena = Arena(4 * p.workspace_floats + 1024, zeroed_bytes=4 * p.counters + 256)
+        h, q = DeviceBuffer((batch, ldh), np.float32), DeviceBuffer((batch, n_out), np.float32)
+        h.poison(stream=stream)
+        q.poison(stream=stream)
+        fk.launch_head(x, k, params.weight(last - 1), k, h, ldh, batch, hidden, k, bias=params.bias(last - 1),
+                       w2=params.weight(last), ldw2=hidden, b2=params.bias(last), q=q, ldq=n_out, n_out=n_out,
+                       arena=arena, stream=stream, sms=sms, cluster=cluster)
+        got_h, got_q = h.to_numpy(), q.to_numpy()
+        where = f"cluster={cluster}"
+        assert rel(got_h[:, :hidden], ref_h) < 3e-3 and rel(got_q, ref_q) < 3e-3, where
+        assert np.isnan(got_h[:, hidden:]).all(), f"{where}: the padding written"
+        arena.close()
+
+
 @pytest.mark.parametrize("m, n, k", [(512, 1024, 19), (450, 1000, 32), (300, 1400, 1), (129, 4000, 5),
                                      (60, 6400, 8), (450, 1001, 19)])
 def test_output_layer_dw_in_its_dx_matches_float64(device, stream, rng, m, n, k):
