@@ -563,7 +563,7 @@ __device__ __forceinline__ void head_store(const unsigned int (&a)[BN / 8][4], f
                 float* const out = C + (size_t)row * ldc + c;
                 if (c + 3 < N) {
                     *reinterpret_cast<float4*>(out) = v;
-                } else {  // the row's last group, part filled
+                } else {  // the row's last four columns, part filled
                     out[0] = v.x;
                     if (c + 1 < N) out[1] = v.y;
                     if (c + 2 < N) out[2] = v.z;

@@ -193,14 +193,17 @@ def test_output_layer_in_the_epilogue_matches_float64_and_the_unfolded_forward(d
     assert all(np.isnan(a.to_numpy()).all() for a in fwd.activations[1:] if a is not None)
 
 
-@pytest.mark.parametrize("batch, widths, share, ldh", [(300, [64, 700, 701, 5], 6, 702), (300, [64, 700, 701, 5], 6, 704),
+@pytest.mark.parametrize("batch, widths, share, ldh", [(300, [64, 700, 701, 5], 6, 702),
+                                                       (300, [64, 700, 701, 5], 6, 704),
+                                                       (300, [64, 700, 703, 5], 6, 704),
                                                        (450, [64, 1000, 1000, 24], 3, 1004),
                                                        (450, [64, 1000, 1000, 24], 3, 1002)])
 def test_head_kernel_stores_a_padded_hidden_output(device, stream, rng, batch, widths, share, ldh):
     """The head kernel's H in rows of ``ldh`` floats, wider than the layer (a padded H):
     an odd width in rows of an even stride (8-byte stores but for each row's last column)
     and of a stride that is a multiple of 4 (16-byte stores but for the row's last, part
-    filled, group), an even width in rows of 4-float and 2-float multiples. With the
+    filled, four columns: one of them, and three), an even width in rows of 4-float and
+    2-float multiples. With the
     shares through the workspace and in a cluster: H and Q within TF32 accuracy of
     float64 (poisoned first), the padding left unwritten."""
     from drvtrain.nn.mlp import wgmma_available
