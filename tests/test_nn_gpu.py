@@ -203,9 +203,8 @@ def test_head_kernel_stores_a_padded_hidden_output(device, stream, rng, batch, w
     an odd width in rows of an even stride (8-byte stores but for each row's last column)
     and of a stride that is a multiple of 4 (16-byte stores but for the row's last, part
     filled, four columns: one of them, and three), an even width in rows of 4-float and
-    2-float multiples. With the
-    shares through the workspace and in a cluster: H and Q within TF32 accuracy of
-    float64 (poisoned first), the padding left unwritten."""
+    2-float multiples. With the shares through the workspace and in a cluster: H and Q
+    within TF32 accuracy of float64 (poisoned first), the padding left unwritten."""
     from drvtrain.nn.mlp import wgmma_available
     if not wgmma_available(device):
         pytest.skip(f"wgmma needs compute capability 9.0; this device is {device.arch}")
