@@ -349,6 +349,11 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
     // uncommitted, so that the k loop's first wait does not wait for them; the commit
     // and wait after the loop end their round trip, which the k loop's MMAs overlap.
     constexpr int DWL_HS = BN + 8;
+    // DWL: one k tile, unsplit, the grid's row tiles one cluster of at most the portable
+    // size (the sums at the end); the host refuses anything else first, and a launch
+    // that got past it traps here, before any copy (slot 1 holds one BM x BN tile).
+    if constexpr (DWL)
+        if (K > BK || splits != 1 || dt_cluster_blocks() != gridDim.y || gridDim.y > DT_PORTABLE_CLUSTER) __trap();
     auto copy_mask = [&]() {
         const bool vec = (reinterpret_cast<unsigned long long>(mask) & 15ull) == 0 && (ldm & 3) == 0;
         const unsigned int hs0 = smem0 + 4u * STAGE;
@@ -994,9 +999,6 @@ __device__ __forceinline__ void gemm(const float* A, int lda, const float* B, in
                           BK * BN + WARPS * BK <= SB::FLOATS,
                       "H staged in slot 1; two m16 tiles of dW's rows, two n8 tiles a warp, eight k8 steps; "
                       "the share and db's quarters in slot 0's B tile");
-        // One k tile, unsplit, the grid's row tiles one cluster of at most the portable
-        // size (the sums below); the host refuses anything else first.
-        if (K > BK || splits != 1 || dt_cluster_blocks() != gridDim.y || gridDim.y > DT_PORTABLE_CLUSTER) __trap();
         float* const hs = smem + STAGE;
         float* const share = smem + SA::FLOATS;  // [K][BN], then db's quarters [WARPS][BK] at BK * BN
         // Every warp's MMAs are over (slot 0's B tile is free), and every thread's copies

@@ -1869,6 +1869,43 @@ def test_the_loss_built_for_18_actions_traps_on_another_count(device, build):
         assert "CUDA_ERROR" in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.provokes_driver_errors
+@pytest.mark.parametrize("shape", ["sound", "k_past_one_tile", "split"])
+def test_the_folded_output_layer_traps_on_a_launch_it_cannot_sum(device, shape):
+    """The device's own check of the grad_input_dwl kernels (the output layer's dX with its
+    dW and db folded in), made before any copy: launched past the host's plan with K past
+    one k tile (40 > 32) or split over k (gridDim.z = 2), the kernel traps and the launch
+    fails, rather than sum a dW share of one tile or two splits' shares; the sound launch
+    (K = 19, unsplit) runs to the end. In a child process, since a trap ends the CUDA
+    context."""
+    if tuple(device.compute_capability) < (9, 0):
+        pytest.skip(f"the kernel runs its row tiles as a cluster: compute capability 9.0; this is {device.arch}")
+    k = 40 if shape == "k_past_one_tile" else 19
+    splits = 2 if shape == "split" else 1
+    code = f"""
+        import numpy as np
+        from drvtrain import DeviceBuffer, Stream, builtin_module
+        from drvtrain.nn.mlp import _LAST_DW_SIGNATURE
+        rng = np.random.default_rng(0)
+        m, n, k = 64, 64, {k}
+        f32 = lambda *shape: DeviceBuffer.from_numpy(rng.standard_normal(shape).astype(np.float32))
+        kernel = builtin_module("gemm.cu").kernel("linear_grad_input_dwl_64x64_cp4_cluster_3xtf32",
+                                                  _LAST_DW_SIGNATURE, fixed_block=True)
+        dy, w, dx, h, dw, db = f32(m, k), f32(k, n), f32(m, n), f32(m, n), f32(k, n), f32(k)
+        stream = Stream()
+        kernel.launch((1, 1, {splits}), kernel.block, dy, k, w, n, dx, n, m, n, k, 0, h, n, 0, 0, 0, 0, dw, n, db,
+                      stream=stream, cluster=(1, 1, 1), cluster_policy="load_balancing")
+        stream.synchronize()
+        print("no trap")
+    """
+    done = run_python(code)
+    if shape == "sound":  # the same launch with a shape the kernel sums: what fails below is the check
+        assert done.returncode == 0 and "no trap" in done.stdout, (done.stdout, done.stderr[-2000:])
+    else:
+        assert done.returncode != 0 and "no trap" not in done.stdout, (done.stdout, done.stderr[-2000:])
+        assert "CUDA_ERROR" in done.stderr, done.stderr[-2000:]
+
+
 def test_large_step_with_the_loss_in_the_backward_is_the_step_apart_bit_for_bit(device, rng):
     """DQNConfig(fused_loss=...): the large step computes its loss in the output layer's
     backward product (dqn_loss_dwl: one node, no dqn_loss) or apart, and three steps from
