@@ -1892,9 +1892,11 @@ def test_the_folded_output_layer_traps_on_a_launch_it_cannot_sum(device, shape):
         kernel = builtin_module("gemm.cu").kernel("linear_grad_input_dwl_64x64_cp4_cluster_3xtf32",
                                                   _LAST_DW_SIGNATURE, fixed_block=True)
         dy, w, dx, h, dw, db = f32(m, k), f32(k, n), f32(m, n), f32(m, n), f32(k, n), f32(k)
+        # a split-k workspace and zeroed counters, so that a split launch fails only at the check
+        work, counters = f32(4 * m * n), DeviceBuffer.from_numpy(np.zeros(64, np.uint32))
         stream = Stream()
-        kernel.launch((1, 1, {splits}), kernel.block, dy, k, w, n, dx, n, m, n, k, 0, h, n, 0, 0, 0, 0, dw, n, db,
-                      stream=stream, cluster=(1, 1, 1), cluster_policy="load_balancing")
+        kernel.launch((1, 1, {splits}), kernel.block, dy, k, w, n, dx, n, m, n, k, 0, h, n, 0, work, counters, 0,
+                      dw, n, db, stream=stream, cluster=(1, 1, 1), cluster_policy="load_balancing")
         stream.synchronize()
         print("no trap")
     """
