@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,7 +250,7 @@ _deferred: list = []
 class Closable:
     """For the owners of device resources: ``with owner:`` closes it when the block
     ends, however it ends. When the block raised, that error goes on, and an error
-    from ``close()`` becomes a note on it. Every owner's ``close()`` may be called
+    from ``close()`` becomes a note on it (:func:`note_on`). Every owner's ``close()`` may be called
     again: the second call does nothing."""
     __slots__ = ()
 
@@ -263,9 +264,18 @@ class Closable:
         try:
             self.close()
         except Exception as inner:  # noqa: BLE001 (the block's error is the one that goes on)
-            add_note = getattr(error, "add_note", None)  # Python 3.11 and later
-            if add_note is not None:
-                add_note(f"closing the {type(self).__name__} at the end of the block failed too: {inner!r}")
+            note_on(error, f"closing the {type(self).__name__} at the end of the block failed too: {inner!r}")
+
+
+def note_on(error: BaseException, text: str) -> None:
+    """Say ``text`` of a second failure while ``error`` goes on: a note on ``error``
+    (Python 3.11 and later), else a ``RuntimeWarning`` naming both, so that it is not
+    lost on Python 3.10."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is not None:
+        add_note(text)
+    else:
+        warnings.warn(f"{text} (while {error!r} goes on)", RuntimeWarning, stacklevel=3)
 
 
 def release_on_collect(owner, func, *args) -> weakref.finalize:

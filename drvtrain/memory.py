@@ -7,7 +7,8 @@ import math
 import numpy as np
 from cuda.bindings import driver as cu
 
-from .driver import CaptureError, Closable, active_captures, check, get_device, guard_sync, release, release_on_collect
+from .driver import (CaptureError, Closable, active_captures, check, get_device, guard_sync, note_on, release,
+                     release_on_collect)
 
 __all__ = ["DeviceBuffer", "Arena", "ArenaExhausted", "MappedBuffer", "PinnedBuffer", "ALIGNMENT",
            "pinned_total", "close_attributes", "closes_on_failure"]
@@ -41,7 +42,7 @@ def closes_on_failure(init):
     raises, ``self.close()`` frees what it had made (a ``close`` that skips what is not
     there yet, as :func:`close_attributes` does) before the error goes on, so nothing
     waits for the garbage collector. An error from that ``close`` becomes a note on the
-    first (Python 3.11 and later; before, it is dropped)."""
+    first (Python 3.11 and later; before, a warning: :func:`drvtrain.driver.note_on`)."""
     @functools.wraps(init)
     def wrapper(self, *args, **kwargs):
         try:
@@ -50,9 +51,7 @@ def closes_on_failure(init):
             try:
                 self.close()
             except Exception as inner:  # noqa: BLE001
-                add_note = getattr(exc, "add_note", None)  # Python 3.11 and later
-                if add_note is not None:
-                    add_note(f"closing the partly made {type(self).__name__} failed too: {inner!r}")
+                note_on(exc, f"closing the partly made {type(self).__name__} failed too: {inner!r}")
             raise
     return wrapper
 

@@ -13,8 +13,8 @@ A test whose setup, call or teardown runs past ``DRVTRAIN_TEST_TIMEOUT`` seconds
 to stderr (the test's frame among them) and pytest exits with status 1; the test's
 captured output is lost (run with ``-s`` to see it). A kernel that never ends would
 otherwise hold the run, and the machine's GPU, until something outside killed it,
-with nothing said about which test it was. While set, it replaces pytest's own
-``faulthandler_timeout`` (one such timer exists in a process).
+with nothing said about which test it was. Unless it is 0 it replaces pytest's own
+``faulthandler_timeout``, whether set or not (one such timer exists in a process).
 """
 import faulthandler
 import os

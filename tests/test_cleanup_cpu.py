@@ -64,6 +64,23 @@ def test_a_close_that_fails_during_cleanup_is_a_note_on_the_first_error():
                    for note in info.value.__notes__)
 
 
+def test_a_second_failure_is_a_note_or_before_python_3_11_a_warning():
+    """note_on: a note where the error takes notes; where it does not (Python 3.10's
+    exceptions, stood in for here by an object without add_note), a RuntimeWarning
+    naming both failures, not nothing."""
+    from drvtrain.driver import note_on
+    error = ValueError("the first failure")
+    note_on(error, "the second failure")
+    assert error.__notes__ == ["the second failure"]
+
+    class WithoutNotes:
+        def __repr__(self):
+            return "WithoutNotes('the first failure')"
+
+    said = r"the second failure \(while WithoutNotes\('the first failure'\) goes on\)"
+    with pytest.warns(RuntimeWarning, match=said):
+        note_on(WithoutNotes(), "the second failure")
+
 def test_close_attributes_tries_every_one_and_raises_the_first_error():
     log = []
 
