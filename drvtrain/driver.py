@@ -250,8 +250,9 @@ _deferred: list = []
 class Closable:
     """For the owners of device resources: ``with owner:`` closes it when the block
     ends, however it ends. When the block raised, that error goes on, and an error
-    from ``close()`` becomes a note on it (:func:`note_on`). Every owner's ``close()`` may be called
-    again: the second call does nothing."""
+    from ``close()`` becomes a note on it (a ``RuntimeWarning`` on Python 3.10:
+    :func:`note_on`). Every owner's ``close()`` may be called again: the second call
+    does nothing."""
     __slots__ = ()
 
     def __enter__(self):
@@ -270,12 +271,16 @@ class Closable:
 def note_on(error: BaseException, text: str) -> None:
     """Say ``text`` of a second failure while ``error`` goes on: a note on ``error``
     (Python 3.11 and later), else a ``RuntimeWarning`` naming both, so that it is not
-    lost on Python 3.10."""
+    lost on Python 3.10. Where warnings are made errors (``-W error``), the warning is
+    dropped rather than raised, so that ``error`` is still the one that goes on."""
     add_note = getattr(error, "add_note", None)
     if add_note is not None:
         add_note(text)
-    else:
+        return
+    try:
         warnings.warn(f"{text} (while {error!r} goes on)", RuntimeWarning, stacklevel=3)
+    except RuntimeWarning:
+        pass
 
 
 def release_on_collect(owner, func, *args) -> weakref.finalize:
