@@ -546,7 +546,7 @@ __device__ __forceinline__ void head_partial(const float (&acc)[ACC], unsigned i
 __device__ __forceinline__ void head_store(const unsigned int (&a)[BN / 8][4], float* C, int ldc, int M, int N) {
     const int tid = threadIdx.x, t = tid % 4;
     const int r = blockIdx.y * BM + 64 * (tid / 128) + 16 * ((tid % 128) / 32) + (tid % 32) / 4;
-    if ((reinterpret_cast<unsigned long long>(C) & 15ull) == 0 && (ldc & 3) == 0) {  // grid-uniform
+    if (aligned16(C, ldc)) {  // grid-uniform
         const bool odd = t & 1;
         const int c0 = blockIdx.x * BN + 8 * (t & 1) + 4 * (t / 2);
 #pragma unroll
