@@ -239,8 +239,9 @@ class DQNConfig:
     on operands split once into TF32 parts (``MLP(presplit=True)``); with
     ``dual_stream`` the weights' split runs on the target stream beside the
     sampler. The same dX and dW bits; db rounds differently, within FP32. Off by
-    default: on the H200 the large step measured 9 us slower with it, the split
-    passes costing more than the faster products save (docs/perf-notes.md).
+    default: on the H200 the large step measured 29 us slower with it; the two
+    pre-split products, faster alone, take longer side by side in the step than the
+    default's, even with the split passes left out (docs/perf-notes.md).
     ``fused_loss``: where the output layer's backward product also sums that layer's
     dW (``MLP.last_dw_folded``) and no ``dqn_head`` runs (the large configuration),
     the loss is computed in that product too (gemm.cu's ``dqn_loss_dwl`` kernels):
